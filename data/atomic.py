@@ -1,0 +1,84 @@
+"""Atomic file and directory writes: nothing half-written is ever left under its final name.
+
+Everything is written to a temporary sibling and renamed into place (rename is atomic on POSIX
+within one filesystem), so a crash or kill -9 leaves either the old object or the new one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+
+def read_json(path: str | Path) -> dict | None:
+    """The JSON object at ``path``, or None when the file does not exist."""
+    p = Path(path)
+    if not p.exists():
+        return None
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{p}: not valid JSON ({e}); delete it to start that step over") from None
+
+
+def write_json_atomic(path: str | Path, obj: Any) -> None:
+    write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode())
+
+
+def write_bytes_atomic(path: str | Path, data: bytes) -> None:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary path (file or directory) next to ``path``; on success rename it to ``path``
+    (replacing what was there), on failure remove it."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.parent / f".{p.name}.tmp-{os.getpid()}"
+    _remove(tmp)
+    try:
+        yield tmp
+        if p.is_dir() and tmp.is_dir():
+            old = p.parent / f".{p.name}.old-{os.getpid()}"
+            os.replace(p, old)
+            os.replace(tmp, p)
+            _remove(old)
+        else:
+            os.replace(tmp, p)
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+def _remove(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p, ignore_errors=True)
+    elif p.exists() or p.is_symlink():
+        p.unlink()
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()

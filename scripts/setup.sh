@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Create .venv from nothing (idempotent): exact pins from requirements.lock, DeepSpeed with its
+# CPU/GPU ops pre-built (so the first run does not JIT-compile them), and Fledge itself (editable).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=${FLEDGE_VENV:-.venv}
+DS_VERSION=0.19.8
+stamp="$VENV/.fledge-installed"
+want="$(sha256sum requirements.lock pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+"$VENV/bin/pip" install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
+"$VENV/bin/pip" install -q -r requirements.lock 2>&1 | grep -v "^WARNING: Location" || true
+"$VENV/bin/python" -c "import torch, transformers, hydra" # fail loudly if the lock did not install
+if ! "$VENV/bin/python" -c "import deepspeed, sys; sys.exit(deepspeed.__version__ != '$DS_VERSION')" 2>/dev/null; then
+  echo "building deepspeed $DS_VERSION with fused_adam, cpu_adam and shm_comm ops (a few minutes, once)"
+  DS_BUILD_FUSED_ADAM=1 DS_BUILD_CPU_ADAM=1 DS_BUILD_SHM_COMM=1 \
+    "$VENV/bin/pip" install -q --no-build-isolation --no-deps "deepspeed==$DS_VERSION" 2>&1 | grep -v "^WARNING: Location" || true
+fi
+"$VENV/bin/pip" install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v "^WARNING: Location" || true
+DS_ACCELERATOR=cpu "$VENV/bin/python" -c "import deepspeed, train, data, models"
+echo "$want" > "$stamp"

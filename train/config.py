@@ -1,0 +1,236 @@
+"""Typed configuration schema.
+
+Hydra composes ``conf/`` over these dataclasses (registered in the ConfigStore as the root schema),
+so an unknown key or a value of the wrong type fails at composition time with the key's full path.
+``main.py`` converts the result to these objects once; nothing below it sees a DictConfig.
+Cross-field checks live in ``validate()`` and raise ``ValueError`` naming the key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+STAGES = ("prepare", "capture", "train", "export", "eval")
+
+
+@dataclass
+class RunConfig:
+    name: str = "tiny"  # the run directory is <output_root>/<name>: never the clock (ranks must agree)
+    output_root: str = "outputs"
+    stages: list[str] = field(default_factory=lambda: list(STAGES))
+    seed: int = 0
+    force: list[str] = field(default_factory=list)  # stages to re-run even when their manifest matches
+
+
+@dataclass
+class TargetConfig:
+    name_or_path: str = "???"  # hub id or local directory, loaded with from_pretrained
+    revision: Optional[str] = None
+    dtype: str = "auto"  # auto (from the target's config) | bfloat16 | float16 | float32
+    trust_remote_code: bool = False
+    # Written in the recipe so it validates without downloading; checked against the real config at load.
+    num_hidden_layers: int = 0
+    hidden_size: int = 0
+    vocab_size: int = 0
+    # Optional: the target's config.json fields written inline (for export tests without a download).
+    config_overrides: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class DrafterConfig:
+    aux_layer_ids: Optional[list[int]] = None  # boundary convention; None -> (2, L//2, L-3)
+    fc_norm: bool = True  # EAGLE-3.1: per-aux-state RMSNorm before fc
+    norm_output: bool = True  # EAGLE-3.1: post-norm feedback across draft steps
+    norm_before_fc: bool = False  # older option (one norm over the concat); never with fc_norm
+    draft_vocab_size: int = 32000
+    ttt_steps: int = 7  # K
+    step_weight: float = 0.8  # w: total loss = sum_k w^k L_k
+    attention: str = "auto"  # auto | flex | sdpa | dense (reference)
+    loss_chunk_size: int = 1024  # rows per chunk of the teacher/draft logits
+    init_from: Optional[str] = None  # an exported drafter directory to fine-tune
+
+
+@dataclass
+class SourceConfig:
+    path: str = "???"  # jsonl / json / parquet file, local datasets dir, or hub dataset id
+    weight: float = 1.0
+    split: str = "train"
+    max_samples: Optional[int] = None
+
+
+@dataclass
+class PerturbConfig:
+    fraction: float = 0.0  # of training conversations
+    system_prompts: list[str] = field(default_factory=list)
+    eval_split: bool = True  # also write a perturbed copy of the eval split
+    seed: int = 0
+
+
+@dataclass
+class DataConfig:
+    sources: list[SourceConfig] = field(default_factory=list)
+    eval_sources: list[SourceConfig] = field(default_factory=list)  # empty -> split from sources
+    eval_fraction: float = 0.02
+    max_length: int = 2048
+    length_policy: str = "truncate"  # truncate | drop
+    last_turn_only: bool = False
+    thinking_in_mask: bool = True
+    on_error: str = "error"  # error | skip
+    num_proc: int = 1
+    seed: int = 0
+    perturb: PerturbConfig = field(default_factory=PerturbConfig)
+
+
+@dataclass
+class CaptureConfig:
+    mode: str = "offline"  # offline (feature store) | online (target beside the drafter)
+    dtype: str = "bf16"  # bf16 | fp8 (e4m3 with per-token scales; aux states only)
+    shard_size_mb: int = 1024
+    batch_tokens: int = 16384  # tokens per target forward
+    device_map: Optional[str] = None  # e.g. "auto" to spread a big target over a node's GPUs
+
+
+@dataclass
+class DeepSpeedConfig:
+    zero_stage: int = 2
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    bf16: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | true | false
+    extra: dict[str, Any] = field(default_factory=dict)  # merged into the DeepSpeed json last
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    warmup_steps: int = 100
+    schedule: str = "cosine"  # cosine | linear | constant
+    min_lr_ratio: float = 0.0
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 0  # 0 -> epochs decide
+    epochs: int = 1
+    micro_batch_tokens: int = 8192  # packed row length per micro-batch
+    micro_batch_size: int = 1  # packed rows per micro-batch per rank
+    grad_accum: int = 1
+    save_every: int = 1000
+    keep_last: int = 2
+    eval_every: int = 500
+    eval_batches: int = 50
+    log_every: int = 10
+    max_nonfinite: int = 5  # consecutive non-finite losses before aborting
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+
+@dataclass
+class LoggingConfig:
+    wandb_project: Optional[str] = None
+    wandb_run_name: Optional[str] = None
+    wandb_tags: list[str] = field(default_factory=list)
+    wandb_mode: str = "auto"  # auto (online with credentials, else offline) | online | offline | disabled
+
+
+@dataclass
+class ExportConfig:
+    checkpoint: str = "best"  # best | last | a path
+    format: str = "hf"  # hf (LlamaForCausalLMEagle3) | speculators
+    max_shard_size: str = "5GB"
+    push_to_hub: bool = False
+    repo_id: Optional[str] = None
+    private: bool = True
+    lint: bool = True
+
+
+@dataclass
+class EvalConfig:
+    num_prompts: int = 64
+    draft_tokens: int = 5  # k, chain length
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    sets: list[str] = field(default_factory=lambda: ["default", "perturbed", "long"])
+    heldout_steps: int = 0  # held-out per-step accuracy up to this many steps (0 -> 2K)
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    target: TargetConfig = field(default_factory=TargetConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    capture: CaptureConfig = field(default_factory=CaptureConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    recipe: str = "???"  # set by the selected conf/recipe/<name>.yaml
+
+    def validate(self) -> "Config":
+        """Cross-field checks that types alone cannot express; raises ValueError naming the key."""
+        _one_of("run.stages", self.run.stages, STAGES, many=True)
+        _one_of("run.force", self.run.force, STAGES, many=True)
+        _one_of("target.dtype", self.target.dtype, ("auto", "bfloat16", "float16", "float32"))
+        _one_of("drafter.attention", self.drafter.attention, ("auto", "flex", "sdpa", "dense"))
+        _one_of("data.length_policy", self.data.length_policy, ("truncate", "drop"))
+        _one_of("data.on_error", self.data.on_error, ("error", "skip"))
+        _one_of("capture.mode", self.capture.mode, ("offline", "online"))
+        _one_of("capture.dtype", self.capture.dtype, ("bf16", "fp8"))
+        _one_of("deepspeed.zero_stage", self.deepspeed.zero_stage, (0, 1, 2, 3))
+        _one_of("train.optim.schedule", self.train.optim.schedule, ("cosine", "linear", "constant"))
+        _one_of("export.format", self.export.format, ("hf", "speculators"))
+        _one_of("logging.wandb_mode", self.logging.wandb_mode, ("auto", "online", "offline", "disabled"))
+        if self.drafter.ttt_steps < 1:
+            raise ValueError(f"drafter.ttt_steps={self.drafter.ttt_steps}: must be >= 1")
+        if self.drafter.fc_norm and self.drafter.norm_before_fc:
+            raise ValueError(
+                "drafter.fc_norm=true and drafter.norm_before_fc=true: pick one (EAGLE-3.1 uses fc_norm)"
+            )
+        if not 0.0 <= self.data.eval_fraction < 1.0:
+            raise ValueError(f"data.eval_fraction={self.data.eval_fraction}: must be in [0, 1)")
+        if not 0.0 <= self.data.perturb.fraction <= 1.0:
+            raise ValueError(f"data.perturb.fraction={self.data.perturb.fraction}: must be in [0, 1]")
+        L, V = self.target.num_hidden_layers, self.target.vocab_size
+        if L <= 0:
+            raise ValueError("target.num_hidden_layers must be written in the recipe (the target's layer count)")
+        ids = self.aux_layer_ids()
+        if len(set(ids)) != len(ids) or any(not 1 <= i < L for i in ids):
+            raise ValueError(
+                f"drafter.aux_layer_ids={ids}: need distinct boundary ids in [1, {L - 1}] "
+                f"for a target with num_hidden_layers={L} (0 is the embedding, {L} the pre-norm output)"
+            )
+        if ids[0] == 1:
+            raise ValueError(
+                f"drafter.aux_layer_ids={ids} starts with 1: SGLang adds 1 to such lists; "
+                "use boundary ids (default (2, L//2, L-3))"
+            )
+        if V and self.drafter.draft_vocab_size > V:
+            raise ValueError(
+                f"drafter.draft_vocab_size={self.drafter.draft_vocab_size} exceeds target.vocab_size={V}"
+            )
+        if self.drafter.draft_vocab_size < 1:
+            raise ValueError(f"drafter.draft_vocab_size={self.drafter.draft_vocab_size}: must be >= 1")
+        if self.export.push_to_hub and not self.export.repo_id:
+            raise ValueError("export.push_to_hub=true needs export.repo_id (e.g. my-org/llama3-eagle3.1)")
+        return self
+
+    def aux_layer_ids(self) -> list[int]:
+        """Boundary-convention ids of the captured target states (SPEC.md section 2)."""
+        if self.drafter.aux_layer_ids is not None:
+            return list(self.drafter.aux_layer_ids)
+        return default_aux_layer_ids(self.target.num_hidden_layers)
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """(2, L//2, L-3): hidden_states[k] of a Hugging Face forward, k = layers applied so far."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def _one_of(key: str, value: Any, allowed: tuple, many: bool = False) -> None:
+    for v in value if many else [value]:
+        if v not in allowed:
+            raise ValueError(f"{key}={v!r}: expected one of {list(allowed)}")

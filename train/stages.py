@@ -1,0 +1,173 @@
+"""The stage runner: prepare -> capture -> train -> export -> eval, resumable by manifest.
+
+Each stage writes ``<run_dir>/<stage>/manifest.json`` holding a hash of its inputs (its config slice,
+the upstream manifests, code-relevant versions, a fingerprint of a local target). A stage whose
+complete manifest matches is skipped, so re-running a command resumes. A stage whose inputs changed
+starts over in a cleared directory, and since every downstream hash includes its upstream manifest,
+the change cascades. An incomplete manifest with the same hash means "interrupted": the stage runs
+again over its own partial output and is expected to resume it (capture keeps finished shards,
+train loads its last checkpoint).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from train.config import STAGES, Config
+from train.distributed import World, broadcast_object
+from data.atomic import read_json, write_json_atomic
+
+log = logging.getLogger(__name__)
+SCHEMA_VERSION = 1
+
+# Where each stage's entry point lives: "module:function", imported only when the stage runs.
+STAGE_ENTRY = {
+    "prepare": "data.prepare:run_stage",
+    "capture": "data.capture:run_stage",
+    "train": "train.trainer:run_stage",
+    "export": "models.export:run_stage",
+    "eval": "train.evaluate:run_stage",
+}
+UPSTREAM = {"prepare": None, "capture": "prepare", "train": "capture", "export": "train", "eval": "export"}
+
+
+@dataclass
+class StageContext:
+    """What a stage receives: the typed config, where to write, and the upstream manifests."""
+
+    cfg: Config
+    world: World
+    run_dir: Path
+    stage_dir: Path
+    upstream: dict[str, dict]  # stage name -> its complete manifest (all earlier stages present)
+
+    def dir_of(self, stage: str) -> Path:
+        return self.run_dir / stage
+
+
+def config_slice(cfg: Config, stage: str) -> dict[str, Any]:
+    """The config values a stage's output depends on (logging and later stages excluded)."""
+    d = dataclasses.asdict
+    target = {k: v for k, v in d(cfg.target).items() if k != "config_overrides"}
+    if stage == "prepare":
+        return {"target": target, "data": d(cfg.data), "draft_vocab_size": cfg.drafter.draft_vocab_size,
+                "seed": cfg.run.seed}
+    if stage == "capture":
+        cap = d(cfg.capture)
+        return {"target": target, "capture": cap, "aux_layer_ids": cfg.aux_layer_ids()}
+    if stage == "train":
+        return {"drafter": d(cfg.drafter), "train": d(cfg.train), "deepspeed": d(cfg.deepspeed),
+                "capture_mode": cfg.capture.mode, "seed": cfg.run.seed}
+    if stage == "export":
+        return {"export": {k: v for k, v in d(cfg.export).items() if k not in ("push_to_hub", "private")}}
+    if stage == "eval":
+        return {"eval": d(cfg.eval)}
+    raise AssertionError(stage)
+
+
+def target_fingerprint(name_or_path: str) -> str:
+    """For a local target: its config plus the size and mtime of its weight files (cheap, no reads
+    of the weights); for a hub id, the id itself (the revision is in the config slice)."""
+    p = Path(name_or_path)
+    if not p.is_dir():
+        return name_or_path
+    h = hashlib.sha256()
+    for f in sorted(p.iterdir()):
+        if f.suffix in (".json", ".safetensors", ".bin", ".model", ".jinja"):
+            st = f.stat()
+            h.update(f"{f.name}:{st.st_size}:{int(st.st_mtime)}".encode())
+    return h.hexdigest()[:16]
+
+
+def inputs_hash(cfg: Config, stage: str, upstream: dict[str, dict]) -> str:
+    import torch
+    import transformers
+
+    payload = {
+        "schema": SCHEMA_VERSION,
+        "stage": stage,
+        "config": config_slice(cfg, stage),
+        "upstream": {k: v["inputs_hash"] for k, v in upstream.items()},
+        "versions": {"torch": torch.__version__.split("+")[0], "transformers": transformers.__version__},
+    }
+    if stage in ("prepare", "capture"):
+        payload["target_fingerprint"] = target_fingerprint(cfg.target.name_or_path)
+    blob = json.dumps(payload, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:20]
+
+
+def load_entry(stage: str) -> Callable[[StageContext], dict]:
+    module_name, fn_name = STAGE_ENTRY[stage].split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name == module_name:
+            raise NotImplementedError(
+                f"stage '{stage}' is not built yet ({module_name} does not exist); "
+                f"select the stages that exist with run.stages=[...]"
+            ) from None
+        raise
+    return getattr(module, fn_name)
+
+
+def run_stages(cfg: Config, world: World) -> dict[str, dict]:
+    """Run the selected stages in pipeline order; return every stage's manifest that exists."""
+    run_dir = Path(cfg.run.output_root) / cfg.run.name
+    selected = [s for s in STAGES if s in cfg.run.stages]
+    manifests: dict[str, dict] = {}
+    for stage in STAGES:
+        m = read_json(run_dir / stage / "manifest.json")
+        if stage not in selected:
+            if m and m.get("complete"):
+                manifests[stage] = m
+            continue
+        up = UPSTREAM[stage]
+        if up and up not in manifests and not _skippable_upstream(cfg, stage):
+            raise ValueError(
+                f"stage '{stage}' needs the output of '{up}', which is missing or incomplete in {run_dir}; "
+                f"add it to run.stages (e.g. run.stages=[{up},{stage}])"
+            )
+        upstream = dict(manifests)
+        h = inputs_hash(cfg, stage, upstream)
+        stage_dir = run_dir / stage
+        if m and m.get("complete") and m.get("inputs_hash") == h and stage not in cfg.run.force:
+            log.info("stage %s: up to date (manifest %s), skipped", stage, h)
+            manifests[stage] = m
+            continue
+        if world.is_main:
+            if m and (m.get("inputs_hash") != h or stage in cfg.run.force):
+                log.warning("stage %s: inputs changed (%s -> %s); starting it over", stage, m.get("inputs_hash"), h)
+                shutil.rmtree(stage_dir, ignore_errors=True)
+            stage_dir.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(stage_dir / "manifest.json", {
+                "stage": stage, "inputs_hash": h, "complete": False, "started": time.time()})
+        world.barrier()
+        log.info("stage %s: running -> %s", stage, stage_dir)
+        t0 = time.time()
+        entry = load_entry(stage)
+        outputs = entry(StageContext(cfg, world, run_dir, stage_dir, upstream)) or {}
+        outputs = broadcast_object(outputs)  # rank 0's summary is the one recorded
+        world.barrier()
+        manifest = {"stage": stage, "inputs_hash": h, "complete": True, "seconds": round(time.time() - t0, 1),
+                    "outputs": outputs, "pid": os.getpid()}
+        if world.is_main:
+            write_json_atomic(stage_dir / "manifest.json", manifest)
+        world.barrier()
+        manifests[stage] = manifest
+        log.info("stage %s: done in %.1fs", stage, manifest["seconds"])
+    return manifests
+
+
+def _skippable_upstream(cfg: Config, stage: str) -> bool:
+    # Online training reads the target live: it needs prepare, not capture.
+    return stage == "train" and cfg.capture.mode == "online"
