@@ -65,6 +65,9 @@ class PerturbConfig:
     system_prompts: list[str] = field(default_factory=list)
     eval_split: bool = True  # also write a perturbed copy of the eval split
     seed: int = 0
+    system_modes: list[str] = field(default_factory=lambda: ["none", "default", "list"])  # data/perturb.py
+    vary_date: bool = True  # draw a date_string template variable (Llama-3.1's date line)
+    template_vars: dict[str, list[str]] = field(default_factory=dict)  # other template variables to draw
 
 
 @dataclass
@@ -80,6 +83,7 @@ class DataConfig:
     num_proc: int = 1
     seed: int = 0
     perturb: PerturbConfig = field(default_factory=PerturbConfig)
+    chat_template: Optional[str] = None  # a jinja file or string overriding the target tokenizer's template
 
 
 @dataclass

@@ -1,0 +1,87 @@
+"""Config composition: every recipe composes and validates offline; errors name the key."""
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+
+import train.main  # noqa: F401  (registers the schema)
+from train.config import Config, default_aux_layer_ids
+from train.main import CONF_DIR, to_config
+
+RECIPES = sorted(p.stem for p in Path(CONF_DIR, "recipe").glob("*.yaml"))
+
+
+def compose_cfg(overrides):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return compose(config_name="config", overrides=overrides)
+
+
+def test_shipped_recipes_are_the_promised_ones():
+    assert {"tiny", "llama3", "qwen3"} <= set(RECIPES)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recipe_composes_and_validates(recipe):
+    cfg = to_config(compose_cfg([f"recipe={recipe}"]))
+    assert isinstance(cfg, Config)
+    assert cfg.recipe == recipe
+    L = cfg.target.num_hidden_layers
+    ids = cfg.aux_layer_ids()
+    assert ids == default_aux_layer_ids(L) and len(set(ids)) == 3 and ids[0] != 1
+    overrides = cfg.target.config_overrides
+    if overrides:  # the written layer count must match the target's own config
+        assert overrides["num_hidden_layers"] == L
+        assert overrides["hidden_size"] == cfg.target.hidden_size
+        assert overrides["vocab_size"] == cfg.target.vocab_size
+
+
+def test_llama3_aux_ids_are_boundary_convention():
+    cfg = to_config(compose_cfg(["recipe=llama3"]))
+    assert cfg.aux_layer_ids() == [2, 16, 29]
+    assert cfg.drafter.fc_norm and cfg.drafter.norm_output  # EAGLE-3.1 by default
+
+
+def test_command_line_beats_recipe():
+    cfg = to_config(compose_cfg(["recipe=tiny", "train.max_steps=7", "drafter=eagle3"]))
+    assert cfg.train.max_steps == 7
+    assert not cfg.drafter.fc_norm and not cfg.drafter.norm_output
+
+
+def test_missing_recipe_names_the_group():
+    with pytest.raises(ConfigCompositionException, match="recipe/nope"):
+        compose_cfg(["recipe=nope"])
+
+
+def test_unknown_key_and_bad_type_name_the_key():
+    with pytest.raises(ConfigCompositionException) as e:
+        compose_cfg(["recipe=tiny", "drafter.bogus=1"])
+    assert "bogus" in str(e.value) + str(e.value.__cause__)
+    with pytest.raises(ConfigCompositionException) as e:
+        compose_cfg(["recipe=tiny", "drafter.ttt_steps=abc"])
+    assert "drafter.ttt_steps" in str(e.value) + str(e.value.__cause__)
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("drafter.ttt_steps=0", "drafter.ttt_steps"),
+        ("drafter.norm_before_fc=true", "drafter.fc_norm"),
+        ("drafter.aux_layer_ids=[1,4,5]", "drafter.aux_layer_ids"),
+        ("drafter.aux_layer_ids=[2,4,40]", "drafter.aux_layer_ids"),
+        ("drafter.draft_vocab_size=999999", "drafter.draft_vocab_size"),
+        ("capture.dtype=int4", "capture.dtype"),
+        ("run.stages=[prepare,bake]", "run.stages"),
+        ("export.push_to_hub=true", "export.repo_id"),
+    ],
+)
+def test_bad_values_are_value_errors_naming_the_key(override, key):
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        to_config(compose_cfg(["recipe=tiny", override]))
+
+
+def test_run_dir_does_not_depend_on_the_clock():
+    a = to_config(compose_cfg(["recipe=tiny"]))
+    b = to_config(compose_cfg(["recipe=tiny"]))
+    assert a.run.name == b.run.name == "tiny"

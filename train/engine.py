@@ -1,0 +1,107 @@
+"""DeepSpeed engine from the typed config: ZeRO stage, offload, precision, AdamW, lr schedule.
+
+Batch sizes come from ``cfg.train`` only (each value lives once; no "auto", which only the
+Hugging Face integration resolves). bf16 on CUDA, fp32 on CPU unless ``deepspeed.bf16`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+
+from train.config import Config
+from train.distributed import World
+
+log = logging.getLogger(__name__)
+
+
+def use_bf16(cfg: Config, world: World) -> bool:
+    mode = str(cfg.deepspeed.bf16).lower()
+    if mode == "auto":
+        return world.device.type == "cuda"
+    if mode in ("true", "false"):
+        return mode == "true"
+    raise ValueError(f"deepspeed.bf16={cfg.deepspeed.bf16!r}: expected auto | true | false")
+
+
+def deepspeed_config(cfg: Config, world: World, load_universal: bool = False) -> dict[str, Any]:
+    """The DeepSpeed json, built from the typed config; ``deepspeed.extra`` is merged last."""
+    t, ds = cfg.train, cfg.deepspeed
+    zero: dict[str, Any] = {"stage": ds.zero_stage}
+    if ds.offload_optimizer:
+        if ds.zero_stage == 0:
+            raise ValueError("deepspeed.offload_optimizer=true needs deepspeed.zero_stage >= 1")
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": world.device.type == "cuda"}
+    if ds.offload_param:
+        if ds.zero_stage != 3:
+            raise ValueError("deepspeed.offload_param=true needs deepspeed.zero_stage=3")
+        zero["offload_param"] = {"device": "cpu", "pin_memory": world.device.type == "cuda"}
+    if ds.zero_stage == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = False  # we gather ourselves (checkpoint.py)
+    conf: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": t.grad_accum,
+        "train_batch_size": t.micro_batch_size * t.grad_accum * world.world_size,
+        "gradient_clipping": t.optim.grad_clip,
+        "zero_optimization": zero,
+        "bf16": {"enabled": use_bf16(cfg, world)},
+        "steps_per_print": 10**9,  # we log ourselves
+        "wall_clock_breakdown": False,
+    }
+    if load_universal:
+        conf["checkpoint"] = {"load_universal": True}
+    return _merge(conf, dict(ds.extra))
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(base.get(k), dict):
+            _merge(base[k], v)
+        else:
+            base[k] = v
+    return base
+
+
+def lr_lambda(cfg: Config, total_steps: int):
+    """Linear warmup, then cosine / linear decay to ``min_lr_ratio`` (or constant)."""
+    o = cfg.train.optim
+    warm = max(0, o.warmup_steps)
+
+    def f(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        if o.schedule == "constant" or total_steps <= warm:
+            return 1.0
+        progress = min(1.0, (step - warm) / max(1, total_steps - warm))
+        decay = 0.5 * (1 + math.cos(math.pi * progress)) if o.schedule == "cosine" else 1 - progress
+        return o.min_lr_ratio + (1 - o.min_lr_ratio) * decay
+
+    return f
+
+
+def build_engine(model: torch.nn.Module, cfg: Config, world: World, total_steps: int, load_universal: bool = False):
+    """Wrap ``model`` (whose trainable parameters are the drafter's) in a DeepSpeed engine."""
+    import deepspeed
+
+    o = cfg.train.optim
+    if len(o.betas) != 2:
+        raise ValueError(f"train.optim.betas={o.betas}: expected two values, e.g. [0.9, 0.95]")
+    params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.deepspeed.offload_optimizer:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        optimizer = DeepSpeedCPUAdam(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay, adamw_mode=True)
+    else:
+        optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_steps))
+    engine, optimizer, _, scheduler = deepspeed.initialize(
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        config=deepspeed_config(cfg, world, load_universal),
+        dist_init_required=False,
+    )
+    return engine, optimizer, scheduler

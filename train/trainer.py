@@ -1,0 +1,167 @@
+"""The train stage: TTT training of the drafter under DeepSpeed ZeRO, resumable exactly.
+
+One optimizer step = ``grad_accum`` micro-batches on each of ``world`` ranks. Batches come from a
+global plan that does not depend on the world size (rank r takes global batches r, r+W, ...), so
+2 ranks x 1 micro-batch and 1 rank x 2 micro-batches see the same data, and a run resumed on
+another world size continues at the same global position. Randomness is re-seeded from
+(seed, step, rank) every step, so a resumed run replays the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from train import checkpoint
+from train.config import Config
+from train.distributed import World, all_reduce_sum
+from train.engine import build_engine
+from train.metrics import MetricsLog, RatioMeter, al_estimate
+from train.stages import StageContext
+from train.ttt_model import TTTModel, build_ttt_model
+from train.train_data import build_loader
+
+log = logging.getLogger(__name__)
+PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: checkpoint written, re-run the same command to resume
+
+
+class Preempted(Exception):
+    """SIGTERM arrived (e.g. Slurm preemption); a checkpoint was written at ``step``."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"preempted: checkpoint written at step {step}; re-run the same command to resume")
+        self.step = step
+
+
+class _SigtermFlag:
+    def __init__(self) -> None:
+        self.raised = False
+        self._old = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.raised = True
+
+    def restore(self) -> None:
+        signal.signal(signal.SIGTERM, self._old)
+
+
+def run_stage(ctx: StageContext) -> dict:
+    cfg, world = ctx.cfg, ctx.world
+    model = build_ttt_model(cfg, ctx.run_dir, world.device)
+    train_data = build_loader(cfg, ctx, "train")
+    eval_data = build_loader(cfg, ctx, "eval")
+    per_step = cfg.train.grad_accum * world.world_size
+    total = cfg.train.max_steps or max(1, cfg.train.epochs * train_data.global_batches_per_epoch // per_step)
+
+    ckpt_dir = ctx.stage_dir / "checkpoints"
+    tag = checkpoint.latest_tag(ckpt_dir)
+    state = checkpoint.trainer_state(ckpt_dir, tag) if tag else {"step": 0, "best_al": None, "best_step": None}
+    universal = bool(tag) and state["world_size"] != world.world_size
+    if universal:
+        tag = checkpoint.to_universal(ckpt_dir, tag, world)
+    engine, _, scheduler = build_engine(model, cfg, world, total, load_universal=universal)
+    if tag:
+        path, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag)
+        if path is None:
+            raise ValueError(f"could not load checkpoint {ckpt_dir / tag}; delete {ckpt_dir} to start over")
+        log.info("resumed from %s at step %d (saved by %d ranks)", tag, state["step"], state["world_size"])
+    step = int(state["step"])
+    train_data.seek(step * per_step)
+
+    metrics_log = MetricsLog(cfg, ctx.stage_dir / "metrics.jsonl", step) if world.is_main else None
+    sigterm = _SigtermFlag()
+    meter, tokens, nonfinite_run, skipped = RatioMeter(), 0, 0, int(state.get("skipped", 0))
+    bar = tqdm(total=total, initial=step, desc="train", disable=not world.is_main, dynamic_ncols=True)
+    t_log = time.time()
+    last_drafter_dir = None
+    dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float32
+
+    def drafter_meta() -> dict:
+        return model.drafter_meta(cfg)
+
+    try:
+        while step < total:
+            torch.manual_seed(cfg.run.seed * 1_000_003 + step * world.world_size + world.rank)
+            for _ in range(cfg.train.grad_accum):
+                position, batch = train_data.next_batch()
+                out = engine(batch.to(world.device, dtype))
+                flags = all_reduce_sum(torch.tensor([float(not torch.isfinite(out.loss)), 0.0]))
+                if flags[0] > 0:  # every rank skips together: backward would all-reduce
+                    nonfinite_run += 1
+                    skipped += 1
+                    log.warning("non-finite loss at step %d (global batch %d); skipped", step, position)
+                    if nonfinite_run >= cfg.train.max_nonfinite:
+                        raise RuntimeError(
+                            f"{nonfinite_run} non-finite losses in a row, the last at global batch {position} "
+                            f"(step {step}); lower train.optim.lr or check the features of that batch")
+                    continue
+                nonfinite_run = 0
+                engine.backward(out.loss)
+                engine.step()
+                meter.add(out.metrics)
+                tokens += batch.num_tokens
+            step += 1
+            bar.update(1)
+            if step % cfg.train.log_every == 0 or step == total:
+                values = meter.reduce()
+                n_tok = float(all_reduce_sum(torch.tensor([float(tokens)]))[0])
+                now = time.time()
+                record = {"step": step, "lr": scheduler.get_last_lr()[0], "grad_norm": _grad_norm(engine),
+                          "tokens_per_s": n_tok / max(1e-9, now - t_log), "skipped": skipped, **values,
+                          "al_estimate": al_estimate(values, cfg.drafter.ttt_steps)}
+                tokens, t_log = 0, now
+                if metrics_log:
+                    metrics_log.write(record)
+                    bar.set_postfix(loss=f"{values.get('loss_0', float('nan')):.3f}",
+                                    al=f"{record['al_estimate']:.2f}")
+            is_eval = step % cfg.train.eval_every == 0 or step == total
+            if is_eval:
+                ev = evaluate(engine, eval_data, cfg, world, dtype)
+                if metrics_log:
+                    metrics_log.write({"step": step, **ev})
+                if state["best_al"] is None or ev["eval/al_estimate"] > state["best_al"]:
+                    state.update(best_al=ev["eval/al_estimate"], best_step=step, best_pending=True)
+            preempt = bool(all_reduce_sum(torch.tensor([float(sigterm.raised)]))[0] > 0)
+            if step % cfg.train.save_every == 0 or step == total or preempt or state.get("best_pending"):
+                state["skipped"] = skipped
+                last_drafter_dir = checkpoint.save(engine, world, ckpt_dir, step,
+                                                   {k: v for k, v in state.items() if k != "best_pending"},
+                                                   drafter_meta(), TTTModel.PREFIX, cfg.train.keep_last)
+                if state.pop("best_pending", False) and world.is_main:
+                    checkpoint.promote_best(last_drafter_dir, ctx.stage_dir / "best")
+                world.barrier()
+            if preempt:
+                raise Preempted(step)
+    finally:
+        bar.close()
+        sigterm.restore()
+        if metrics_log:
+            metrics_log.close()
+    best = ctx.stage_dir / "best"
+    return {"steps": step, "last": str(last_drafter_dir), "best": str(best if best.exists() else last_drafter_dir),
+            "best_step": state["best_step"], "best_al_estimate": state["best_al"], "skipped_steps": skipped}
+
+
+@torch.no_grad()
+def evaluate(engine, data, cfg: Config, world: World, dtype: torch.dtype) -> dict[str, float]:
+    """Teacher-forced held-out metrics over ``train.eval_batches`` batches per rank."""
+    meter = RatioMeter()
+    engine.eval()
+    for batch in data.eval_batches(cfg.train.eval_batches):
+        meter.add(engine(batch.to(world.device, dtype)).metrics)
+    engine.train()
+    values = meter.reduce()
+    values = {f"eval/{k}": v for k, v in values.items()}
+    values["eval/al_estimate"] = al_estimate(values, cfg.drafter.ttt_steps, prefix="eval/")
+    return values
+
+
+def _grad_norm(engine) -> float:
+    norm = engine.get_global_grad_norm()
+    return float(norm) if norm is not None else float("nan")

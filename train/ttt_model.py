@@ -1,0 +1,87 @@
+"""The module DeepSpeed wraps: the drafter plus the frozen teacher head, forward = TTT loss.
+
+Wrapping keeps every parameter access inside a submodule's forward, which is what ZeRO-3's
+gather hooks need; the teacher head (draft-vocab rows of the target's lm_head) is a frozen,
+non-persistent buffer, so checkpoints hold only the drafter (under the ``drafter.`` prefix).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from data.batch import FeatureBatch
+from train.config import Config
+
+log = logging.getLogger(__name__)
+
+
+class TTTModel(nn.Module):
+    PREFIX = "drafter."
+
+    def __init__(self, drafter: nn.Module, teacher_head: torch.Tensor, cfg: Config) -> None:
+        super().__init__()
+        self.drafter = drafter
+        self.register_buffer("teacher_head", teacher_head, persistent=False)
+        self.steps = cfg.drafter.ttt_steps
+        self.step_weight = cfg.drafter.step_weight
+        self.chunk_size = cfg.drafter.loss_chunk_size
+
+    def forward(self, batch: FeatureBatch):
+        from train.loss import ttt_loss
+
+        return ttt_loss(self.drafter, batch, self.teacher_head, steps=self.steps,
+                        step_weight=self.step_weight, chunk_size=self.chunk_size)
+
+    def drafter_meta(self, cfg: Config) -> dict:
+        """What export needs besides the weights: the spec and how the drafter was trained."""
+        return {
+            "spec": self.drafter.spec.to_dict(),
+            "target": {"name_or_path": cfg.target.name_or_path, "revision": cfg.target.revision},
+            "training": {"recipe": cfg.recipe, "ttt_steps": cfg.drafter.ttt_steps,
+                         "step_weight": cfg.drafter.step_weight, "fc_norm": cfg.drafter.fc_norm,
+                         "norm_output": cfg.drafter.norm_output, "norm_before_fc": cfg.drafter.norm_before_fc,
+                         "train": dataclasses.asdict(cfg.train)},
+        }
+
+
+def build_ttt_model(cfg: Config, run_dir: Path, device: torch.device) -> TTTModel:
+    """Drafter from the target's config + the prepared draft vocab; embedding and teacher head from
+    the target's weights (read directly, without instantiating the target)."""
+    from transformers import AutoConfig
+
+    from data.vocab import DraftVocab
+    from models.drafter import DrafterSpec, Eagle3Drafter
+    from models.target import load_target_tensors, target_tensor_names
+
+    t = cfg.target
+    hf_config = AutoConfig.from_pretrained(t.name_or_path, revision=t.revision, trust_remote_code=t.trust_remote_code)
+    vocab = DraftVocab.load(run_dir / "prepare" / "vocab.safetensors")
+    if len(vocab.d2t) != cfg.drafter.draft_vocab_size:
+        raise ValueError(f"{run_dir / 'prepare'}: draft vocab has {len(vocab.d2t)} ids but "
+                         f"drafter.draft_vocab_size={cfg.drafter.draft_vocab_size}; re-run prepare")
+    spec = DrafterSpec.from_target_config(hf_config, cfg.drafter, cfg.aux_layer_ids())
+    torch.manual_seed(cfg.run.seed)
+    drafter = Eagle3Drafter(spec)
+    embed_name, head_name = target_tensor_names(hf_config)
+    tensors = load_target_tensors(t.name_or_path, t.revision, [embed_name, head_name])
+    selected = vocab.selected.long()
+    teacher_head = tensors[head_name][selected].float().contiguous()
+    with torch.no_grad():
+        drafter.embed_tokens.weight.copy_(tensors[embed_name].float())
+        drafter.d2t.copy_(vocab.d2t)
+        drafter.t2d.copy_(vocab.t2d)
+        if spec.hidden_size == spec.target_hidden_size:
+            # Warm start: the drafter's y plays the role of the target's final normed state.
+            drafter.lm_head.weight.copy_(teacher_head)
+    if cfg.drafter.init_from:
+        from models.export import load_drafter
+
+        loaded = load_drafter(cfg.drafter.init_from, embed_tokens=tensors[embed_name])
+        drafter.load_state_dict(loaded.state_dict())
+        log.info("initialised the drafter from %s", cfg.drafter.init_from)
+    return TTTModel(drafter, teacher_head, cfg).to(device)
