@@ -1,0 +1,341 @@
+"""Export a trained drafter to a serving directory, and load one (ours or a public EAGLE-3) back.
+
+The drafter's state_dict already uses the HF/EAGLE serving names (SPEC.md section 6), so the adapters are
+small: the speculators dialect renames ``midlayer.`` <-> ``layers.0.``; floats go to bf16 while ``d2t``
+(int64) and ``t2d`` (bool) keep their dtypes; ``embed_tokens.weight`` (a frozen copy of the target's) is
+left out unless asked for, since both engines share the target's embedding.
+
+Next to config.json the export writes ``fledge_training.json``: the DrafterSpec and the flags the drafter
+was *trained* with (``trained_with``), the step, metrics and target. The linter compares config.json with
+it, which is the only way to catch a config whose ``norm_output`` disagrees with training from files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from data.atomic import atomic_path, read_json, write_json_atomic
+from models.serving_config import dialect_of, layer_config, serving_config, target_config_dict
+
+log = logging.getLogger(__name__)
+RECORD = "fledge_training.json"
+FORMAT_VERSION = 1
+_KEEP_DTYPE = ("d2t", "t2d")
+
+
+def to_serving_state_dict(state_dict: dict[str, torch.Tensor], fmt: str = "hf",
+                          include_embed: bool = False) -> dict[str, torch.Tensor]:
+    """Drafter state_dict -> serving tensors: bf16 floats, maps as int64/bool, dialect names."""
+    out = {}
+    for name, t in state_dict.items():
+        if name == "embed_tokens.weight" and not include_embed:
+            continue
+        if name == "d2t":
+            t = t.to(torch.int64)
+        elif name == "t2d":
+            t = t.to(torch.bool)
+        elif t.is_floating_point():
+            t = t.to(torch.bfloat16)
+        if fmt == "speculators" and name.startswith("midlayer."):
+            name = "layers.0." + name[len("midlayer."):]
+        out[name] = t.detach().cpu().contiguous()
+    return out
+
+
+def from_serving_state_dict(tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32
+                            ) -> dict[str, torch.Tensor]:
+    """Serving tensors (either dialect) -> drafter state_dict names, floats cast to ``dtype``."""
+    out = {}
+    for name, t in tensors.items():
+        if name.startswith("layers.0."):
+            name = "midlayer." + name[len("layers.0."):]
+        if name.startswith("model."):  # some public checkpoints keep the module prefix
+            name = name[len("model."):]
+        out[name] = t.to(dtype) if t.is_floating_point() and name not in _KEEP_DTYPE else t
+    return out
+
+
+def read_tensors(drafter_dir: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of an exported dir: ``model.safetensors`` or the shards its index names."""
+    d = Path(drafter_dir)
+    index = read_json(d / "model.safetensors.index.json")
+    files = sorted(set(index["weight_map"].values())) if index else ["model.safetensors"]
+    if not (d / files[0]).exists():
+        raise ValueError(f"{d}: no model.safetensors (or index); is this an exported drafter directory?")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update(load_file(str(d / f)))
+    return out
+
+
+def tensor_headers(drafter_dir: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{name: (shape, safetensors dtype)} without reading the weights (for the linter on big exports)."""
+    d = Path(drafter_dir)
+    index = read_json(d / "model.safetensors.index.json")
+    files = sorted(set(index["weight_map"].values())) if index else ["model.safetensors"]
+    out = {}
+    for f in files:
+        with safe_open(str(d / f), framework="pt") as sf:
+            for name in sf.keys():
+                sl = sf.get_slice(name)
+                out[name] = (tuple(sl.get_shape()), sl.get_dtype())
+    return out
+
+
+def write_drafter(out_dir: str | Path, state_dict: dict[str, torch.Tensor], config: dict,
+                  record: dict | None = None, max_shard_size: str | int = "5GB",
+                  include_embed: bool = False) -> Path:
+    """Write a serving directory atomically (temp dir + rename): config.json, safetensors (sharded with
+    ``model.safetensors.index.json`` above ``max_shard_size``), and the training record."""
+    from huggingface_hub import save_torch_state_dict
+
+    tensors = to_serving_state_dict(state_dict, dialect_of(config), include_embed)
+    out = Path(out_dir)
+    with atomic_path(out) as tmp:
+        tmp.mkdir(parents=True)
+        save_torch_state_dict(tensors, tmp, max_shard_size=max_shard_size, metadata={"format": "pt"})
+        write_json_atomic(tmp / "config.json", config)
+        if record is not None:
+            write_json_atomic(tmp / RECORD, record)
+    return out
+
+
+def training_record(spec: dict, checkpoint_meta: dict | None = None) -> dict:
+    """The ``fledge_training.json`` payload: how the drafter was trained, from its DrafterSpec dict."""
+    meta = checkpoint_meta or {}
+    return {
+        "format_version": FORMAT_VERSION,
+        "trained_with": {k: spec.get(k) for k in ("fc_norm", "norm_output", "norm_before_fc", "aux_layer_ids",
+                                                  "draft_vocab_size", "vocab_size", "hidden_size",
+                                                  "max_position_embeddings")},
+        "spec": spec,
+        "step": meta.get("step"),
+        "metrics": meta.get("metrics", {}),
+        "target": meta.get("target", {}),
+    }
+
+
+def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, target_config: Any, fmt: str = "hf",
+                      max_shard_size: str | int = "5GB", target_name: str | None = None,
+                      speculative_tokens: int = 5, include_embed: bool = False) -> dict:
+    """A training checkpoint dir (``model.safetensors`` + ``fledge.json``) -> a serving dir; returns the
+    config written. The layout comes from the target's config and the spec's flags, never from the weights."""
+    ckpt = Path(checkpoint_dir)
+    meta = read_json(ckpt / "fledge.json")
+    if meta is None or not (ckpt / "model.safetensors").exists():
+        raise ValueError(f"{ckpt}: not a Fledge checkpoint (needs model.safetensors and fledge.json); "
+                         "set export.checkpoint to best, last or such a directory")
+    spec = meta["spec"]
+    config = serving_config(target_config, spec, spec["aux_layer_ids"], spec["draft_vocab_size"], fmt=fmt,
+                            target_name=target_name or meta.get("target", {}).get("name_or_path"),
+                            speculative_tokens=speculative_tokens)
+    write_drafter(out_dir, load_file(str(ckpt / "model.safetensors")), config, training_record(spec, meta),
+                  max_shard_size, include_embed)
+    return config
+
+
+# ----------------------------------------------------------------------------------------------- loading
+
+
+def spec_from_export(drafter_dir: str | Path, target_num_hidden_layers: int | None = None):
+    """The DrafterSpec of an exported dir: from our training record when present, else (public EAGLE-3
+    checkpoints) from config.json, read as the target's layer settings plus the Eagle-3 fields."""
+    from models.drafter import DrafterSpec
+
+    d = Path(drafter_dir)
+    record = read_json(d / RECORD)
+    if record and record.get("spec"):
+        return DrafterSpec.from_dict(record["spec"])
+    config = read_json(d / "config.json")
+    if config is None:
+        raise ValueError(f"{d}: no config.json")
+    c = layer_config(config)
+    hf = dict(c)
+    hf["hidden_size"] = int(c.get("target_hidden_size") or c["hidden_size"])
+    flags = _Flags(fc_norm=bool(c.get("fc_norm")), norm_output=bool(c.get("norm_output")),
+                   norm_before_fc=bool(c.get("norm_before_fc")),
+                   draft_vocab_size=int(c.get("draft_vocab_size") or c["vocab_size"]))
+    ids = c.get("aux_layer_ids")
+    if not ids:
+        raise ValueError(f"{d}/config.json has no eagle_aux_hidden_state_layer_ids; add the boundary ids the "
+                         "drafter was trained with (default (2, L//2, L-3) of the target)")
+    from transformers import LlamaConfig
+
+    # The serving config says num_hidden_layers=1 (the drafter's); the spec wants the target's L, which only
+    # bounds the aux ids: without the target, the smallest L that admits them.
+    hf["num_hidden_layers"] = int(target_num_hidden_layers or max(ids) + 1)
+    hf_config = LlamaConfig(**{k: v for k, v in hf.items() if k not in ("architectures", "eagle_config")})
+    spec = DrafterSpec.from_target_config(hf_config, flags, list(ids))
+    if int(c["hidden_size"]) != hf["hidden_size"]:  # a drafter narrower than its target
+        spec = dataclasses.replace(spec, hidden_size=int(c["hidden_size"]),
+                                   intermediate_size=int(c["intermediate_size"]))
+    return spec
+
+
+@dataclasses.dataclass
+class _Flags:
+    """The DrafterConfig fields from_target_config reads, for checkpoints without a training record."""
+
+    fc_norm: bool
+    norm_output: bool
+    norm_before_fc: bool
+    draft_vocab_size: int
+    aux_layer_ids: list | None = None
+
+
+def load_drafter(drafter_dir: str | Path, embed_weight: torch.Tensor | None = None,
+                 target: str | Path | None = None, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+    """Read an exported dir (either dialect, or a public EAGLE-3 checkpoint in the HF layout) into an
+    ``Eagle3Drafter``. When the export has no ``embed_tokens.weight``, it comes from ``embed_weight`` or
+    from the target's safetensors (``target`` = a local dir); a missing ``t2d`` is rebuilt from ``d2t``."""
+    from models.drafter import Eagle3Drafter
+
+    d = Path(drafter_dir)
+    L = None
+    if target is not None and (Path(target) / "config.json").exists():
+        L = read_json(Path(target) / "config.json").get("num_hidden_layers")
+    spec = spec_from_export(d, L)
+    sd = from_serving_state_dict(read_tensors(d), dtype)
+    V, Vd = spec.vocab_size, spec.draft_vocab_size
+    if "embed_tokens.weight" not in sd:
+        if embed_weight is None and target is not None:
+            embed_weight = target_embedding(target)
+        if embed_weight is None:
+            raise ValueError(f"{d} has no embed_tokens.weight: pass the target (embed_weight= or target=)")
+        sd["embed_tokens.weight"] = embed_weight.to(dtype)
+    if "d2t" not in sd:
+        if Vd != V:
+            raise ValueError(f"{d}: draft_vocab_size={Vd} < vocab_size={V} but no d2t tensor")
+        sd["d2t"] = torch.zeros(Vd, dtype=torch.int64)
+    if "t2d" not in sd:  # engines ignore it; rebuild it from d2t (SPEC.md section 5)
+        t2d = torch.zeros(V, dtype=torch.bool)
+        t2d[torch.arange(Vd) + sd["d2t"]] = True
+        sd["t2d"] = t2d
+    model = Eagle3Drafter(spec)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{d}: tensors do not match the drafter (missing {sorted(missing)}, unexpected "
+                         f"{sorted(unexpected)}); run scripts/lint_drafter.py on it")
+    return model.to(device)
+
+
+def target_embedding(target: str | Path) -> torch.Tensor:
+    """The input embedding of a local target dir, read from its safetensors without loading the model."""
+    d = Path(target)
+    index = read_json(d / "model.safetensors.index.json")
+    names = index["weight_map"] if index else None
+    files = sorted(set(names.values())) if names else ["model.safetensors"]
+    for f in files:
+        with safe_open(str(d / f), framework="pt") as sf:
+            for key in sf.keys():
+                if key.endswith("embed_tokens.weight"):
+                    return sf.get_tensor(key)
+    raise ValueError(f"{d}: no tensor ending in embed_tokens.weight in its safetensors")
+
+
+# ------------------------------------------------------------------------------------------ the stage
+
+
+def load_target_config(target_cfg) -> dict:
+    """The target's config.json as a dict: a local dir's file, else ``target.config_overrides`` (recipes
+    write it so export works offline), else ``AutoConfig.from_pretrained`` (hub)."""
+    p = Path(target_cfg.name_or_path)
+    if (p / "config.json").exists():
+        return target_config_dict(json.loads((p / "config.json").read_text()))
+    if target_cfg.config_overrides:
+        return target_config_dict(dict(target_cfg.config_overrides))
+    from transformers import AutoConfig
+
+    return target_config_dict(AutoConfig.from_pretrained(
+        target_cfg.name_or_path, revision=target_cfg.revision, trust_remote_code=target_cfg.trust_remote_code))
+
+
+def resolve_checkpoint(ctx) -> Path:
+    """export.checkpoint = best | last | a path -> the checkpoint directory."""
+    which = ctx.cfg.export.checkpoint
+    if which in ("best", "last"):
+        outputs = (ctx.upstream.get("train") or {}).get("outputs") or {}
+        path = outputs.get(which) or (outputs.get("last") if which == "best" else None)
+        if not path:
+            raise ValueError(f"export.checkpoint={which}: the train stage's manifest names no such checkpoint")
+    else:
+        path = which
+    p = Path(path)
+    if not p.is_absolute() and not p.exists() and (ctx.run_dir / p).exists():
+        p = ctx.run_dir / p
+    if not p.is_dir():
+        raise ValueError(f"export.checkpoint={which}: {p} is not a directory")
+    return p
+
+
+def run_stage(ctx) -> dict:
+    """Export stage: checkpoint -> ``<stage_dir>/drafter``, lint it, optionally push it to the Hub.
+    Rank 0 does the work; its outcome (summary or error) is broadcast so no rank waits on a failed one."""
+    from train.distributed import broadcast_object
+
+    result: dict[str, Any] = {}
+    if ctx.world.is_main:
+        try:
+            result = {"summary": _export(ctx)}
+        except ValueError as e:
+            result = {"error": str(e)}
+    result = broadcast_object(result)
+    if "error" in result:
+        raise ValueError(result["error"])
+    return result["summary"]
+
+
+def _export(ctx) -> dict:
+    from models.lint import format_findings, lint_drafter
+
+    cfg = ctx.cfg
+    out = ctx.stage_dir / "drafter"
+    ckpt = resolve_checkpoint(ctx)
+    target = load_target_config(cfg.target)
+    export_checkpoint(ckpt, out, target, fmt=cfg.export.format, max_shard_size=cfg.export.max_shard_size,
+                      target_name=cfg.target.name_or_path, speculative_tokens=cfg.eval.draft_tokens)
+    findings = lint_drafter(out, target) if cfg.export.lint else []
+    for line in format_findings(findings):
+        log.warning("lint: %s", line)
+    n_err = sum(f.level == "error" for f in findings)
+    summary: dict[str, Any] = {"drafter": str(out), "checkpoint": str(ckpt), "format": cfg.export.format,
+                               "lint_errors": n_err, "lint_warnings": len(findings) - n_err,
+                               "files": sorted(p.name for p in out.iterdir())}
+    if n_err:
+        raise ValueError(f"export: the drafter in {out} fails the linter with {n_err} error(s) (logged above); "
+                         "fix them (or set export.lint=false to keep it unpublished)")
+    if cfg.export.push_to_hub:
+        from models.hub import push_to_hub
+
+        summary["hub_url"] = push_to_hub(out, cfg.export.repo_id, private=cfg.export.private, run_dir=ctx.run_dir,
+                                         target_config=target, speculative_tokens=cfg.eval.draft_tokens)
+    return summary
+
+
+def random_state_dict(config: dict, seed: int = 0, include_embed: bool = True) -> dict[str, torch.Tensor]:
+    """A random fp32 drafter state_dict matching a serving config (either dialect's config, drafter names),
+    with a valid random draft vocab: for tests and dry runs of the export path without a trained drafter."""
+    from models.serving_config import expected_tensors
+
+    g = torch.Generator().manual_seed(seed)
+    c = layer_config(config)
+    V, Vd = int(c["vocab_size"]), int(c.get("draft_vocab_size") or c["vocab_size"])
+    sd = {}
+    for name, (shape, dtype) in expected_tensors(config, include_embed=include_embed).items():
+        if dtype.is_floating_point:
+            sd[from_serving_state_dict({name: torch.empty(0)}).popitem()[0]] = torch.randn(shape, generator=g) * 0.05
+    sel = torch.randperm(V, generator=g)[:Vd].sort().values
+    sd["d2t"] = sel - torch.arange(Vd)
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[sel] = True
+    sd["t2d"] = t2d
+    return sd

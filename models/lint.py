@@ -1,0 +1,278 @@
+"""Drafter linter: the silent failures of SPEC.md section 8 that can be seen from files.
+
+``lint_drafter(dir, target_config)`` checks an exported drafter (either dialect, ours or a public EAGLE-3)
+against its target's config.json and, when present, the ``fledge_training.json`` record of how it was
+trained. Each finding says what is wrong and how to fix it; ``error`` means an engine will load something
+that runs differently from training (or will not load it at all), ``warning`` means it cannot be verified or
+is merely unusual.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from data.atomic import read_json
+from models.export import RECORD, read_tensors, tensor_headers
+from models.serving_config import (HF_ARCH, SPECULATORS_ARCH, dialect_of, expected_tensors, layer_config,
+                                   rope_of, target_config_dict)
+
+_ST_DTYPE = {torch.bfloat16: "BF16", torch.int64: "I64", torch.bool: "BOOL"}
+
+
+@dataclass(frozen=True)
+class Finding:
+    level: str  # error | warning
+    code: str  # short stable id, e.g. "aux-ids-start-1" (tests and CI grep for it)
+    message: str
+    fix: str
+
+
+def format_findings(findings: list[Finding]) -> list[str]:
+    return [f"{f.level.upper()} [{f.code}] {f.message}\n    fix: {f.fix}" for f in findings]
+
+
+def has_errors(findings: list[Finding]) -> bool:
+    return any(f.level == "error" for f in findings)
+
+
+def lint_drafter(drafter_dir: str | Path, target_config: Any = None) -> list[Finding]:
+    """Every finding for the drafter in ``drafter_dir``; ``target_config`` (dict / PretrainedConfig) enables
+    the checks against the target (RoPE, max positions, eps, vocab, aux-id range)."""
+    d = Path(drafter_dir)
+    out: list[Finding] = []
+
+    def add(level: str, code: str, message: str, fix: str) -> None:
+        out.append(Finding(level, code, message, fix))
+
+    config = read_json(d / "config.json")
+    if config is None:
+        add("error", "no-config", f"{d}/config.json is missing", "export the drafter with Fledge's export stage")
+        return out
+    t = target_config_dict(target_config) if target_config is not None else None
+    record = read_json(d / RECORD)
+    c = layer_config(config)
+    _check_header(config, c, add)
+    _check_aux_ids(c, t, record, add)
+    if t is not None:
+        _check_against_target(c, t, add)
+    _check_flags(c, record, add)
+    _check_tensors(d, config, c, add)
+    return out
+
+
+def _check_header(config: dict, c: dict, add) -> None:
+    archs = config.get("architectures") or []
+    want = SPECULATORS_ARCH if dialect_of(config) == "speculators" else HF_ARCH
+    if want not in archs:
+        add("error", "architecture", f"architectures={archs}, expected [{want!r}]",
+            f'set "architectures": ["{want}"] in config.json')
+    if dialect_of(config) == "hf" and c.get("model_type") != "llama":
+        add("error", "model-type", f"model_type={c.get('model_type')!r}", 'set "model_type": "llama"')
+    if int(c.get("num_hidden_layers") or 0) != 1:
+        add("error", "num-layers", f"num_hidden_layers={c.get('num_hidden_layers')}, the drafter has one layer",
+            'set "num_hidden_layers": 1')
+    if c.get("tie_word_embeddings"):
+        add("error", "tied", "tie_word_embeddings=true but the drafter's lm_head is its own [Vd, H] matrix",
+            'set "tie_word_embeddings": false')
+    dtype = c.get("torch_dtype") or c.get("dtype")
+    if dtype != "bfloat16":
+        add("warning", "config-dtype", f"torch_dtype={dtype!r}; the drafter is trained for bf16 serving",
+            'set "torch_dtype": "bfloat16"')
+    if dialect_of(config) == "speculators" and config.get("norm_before_residual") is not False:
+        add("error", "norm-before-residual",
+            f"norm_before_residual={config.get('norm_before_residual')!r}: vLLM's speculators adapter reads a "
+            "missing key as true, which is not the layer Fledge trains",
+            'set "norm_before_residual": false')
+
+
+def _check_aux_ids(c: dict, t: dict | None, record: dict | None, add) -> None:
+    ids = c.get("aux_layer_ids")
+    if not ids:
+        add("error", "aux-ids-missing", "no eagle_aux_hidden_state_layer_ids: engines then pick their own "
+            "default layers, which need not be the ones the drafter was trained on",
+            "write eagle_config.eagle_aux_hidden_state_layer_ids (boundary convention)")
+        return
+    if ids[0] == 1:
+        add("error", "aux-ids-start-1", f"aux ids {ids} start with 1: SGLang adds 1 to every id of such a list "
+            "(it reads it as 'output of layer i'), shifting all three captured states",
+            "retrain/export with boundary ids (default (2, L//2, L-3)); if the ids really are 'output of layer i', "
+            "add 1 to each")
+    if len(set(ids)) != len(ids) or list(ids) != sorted(ids):
+        add("warning", "aux-ids-order", f"aux ids {ids} are not distinct and ascending",
+            "check the fc column blocks follow the same order as the ids")
+    if t is not None:
+        L = int(t["num_hidden_layers"])
+        bad = [i for i in ids if not 1 <= i < L]
+        if bad:
+            add("error", "aux-ids-range", f"aux ids {bad} outside [1, {L - 1}] for a {L}-layer target",
+                f"use boundary ids in [1, {L - 1}] (default [2, {L // 2}, {L - 3}])")
+    trained = (record or {}).get("trained_with", {}).get("aux_layer_ids")
+    if trained is not None and list(trained) != list(ids):
+        add("error", "aux-ids-trained", f"config says aux ids {ids} but the drafter was trained on {trained}",
+            f"write {trained} in eagle_config.eagle_aux_hidden_state_layer_ids")
+
+
+def _check_against_target(c: dict, t: dict, add) -> None:
+    theta, scaling = rope_of(c)
+    t_theta, t_scaling = rope_of(t)
+    if not math.isclose(theta, t_theta, rel_tol=1e-6):
+        add("error", "rope-theta", f"rope_theta={theta} but the target uses {t_theta}",
+            f"set rope_theta={t_theta} (copy the target's RoPE)")
+    if (scaling or {}) != (t_scaling or {}):
+        add("error", "rope-scaling", f"rope_scaling={scaling} but the target uses {t_scaling}",
+            f"set rope_scaling={t_scaling} (and rope_parameters) from the target's config")
+    mp, t_mp = c.get("max_position_embeddings"), t.get("max_position_embeddings")
+    if t_mp is not None and mp != t_mp:
+        add("error", "max-positions", f"max_position_embeddings={mp} but the target has {t_mp}: engines cap or "
+            "rescale the drafter's positions and long-context acceptance collapses",
+            f"set max_position_embeddings={t_mp}")
+    eps, t_eps = c.get("rms_norm_eps"), t.get("rms_norm_eps")
+    if t_eps is not None and (eps is None or not math.isclose(float(eps), float(t_eps), rel_tol=1e-6)):
+        add("error", "rms-eps", f"rms_norm_eps={eps} but the target uses {t_eps}", f"set rms_norm_eps={t_eps}")
+    for key in ("num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act"):
+        if t.get(key) is not None and c.get(key) != t.get(key):
+            add("warning", f"{key.replace('_', '-')}", f"{key}={c.get(key)} differs from the target's {t[key]}",
+                f"the drafter normally copies {key} from the target")
+    if int(c.get("vocab_size") or 0) != int(t["vocab_size"]):
+        add("error", "vocab-size", f"vocab_size={c.get('vocab_size')} but the target's vocab is {t['vocab_size']}",
+            f"set vocab_size={t['vocab_size']} (the target's V; the draft vocab goes in draft_vocab_size)")
+    Ht = int(c.get("target_hidden_size") or c["hidden_size"])
+    if Ht != int(t["hidden_size"]):
+        add("error", "target-hidden", f"target hidden size {Ht} (target_hidden_size or hidden_size) but the "
+            f"target's is {t['hidden_size']}", f"set target_hidden_size={t['hidden_size']}")
+
+
+def _check_flags(c: dict, record: dict | None, add) -> None:
+    if c.get("fc_norm") and c.get("norm_before_fc"):
+        add("error", "fc-norm-and-norm-before-fc", "fc_norm and norm_before_fc are both true",
+            "the two options exclude each other; keep the one the drafter was trained with")
+    trained = (record or {}).get("trained_with")
+    if not trained:
+        add("warning", "no-training-record", f"no {RECORD}: whether norm_output matches training cannot be "
+            "checked from files", "export with Fledge, or confirm how the checkpoint was trained")
+        return
+    spec = (record or {}).get("spec") or {}
+    if spec.get("rope"):
+        theta, scaling = rope_of({"rope_parameters": spec["rope"]})
+        if (theta, scaling or {}) != (rope_of(c)[0], rope_of(c)[1] or {}):
+            add("error", "rope-trained", f"config RoPE {rope_of(c)} differs from the RoPE the drafter was trained "
+                f"with {(theta, scaling)}", "write the training RoPE (the target's) into config.json")
+    if spec.get("max_position_embeddings") and c.get("max_position_embeddings") != spec["max_position_embeddings"]:
+        add("error", "max-positions-trained", f"max_position_embeddings={c.get('max_position_embeddings')} but "
+            f"the drafter was trained with {spec['max_position_embeddings']} (the target's)",
+            f"set max_position_embeddings={spec['max_position_embeddings']}")
+    for key in ("fc_norm", "norm_output", "norm_before_fc"):
+        if trained.get(key) is not None and bool(c.get(key)) != bool(trained[key]):
+            add("error", f"{key.replace('_', '-')}-mismatch",
+                f"config.json says {key}={bool(c.get(key))} but the drafter was trained with {key}="
+                f"{bool(trained[key])}: the engine would run a different forward than training",
+                f'set "{key}": {str(bool(trained[key])).lower()} in config.json')
+
+
+def _check_tensors(d: Path, config: dict, c: dict, add) -> None:
+    try:
+        headers = tensor_headers(d)
+    except (OSError, ValueError, KeyError) as e:
+        add("error", "no-weights", f"cannot read the safetensors in {d}: {e}", "re-export the drafter")
+        return
+    expected = expected_tensors(config, include_embed="embed_tokens.weight" in headers)
+    V, Vd = int(c["vocab_size"]), int(c.get("draft_vocab_size") or c["vocab_size"])
+    if Vd == V:  # public checkpoints may omit the maps when the draft vocab is the full vocab
+        for name in ("d2t", "t2d"):
+            if name not in headers:
+                expected.pop(name)
+    elif "t2d" not in headers:
+        expected.pop("t2d")
+        add("warning", "no-t2d", "t2d is missing (engines ignore it; training and the loader rebuild it from d2t)",
+            "re-export with t2d for fine-tuning")
+    for name in sorted(set(headers) - set(expected)):
+        if name.startswith("fc_norm.") and not c.get("fc_norm"):
+            add("error", "fc-norm-flag", f"{name} is present but config.json has fc_norm false: engines drop "
+                "the per-aux norms and run EAGLE-3 on a 3.1 drafter", 'set "fc_norm": true')
+        elif name == "input_norm.weight" and not c.get("norm_before_fc"):
+            add("error", "norm-before-fc-flag", "input_norm.weight is present but norm_before_fc is not set",
+                'set "norm_before_fc": true (and check fc_norm is false)')
+        else:
+            add("error", "unexpected-tensor", f"unexpected tensor {name} {headers[name][0]}",
+                "remove it: vLLM's loader fails on names it does not know")
+    for name, (shape, dtype) in expected.items():
+        if name not in headers:
+            add("error", "missing-tensor", f"missing tensor {name} {list(shape)}",
+                "re-export the drafter (tensor names per SPEC.md section 6)")
+            continue
+        got_shape, got_dtype = headers[name]
+        if tuple(got_shape) != tuple(shape):
+            add("error", "shape", f"{name} has shape {list(got_shape)}, the config implies {list(shape)}",
+                "fix config.json (sizes copied from the target) or re-export the weights")
+        if got_dtype != _ST_DTYPE[dtype]:
+            level = "error" if name in ("d2t", "t2d") else "warning"
+            add(level, "dtype", f"{name} is {got_dtype}, expected {_ST_DTYPE[dtype]}",
+                f"cast {name} to {dtype} (d2t int64 offsets, t2d bool; weights bf16)")
+    if "d2t" in headers:
+        _check_vocab_maps(d, V, Vd, headers, add)
+
+
+def _check_vocab_maps(d: Path, V: int, Vd: int, headers: dict, add) -> None:
+    """d2t are offsets: target_id = i + d2t[i], strictly ascending, inside [0, V); t2d marks the same ids."""
+    tensors = read_tensors(d)
+    d2t = tensors["d2t"].to(torch.int64)
+    if d2t.numel() != Vd:
+        return  # reported as a shape error
+    ids = torch.arange(Vd) + d2t
+    if bool((ids < 0).any() or (ids >= V).any()):
+        add("error", "d2t-range", f"d2t maps draft ids to target ids outside [0, {V})",
+            "rebuild the draft vocab (d2t = sel - arange(Vd), sel sorted target ids)")
+        return
+    if Vd > 1 and not bool((ids[1:] > ids[:-1]).all()):
+        add("error", "d2t-order", "i + d2t[i] is not strictly ascending: d2t holds absolute ids or a "
+            "non-sorted selection (lm_head rows must be in ascending target-id order)",
+            "rebuild the draft vocab: sel = sorted target ids, d2t = sel - arange(Vd)")
+    if "t2d" in tensors and tensors["t2d"].numel() == V:
+        t2d = tensors["t2d"].to(torch.bool)
+        marked = torch.zeros(V, dtype=torch.bool)
+        marked[ids.clamp(0, V - 1)] = True
+        if not torch.equal(marked, t2d):
+            add("error", "t2d-mismatch", f"t2d marks {int(t2d.sum())} ids that differ from d2t's {Vd} target ids "
+                "(a stale or mixed vocab map)", "rebuild t2d from d2t (t2d[i + d2t[i]] = true), or re-export")
+
+
+def compose_recipe(recipe: str, overrides: list[str] | None = None):
+    """The typed Config of ``conf/recipe/<recipe>.yaml`` (Hydra's compose API over conf/)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from train.main import CONF_DIR, to_config  # registers the schema
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return to_config(compose(config_name="config", overrides=[f"recipe={recipe}", *(overrides or [])]))
+
+
+def resolve_target_config(target: str | None = None, recipe: str | None = None,
+                          drafter_dir: str | Path | None = None) -> dict | None:
+    """The target's config for the CLIs: ``target`` = a local dir, a config.json, or a hub id; else the
+    recipe's target (its local dir or ``config_overrides``); else the target named in the export's record."""
+    import json
+
+    if recipe:
+        from models.export import load_target_config
+
+        return load_target_config(compose_recipe(recipe).target)
+    if target is None and drafter_dir is not None:
+        rec = read_json(Path(drafter_dir) / RECORD) or {}
+        target = (rec.get("target") or {}).get("name_or_path")
+    if not target:
+        return None
+    p = Path(target)
+    if p.is_file():
+        return target_config_dict(json.loads(p.read_text()))
+    if (p / "config.json").exists():
+        return target_config_dict(json.loads((p / "config.json").read_text()))
+    from transformers import AutoConfig
+
+    return target_config_dict(AutoConfig.from_pretrained(target))
