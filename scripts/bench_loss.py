@@ -1,0 +1,141 @@
+"""Peak memory and time of the TTT loss (forward + backward over K steps): fused kernel vs torch paths.
+
+Each step k has its own drafter state y_k [N, H] and teacher state t_k [N, Ht]; the lm_heads W_d [Vd, H]
+(trainable) and W_t [Vd, Ht] (frozen) are shared; the total is sum_k 0.8^k L_k, then one backward, as in
+training. "extra peak" is the peak memory above what the inputs already hold, so it is the loss's own cost.
+
+GPU (the issue's shapes):  python scripts/bench_loss.py --device cuda
+CPU (torch paths, reduced): python scripts/bench_loss.py --device cpu --h 512 --vd 8000 --n 512 2048
+On CPU every measurement runs in a fresh subprocess and the peak is the growth of the process's max RSS.
+Prints a markdown table; ratios are against the chunked torch path measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from models.kernels.fused_loss import fused_draft_loss  # noqa: E402
+
+
+def _make_inputs(n, h, ht, vd, k, device, dtype):
+    g = torch.Generator(device=device).manual_seed(0)
+    ys = [torch.randn(n, h, device=device, dtype=dtype, generator=g).requires_grad_() for _ in range(k)]
+    ts = [torch.randn(n, ht, device=device, dtype=dtype, generator=g) for _ in range(k)]
+    w_d = (torch.randn(vd, h, device=device, dtype=dtype, generator=g) * h**-0.5).requires_grad_()
+    w_t = torch.randn(vd, ht, device=device, dtype=dtype, generator=g) * ht**-0.5
+    m = (torch.rand(n, device=device, generator=g) > 0.2).float()
+    return ys, ts, w_d, w_t, m
+
+
+def _step(impl, ys, ts, w_d, w_t, m, chunk_size):
+    total = 0.0
+    for k, (y, t) in enumerate(zip(ys, ts)):
+        loss, _ = fused_draft_loss(y, w_d, t, w_t, m, impl=impl, chunk_size=chunk_size)
+        total = total + 0.8**k * loss
+    total.backward()
+    for x in ys + [w_d]:
+        x.grad = None
+    return total.item()
+
+
+def _sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(impl, n, args) -> dict:
+    """One (impl, N) point in this process: {'ms': median wall time, 'peak_mib': extra peak memory}."""
+    device, dtype = args.device, getattr(torch, args.dtype)
+    inputs = _make_inputs(n, args.h, args.ht or args.h, args.vd, args.k, device, dtype)
+    try:
+        if device == "cuda":
+            _step(impl, *inputs, args.chunk_size)  # warm-up: Triton compiles, cuBLAS picks algorithms
+            _sync(device)
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        else:
+            base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        times = []
+        for _ in range(args.reps):
+            _sync(device)
+            start = time.perf_counter()
+            _step(impl, *inputs, args.chunk_size)
+            _sync(device)
+            times.append((time.perf_counter() - start) * 1e3)
+        if device == "cuda":
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+        else:
+            peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 2**10  # KiB on Linux
+        return {"ms": statistics.median(times), "peak_mib": peak}
+    except torch.OutOfMemoryError:
+        return {"ms": None, "peak_mib": None, "oom": True}
+
+
+def _measure_in_subprocess(impl, n, argv) -> dict:
+    out = subprocess.run([sys.executable, __file__, *argv, "--one", impl, str(n)],
+                         capture_output=True, text=True, env=dict(os.environ))
+    if out.returncode != 0:
+        return {"ms": None, "peak_mib": None, "error": out.stderr.strip().splitlines()[-1:]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _fmt(x, unit):
+    return "-" if x is None else f"{x:,.0f} {unit}"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    p.add_argument("--n", type=int, nargs="+", default=[2048, 8192, 32768], help="rows per step (tokens)")
+    p.add_argument("--h", type=int, default=4096, help="drafter hidden size")
+    p.add_argument("--ht", type=int, default=0, help="target hidden size (default: --h)")
+    p.add_argument("--vd", type=int, default=32000, help="draft vocab size")
+    p.add_argument("--k", type=int, default=7, help="TTT steps")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--chunk-size", type=int, default=1024, help="row chunk of the chunked torch path")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--impls", nargs="+", default=None, help="default: triton chunked naive on cuda, "
+                   "chunked naive on cpu")
+    p.add_argument("--one", nargs=2, metavar=("IMPL", "N"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.one:
+        print(json.dumps(measure(args.one[0], int(args.one[1]), args)))
+        return
+    impls = args.impls or (["triton", "chunked", "naive"] if args.device == "cuda" else ["chunked", "naive"])
+    passthrough = [a for a in (argv if argv is not None else sys.argv[1:])]
+    ht = args.ht or args.h
+    print(f"K={args.k}, H={args.h}, Ht={ht}, Vd={args.vd}, {args.dtype}, device={args.device} "
+          f"({torch.cuda.get_device_name() if args.device == 'cuda' else 'CPU'}), chunk_size={args.chunk_size}, "
+          f"median of {args.reps}; extra peak = memory above the inputs during forward+backward\n")
+    print("| N | impl | time | extra peak | speed-up vs chunked | peak vs chunked |")
+    print("|---|---|---|---|---|---|")
+    for n in args.n:
+        rows = {}
+        for impl in impls:
+            if args.device == "cuda":
+                rows[impl] = measure(impl, n, args)
+                torch.cuda.empty_cache()
+            else:
+                rows[impl] = _measure_in_subprocess(impl, n, passthrough)
+        ref = rows.get("chunked", {})
+        for impl, r in rows.items():
+            note = " (OOM)" if r.get("oom") else (f" (error: {r['error']})" if r.get("error") else "")
+            t_ratio = f"{ref['ms'] / r['ms']:.2f}x" if r["ms"] and ref.get("ms") else "-"
+            m_ratio = f"{r['peak_mib'] / ref['peak_mib']:.2f}x" if r["peak_mib"] and ref.get("peak_mib") else "-"
+            print(f"| {n} | {impl}{note} | {_fmt(r['ms'], 'ms')} | {_fmt(r['peak_mib'], 'MiB')} | {t_ratio} | "
+                  f"{m_ratio} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""The Triton kernels compiled for a real GPU, at the issue's shapes, against their torch references.
+
+Skipped without CUDA (tests/conftest.py). Run on a GPU machine:
+    python -m pytest tests/gpu/test_kernels_gpu.py -q
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.kernels import dequantize_e4m3, fused_draft_loss, quantize_e4m3, rms_norm
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+
+def _loss_inputs(n, h, ht, vd, dtype, seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    y = torch.randn(n, h, device=DEV, generator=g).to(dtype)
+    w_d = (torch.randn(vd, h, device=DEV, generator=g) * h**-0.5).to(dtype)
+    t = torch.randn(n, ht, device=DEV, generator=g).to(dtype)
+    w_t = (torch.randn(vd, ht, device=DEV, generator=g) * 3 * ht**-0.5).to(dtype)
+    m = (torch.rand(n, device=DEV, generator=g) > 0.2).float()
+    return y, w_d, t, w_t, m
+
+
+def _run(impl, inputs, chunk_size=512):
+    y, w_d, t, w_t, m = (x.detach().clone() for x in inputs)
+    y.requires_grad_()
+    w_d.requires_grad_()
+    loss, arg = fused_draft_loss(y, w_d, t, w_t, m, impl=impl, chunk_size=chunk_size)
+    loss.backward()
+    return loss.detach(), arg, y.grad.float(), w_d.grad.float()
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("n,h,vd", [(1000, 4096, 32000), (4096, 4096, 32000), (333, 2048, 1000)])
+def test_fused_loss_bf16_matches_fp32_oracle(n, h, vd):
+    inputs = _loss_inputs(n, h, h, vd, torch.bfloat16)
+    got = _run("triton", inputs)
+    ref = _run("chunked", tuple(x.float() for x in inputs))  # fp32 logits: the kernel keeps them fp32 too
+    assert abs(got[0].item() - ref[0].item()) <= 1e-3 * abs(ref[0].item())
+    assert (got[1] == ref[1]).float().mean().item() > 0.99  # bf16 inputs may flip near-ties
+    assert _rel(got[2], ref[2]) < 1e-2
+    assert _rel(got[3], ref[3]) < 1e-2
+
+
+def test_fused_loss_fp32_exact_path():
+    inputs = _loss_inputs(777, 512, 384, 5000, torch.float32)
+    got, ref = _run("triton", inputs), _run("naive", inputs)
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-4)
+    assert torch.equal(got[1], ref[1])
+    assert _rel(got[2], ref[2]) < 1e-5 and _rel(got[3], ref[3]) < 1e-5
+
+
+def test_fused_loss_memory_is_independent_of_vocab():
+    # Extra peak of forward+backward beyond inputs and the fp32 gradient buffers: no [N, Vd] term.
+    n, h = 8192, 1024
+    peaks = []
+    for vd in (8000, 32000):
+        inputs = _loss_inputs(n, h, h, vd, torch.bfloat16)
+        y, w_d, t, w_t, m = inputs
+        y.requires_grad_()
+        w_d.requires_grad_()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fused_draft_loss(y, w_d, t, w_t, m, impl="triton")[0].backward()
+        torch.cuda.synchronize()
+        grads = n * h * 2 + vd * h * 2  # bf16 .grad tensors that stay allocated
+        fp32_bufs = (n * h + vd * h) * 4  # the kernel's fp32 accumulators
+        peaks.append(torch.cuda.max_memory_allocated() - base - grads - fp32_bufs)
+    logits_bytes = n * 8000 * 4
+    assert max(peaks) < logits_bytes / 4, f"extra peaks {peaks} B vs one [N, 8000] fp32 logits {logits_bytes} B"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rmsnorm_kernel(dtype):
+    x = (torch.randn(4096, 4096, device=DEV) * 2).to(dtype).requires_grad_()
+    w = (1 + 0.1 * torch.randn(4096, device=DEV)).to(dtype).requires_grad_()
+    dout = torch.randn_like(x)
+    out = rms_norm(x, w, 1e-5, impl="triton")
+    out.backward(dout)
+    x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    ref = torch.nn.functional.rms_norm(x32, (4096,), w32, 1e-5)
+    ref.backward(dout.float())
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert out.dtype == dtype
+    assert _rel(out, ref) < tol and _rel(x.grad, x32.grad) < tol and _rel(w.grad, w32.grad) < tol
+
+
+@pytest.mark.parametrize("shape", [(8192, 4096), (3, 100, 12288)])
+def test_fp8_kernels_match_torch(shape):
+    x = torch.randn(*shape, device=DEV) * torch.logspace(-3, 3, shape[-2], device=DEV)[:, None]
+    q, s = quantize_e4m3(x, impl="triton")
+    q_ref, s_ref = quantize_e4m3(x, impl="torch")
+    torch.testing.assert_close(s, s_ref, rtol=0, atol=0)
+    assert (q.float() != q_ref.float()).float().mean().item() < 1e-4
+    for dtype in (torch.bfloat16, torch.float32):
+        torch.testing.assert_close(dequantize_e4m3(q, s, dtype, impl="triton"),
+                                   dequantize_e4m3(q, s, dtype, impl="torch"), rtol=0, atol=0)

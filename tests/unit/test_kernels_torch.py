@@ -1,0 +1,111 @@
+"""The kernels' torch paths: chunked loss vs the materialised one and vs the formula, fp8, RMSNorm."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models.kernels import RMSNorm, dequantize_e4m3, fused_draft_loss, quantize_e4m3, rms_norm
+
+
+def _inputs(dtype=torch.float32, n=45, h=32, ht=24, vd=50, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randn(n, h, generator=g).to(dtype)
+    w_d = (torch.randn(vd, h, generator=g) * 0.3).to(dtype)
+    t = torch.randn(n, ht, generator=g).to(dtype)
+    w_t = (torch.randn(vd, ht, generator=g) * 0.5).to(dtype)
+    m = (torch.rand(n, generator=g) > 0.3).float()
+    return y, w_d, t, w_t, m
+
+
+def _grads(impl, inputs, reduction="sum", chunk_size=8):
+    y, w_d, t, w_t, m = (x.clone() for x in inputs)
+    y.requires_grad_()
+    w_d.requires_grad_()
+    loss, arg = fused_draft_loss(y, w_d, t, w_t, m, impl=impl, chunk_size=chunk_size, reduction=reduction)
+    up = torch.linspace(-1, 2, m.numel()) if reduction == "none" else torch.tensor(0.7)
+    (loss * up).sum().backward()
+    return loss.detach(), arg, y.grad, w_d.grad
+
+
+def test_naive_matches_the_formula_of_spec_section_4():
+    y, w_d, t, w_t, m = _inputs()
+    p = torch.softmax(t @ w_t.T, -1)
+    b = y @ w_d.T
+    want = (m * (torch.logsumexp(b, -1) - (p * b).sum(-1))).sum()
+    loss, arg = fused_draft_loss(y, w_d, t, w_t, m, impl="naive")
+    torch.testing.assert_close(loss, want)
+    assert torch.equal(arg, b.argmax(-1))
+    # dL/db = m * (softmax(b) - p), so dL/dy = that @ W_d.
+    y2 = y.clone().requires_grad_()
+    fused_draft_loss(y2, w_d, t, w_t, m, impl="naive")[0].backward()
+    torch.testing.assert_close(y2.grad, (m[:, None] * (torch.softmax(b, -1) - p)) @ w_d)
+
+
+@pytest.mark.parametrize("reduction", ["sum", "none"])
+@pytest.mark.parametrize("chunk_size", [7, 1000])
+def test_chunked_matches_naive(reduction, chunk_size):
+    inputs = _inputs()
+    got, want = _grads("chunked", inputs, reduction, chunk_size), _grads("naive", inputs, reduction)
+    assert torch.equal(got[1], want[1])
+    for a, b in zip(got[:1] + got[2:], want[:1] + want[2:]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_chunked_bf16_keeps_dtypes_and_fp32_loss():
+    inputs = _inputs(torch.bfloat16)
+    loss, _, dy, dw = _grads("chunked", inputs)
+    ref = _grads("naive", tuple(x.float() for x in inputs))
+    assert loss.dtype == torch.float32 and dy.dtype == dw.dtype == torch.bfloat16
+    torch.testing.assert_close(loss, ref[0], rtol=2e-2, atol=1e-2)
+    torch.testing.assert_close(dw.float(), ref[3], rtol=5e-2, atol=2e-2)
+
+
+def test_masked_rows_do_not_count():
+    y, w_d, t, w_t, m = _inputs()
+    keep = m.bool()
+    full, _ = fused_draft_loss(y, w_d, t, w_t, m)
+    kept, _ = fused_draft_loss(y[keep], w_d, t[keep], w_t, m[keep], impl="naive")
+    torch.testing.assert_close(full, kept)
+
+
+def test_bad_arguments_raise_value_error():
+    y, w_d, t, w_t, m = _inputs()
+    with pytest.raises(ValueError, match="impl"):
+        fused_draft_loss(y, w_d, t, w_t, m, impl="cuda")
+    with pytest.raises(ValueError, match="W_t"):
+        fused_draft_loss(y, w_d, t, w_t[:-1], m)
+    with pytest.raises(ValueError, match="chunk_size"):
+        fused_draft_loss(y, w_d, t, w_t, m, chunk_size=0)
+
+
+def test_fp8_torch_round_trip_error_bound():
+    x = torch.randn(4, 6, 64) * torch.logspace(-4, 4, 6).view(1, 6, 1)
+    q, s = quantize_e4m3(x)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (4, 6)
+    back = dequantize_e4m3(q, s, torch.float32)
+    # e4m3 keeps 3 mantissa bits: relative error <= 2**-4, except near zero where subnormals step by
+    # scale * 2**-9.
+    assert ((back - x).abs() <= x.abs() * 2**-4 + s[..., None] * 2**-9).all()
+    torch.testing.assert_close(q.float().abs().amax(-1), torch.full((4, 6), 448.0))
+
+
+def test_rmsnorm_module_torch_path_matches_transformers():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    ref = LlamaRMSNorm(48, eps=1e-5)
+    ours = RMSNorm(48, eps=1e-5)
+    with torch.no_grad():
+        ref.weight.normal_()
+        ours.weight.copy_(ref.weight)
+    x = torch.randn(3, 5, 48)
+    torch.testing.assert_close(ours(x), ref(x))
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm(x, torch.ones(47))
+
+
+def test_dtype_mismatch_raises():
+    y, w_d, t, w_t, m = _inputs()
+    with pytest.raises(ValueError, match="dtype"):
+        fused_draft_loss(y.bfloat16(), w_d, t, w_t, m)
