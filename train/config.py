@@ -90,7 +90,7 @@ class DataConfig:
 class CaptureConfig:
     mode: str = "offline"  # offline (feature store) | online (target beside the drafter)
     dtype: str = "bf16"  # bf16 | fp8 (e4m3 with per-token scales; aux states only)
-    shard_size_mb: int = 1024
+    shard_size_mb: float = 1024  # per shard file (tests use fractions of a MiB)
     batch_tokens: int = 16384  # tokens per target forward
     device_map: Optional[str] = None  # e.g. "auto" to spread a big target over a node's GPUs
 
@@ -158,6 +158,10 @@ class EvalConfig:
     temperature: float = 0.0
     sets: list[str] = field(default_factory=lambda: ["default", "perturbed", "long"])
     heldout_steps: int = 0  # held-out per-step accuracy up to this many steps (0 -> 2K)
+    long_prompt_tokens: int = 1024  # the "long" set: prompts grown to about this many tokens with held-out context
+    degenerate_threshold: float = 0.5  # outputs with a distinct-3-gram ratio below this count as degenerate (loops)
+    drift_depth: int = 0  # draft depth of the attention-drift diagnostics (0 -> max(draft_tokens, 2K))
+    lookup_max_ngram: int = 3  # prompt-lookup baseline: longest n-gram matched in the context
 
 
 @dataclass

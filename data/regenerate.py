@@ -1,0 +1,175 @@
+"""Regeneration: re-answer the user turns of chat data with the target itself (EAGLE's recommended data).
+
+Not a pipeline stage: run ``scripts/regenerate.py`` (or :func:`regenerate`) once and point
+``data.sources`` at its output. Each assistant message is replaced, in order, by the target's answer to
+the conversation so far (earlier answers already regenerated); assistant messages carrying tool calls
+are kept as they are (their tool results would not match new calls).
+
+Two backends: :class:`OpenAIBackend` (a running vLLM / SGLang server's ``/v1/chat/completions``, stdlib
+HTTP) and :class:`TransformersBackend` (in-process ``generate``, for small targets). The output jsonl is
+append-only, one line per finished conversation keyed by ``index``; a restarted run skips indices already
+there, so an interrupted run resumes. Each line records what was regenerated and how.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+from typing import Iterable, Protocol
+
+log = logging.getLogger(__name__)
+
+
+class Backend(Protocol):
+    name: str
+
+    def complete(self, messages: list[dict], temperature: float, max_tokens: int) -> dict:
+        """``{"content", "finish_reason", "reasoning_content"?}`` for the next assistant turn."""
+
+
+class OpenAIBackend:
+    """An OpenAI-compatible chat endpoint, e.g. ``http://127.0.0.1:8000/v1`` (vLLM, SGLang)."""
+
+    def __init__(self, base_url: str, model: str, api_key: str | None = None, timeout: float = 600.0,
+                 retries: int = 3):
+        self.url = base_url.rstrip("/") + "/chat/completions"
+        self.name, self.api_key, self.timeout, self.retries = model, api_key, timeout, retries
+
+    def complete(self, messages: list[dict], temperature: float, max_tokens: int) -> dict:
+        body = json.dumps({"model": self.name, "messages": messages, "temperature": temperature,
+                           "max_tokens": max_tokens}).encode()
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        for attempt in range(self.retries + 1):
+            try:
+                req = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
+                with urllib.request.urlopen(req, timeout=self.timeout) as r:
+                    choice = json.loads(r.read())["choices"][0]
+                break
+            except urllib.error.HTTPError as e:
+                if e.code < 500 or attempt == self.retries:  # 4xx: our request is wrong, retrying won't help
+                    raise RuntimeError(f"{self.url}: HTTP {e.code}: {e.read()[:300]!r}") from None
+            except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+                if attempt == self.retries:
+                    raise RuntimeError(f"{self.url}: unreachable after {attempt + 1} tries ({e})") from None
+            time.sleep(min(2 ** attempt, 30))
+        msg = choice["message"]
+        out = {"content": msg.get("content") or "", "finish_reason": choice.get("finish_reason")}
+        reasoning = msg.get("reasoning_content") or msg.get("reasoning")
+        if reasoning:
+            out["reasoning_content"] = reasoning
+        return out
+
+
+class TransformersBackend:
+    """In-process generation with a transformers causal LM and its chat template (small targets).
+    Calls are serialised (one model, one forward at a time)."""
+
+    def __init__(self, model, tokenizer, name: str = "in-process"):
+        self.model, self.tok, self.name = model, tokenizer, name
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_pretrained(cls, path: str, revision: str | None = None, trust_remote_code: bool = False,
+                        device: str = "cpu") -> "TransformersBackend":
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code,
+                                                     dtype="auto").to(device).eval()
+        return cls(model, tok, name=path)
+
+    def complete(self, messages: list[dict], temperature: float, max_tokens: int) -> dict:
+        import torch
+
+        enc = self.tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True,
+                                           return_tensors="pt")
+        ids = enc["input_ids"].to(self.model.device)
+        kw = {"do_sample": temperature > 0, "max_new_tokens": max_tokens,
+              "pad_token_id": self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id}
+        if temperature > 0:
+            kw["temperature"] = temperature
+        with self._lock, torch.no_grad():
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+        new = out[0, ids.shape[1]:].tolist()
+        eos = self.tok.eos_token_id
+        eos = set([eos] if isinstance(eos, int) else (eos or []))
+        stopped = bool(new) and new[-1] in eos
+        return {"content": self.tok.decode(new, skip_special_tokens=True),
+                "finish_reason": "stop" if stopped else "length"}
+
+
+def done_indices(out_path: str | Path) -> set[int]:
+    """Indices already in the output jsonl (a torn last line from a kill is ignored)."""
+    p = Path(out_path)
+    if not p.exists():
+        return set()
+    done = set()
+    for line in p.read_text(encoding="utf-8").splitlines():
+        try:
+            done.add(int(json.loads(line)["index"]))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            continue
+    return done
+
+
+def regenerate_one(conv: dict, backend: Backend, temperature: float, max_tokens: int) -> dict:
+    """The conversation with every plain assistant turn re-answered by ``backend``."""
+    messages, finish = [], []
+    for m in conv["messages"]:
+        if m["role"] != "assistant" or m.get("tool_calls"):
+            messages.append(m)
+            continue
+        r = backend.complete(messages, temperature, max_tokens)
+        messages.append({"role": "assistant", **{k: v for k, v in r.items() if k != "finish_reason"}})
+        finish.append(r.get("finish_reason"))
+    out = {k: v for k, v in conv.items() if k not in ("messages", "where", "copy")}
+    out["messages"] = messages
+    out["regenerated"] = {"model": backend.name, "temperature": temperature, "max_tokens": max_tokens,
+                          "turns": len(finish), "finish_reasons": finish}
+    return out
+
+
+def regenerate(conversations: Iterable[dict], out_path: str | Path, backend: Backend, temperature: float = 0.0,
+               max_tokens: int = 1024, concurrency: int = 4, progress: bool = True) -> dict:
+    """Re-answer ``conversations`` (normalised, each with a unique ``index``) into ``out_path``.
+
+    Appends one json line per finished conversation (flushed at once, so a kill loses at most the
+    conversations in flight) and skips indices already there. Returns counts
+    ``{"done", "skipped_existing", "failed", "first_errors"}``; a failed conversation is not written,
+    so the next run retries it.
+    """
+    from tqdm import tqdm
+
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    have = done_indices(out_path)
+    todo = [c for c in conversations if int(c["index"]) not in have]
+    stats = {"done": 0, "skipped_existing": len(have), "failed": 0, "first_errors": []}
+    lock = threading.Lock()
+    with open(out_path, "a", encoding="utf-8") as f, ThreadPoolExecutor(max(1, concurrency)) as pool:
+        if f.tell() and not out_path.read_bytes().endswith(b"\n"):
+            f.write("\n")  # end a line torn by a kill, so the next record starts on its own line
+        futures = {pool.submit(regenerate_one, c, backend, temperature, max_tokens): c["index"] for c in todo}
+        for fut in tqdm(as_completed(futures), total=len(futures), disable=not progress, desc="regenerate"):
+            try:
+                rec = fut.result()
+            except Exception as e:  # one bad conversation (or a server hiccup) must not lose the others
+                stats["failed"] += 1
+                if len(stats["first_errors"]) < 5:
+                    stats["first_errors"].append(f"index {futures[fut]}: {e}")
+                continue
+            with lock:
+                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                f.flush()
+            stats["done"] += 1
+    if stats["failed"]:
+        log.warning("regenerate: %d conversations failed (rerun to retry): %s", stats["failed"], stats["first_errors"])
+    return stats
