@@ -1,0 +1,95 @@
+"""Attention-drift diagnostics (SPEC.md section 3, EAGLE-3.1's reason): where the drafter looks at each
+draft depth, and how large the state it feeds back is.
+
+Per draft depth d (0 = the last committed row, which makes draft 1; d >= 1 = the fed-back steps):
+
+- ``sink``: attention mass on key 0 (the first token, the usual attention sink);
+- ``context``: mass on the other committed rows (prompt + accepted tokens, fed with real target states);
+- ``drafted``: mass on the drafter's own draft rows of this round (0 at depth 0);
+- ``state_rms``: RMS of the state fed in at that depth (the fused target feature at depth 0).
+
+With pre-norm feedback (EAGLE-3) the fed-back RMS grows with depth and the mass moves from sink and
+context to the drafted rows; post-norm feedback (EAGLE-3.1) keeps the RMS at about 1.
+
+The probabilities are recomputed exactly from what the engine path uses: a forward hook on
+``midlayer.self_attn.q_proj`` gives the query (RoPE applied here with the drafter's own ``rotary_emb``)
+and the ``DraftCache`` holds the keys after RoPE. Nothing in the drafter changes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+FIELDS = ("sink", "context", "drafted", "state_rms")
+
+
+class DriftProbe:
+    """Accumulates the per-depth diagnostics; pass it as ``DrafterProposer(drafter, probe=...)``."""
+
+    def __init__(self, drafter):
+        self.drafter = drafter
+        self.attn = drafter.midlayer.self_attn
+        self._q: torch.Tensor | None = None
+        self._handle = self.attn.q_proj.register_forward_hook(self._keep_last_query)
+        self.sums: dict[int, torch.Tensor] = {}  # depth -> [sink, context, drafted, rms, count]
+        self.last_probs: torch.Tensor | None = None  # [Hq, L] of the latest record (tests check it)
+
+    def _keep_last_query(self, _module, _inputs, out):
+        self._q = out[:, -1:].detach()
+
+    def close(self) -> None:
+        self._handle.remove()
+
+    @torch.no_grad()
+    def record(self, depth: int, position: int, fed: torch.Tensor, cache, n_context: int) -> None:
+        """Called after the draft step at ``depth`` (query at RoPE ``position``; ``fed`` the state fed in;
+        ``cache`` the DraftCache after that step; keys < ``n_context`` are committed rows)."""
+        Hq, D = self.attn.num_heads, self.attn.head_dim
+        q = self._q.view(1, 1, Hq, D).transpose(1, 2)  # [1, Hq, 1, D]
+        cos, sin = self.drafter.rotary_emb(q, torch.tensor([[position]], device=q.device))
+        q, _ = apply_rotary_pos_emb(q, q, cos, sin)
+        k = cache.k[:1]  # [1, Hkv, L, D], RoPE applied when cached
+        k = k.repeat_interleave(Hq // k.shape[1], dim=1)
+        probs = torch.softmax((q.float() @ k.float().transpose(-1, -2)) / math.sqrt(D), -1)[0, :, 0]
+        self.last_probs = probs
+        p = probs.mean(0)  # head average
+        row = torch.stack([p[0], p[1:n_context].sum(), p[n_context:].sum(),
+                           fed.float().pow(2).mean().sqrt().cpu(), torch.tensor(1.0)]).double().cpu()
+        self.sums[depth] = self.sums[depth] + row if depth in self.sums else row
+
+    def summary(self) -> dict[str, list[float]]:
+        """{"depth": [...], "sink": [...], "context": [...], "drafted": [...], "state_rms": [...],
+        "count": [...]}: means over every recorded draft at each depth."""
+        depths = sorted(self.sums)
+        out: dict[str, list[float]] = {"depth": depths}
+        for i, name in enumerate(FIELDS):
+            out[name] = [float(self.sums[d][i] / self.sums[d][4]) for d in depths]
+        out["count"] = [int(self.sums[d][4]) for d in depths]
+        return out
+
+
+def drift_curves(drafter, target, prompts: Sequence[Sequence[int]], depth: int, desc: str = "drift") -> dict:
+    """Greedy chain drafts of ``depth`` tokens after each prompt (no verification: the diagnostics are
+    about the drafter's own unroll), returning ``DriftProbe.summary()``. ``target`` is a
+    ``models.speculative.TargetRunner`` built with the drafter's aux layer ids."""
+    from tqdm import tqdm
+
+    from models.speculative import DrafterProposer
+
+    probe = DriftProbe(drafter)
+    proposer = DrafterProposer(drafter, probe=probe)
+    try:
+        for prompt in tqdm(prompts, desc=desc, leave=False):
+            target.reset()
+            proposer.reset()
+            logits, aux = target.forward(prompt)
+            x = int(logits[-1].argmax())
+            proposer.observe(list(prompt[1:]) + [x], aux)
+            proposer.propose(list(prompt) + [x], depth)
+    finally:
+        probe.close()
+    return probe.summary()

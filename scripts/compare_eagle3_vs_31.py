@@ -1,0 +1,212 @@
+"""EAGLE-3.1 vs EAGLE-3: one comparison report from two runs' eval reports.
+
+Train both drafters on the same data and steps (same recipe, only the drafter group differs), then compare:
+
+    torchrun --nproc_per_node=2 train/main.py recipe=tiny drafter=eagle31 run.name=tiny_eagle31
+    torchrun --nproc_per_node=2 train/main.py recipe=tiny drafter=eagle3  run.name=tiny_eagle3
+    python scripts/compare_eagle3_vs_31.py outputs/tiny_eagle31 outputs/tiny_eagle3 --out outputs/compare_tiny
+
+(The two runs each prepare and capture their own copy; to share them, copy ``prepare/`` and ``capture/``
+from the first run directory into the second before its command: matching manifests are skipped.)
+
+Reads ``<run>/eval/report.json`` of each (train/evaluate.py) and writes to ``--out``: compare.md (also
+printed, ready for the README / recipes/tiny), compare.json, and plots: acceptance per position, drift
+curves and held-out accuracy per step (3.1 solid, 3 dashed), and the offline-estimate vs measured gap per
+position. Figures: AL(3.1)/AL(3) and drafter-minus-lookup AL per set (default / perturbed / long), held-out
+accuracy per step up to 2K, offline AL estimate vs measured AL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import math
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from data.atomic import write_bytes_atomic, write_json_atomic  # noqa: E402
+
+LABELS = ("EAGLE-3.1", "EAGLE-3")
+
+
+def load_report(run_dir: Path, want_31: bool) -> dict:
+    path = Path(run_dir) / "eval" / "report.json"
+    if not path.exists():
+        raise SystemExit(f"{path} not found: run the pipeline through the eval stage for {run_dir}")
+    report = json.loads(path.read_text())
+    flags = report["flags"]
+    if (flags["fc_norm"] and flags["norm_output"]) != want_31 or (not want_31 and any(flags.values())):
+        print(f"warning: {path} has flags {flags}, expected {'EAGLE-3.1' if want_31 else 'EAGLE-3'}", file=sys.stderr)
+    return report
+
+
+def _f(x, d=2):
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{d}f}"
+
+
+def _ratio(a, b):
+    return a / b if b else float("nan")
+
+
+def compare(r31: dict, r3: dict) -> dict:
+    """The comparison figures (JSON-safe)."""
+    out: dict = {"k": r31["k"], "ttt_steps": r31["ttt_steps"], "sets": {}}
+    if r31["k"] != r3["k"] or r31["ttt_steps"] != r3["ttt_steps"]:
+        out["warning"] = f"k / K differ: 3.1 k={r31['k']} K={r31['ttt_steps']}, 3 k={r3['k']} K={r3['ttt_steps']}"
+    for name in [n for n in r31["sets"] if n in r3["sets"]]:
+        a, b = r31["sets"][name], r3["sets"][name]
+        out["sets"][name] = {
+            "al_31": a["drafter"]["al"], "al_3": b["drafter"]["al"],
+            "al_ratio": _ratio(a["drafter"]["al"], b["drafter"]["al"]),
+            "lookup_al": a["lookup"]["al"],
+            "minus_lookup_31": a["al_minus_lookup"], "minus_lookup_3": b["al_minus_lookup"],
+            "al_ratio_non_degenerate": _ratio(a["drafter_non_degenerate"]["al"], b["drafter_non_degenerate"]["al"]),
+            "minus_lookup_non_degenerate_31": a["al_minus_lookup_non_degenerate"],
+            "minus_lookup_non_degenerate_3": b["al_minus_lookup_non_degenerate"],
+            "accept_at_31": a["drafter"]["accept_at"], "accept_at_3": b["drafter"]["accept_at"],
+            "distinct3": a["distinct3_mean"],
+        }
+    for key in ("heldout", "offline_vs_measured", "drift"):
+        out[key] = {LABELS[0]: r31.get(key), LABELS[1]: r3.get(key)}
+    return out
+
+
+def markdown(c: dict) -> str:
+    k = c["k"]
+    lines = [f"## EAGLE-3.1 vs EAGLE-3 (chain k={k}, trained K={c['ttt_steps']}, greedy)", ""]
+    if "warning" in c:
+        lines += [f"**Warning:** {c['warning']}", ""]
+    lines += ["| set | AL 3.1 | AL 3 | AL(3.1)/AL(3) | lookup AL | 3.1 - lookup | 3 - lookup | ratio (non-deg.) | "
+              "3.1 - lookup (non-deg.) | 3 - lookup (non-deg.) |", "|---" * 10 + "|"]
+    for name, s in c["sets"].items():
+        lines.append(f"| {name} | {_f(s['al_31'])} | {_f(s['al_3'])} | {_f(s['al_ratio'])} | {_f(s['lookup_al'])} | "
+                     f"{_f(s['minus_lookup_31'])} | {_f(s['minus_lookup_3'])} | {_f(s['al_ratio_non_degenerate'])} | "
+                     f"{_f(s['minus_lookup_non_degenerate_31'])} | {_f(s['minus_lookup_non_degenerate_3'])} |")
+    h31, h3 = c["heldout"][LABELS[0]], c["heldout"][LABELS[1]]
+    if h31 and h3:
+        n = min(h31["steps"], h3["steps"])
+        lines += ["", "Held-out teacher-forced accuracy per step (steps >= K are beyond training):", "",
+                  "| | " + " | ".join(str(j) for j in range(n)) + " |", "|---" * (n + 1) + "|"]
+        for lab, h in ((LABELS[0], h31), (LABELS[1], h3)):
+            lines.append(f"| {lab} acc | " + " | ".join(_f(v) for v in h["acc"][:n]) + " |")
+        for lab, h in ((LABELS[0], h31), (LABELS[1], h3)):
+            lines.append(f"| {lab} full acc | " + " | ".join(_f(v) for v in h["full_acc"][:n]) + " |")
+    o31, o3 = c["offline_vs_measured"][LABELS[0]], c["offline_vs_measured"][LABELS[1]]
+    if o31 and o3:
+        lines += ["", "Offline estimate (held-out full_acc) vs measured acceptance per position (gap = measured - "
+                  "offline):", "", "| position | " + " | ".join(f"{lab} offline | {lab} measured | {lab} gap"
+                                                               for lab in LABELS) + " |", "|---" * 7 + "|"]
+        for i in range(min(len(o31["gap"]), len(o3["gap"]))):
+            cells = [f"{_f(o['offline_full_acc'][i])} | {_f(o['measured_accept_at'][i])} | {_f(o['gap'][i])}"
+                     for o in (o31, o3)]
+            lines.append(f"| {i + 1} | " + " | ".join(cells) + " |")
+        lines.append(f"| AL | {_f(o31['offline_al'])} | {_f(o31['measured_al'])} | "
+                     f"{_f(o31['measured_al'] - o31['offline_al'])} | {_f(o3['offline_al'])} | "
+                     f"{_f(o3['measured_al'])} | {_f(o3['measured_al'] - o3['offline_al'])} |")
+    d31, d3 = c["drift"][LABELS[0]], c["drift"][LABELS[1]]
+    if d31 and d3 and "default" in d31 and "default" in d3:
+        a, b = d31["default"], d3["default"]
+        lines += ["", "Attention drift, default set (sink / own-draft attention mass, fed-back RMS) per depth:", "",
+                  "| depth | 3.1 sink | 3 sink | 3.1 drafted | 3 drafted | 3.1 RMS | 3 RMS |", "|---" * 7 + "|"]
+        for i in range(min(len(a["depth"]), len(b["depth"]))):
+            lines.append(f"| {a['depth'][i]} | {_f(a['sink'][i], 3)} | {_f(b['sink'][i], 3)} | "
+                         f"{_f(a['drafted'][i], 3)} | {_f(b['drafted'][i], 3)} | {_f(a['state_rms'][i], 3)} | "
+                         f"{_f(b['state_rms'][i], 3)} |")
+    lines += ["", "![acceptance](compare_acceptance.png) ![drift](compare_drift.png) "
+              "![held-out](compare_heldout.png) ![gap](compare_gap.png)"]
+    return "\n".join(lines) + "\n"
+
+
+def _save(fig, path: Path) -> None:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    write_bytes_atomic(path, buf.getvalue())
+
+
+def plots(c: dict, r31: dict, r3: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    styles = {LABELS[0]: "-", LABELS[1]: "--"}
+    reports = {LABELS[0]: r31, LABELS[1]: r3}
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in c["sets"]:
+        color = None
+        for lab, r in reports.items():
+            acc = r["sets"][name]["drafter"]["accept_at"]
+            line, = ax.plot(range(1, len(acc) + 1), acc, ls=styles[lab], marker="o", color=color,
+                            label=f"{lab} {name}")
+            color = line.get_color()
+    ax.set(xlabel="draft position", ylabel="P(accepted)", ylim=(0, 1.02), title="Acceptance per position")
+    ax.legend(fontsize=7)
+    _save(fig, out / "compare_acceptance.png")
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, 4, figsize=(14, 3.4))
+    for name in c["sets"]:
+        colors = {}
+        for lab, r in reports.items():
+            d = (r.get("drift") or {}).get(name)
+            if not d:
+                continue
+            for ax, key in zip(axes, ("sink", "context", "drafted", "state_rms")):
+                line, = ax.plot(d["depth"], d[key], ls=styles[lab], marker=".", color=colors.get(key),
+                                label=f"{lab} {name}")
+                colors[key] = line.get_color()
+    for ax, t in zip(axes, ("attention on sink", "attention on context", "attention on own drafts", "fed-back RMS")):
+        ax.set(xlabel="draft depth", title=t)
+    axes[0].legend(fontsize=6)
+    _save(fig, out / "compare_drift.png")
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for lab, r in reports.items():
+        h = r.get("heldout")
+        if h:
+            ax.plot(range(h["steps"]), h["acc"], ls=styles[lab], marker="o", label=f"{lab} acc_k")
+            ax.plot(range(h["steps"]), h["full_acc"], ls=styles[lab], marker="s", label=f"{lab} full_acc_k")
+    ax.axvline(c["ttt_steps"] - 0.5, color="gray", ls=":", label="trained K")
+    ax.set(xlabel="step k", ylim=(0, 1.02), title="Held-out teacher-forced accuracy")
+    ax.legend(fontsize=7)
+    _save(fig, out / "compare_heldout.png")
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for lab, o in c["offline_vs_measured"].items():
+        if o:
+            ax.plot(range(1, len(o["gap"]) + 1), o["gap"], ls=styles[lab], marker="o", label=lab)
+    ax.axhline(0, color="gray", lw=0.8)
+    ax.set(xlabel="draft position", ylabel="measured - offline", title="Offline estimate vs measured acceptance")
+    ax.legend(fontsize=7)
+    _save(fig, out / "compare_gap.png")
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("eagle31_run", type=Path, help="run directory trained with drafter=eagle31")
+    ap.add_argument("eagle3_run", type=Path, help="run directory trained with drafter=eagle3")
+    ap.add_argument("--out", type=Path, default=None, help="output directory (default: <eagle31_run>/compare)")
+    args = ap.parse_args(argv)
+    r31, r3 = load_report(args.eagle31_run, True), load_report(args.eagle3_run, False)
+    out = args.out or args.eagle31_run / "compare"
+    out.mkdir(parents=True, exist_ok=True)
+    c = compare(r31, r3)
+    md = markdown(c)
+    plots(c, r31, r3, out)
+    write_json_atomic(out / "compare.json", c)
+    write_bytes_atomic(out / "compare.md", md.encode())
+    print(md)
+    print(f"written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,191 @@
+"""The eval stage end to end on a tiny random target + exported random drafter: report files, sane numbers,
+every set, the long set really longer; and the metric helpers (distinct n-grams, acceptance stats)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from data.atomic import write_json_atomic
+from models.speculative import DecodeResult, Round
+from train.evaluate import acceptance_stats, distinct_ngram_ratio
+
+TEXTS = ["def add(a, b):\n    return a + b\n", "for i in range(10):\n    print(i * i)\n",
+         "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+         "import os\npath = os.path.join('a', 'b')\n", "while True:\n    break\n"]
+
+
+def _conversations(n):
+    out = []
+    for i in range(n):
+        msgs = [{"role": "user", "content": f"Continue this code:\n{TEXTS[i % 5]}"},
+                {"role": "assistant", "content": TEXTS[(i + 1) % 5] * 2}]
+        out.append({"messages": msgs, "source": "t", "index": i})
+    return out
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from data.tiny_corpus import BOS, CHAT_TEMPLATE, END, PAD, SPECIAL_TOKENS
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(TEXTS * 5, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=END, pad_token=PAD,
+                                   chat_template=CHAT_TEMPLATE, model_max_length=512)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from models.export import training_record, write_drafter
+    from models.serving_config import serving_config, target_config_dict
+    from tests.unit.test_speculative import random_drafter
+
+    root = tmp_path_factory.mktemp("evalrun")
+    tok = _tokenizer()
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tok),
+                                          max_position_embeddings=512, bos_token_id=tok.bos_token_id,
+                                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
+    (root / "target").mkdir()
+    target.save_pretrained(root / "target")
+    tok.save_pretrained(root / "target")
+    drafter = random_drafter(target, vd=200)
+    spec = drafter.spec.to_dict()
+    config = serving_config(target_config_dict(target.config), spec, spec["aux_layer_ids"], spec["draft_vocab_size"])
+    write_drafter(root / "run/export/drafter", drafter.state_dict(), config, training_record(spec))
+    prep = root / "run/prepare"
+    prep.mkdir(parents=True)
+    convs = _conversations(6)
+    for name, cs in (("eval", convs), ("eval_perturbed", [{**c, "messages": [{"role": "system", "content": "Be brief."}]
+                                                            + c["messages"]} for c in convs])):
+        (prep / f"{name}_conversations.jsonl").write_text("".join(json.dumps(c) + "\n" for c in cs))
+    (root / "run/train").mkdir()
+    (root / "run/train/metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, "loss_0": 3.0 / s, "loss_1": 3.5 / s, "acc_0": 0.1 * s, "acc_1": 0.05 * s,
+                    "full_acc_0": 0.1 * s, "full_acc_1": 0.04 * s, "al_estimate": 1 + 0.14 * s}) + "\n"
+        for s in range(1, 5)) + json.dumps({"step": 4, "eval/acc_0": 0.3, "eval/acc_1": 0.2}) + "\n")
+    return root
+
+
+def test_eval_stage_writes_report(run):
+    from train.config import Config
+    from train.distributed import World
+    from train.evaluate import run_stage
+    from train.stages import StageContext
+
+    cfg = Config()
+    cfg.target.name_or_path = str(run / "target")
+    cfg.target.num_hidden_layers = 6
+    cfg.drafter.aux_layer_ids = [2, 3, 4]
+    cfg.drafter.ttt_steps = 2
+    cfg.eval.num_prompts = 3
+    cfg.eval.draft_tokens = 3
+    cfg.eval.max_new_tokens = 12
+    cfg.eval.long_prompt_tokens = 120
+    cfg.eval.temperature = 0.8
+    stage_dir = run / "run/eval"
+    stage_dir.mkdir()
+    ctx = StageContext(cfg, World(0, 1, 0, torch.device("cpu")), run / "run", stage_dir,
+                       {"export": {"outputs": {"drafter": str(run / "run/export/drafter")}}})
+    summary = run_stage(ctx)
+    report = json.loads((stage_dir / "report.json").read_text())
+    assert set(report["sets"]) == {"default", "perturbed", "long"}
+    for name, s in report["sets"].items():
+        for key in ("drafter", "lookup", "drafter_sampled"):
+            assert 1.0 <= s[key]["al"] <= 4.0 and s[key]["rounds"] > 0, (name, key, s[key])
+            assert len(s[key]["accept_at"]) == 3
+            assert all(a >= b for a, b in zip(s[key]["accept_at"], s[key]["accept_at"][1:]))
+        assert s["prompts"] == 3 and 0 <= s["non_degenerate_prompts"] <= 3
+        assert abs(s["al_minus_lookup"] - (s["drafter"]["al"] - s["lookup"]["al"])) < 1e-9
+        assert summary[f"al_{name}"] == s["drafter"]["al"]
+    sets = report["sets"]
+    assert sets["long"]["prompt_tokens_mean"] >= 120 > sets["default"]["prompt_tokens_mean"]
+    assert sets["perturbed"]["prompt_tokens_mean"] > sets["default"]["prompt_tokens_mean"]
+    h = report["heldout"]
+    assert h["steps"] == 4 and len(h["acc"]) == 4 and all(0 <= a <= 1 for a in h["acc"])
+    assert all(f <= a + 1e-9 for f, a in zip(h["full_acc"], h["acc"]))
+    assert all(x >= y for x, y in zip(h["full_acc"], h["full_acc"][1:]))
+    assert report["drift"]["default"]["depth"] == [0, 1, 2, 3]
+    for f in ("report.md", "acceptance.png", "drift.png", "heldout.png", "training.png"):
+        assert (stage_dir / f).stat().st_size > 100, f
+    assert (stage_dir / "acceptance.png").read_bytes()[:4] == b"\x89PNG"
+    md = (stage_dir / "report.md").read_text()
+    assert "| default |" in md and "lookup" in md and "Attention drift" in md
+
+
+def test_distinct_ngram_ratio():
+    assert distinct_ngram_ratio([1, 2, 3, 4, 5]) == 1.0
+    assert distinct_ngram_ratio([1, 2, 1, 2, 1, 2, 1, 2]) == pytest.approx(2 / 6)
+    assert distinct_ngram_ratio([1, 2]) == 1.0
+
+
+def test_acceptance_stats_skips_budget_limited_rounds():
+    a = DecodeResult(tokens=[0] * 9, rounds=[Round(3, 3, 4, False), Round(3, 1, 2, False), Round(1, 1, 2, True)])
+    b = DecodeResult(tokens=[0] * 2, rounds=[Round(3, 0, 1, False)])
+    s = acceptance_stats([a, b], 3)
+    assert s["rounds"] == 3
+    assert s["al"] == pytest.approx((4 + 2 + 1) / 3)
+    assert s["accept_at"] == pytest.approx([2 / 3, 1 / 3, 1 / 3])
+    assert s["accept_cond"] == pytest.approx([2 / 3, 1 / 2, 1.0])
+
+
+def test_compare_script(run, tmp_path):
+    """scripts/compare_eagle3_vs_31.py on two runs' reports (the stage test's report, flags set per kind)."""
+    import importlib.util
+
+    src = run / "run/eval/report.json"
+    if not src.exists():
+        pytest.skip("needs test_eval_stage_writes_report's output")
+    base = json.loads(src.read_text())
+    for name, flag, scale in (("r31", True, 1.0), ("r3", False, 0.5)):
+        rep = json.loads(json.dumps(base))
+        rep["flags"] = {"fc_norm": flag, "norm_output": flag}
+        rep["sets"]["default"]["drafter"]["al"] *= scale
+        write_json_atomic(tmp_path / name / "eval/report.json", rep)
+    spec = importlib.util.spec_from_file_location("cmp", Path(__file__).resolve().parents[2] / "scripts/compare_eagle3_vs_31.py")
+    cmp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cmp)
+    assert cmp.main([str(tmp_path / "r31"), str(tmp_path / "r3"), "--out", str(tmp_path / "out")]) == 0
+    c = json.loads((tmp_path / "out/compare.json").read_text())
+    assert c["sets"]["default"]["al_ratio"] == pytest.approx(2.0)
+    assert c["sets"]["long"]["al_ratio"] == pytest.approx(1.0)
+    md = (tmp_path / "out/compare.md").read_text()
+    assert "AL(3.1)/AL(3)" in md and "| default |" in md and "Held-out" in md
+    for f in ("compare_acceptance.png", "compare_drift.png", "compare_heldout.png", "compare_gap.png"):
+        assert (tmp_path / "out" / f).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_greedy_mismatch_is_an_error(monkeypatch):
+    """A speculative output that leaves plain greedy decoding (not at a numerical tie) fails the stage."""
+    from types import SimpleNamespace
+
+    import train.evaluate as ev
+    from tests.unit.test_speculative import random_drafter, tiny_target
+
+    target = tiny_target()
+    drafter = random_drafter(target)
+    cfg = SimpleNamespace(draft_tokens=2, max_new_tokens=8, lookup_max_ngram=3, temperature=0.0,
+                          degenerate_threshold=0.5)
+    prompts = [[1, 5, 9, 13, 5]]
+    assert ev.evaluate_set("default", prompts, target, drafter, cfg, [], 0)["greedy_ties"] == 0
+    real = ev.speculative_decode
+
+    def corrupt(*args, **kw):
+        res = real(*args, **kw)
+        if not kw.get("temperature") and isinstance(args[1], ev.DrafterProposer):
+            res.tokens[3] = (res.tokens[3] + 1) % target.config.vocab_size
+        return res
+
+    monkeypatch.setattr(ev, "speculative_decode", corrupt)
+    with pytest.raises(AssertionError, match="differs from plain greedy"):
+        ev.evaluate_set("default", prompts, target, drafter, cfg, [], 0)

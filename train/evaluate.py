@@ -1,0 +1,285 @@
+"""The ``eval`` stage: measured acceptance of the exported drafter, honest baselines, drift, held-out accuracy.
+
+For every prompt set (``eval.sets``: ``default``, ``perturbed`` = the data stage's perturbed templates,
+``long`` = prompts grown with more held-out context) it runs, on the same prompts:
+
+- plain greedy decoding of the target (the reference output and the baseline time);
+- speculative decoding with the drafter (greedy: asserted identical to the reference, token for token;
+  and with rejection sampling when ``eval.temperature > 0``);
+- prompt lookup (n-gram copy from the context, same k): the drafter-free baseline that loops inflate.
+
+It also reports the distinct-3-gram ratio of the target's outputs and AL restricted to prompts whose
+output is not degenerate (ratio >= ``eval.degenerate_threshold``), the teacher-forced held-out per-step
+accuracy up to 2K steps (natural text: loops cannot inflate it), and the attention-drift curves.
+Outputs under the stage dir: report.json, report.md and PNG plots (train/report.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from tqdm import tqdm
+
+from data.atomic import read_json
+from models.speculative import (DrafterProposer, LookupProposer, TargetRunner, first_divergence, greedy_decode,
+                                speculative_decode)
+
+log = logging.getLogger(__name__)
+SET_FILES = {"default": "eval_conversations.jsonl", "perturbed": "eval_perturbed_conversations.jsonl",
+             "long": "eval_conversations.jsonl"}
+# A greedy divergence where the target's top-2 logits are closer than this is a numerical tie (the k+1-token
+# verify forward and the 1-token decode round differently), not a harness bug. bf16/fp16 logits carry ~3
+# significant digits, so their ties are wider.
+TIE_GAP = {torch.float32: 1e-3, torch.float64: 1e-6}
+HALF_TIE_GAP = 0.25
+
+
+# ------------------------------------------------------------------------------------------ prompts
+def read_conversations(path: Path) -> list[dict]:
+    convs = []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    convs.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{i}: not valid JSON ({e}); re-run the prepare stage") from None
+    return convs
+
+
+def prompt_upto(conv: dict) -> int:
+    """messages[:last_user + 1]: the prompt the target answers last."""
+    users = [i for i, m in enumerate(conv["messages"]) if m["role"] == "user"]
+    if not users:
+        raise ValueError(f"eval conversation {conv.get('source')}:{conv.get('index')} has no user turn")
+    return users[-1] + 1
+
+
+def lengthen(conv: dict, others: Sequence[dict], renderer, want_tokens: int) -> dict:
+    """A copy of ``conv`` whose first user turn is prefixed with held-out text (the assistant answers of
+    ``others``) until the prompt reaches about ``want_tokens`` tokens."""
+    from data.chat import prompt_ids
+
+    upto = prompt_upto(conv)
+    first = next(i for i, m in enumerate(conv["messages"]) if m["role"] == "user")
+    pieces, out = [], conv
+    for o in others:
+        pieces += [m["content"] for m in o["messages"] if m["role"] == "assistant" and m.get("content")]
+        msgs = [dict(m) for m in conv["messages"]]
+        msgs[first]["content"] = "Context:\n" + "\n\n".join(pieces) + "\n\n" + msgs[first]["content"]
+        out = {**conv, "messages": msgs}
+        if len(prompt_ids(renderer, out, upto)) >= want_tokens:
+            break
+    return out
+
+
+def build_prompt_sets(eval_cfg, renderer, prepare_dir: Path, max_prompt_tokens: int) -> dict[str, list[list[int]]]:
+    """{set name: prompt token ids}; a set whose file is missing is skipped with a warning. Prompts longer
+    than ``max_prompt_tokens`` are cut from the left (the generation prompt at the end is kept)."""
+    from data.chat import prompt_ids
+
+    sets = {}
+    for name in eval_cfg.sets:
+        if name not in SET_FILES:
+            raise ValueError(f"eval.sets: unknown set {name!r}; expected some of {sorted(SET_FILES)}")
+        path = prepare_dir / SET_FILES[name]
+        if not path.exists():
+            log.warning("eval: no %s, skipping the %r set", path, name)
+            continue
+        convs = read_conversations(path)
+        chosen = convs[:eval_cfg.num_prompts]
+        if name == "long":
+            chosen = [lengthen(c, convs[i + 1:] + convs[:i], renderer, eval_cfg.long_prompt_tokens)
+                      for i, c in enumerate(chosen)]
+        sets[name] = [prompt_ids(renderer, c, prompt_upto(c))[-max_prompt_tokens:] for c in chosen]
+    return sets
+
+
+# ------------------------------------------------------------------------------------------ metrics
+def distinct_ngram_ratio(tokens: Sequence[int], n: int = 3) -> float:
+    """Distinct n-grams / all n-grams of ``tokens`` (1.0 when too short to judge): low means loops."""
+    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 1.0
+
+
+def acceptance_stats(results, k: int) -> dict:
+    """Mean AL (bonus included, max k + 1) and per-position acceptance over the rounds not cut by the
+    token budget. ``accept_at[i]`` = P(accepted >= i+1) over those rounds (a prompt-lookup miss drafts
+    nothing and counts as a rejection), so AL = 1 + sum(accept_at) up to end-of-turn cuts;
+    ``accept_cond[i]`` = the same given draft i was accepted."""
+    rounds = [r for res in results for r in res.rounds if not r.budget_limited]
+    n = len(rounds)
+    reach = [sum(r.accepted >= i for r in rounds) for i in range(k + 1)]
+    out = {"rounds": n, "al": sum(r.emitted for r in rounds) / n if n else float("nan"),
+           "accept_at": [reach[i] / n if n else float("nan") for i in range(1, k + 1)],
+           "accept_cond": [reach[i] / reach[i - 1] if reach[i - 1] else float("nan") for i in range(1, k + 1)],
+           "draft_s": sum(r.draft_s for r in results), "verify_s": sum(r.verify_s for r in results),
+           "tokens": sum(len(r.tokens) for r in results)}
+    return out
+
+
+def _greedy_tie(runner: TargetRunner, prompt: list[int], ref: list[int], at: int) -> bool:
+    """Whether the target's top-2 logits at generated position ``at`` are within the tie gap."""
+    runner.reset()
+    logits, _ = runner.forward(list(prompt) + ref[:at])
+    top = logits[-1].topk(2).values
+    dtype = next(runner.model.parameters()).dtype
+    return float(top[0] - top[1]) < TIE_GAP.get(dtype, HALF_TIE_GAP)
+
+
+def evaluate_set(name: str, prompts: list[list[int]], target_model, drafter, eval_cfg, eos_ids, seed: int) -> dict:
+    """All the harness numbers of one prompt set (see the module docstring)."""
+    k, max_new = eval_cfg.draft_tokens, eval_cfg.max_new_tokens
+    runner = TargetRunner(target_model, drafter.spec.aux_layer_ids)
+    plain = TargetRunner(target_model)
+    drafter_prop, lookup = DrafterProposer(drafter), LookupProposer(eval_cfg.lookup_max_ngram)
+    refs, plain_s, spec, look, ties, sampled = [], 0.0, [], [], 0, []
+    gen = torch.Generator().manual_seed(seed)
+    for prompt in tqdm(prompts, desc=f"eval {name}", leave=False):
+        ref, sec = greedy_decode(plain, prompt, max_new, eos_ids)
+        refs.append(ref)
+        plain_s += sec
+        res = speculative_decode(runner, drafter_prop, prompt, k, max_new, eos_ids)
+        at = first_divergence(res.tokens, ref)
+        if at is not None:
+            if not _greedy_tie(plain, prompt, ref, at):
+                raise AssertionError(
+                    f"eval {name}: speculative greedy output differs from plain greedy decoding at token {at} "
+                    f"({res.tokens[at:at + 3]} vs {ref[at:at + 3]}) without a numerical tie: a harness bug")
+            ties += 1
+        spec.append(res)
+        look.append(speculative_decode(plain, lookup, prompt, k, max_new, eos_ids))
+        if eval_cfg.temperature > 0:
+            sampled.append(speculative_decode(runner, drafter_prop, prompt, k, max_new, eos_ids,
+                                              eval_cfg.temperature, gen))
+    d3 = [distinct_ngram_ratio(r) for r in refs]
+    ok = [i for i, v in enumerate(d3) if v >= eval_cfg.degenerate_threshold]
+    out = {"prompts": len(prompts), "prompt_tokens_mean": sum(map(len, prompts)) / max(1, len(prompts)),
+           "drafter": acceptance_stats(spec, k), "lookup": acceptance_stats(look, k),
+           "distinct3_mean": sum(d3) / max(1, len(d3)), "distinct3": d3, "non_degenerate_prompts": len(ok),
+           "drafter_non_degenerate": acceptance_stats([spec[i] for i in ok], k),
+           "lookup_non_degenerate": acceptance_stats([look[i] for i in ok], k),
+           "plain_s": plain_s, "greedy_ties": ties}
+    for key in ("drafter", "lookup"):
+        out[key]["speedup"] = plain_s / max(1e-9, out[key]["draft_s"] + out[key]["verify_s"])
+    out["al_minus_lookup"] = out["drafter"]["al"] - out["lookup"]["al"]
+    out["al_minus_lookup_non_degenerate"] = (out["drafter_non_degenerate"]["al"]
+                                             - out["lookup_non_degenerate"]["al"])
+    if sampled:
+        out["drafter_sampled"] = acceptance_stats(sampled, k)
+    return out
+
+
+@torch.inference_mode()
+def heldout_accuracy(drafter, frozen, samples: Sequence[tuple[list[int], list[int]]], steps: int) -> dict:
+    """Teacher-forced per-step accuracy on held-out conversations, unrolled ``steps`` TTT steps (beyond
+    the trained K too) with ``drafter.ttt_step``. Row t at step j reads x_{t+1+j} (teacher forcing) at
+    RoPE position t+j and predicts x_{t+2+j}; it counts when x_{t+2+j} is an assistant token and the
+    target's argmax there lies in the draft vocab (as in training). ``full_acc[j]``: steps 0..j all right."""
+    hit, full, rows = torch.zeros(steps), torch.zeros(steps), torch.zeros(steps)
+    dev, dtype = drafter.lm_head.weight.device, drafter.lm_head.weight.dtype
+    for ids, mask in tqdm(samples, desc="held-out accuracy", leave=False):
+        x = torch.tensor([ids], device=frozen.device)
+        aux, _, argmax = frozen.capture(x)
+        x, argmax = x.to(dev), argmax.to(dev)
+        m = torch.tensor([mask], device=dev, dtype=torch.bool)
+        T = x.shape[1]
+        state, kv, all_ok = drafter.fuse(aux.to(dev, dtype)), [], torch.ones(1, T, dtype=torch.bool, device=dev)
+        doc = torch.zeros(1, T, dtype=torch.int32, device=dev)
+        for j in range(steps):
+            tok = _shift(x, 1 + j, 0)
+            y, state = drafter.ttt_step(tok, state, torch.arange(T, device=dev)[None] + j, doc, kv)
+            pred = drafter.draft_to_target(drafter.lm_head(y).argmax(-1))
+            teacher = _shift(argmax, 1 + j, 0)
+            rows_j = _shift(m, 2 + j, False) & drafter.t2d[teacher]
+            ok = pred == teacher
+            all_ok &= ok
+            hit[j] += float((ok & rows_j).sum())
+            full[j] += float((all_ok & rows_j).sum())
+            rows[j] += float(rows_j.sum())
+    acc = (hit / rows.clamp_min(1)).tolist()
+    full_acc = (full / rows.clamp_min(1)).tolist()
+    return {"steps": steps, "acc": acc, "full_acc": full_acc, "rows": rows.tolist()}
+
+
+def _shift(x: torch.Tensor, s: int, fill) -> torch.Tensor:
+    """x[:, t + s] at t (``fill`` past the end)."""
+    out = torch.full_like(x, fill)
+    if s < x.shape[1]:
+        out[:, :x.shape[1] - s] = x[:, s:]
+    return out
+
+
+# ------------------------------------------------------------------------------------------ the stage
+def run_stage(ctx) -> dict:
+    """Eval stage (rank 0 works, the other ranks wait): writes report.json / report.md / plots."""
+    summary = evaluate_run(ctx.cfg, ctx.run_dir, ctx.stage_dir, drafter_dir_of(ctx), ctx.world.device) \
+        if ctx.world.is_main else {}
+    ctx.world.barrier()
+    return summary
+
+
+def drafter_dir_of(ctx) -> Path:
+    outputs = (ctx.upstream.get("export") or {}).get("outputs") or {}
+    path = outputs.get("drafter") or outputs.get("path")
+    if not path:
+        raise ValueError("eval: the export stage's manifest names no drafter directory; run the export stage "
+                         "(run.stages=[export,eval])")
+    return Path(path)
+
+
+def evaluate_run(cfg, run_dir: Path, out_dir: Path, drafter_dir: Path, device: torch.device) -> dict:
+    """Everything the eval stage measures, for an exported drafter in ``drafter_dir``."""
+    from data.chat import ChatRenderer, eot_ids_from_target
+    from data.prepare import load_tokenizer
+    from models.drift import drift_curves
+    from models.export import load_drafter
+    from models.target import FrozenTarget
+    from train.report import write_report
+
+    ev, K = cfg.eval, cfg.drafter.ttt_steps
+    renderer = ChatRenderer(load_tokenizer(cfg), extra_eot_ids=eot_ids_from_target(cfg.target.name_or_path,
+                                                                                   cfg.target.revision))
+    eos = sorted(renderer.eot_ids)
+    record = read_json(drafter_dir / "fledge_training.json") or {}
+    spec_ids = (record.get("spec") or {}).get("aux_layer_ids") or cfg.aux_layer_ids()
+    frozen = FrozenTarget.load(cfg.target, device, spec_ids)
+    drafter = load_drafter(drafter_dir, embed_weight=frozen.input_embeddings().float().cpu(),
+                           dtype=torch.float32, device=device).eval()
+    target_model = frozen.model.float() if device.type == "cpu" else frozen.model
+    max_pos = int(getattr(target_model.config, "max_position_embeddings", 1 << 30))
+    prepare_dir = run_dir / "prepare"
+    sets = build_prompt_sets(ev, renderer, prepare_dir, max_pos - ev.max_new_tokens - ev.draft_tokens - 2)
+    if not sets:
+        raise ValueError(f"eval: no prompt set could be built from {prepare_dir} (eval.sets={ev.sets}); run prepare")
+    report: dict = {"drafter": str(drafter_dir), "k": ev.draft_tokens, "ttt_steps": K,
+                    "max_new_tokens": ev.max_new_tokens, "temperature": ev.temperature,
+                    "degenerate_threshold": ev.degenerate_threshold,
+                    "flags": {f: bool(getattr(drafter.spec, f)) for f in ("fc_norm", "norm_output")}, "sets": {}}
+    for name, prompts in sets.items():
+        report["sets"][name] = evaluate_set(name, prompts, target_model, drafter, ev, eos, cfg.run.seed)
+    depth = ev.drift_depth or max(ev.draft_tokens, 2 * K)
+    report["drift"] = {name: drift_curves(drafter, TargetRunner(target_model, drafter.spec.aux_layer_ids), prompts,
+                                          depth, desc=f"drift {name}") for name, prompts in sets.items()}
+    default = prepare_dir / SET_FILES["default"]
+    if default.exists():
+        samples = [renderer.encode(c, f"{default}:{i + 1}")
+                   for i, c in enumerate(read_conversations(default)[:ev.num_prompts])]
+        report["heldout"] = heldout_accuracy(drafter, frozen, samples, ev.heldout_steps or 2 * K)
+        measured = next(iter(report["sets"].values()))["drafter"]["accept_at"]
+        offline = report["heldout"]["full_acc"][:len(measured)]
+        report["offline_vs_measured"] = {"set": next(iter(report["sets"])), "offline_full_acc": offline,
+                                         "measured_accept_at": measured,
+                                         "gap": [m - o for m, o in zip(measured, offline)],
+                                         "offline_al": 1 + sum(offline), "measured_al":
+                                         next(iter(report["sets"].values()))["drafter"]["al"]}
+    train_manifest = read_json(run_dir / "train" / "manifest.json") or {}
+    report["train_al_estimate"] = (train_manifest.get("outputs") or {}).get("best_al_estimate")
+    write_report(report, out_dir, run_dir / "train" / "metrics.jsonl")
+    return {"report": str(out_dir / "report.md"), "json": str(out_dir / "report.json"),
+            **{f"al_{n}": s["drafter"]["al"] for n, s in report["sets"].items()},
+            **{f"al_lookup_{n}": s["lookup"]["al"] for n, s in report["sets"].items()}}

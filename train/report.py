@@ -1,0 +1,185 @@
+"""The eval stage's report: report.json, report.md and PNG plots (matplotlib, Agg backend).
+
+Plots: ``acceptance.png`` (per-position acceptance, drafter vs prompt lookup vs the offline estimate),
+``drift.png`` (sink / context / drafted attention mass and fed-back RMS per draft depth),
+``heldout.png`` (teacher-forced held-out accuracy per step, the trained K marked) and, when the train
+stage's ``metrics.jsonl`` exists, ``training.png`` (loss_k and acc_k curves, eval/acc_k dashed).
+The model card reuses report.md and the PNGs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Optional
+
+from data.atomic import write_bytes_atomic, write_json_atomic
+
+
+def _fmt(x, digits: int = 2) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "n/a"
+    return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The train stage's JSON lines (skipping a torn last line)."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def markdown(report: dict) -> str:
+    """The human summary of a report dict (see train/evaluate.py for its keys)."""
+    k = report["k"]
+    flags = report["flags"]
+    kind = "EAGLE-3.1" if flags["fc_norm"] and flags["norm_output"] else "EAGLE-3" if not any(flags.values()) \
+        else f"fc_norm={flags['fc_norm']}, norm_output={flags['norm_output']}"
+    lines = [f"# Acceptance report ({kind})", "",
+             f"Drafter `{report['drafter']}`, chain of k={k} drafts (max AL {k + 1}), greedy unless noted, "
+             f"{report['max_new_tokens']} new tokens per prompt. AL counts the bonus token. Prompt lookup = "
+             f"n-gram copy from the context with the same k. Degenerate output: distinct-3-gram ratio < "
+             f"{report['degenerate_threshold']}.", "",
+             "| set | prompts | AL | lookup AL | AL - lookup | distinct-3 | non-degenerate | AL (non-deg.) | "
+             "lookup AL (non-deg.) | speed-up | lookup speed-up | draft s | verify s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, s in report["sets"].items():
+        d, lk = s["drafter"], s["lookup"]
+        lines.append(f"| {name} | {s['prompts']} | {_fmt(d['al'])} | {_fmt(lk['al'])} | {_fmt(s['al_minus_lookup'])} | "
+                     f"{_fmt(s['distinct3_mean'])} | {s['non_degenerate_prompts']} | "
+                     f"{_fmt(s['drafter_non_degenerate']['al'])} | {_fmt(s['lookup_non_degenerate']['al'])} | "
+                     f"{_fmt(d['speedup'])}x | {_fmt(lk['speedup'])}x | {_fmt(d['draft_s'], 1)} | "
+                     f"{_fmt(d['verify_s'], 1)} |")
+    lines += ["", "Acceptance per position (P(draft i accepted)):", "",
+              "| set | " + " | ".join(f"pos {i + 1}" for i in range(k)) + " |", "|---" * (k + 1) + "|"]
+    for name, s in report["sets"].items():
+        lines.append(f"| {name} | " + " | ".join(_fmt(v) for v in s["drafter"]["accept_at"]) + " |")
+        lines.append(f"| {name} (lookup) | " + " | ".join(_fmt(v) for v in s["lookup"]["accept_at"]) + " |")
+    sampled = {n: s["drafter_sampled"] for n, s in report["sets"].items() if "drafter_sampled" in s}
+    if sampled:
+        lines += ["", f"Sampled (T={report['temperature']}, rejection sampling): "
+                  + ", ".join(f"{n} AL {_fmt(s['al'])}" for n, s in sampled.items())]
+    ties = sum(s["greedy_ties"] for s in report["sets"].values())
+    lines += ["", f"Greedy output identical to plain greedy decoding on every prompt"
+              + (f" ({ties} divergence(s) at numerical ties of the target's top-2 logits)." if ties else ".")]
+    if "heldout" in report:
+        h = report["heldout"]
+        lines += ["", f"## Held-out teacher-forced accuracy (trained K={report['ttt_steps']})", "",
+                  "| step | " + " | ".join(str(j) for j in range(h["steps"])) + " |", "|---" * (h["steps"] + 1) + "|",
+                  "| acc | " + " | ".join(_fmt(v) for v in h["acc"]) + " |",
+                  "| full acc | " + " | ".join(_fmt(v) for v in h["full_acc"]) + " |"]
+    if "offline_vs_measured" in report:
+        o = report["offline_vs_measured"]
+        lines += ["", f"## Offline estimate vs measured ({o['set']} set)", "",
+                  f"Offline AL (1 + sum full_acc, held-out) {_fmt(o['offline_al'])}, measured AL "
+                  f"{_fmt(o['measured_al'])}; train stage's best estimate {_fmt(report.get('train_al_estimate'))}.", "",
+                  "| position | offline full_acc | measured | gap |", "|---|---|---|---|"]
+        for i, (a, b, g) in enumerate(zip(o["offline_full_acc"], o["measured_accept_at"], o["gap"])):
+            lines.append(f"| {i + 1} | {_fmt(a)} | {_fmt(b)} | {_fmt(g)} |")
+    if report.get("drift"):
+        lines += ["", "## Attention drift (mean over prompts; depth 0 makes draft 1)", ""]
+        for name, d in report["drift"].items():
+            lines += [f"{name}:", "", "| depth | sink | context | drafted | fed-back RMS |", "|---|---|---|---|---|"]
+            for i, dep in enumerate(d["depth"]):
+                lines.append(f"| {dep} | {_fmt(d['sink'][i], 3)} | {_fmt(d['context'][i], 3)} | "
+                             f"{_fmt(d['drafted'][i], 3)} | {_fmt(d['state_rms'][i], 3)} |")
+            lines.append("")
+    lines += ["![acceptance](acceptance.png) ![drift](drift.png) ![held-out](heldout.png)"]
+    return "\n".join(lines) + "\n"
+
+
+def _save(fig, path: Path) -> None:
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    write_bytes_atomic(path, buf.getvalue())
+
+
+def plot_report(report: dict, out_dir: Path, metrics: list[dict]) -> list[str]:
+    """Write the PNGs; returns their file names."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = []
+    k = report["k"]
+    pos = list(range(1, k + 1))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, s in report["sets"].items():
+        line, = ax.plot(pos, s["drafter"]["accept_at"], marker="o", label=f"{name} (AL {_fmt(s['drafter']['al'])})")
+        ax.plot(pos, s["lookup"]["accept_at"], ls=":", color=line.get_color(),
+                label=f"{name} lookup (AL {_fmt(s['lookup']['al'])})")
+    if "offline_vs_measured" in report:
+        o = report["offline_vs_measured"]["offline_full_acc"]
+        ax.plot(pos[:len(o)], o, ls="--", color="k", label="offline full_acc (held-out)")
+    ax.set(xlabel="draft position", ylabel="P(accepted)", ylim=(0, 1.02), title="Acceptance per position")
+    ax.legend(fontsize=7)
+    _save(fig, out_dir / "acceptance.png")
+    plt.close(fig)
+    names.append("acceptance.png")
+    if report.get("drift"):
+        fig, axes = plt.subplots(1, 4, figsize=(14, 3.4))
+        for name, d in report["drift"].items():
+            for ax, key in zip(axes, ("sink", "context", "drafted", "state_rms")):
+                ax.plot(d["depth"], d[key], marker="o", label=name)
+        for ax, key in zip(axes, ("attention on sink", "attention on context", "attention on own drafts",
+                                  "fed-back state RMS")):
+            ax.set(xlabel="draft depth", title=key)
+        axes[0].legend(fontsize=7)
+        _save(fig, out_dir / "drift.png")
+        plt.close(fig)
+        names.append("drift.png")
+    if "heldout" in report:
+        h = report["heldout"]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        steps = list(range(h["steps"]))
+        ax.plot(steps, h["acc"], marker="o", label="acc_k")
+        ax.plot(steps, h["full_acc"], marker="s", label="full_acc_k")
+        ax.axvline(report["ttt_steps"] - 0.5, color="gray", ls="--", label="trained K")
+        ax.set(xlabel="step k", ylim=(0, 1.02), title="Held-out teacher-forced accuracy")
+        ax.legend(fontsize=7)
+        _save(fig, out_dir / "heldout.png")
+        plt.close(fig)
+        names.append("heldout.png")
+    if metrics:
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+        train_rows = [m for m in metrics if "loss_0" in m]
+        eval_rows = [m for m in metrics if "eval/acc_0" in m]
+        for j in range(report["ttt_steps"]):
+            if train_rows and f"loss_{j}" in train_rows[0]:
+                a1.plot([m["step"] for m in train_rows], [m.get(f"loss_{j}") for m in train_rows], label=f"loss_{j}")
+            if train_rows and f"acc_{j}" in train_rows[0]:
+                line, = a2.plot([m["step"] for m in train_rows], [m.get(f"acc_{j}") for m in train_rows],
+                                label=f"acc_{j}")
+                if eval_rows:
+                    a2.plot([m["step"] for m in eval_rows], [m.get(f"eval/acc_{j}") for m in eval_rows], ls="--",
+                            color=line.get_color(), label=f"eval/acc_{j}")
+        a1.set(xlabel="step", title="TTT loss per step")
+        a2.set(xlabel="step", title="accuracy per step", ylim=(0, 1.02))
+        a1.legend(fontsize=7)
+        a2.legend(fontsize=7)
+        _save(fig, out_dir / "training.png")
+        plt.close(fig)
+        names.append("training.png")
+    return names
+
+
+def write_report(report: dict, out_dir: Path, metrics_path: Optional[Path] = None) -> None:
+    """report.json + report.md + the PNGs, each written atomically."""
+    out_dir = Path(out_dir)
+    metrics = read_metrics(metrics_path) if metrics_path else []
+    report["plots"] = plot_report(report, out_dir, metrics)
+    write_json_atomic(out_dir / "report.json", report)
+    md = markdown(report)
+    if "training.png" in report["plots"]:
+        md += "\n![training](training.png)\n"
+    write_bytes_atomic(out_dir / "report.md", md.encode())
