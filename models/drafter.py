@@ -1,0 +1,361 @@
+"""The EAGLE-3 / EAGLE-3.1 drafter (SPEC.md section 3): one module, two flags.
+
+``Eagle3Drafter(spec)`` holds exactly the serving tensors of SPEC.md section 6 under their un-prefixed
+names (``fc.weight``, ``midlayer.self_attn.q_proj.weight``, ``lm_head.weight``, ``d2t``, ...), so export
+maps its state_dict one to one. It runs in two ways that share every line of the layer math:
+
+- ``ttt_step``: one training-time-test step over all T rows at once (train/loss.py unrolls K of them);
+- ``decode_step``: an engine-style step with a KV cache (prefill then one draft token at a time).
+
+Engine-style chain drafting, for the evaluation harness::
+
+    cache = DraftCache()
+    g = drafter.fuse(aux)                       # [B, S, n*Ht] target aux states -> [B, S, H]
+    logits, g = drafter.decode_step(next_ids, g, positions, cache)   # next_ids[t] = x_{t+1}
+    tok = logits[:, -1:].argmax(-1)             # draft id; drafter.draft_to_target(tok) -> target id
+    for i in range(1, k):                       # feed back the state of the last row
+        logits, g = drafter.decode_step(drafter.draft_to_target(tok), g[:, -1:], positions[:, -1:] + i, cache)
+        tok = logits.argmax(-1)
+
+``cache.crop(n)`` drops rejected entries before the next verification round.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
+
+from models.attention import cached_attention, resolve_attention, ttt_attention
+
+
+@dataclass
+class DrafterSpec:
+    """Shapes and flags of a drafter; JSON-safe via ``to_dict`` / ``from_dict``."""
+
+    hidden_size: int
+    target_hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    hidden_act: str
+    vocab_size: int
+    draft_vocab_size: int
+    aux_layer_ids: list[int]
+    target_num_hidden_layers: int
+    max_position_embeddings: int
+    rope: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    fc_norm: bool = True
+    norm_output: bool = True
+    norm_before_fc: bool = False
+
+    def __post_init__(self) -> None:
+        self.aux_layer_ids = [int(i) for i in self.aux_layer_ids]
+        self.validate()
+
+    @classmethod
+    def from_target_config(cls, hf_config, drafter_cfg, aux_layer_ids) -> "DrafterSpec":
+        """Spec for a drafter of the target whose HF config is ``hf_config`` (a PretrainedConfig or dict).
+
+        ``drafter_cfg`` is a ``train.config.DrafterConfig``; ``aux_layer_ids`` are boundary ids.
+        """
+        if isinstance(hf_config, Mapping):
+            hf_config = LlamaConfig(**hf_config)
+        if getattr(drafter_cfg, "ttt_steps", 1) < 1:
+            raise ValueError(f"drafter.ttt_steps={drafter_cfg.ttt_steps}: must be >= 1")
+        if hasattr(hf_config, "standardize_rope_params"):
+            hf_config.standardize_rope_params()  # legacy rope_theta / rope_scaling -> rope_parameters
+        rope = dict(getattr(hf_config, "rope_parameters", None) or {})
+        rope.setdefault("rope_type", "default")
+        rope.setdefault("rope_theta", float(getattr(hf_config, "rope_theta", 10000.0)))
+        heads = hf_config.num_attention_heads
+        H = hf_config.hidden_size
+        return cls(
+            hidden_size=H,
+            target_hidden_size=H,
+            intermediate_size=hf_config.intermediate_size,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(hf_config, "head_dim", None) or H // heads,
+            rms_norm_eps=float(hf_config.rms_norm_eps),
+            hidden_act=getattr(hf_config, "hidden_act", "silu"),
+            vocab_size=hf_config.vocab_size,
+            draft_vocab_size=drafter_cfg.draft_vocab_size,
+            aux_layer_ids=list(aux_layer_ids),
+            target_num_hidden_layers=hf_config.num_hidden_layers,
+            max_position_embeddings=hf_config.max_position_embeddings,
+            rope=_json_safe(rope),
+            fc_norm=drafter_cfg.fc_norm,
+            norm_output=drafter_cfg.norm_output,
+            norm_before_fc=drafter_cfg.norm_before_fc,
+        )
+
+    def validate(self) -> None:
+        """Raise ValueError naming the offending field."""
+        L, ids = self.target_num_hidden_layers, self.aux_layer_ids
+        if not ids or len(set(ids)) != len(ids) or any(not 1 <= i < L for i in ids):
+            raise ValueError(
+                f"drafter.aux_layer_ids={ids}: need distinct boundary ids in [1, {L - 1}] for a target "
+                f"with num_hidden_layers={L}"
+            )
+        if not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(
+                f"drafter.draft_vocab_size={self.draft_vocab_size}: must be in [1, vocab_size={self.vocab_size}]"
+            )
+        if self.fc_norm and self.norm_before_fc:
+            raise ValueError("drafter.fc_norm and drafter.norm_before_fc are both true: pick one (3.1: fc_norm)")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_key_value_heads={self.num_key_value_heads} must divide "
+                f"num_attention_heads={self.num_attention_heads}"
+            )
+
+    @property
+    def fc_in_features(self) -> int:
+        return len(self.aux_layer_ids) * self.target_hidden_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return _json_safe(dataclasses.asdict(self))
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "DrafterSpec":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"DrafterSpec.from_dict: unknown keys {sorted(unknown)}")
+        return cls(**dict(d))
+
+    def layer_config(self) -> LlamaConfig:
+        """A LlamaConfig carrying the target's RoPE and MLP settings, for transformers' own modules."""
+        return LlamaConfig(
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            hidden_act=self.hidden_act,
+            rms_norm_eps=self.rms_norm_eps,
+            max_position_embeddings=self.max_position_embeddings,
+            rope_parameters=dict(self.rope),
+            vocab_size=self.vocab_size,
+            num_hidden_layers=1,
+        )
+
+
+def _json_safe(x: Any) -> Any:
+    if isinstance(x, Mapping):
+        return {str(k): _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+class DraftCache:
+    """Per-layer KV cache of an engine-style draft: keys/values ``[B, Hkv, L, D]`` after RoPE."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` entries (drop rejected draft tokens)."""
+        if self.k is not None:
+            self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
+
+
+class _Attention(nn.Module):
+    """q/k/v over the 2H-wide [embedding, hidden] input; o_proj back to H. Names as in serving."""
+
+    def __init__(self, spec: DrafterSpec) -> None:
+        super().__init__()
+        H, D = spec.hidden_size, spec.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_attention_heads, spec.num_key_value_heads, D
+        self.q_proj = nn.Linear(2 * H, self.num_heads * D, bias=False)
+        self.k_proj = nn.Linear(2 * H, self.num_kv_heads * D, bias=False)
+        self.v_proj = nn.Linear(2 * H, self.num_kv_heads * D, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * D, H, bias=False)
+
+    def project(self, z, cos, sin):
+        """``z [B, T, 2H]`` -> q ``[B, Hq, T, D]``, k, v ``[B, Hkv, T, D]`` with RoPE applied."""
+        B, T, _ = z.shape
+        q = self.q_proj(z).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(z).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(z).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
+
+class _MidLayer(nn.Module):
+    """The one decoder layer (SPEC.md section 3), with the attention supplied by the caller."""
+
+    def __init__(self, spec: DrafterSpec, config: LlamaConfig) -> None:
+        super().__init__()
+        H, eps = spec.hidden_size, spec.rms_norm_eps
+        self.input_layernorm = LlamaRMSNorm(H, eps=eps)
+        self.hidden_norm = LlamaRMSNorm(H, eps=eps)
+        self.self_attn = _Attention(spec)
+        self.post_attention_layernorm = LlamaRMSNorm(H, eps=eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, emb, g, cos, sin, attend):
+        """``attend(q, k, v) -> [B, Hq, T, D]``; returns h2 ``[B, T, H]``."""
+        z = torch.cat([self.input_layernorm(emb), self.hidden_norm(g)], dim=-1)  # embedding half first
+        q, k, v = self.self_attn.project(z, cos, sin)
+        a = attend(q, k, v)
+        B, _, T, _ = a.shape
+        h1 = g + self.self_attn.o_proj(a.transpose(1, 2).reshape(B, T, -1))  # residual around the raw g
+        return h1 + self.mlp(self.post_attention_layernorm(h1))
+
+
+class Eagle3Drafter(nn.Module):
+    """EAGLE-3 (flags off) / EAGLE-3.1 (``fc_norm`` + ``norm_output``) drafter for a Llama-like target.
+
+    ``attention`` selects the TTT attention (auto | flex | sdpa | dense; see models/attention.py) and
+    may be changed on the instance; the engine path always uses a plain cached SDPA.
+    """
+
+    def __init__(self, spec: DrafterSpec, attention: str = "auto") -> None:
+        super().__init__()
+        spec.validate()
+        resolve_attention(attention, torch.device("cpu"))  # name check only
+        self.spec, self.attention = spec, attention
+        H, Ht, eps = spec.hidden_size, spec.target_hidden_size, spec.rms_norm_eps
+        config = spec.layer_config()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, H)
+        self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen
+        if spec.fc_norm:
+            self.fc_norm = nn.ModuleList(LlamaRMSNorm(Ht, eps=eps) for _ in spec.aux_layer_ids)
+        if spec.norm_before_fc:
+            self.input_norm = LlamaRMSNorm(spec.fc_in_features, eps=eps)
+        self.fc = nn.Linear(spec.fc_in_features, H, bias=False)
+        self.midlayer = _MidLayer(spec, config)
+        self.norm = LlamaRMSNorm(H, eps=eps)
+        self.lm_head = nn.Linear(H, spec.draft_vocab_size, bias=False)
+        self.rotary_emb = LlamaRotaryEmbedding(config)  # transformers' RoPE (llama3/yarn/linear...)
+        self._inv_freq_fp32 = self.rotary_emb.inv_freq.detach().clone()
+        Vd, V = spec.draft_vocab_size, spec.vocab_size
+        self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.int64))  # identity map until set_vocab
+        self.register_buffer("t2d", torch.arange(V) < Vd)
+        self.register_load_state_dict_pre_hook(self._check_fc_width)
+
+    # ---- setup -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Install the draft vocab map (SPEC.md section 5): target id = i + d2t[i]; t2d true at those ids."""
+        Vd, V = self.spec.draft_vocab_size, self.spec.vocab_size
+        if d2t.shape != (Vd,) or t2d.shape != (V,):
+            raise ValueError(f"vocab map shapes d2t {tuple(d2t.shape)}, t2d {tuple(t2d.shape)}: expected ({Vd},), ({V},)")
+        sel = torch.arange(Vd) + d2t.cpu()
+        if int(t2d.sum()) != Vd or not bool(t2d.cpu()[sel].all()):
+            raise ValueError("vocab map: t2d must be true exactly at the target ids i + d2t[i]")
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    @torch.no_grad()
+    def load_target_embedding(self, weight: torch.Tensor) -> None:
+        """Copy in the target's input embedding ``[V, H]`` (kept frozen)."""
+        if weight.shape != self.embed_tokens.weight.shape:
+            raise ValueError(f"target embedding {tuple(weight.shape)} != {tuple(self.embed_tokens.weight.shape)}")
+        self.embed_tokens.weight.copy_(weight)
+
+    def _apply(self, fn, recurse=True):
+        # .to(bfloat16) would cast the RoPE frequencies too (wrong angles at long positions): restore fp32
+        super()._apply(fn, recurse)
+        rot = self.rotary_emb
+        rot.inv_freq = self._inv_freq_fp32.to(rot.inv_freq.device)
+        rot.original_inv_freq = rot.inv_freq.clone()
+        return self
+
+    def _check_fc_width(self, module, state_dict, prefix, *args, **kwargs):
+        w = state_dict.get(prefix + "fc.weight")
+        if w is not None and w.shape[-1] != self.spec.fc_in_features:
+            raise ValueError(
+                f"fc.weight has {w.shape[-1]} input features but drafter.aux_layer_ids="
+                f"{self.spec.aux_layer_ids} x target_hidden_size={self.spec.target_hidden_size} "
+                f"needs {self.spec.fc_in_features}"
+            )
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab ids -> target-vocab ids via ``d2t`` (an offset table)."""
+        return draft_ids + self.d2t[draft_ids]
+
+    # ---- the forward, shared by both paths ---------------------------------------------------
+    def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """Target aux states ``[B, T, n*Ht]`` (id order) -> step-0 feature g ``[B, T, H]``."""
+        if aux_hidden.shape[-1] != self.spec.fc_in_features:
+            raise ValueError(
+                f"aux_hidden has width {aux_hidden.shape[-1]}; drafter.aux_layer_ids={self.spec.aux_layer_ids} "
+                f"x target_hidden_size={self.spec.target_hidden_size} = {self.spec.fc_in_features}"
+            )
+        if self.spec.fc_norm:
+            parts = aux_hidden.split(self.spec.target_hidden_size, dim=-1)
+            aux_hidden = torch.cat([n(a) for n, a in zip(self.fc_norm, parts)], dim=-1)
+        elif self.spec.norm_before_fc:
+            aux_hidden = self.input_norm(aux_hidden)
+        return self.fc(aux_hidden)
+
+    def _layer(self, input_ids, g, position_ids, attend):
+        """One draft step: returns (y = norm(h2), fed-back state)."""
+        cos, sin = self.rotary_emb(g, position_ids)
+        h2 = self.midlayer(self.embed_tokens(input_ids), g, cos, sin, attend)
+        y = self.norm(h2)
+        return y, (y if self.spec.norm_output else h2)
+
+    def ttt_step(self, input_ids, hidden, position_ids, document_ids, kv: list):
+        """One training-time-test step over all rows (SPEC.md section 4).
+
+        ``input_ids``/``position_ids`` ``[B, T]`` are this step's (already shifted) tokens and RoPE
+        positions, ``hidden`` ``[B, T, H]`` is g (``fuse`` at step 0, the fed-back state after),
+        ``kv`` the (k, v) of the earlier steps, to which this step's are appended. Row t attends to
+        step-0 keys 0..t of its document and to its own key of each step >= 1.
+        Returns (y ``[B, T, H]`` for ``lm_head``, the state to feed back).
+        """
+        impl = resolve_attention(self.attention, hidden.device)
+
+        def attend(q, k, v):
+            kv.append((k, v))
+            k0, v0 = kv[0]
+            diag = kv[1:]
+            if diag:
+                kd, vd = torch.stack([d[0] for d in diag], 2), torch.stack([d[1] for d in diag], 2)
+            else:
+                kd, vd = k0[:, :, None][:, :, :0], v0[:, :, None][:, :, :0]  # J = 0
+            return ttt_attention(q, k0, v0, kd, vd, document_ids, impl)
+
+        return self._layer(input_ids, hidden, position_ids, attend)
+
+    def decode_step(self, input_ids, hidden, position_ids, cache: DraftCache):
+        """Engine-style step: ``[B, S]`` ids, ``[B, S, H]`` states, ``[B, S]`` positions.
+
+        S > 1 is a prefill (causal among the S rows, after everything in ``cache``); S = 1 is one draft
+        token. Step 0 takes ``fuse(aux)``; later steps take the returned state (y if norm_output, else
+        h2). Returns (logits over the draft vocab ``[B, S, Vd]``, state to feed back ``[B, S, H]``).
+        All rows of the batch share one cache length (pad prompts to one length, or use B = 1).
+        """
+
+        def attend(q, k, v):
+            k_all, v_all = cache.append(k, v)
+            return cached_attention(q, k_all, v_all)
+
+        y, nxt = self._layer(input_ids, hidden, position_ids, attend)
+        return self.lm_head(y), nxt

@@ -1,0 +1,137 @@
+"""TTT loss: SPEC.md section 4 alignment against a per-row loop, masking, frozen params, chunking."""
+
+import math
+
+import pytest
+import torch
+
+from tests.unit.test_drafter import FLAGS, make_drafter, packed_batch
+from train.loss import ttt_loss, ttt_states
+
+K, W = 3, 0.8
+
+
+def naive_metrics(d, b, head, steps):
+    """Per-row loops written from SPEC.md section 4, independent of train/loss.py's vectorised masks."""
+    with torch.no_grad():
+        logits = [d.lm_head(y) for y in ttt_states(d, b, steps)]
+    B, T = b.input_ids.shape
+    out = {}
+    chain = {}
+    for k in range(steps):
+        loss = n = right = 0.0
+        for r in range(B):
+            for t in range(T):
+                p, tp = t + 2 + k, t + 1 + k  # predicted token x_{t+2+k}; teacher state at t+1+k
+                doc = int(b.document_ids[r, t])
+                ok = doc >= 0 and p < T and int(b.document_ids[r, p]) == doc and bool(b.loss_mask[r, p])
+                ok = ok and bool(d.t2d[b.target_argmax[r, tp]])
+                prev = chain.get((r, t), (True, True))
+                chain[(r, t)] = (prev[0] and ok, prev[1])
+                if not ok:
+                    continue
+                teacher = torch.softmax(b.target_hidden[r, tp] @ head.T, -1)
+                loss += float(-(teacher * torch.log_softmax(logits[k][r, t], -1)).sum())
+                hit = int(d.draft_to_target(logits[k][r, t].argmax())) == int(b.target_argmax[r, tp])
+                right += hit
+                chain[(r, t)] = (prev[0], prev[1] and hit)
+                n += 1
+        full = [c[0] and c[1] for c in chain.values()]
+        out[k] = dict(loss=(loss, n), acc=(right, n), full=(sum(full), sum(c[0] for c in chain.values())))
+    return out
+
+
+def remapped(d):
+    """A non-identity draft vocab, so some teacher argmaxes fall outside it."""
+    sel = torch.arange(50)[torch.arange(50) % 5 != 0]  # 40 ids; multiples of 5 are outside
+    t2d = torch.zeros(50, dtype=torch.bool)
+    t2d[sel] = True
+    d.set_vocab(sel - torch.arange(40), t2d)
+    return d
+
+
+@pytest.mark.parametrize("flags", ["eagle3", "eagle31"])
+def test_alignment_matches_per_row_loop(flags):
+    d = remapped(make_drafter(**FLAGS[flags]))
+    b = packed_batch()
+    b.target_argmax = torch.randint(0, 50, b.target_argmax.shape, generator=torch.Generator().manual_seed(3))
+    head = torch.randn(40, 32, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        res = ttt_loss(d, b, head, steps=K, step_weight=W, chunk_size=4)
+    want = naive_metrics(d, b, head, K)
+    total = 0.0
+    for k in range(K):
+        num, den = res.metrics[f"loss_{k}"]
+        assert float(den) == want[k]["loss"][1] > 0
+        assert math.isclose(float(num), want[k]["loss"][0], rel_tol=1e-5)
+        assert (float(res.metrics[f"acc_{k}"][0]), float(res.metrics[f"acc_{k}"][1])) == want[k]["acc"]
+        assert tuple(float(x) for x in res.metrics[f"full_acc_{k}"]) == want[k]["full"]
+        total += W**k * want[k]["loss"][0] / want[k]["loss"][1]
+    assert math.isclose(float(res.loss), total, rel_tol=1e-5)
+    # out-of-draft-vocab teachers are really dropped
+    assert float(res.metrics["loss_0"][1]) < int(b.loss_mask.sum())
+
+
+def test_some_predictions_are_right():
+    """acc counts hits: make the drafter's head equal to the teacher head on y == target_hidden."""
+    d = make_drafter()
+    b = packed_batch()
+    head = d.lm_head.weight.detach().clone()
+    with torch.no_grad():
+        y0 = ttt_states(d, b, 1)[0]
+        b.target_hidden = torch.roll(y0, 1, dims=1)  # teacher at t+1 == drafter state at t
+        b.target_argmax = d.draft_to_target(d.lm_head(b.target_hidden).argmax(-1))
+        res = ttt_loss(d, b, head, steps=1, step_weight=W, chunk_size=5)
+    num, den = res.metrics["acc_0"]
+    assert den > 0 and num == den
+
+
+def test_grads_only_on_trainable_and_chunking_invariant():
+    d = make_drafter()
+    d.train()
+    b = packed_batch()
+    head = torch.randn(40, 32)
+    grads = []
+    for chunk in (3, 1000):
+        d.zero_grad(set_to_none=True)
+        res = ttt_loss(d, b, head, steps=K, step_weight=W, chunk_size=chunk)
+        res.loss.backward()
+        assert d.embed_tokens.weight.grad is None and not d.embed_tokens.weight.requires_grad
+        missing = [n for n, p in d.named_parameters() if p.requires_grad and (p.grad is None or not p.grad.any())]
+        assert missing == []
+        grads.append({n: p.grad.clone() for n, p in d.named_parameters() if p.requires_grad})
+    for n in grads[0]:
+        torch.testing.assert_close(grads[0][n], grads[1][n], atol=1e-6, rtol=1e-5)
+
+
+def test_sdpa_and_dense_paths_agree():
+    b = packed_batch()
+    head = torch.randn(40, 32)
+    out = {}
+    for impl in ("sdpa", "dense"):
+        d = make_drafter(attention=impl)
+        res = ttt_loss(d, b, head, steps=K, step_weight=W, chunk_size=8)
+        res.loss.backward()
+        out[impl] = (res.loss.detach(), {n: p.grad for n, p in d.named_parameters() if p.grad is not None})
+    torch.testing.assert_close(out["sdpa"][0], out["dense"][0])
+    for n, g in out["dense"][1].items():
+        torch.testing.assert_close(out["sdpa"][1][n], g, atol=1e-5, rtol=1e-4)
+
+
+def test_all_masked_rows_give_finite_zero_loss():
+    d = make_drafter()
+    b = packed_batch()
+    b.loss_mask[:] = False
+    res = ttt_loss(d, b, torch.randn(40, 32), steps=K, step_weight=W, chunk_size=8)
+    assert torch.isfinite(res.loss) and float(res.loss.detach()) == 0.0
+    res.loss.backward()
+    assert all(float(res.metrics[f"acc_{k}"][1]) == 0 for k in range(K))
+
+
+def test_bad_arguments():
+    d = make_drafter()
+    b = packed_batch()
+    with pytest.raises(ValueError, match="ttt_steps"):
+        ttt_loss(d, b, torch.randn(40, 32), steps=0, step_weight=W, chunk_size=8)
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        ttt_loss(d, b, torch.randn(41, 32), steps=1, step_weight=W, chunk_size=8)

@@ -1,0 +1,74 @@
+"""Memory-linear TTT attention == the dense-mask reference (values and grads, packed rows, GQA)."""
+
+import pytest
+import torch
+
+import models.attention as attention
+from models.attention import cached_attention, ttt_attention, ttt_dense_mask
+
+
+def inputs(J, B=2, Hq=4, Hkv=2, T=23, D=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).requires_grad_()  # noqa: E731
+    packed = [0] * 7 + [1] * 12 + [-1] * (T - 19) if T >= 19 else [0] * T  # two documents + padding
+    doc = torch.tensor([packed, [0] * T][:B], dtype=torch.int32)
+    return mk(B, Hq, T, D), mk(B, Hkv, T, D), mk(B, Hkv, T, D), mk(B, Hkv, J, T, D), mk(B, Hkv, J, T, D), doc
+
+
+def test_dense_mask_layout():
+    doc = torch.tensor([[0, 0, 1, 1]])
+    m = ttt_dense_mask(doc, 2)[0, 0]
+    assert m.shape == (4, 12)
+    assert m[3, :4].tolist() == [False, False, True, True]  # causal, same document only
+    assert torch.equal(m[:, 4:8], torch.eye(4, dtype=torch.bool)) and torch.equal(m[:, 8:], m[:, 4:8])
+
+
+@pytest.mark.parametrize("J", [0, 1, 3])
+@pytest.mark.parametrize("block", [5, 256])
+def test_memory_linear_equals_dense(J, block, monkeypatch):
+    monkeypatch.setattr(attention, "BLOCK_ROWS", block)  # several query blocks, and one
+    q, k0, v0, kd, vd, doc = inputs(J)
+    out = ttt_attention(q, k0, v0, kd, vd, doc, "sdpa")
+    ref = ttt_attention(q, k0, v0, kd, vd, doc, "dense")
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
+    grad = torch.randn_like(out)
+    leaves = [q, k0, v0, kd, vd]
+    got = torch.autograd.grad(out, leaves, grad)
+    want = torch.autograd.grad(ref, leaves, grad)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+    if J:  # the diagonal keys really matter
+        assert (ref - ttt_attention(q, k0, v0, kd[:, :, :0], vd[:, :, :0], doc, "dense")).abs().max() > 1e-3
+
+
+def test_documents_do_not_leak():
+    q, k0, v0, kd, vd, doc = inputs(2)
+    out = ttt_attention(q, k0, v0, kd, vd, doc, "sdpa")
+    k0b = k0.detach().clone()
+    k0b[0, :, :7] += 5.0  # change document 0 of row 0
+    v0b = v0.detach().clone()
+    v0b[0, :, :7] += 5.0
+    out2 = ttt_attention(q, k0b, v0b, kd, vd, doc, "sdpa")
+    assert torch.equal(out[0, :, 7:19], out2[0, :, 7:19])  # document 1 untouched
+    assert (out[0, :, :7] - out2[0, :, :7]).abs().max() > 1e-3
+
+
+def test_flex_forward_equals_dense():
+    q, k0, v0, kd, vd, doc = (x.detach().float() if x.is_floating_point() else x for x in inputs(2, T=32))
+    try:
+        out = ttt_attention(q, k0, v0, kd, vd, doc, "flex")
+    except Exception as e:  # flex needs a compiler / device on some CPU builds
+        pytest.skip(f"flex_attention unavailable here: {type(e).__name__}: {e}")
+    torch.testing.assert_close(out, ttt_attention(q, k0, v0, kd, vd, doc, "dense"), atol=1e-5, rtol=1e-5)
+
+
+def test_cached_attention_prefill_then_decode():
+    q, k0, v0, *_ = inputs(0, B=1, T=9)
+    full = torch.nn.functional.scaled_dot_product_attention(q, k0, v0, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(cached_attention(q, k0, v0), full)
+    torch.testing.assert_close(cached_attention(q[:, :, -1:], k0, v0), full[:, :, -1:])
+
+
+def test_bad_name():
+    with pytest.raises(ValueError, match="drafter.attention"):
+        ttt_attention(*inputs(1), impl="eager")

@@ -1,0 +1,129 @@
+"""Training-time-test loss (SPEC.md section 4): K unrolled draft steps against the target's teacher.
+
+Alignment, from an unshifted ``FeatureBatch`` (index t = token x_t and the target's state after it):
+step k, row t gets token x_{t+1+k} at RoPE position ``position_ids[t] + k``, feature ``A_t`` (step 0) or
+the fed-back state of step k-1 at row t, and is scored against the teacher ``P_{t+1+k}`` (from
+``target_hidden[t+1+k]``, the distribution of x_{t+2+k}). Row t of step k counts when x_{t+2+k} is a
+loss-masked token of the same document as t and the target's argmax at t+1+k lies in the draft vocab.
+
+The teacher is computed from the target's final normed state and only the draft-vocab rows of its
+``lm_head``, over the counted rows only, in chunks of ``chunk_size`` rows; each chunk's logits live
+only inside a checkpointed function (recomputed in backward), so [rows, Vd] fp32 tensors never
+accumulate over chunks or steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from data.batch import FeatureBatch
+
+
+@dataclass
+class TTTResult:
+    loss: torch.Tensor  # scalar, sum_k w^k L_k, for backward
+    # name -> (numerator, denominator), float64, detached: loss_k, acc_k, full_acc_k for k = 0..K-1.
+    # Sum both over ranks / micro-batches, then divide.
+    metrics: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+def _shift(x: torch.Tensor, s: int, fill) -> torch.Tensor:
+    """``out[:, t] = x[:, t + s]``, ``fill`` past the end."""
+    out = torch.full_like(x, fill)
+    if s < x.shape[1]:
+        out[:, : x.shape[1] - s] = x[:, s:]
+    return out
+
+
+def ttt_states(drafter, batch: FeatureBatch, steps: int) -> list[torch.Tensor]:
+    """Unroll ``steps`` TTT steps (teacher forcing); returns y_k = norm(h2) ``[B, T, H]`` per step.
+
+    Step k row t: token x_{t+1+k}, RoPE position ``position_ids[t] + k``, feature ``fuse(A_t)`` at step
+    0 and the fed-back state of step k-1 after. ``drafter.lm_head(y_k)`` are the step's logits.
+    """
+    g = drafter.fuse(batch.aux_hidden)
+    kv: list = []
+    ys = []
+    for k in range(steps):
+        y, g = drafter.ttt_step(_shift(batch.input_ids, 1 + k, 0), g, batch.position_ids + k, batch.document_ids, kv)
+        ys.append(y)
+    return ys
+
+
+def _chunk_loss(y, teacher_hidden, lm_head, teacher_head):
+    """Soft cross-entropy summed over rows (fp32) and the drafter's argmax (draft ids) for rows of y."""
+    logits = lm_head(y).float()
+    with torch.no_grad():
+        teacher = F.softmax((teacher_hidden @ teacher_head.T).float(), dim=-1)  # renormalised over Vd
+    loss = -(teacher * F.log_softmax(logits, dim=-1)).sum()
+    return loss, logits.detach().argmax(-1)
+
+
+def ttt_loss(
+    drafter,
+    batch: FeatureBatch,
+    teacher_head: torch.Tensor,
+    *,
+    steps: int,
+    step_weight: float,
+    chunk_size: int,
+) -> TTTResult:
+    """Unroll ``steps`` TTT steps of ``drafter`` (an ``Eagle3Drafter``) on ``batch`` and score them.
+
+    ``teacher_head`` ``[Vd, Ht]`` holds the draft-vocab rows of the target's ``lm_head`` (frozen), in
+    draft-id order. Returns the weighted loss ``sum_k step_weight**k * L_k`` (L_k: mean over counted
+    rows; 0 when none) and numerator/denominator metrics; ``full_acc_k`` counts rows whose steps 0..k
+    are all counted, and is right when all of them are.
+    """
+    if steps < 1:
+        raise ValueError(f"drafter.ttt_steps={steps}: must be >= 1")
+    if chunk_size < 1:
+        raise ValueError(f"drafter.loss_chunk_size={chunk_size}: must be >= 1")
+    Vd = drafter.spec.draft_vocab_size
+    if teacher_head.shape[0] != Vd:
+        raise ValueError(f"teacher_head has {teacher_head.shape[0]} rows; drafter.draft_vocab_size={Vd}")
+    B, T = batch.input_ids.shape
+    doc = batch.document_ids
+    valid = doc >= 0
+    th_flat = batch.target_hidden.reshape(B * T, -1)
+    use_ckpt = torch.is_grad_enabled()
+
+    ys = ttt_states(drafter, batch, steps)
+    total = ys[0].new_zeros((), dtype=torch.float32)
+    metrics: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    chain_counted = chain_right = None
+    for k, y in enumerate(ys):
+        teacher_argmax = _shift(batch.target_argmax, 1 + k, 0)
+        counted = (
+            valid
+            & _shift(batch.loss_mask, 2 + k, False)
+            & (_shift(doc, 2 + k, -2) == doc)
+            & drafter.t2d[teacher_argmax]
+        ).reshape(-1)
+        rows = counted.nonzero().squeeze(1)
+        # teacher of row t at step k is the target's state at t+1+k (same batch row; counted => in range)
+        teacher_rows = rows + 1 + k
+        y_flat = y.reshape(B * T, -1)
+        loss_sum = y.new_zeros((), dtype=torch.float32)
+        right = torch.zeros(B * T, dtype=torch.bool, device=y.device)
+        for a in range(0, rows.numel(), chunk_size):
+            r, tr = rows[a : a + chunk_size], teacher_rows[a : a + chunk_size]
+            args = (y_flat[r], th_flat[tr], drafter.lm_head, teacher_head)
+            part, pred = checkpoint(_chunk_loss, *args, use_reentrant=False) if use_ckpt else _chunk_loss(*args)
+            loss_sum = loss_sum + part
+            right[r] = drafter.draft_to_target(pred) == teacher_argmax.reshape(-1)[r]
+        n = counted.sum()
+        if rows.numel() == 0:
+            loss_sum = loss_sum + 0.0 * y.sum()  # keeps the graph connected; all-masked -> loss 0, finite
+        total = total + step_weight**k * loss_sum / n.clamp(min=1)
+        chain_counted = counted if chain_counted is None else chain_counted & counted
+        chain_right = right if chain_right is None else chain_right & right
+        f64 = lambda x: x.detach().to(torch.float64)  # noqa: E731
+        metrics[f"loss_{k}"] = (f64(loss_sum), f64(n))
+        metrics[f"acc_{k}"] = (f64(right.sum()), f64(n))
+        metrics[f"full_acc_{k}"] = (f64((chain_right & chain_counted).sum()), f64(chain_counted.sum()))
+    return TTTResult(loss=total, metrics=metrics)
