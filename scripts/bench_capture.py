@@ -1,0 +1,159 @@
+"""Capture throughput against the target's plain forward, and bytes per token against the 8 x H baseline.
+
+    OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_capture.py [--target DIR] [--samples 64] [--repeats 2]
+
+Without --target a random Llama (--hidden/--layers/--vocab) is built in a temp dir. Both paths run the
+same batches (plan_batches over the same samples). "forward" is the HF CausalLM forward (logits for every
+position, no cache): the floor that capture cannot beat. "capture" is the whole offline stage for one rank:
+hooks, chunked argmax, fp8 quantisation when asked, safetensors shards, checksums, index and manifest.
+The baseline store is what public trainers write: one file per sample holding the 3 aux states and the
+final state in bf16 (8 x H bytes per token), here measured by writing it the same way (safetensors).
+Prints a markdown table; every figure is the best of --repeats round-robin runs in this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from data.capture import capture_rows, capture_split, dataset_lengths, pad_batch, plan_batches, store_meta  # noqa: E402
+from models.target import FrozenTarget  # noqa: E402
+from train.config import Config  # noqa: E402
+from train.distributed import World  # noqa: E402
+
+
+def build_target(args, root: Path) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.hidden * 3, num_hidden_layers=args.layers,
+                      num_attention_heads=max(1, args.hidden // 64), num_key_value_heads=max(1, args.hidden // 256),
+                      vocab_size=args.vocab, max_position_embeddings=4096)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(root / "target")
+    return str(root / "target")
+
+
+def build_data(path: Path, n: int, vocab: int, lo: int, hi: int) -> None:
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(0)
+    lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    Dataset.from_dict({"input_ids": [torch.randint(0, vocab, (k,), generator=g).int().tolist() for k in lens],
+                       "loss_mask": [[1] * k for k in lens]}).save_to_disk(str(path))
+
+
+def best_interleaved(fns: list, repeats: int) -> list[float]:
+    """Best time of each function, run round-robin so load drift on a shared machine hits all alike."""
+    times = [[] for _ in fns]
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            times[i].append(time.perf_counter() - t0)
+    return [min(t) for t in times]
+
+
+def baseline_bytes(target: FrozenTarget, ds, plan, out: Path) -> int:
+    """One safetensors file per sample: 3 aux + final state bf16 + ids + mask (the public trainers' store)."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    total = 0
+    for batch in plan:
+        rows = ds.select(batch)
+        for i, row, (aux, final, _) in zip(batch, rows, capture_rows(target, [r["input_ids"] for r in rows])):
+            f = out / f"{i}.safetensors"
+            save_file({"hidden_states": aux.to(torch.bfloat16).contiguous(),
+                       "target": final.to(torch.bfloat16).contiguous(),
+                       "input_ids": torch.tensor(row["input_ids"], dtype=torch.long),
+                       "loss_mask": torch.tensor(row["loss_mask"], dtype=torch.long)}, str(f))
+            total += f.stat().st_size
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", help="local target directory (default: a random Llama)")
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--samples", type=int, default=48)
+    ap.add_argument("--min-len", type=int, default=64)
+    ap.add_argument("--max-len", type=int, default=512)
+    ap.add_argument("--batch-tokens", type=int, default=4096)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args()
+
+    from datasets import load_from_disk
+    from transformers import AutoConfig
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench_capture_"))
+    path = args.target or build_target(args, tmp)
+    hf = AutoConfig.from_pretrained(path)
+    cfg = Config()
+    cfg.recipe = "bench"
+    t = cfg.target
+    t.name_or_path, t.dtype = path, args.dtype
+    t.num_hidden_layers, t.hidden_size, t.vocab_size = hf.num_hidden_layers, hf.hidden_size, hf.vocab_size
+    cfg.capture.batch_tokens, cfg.capture.shard_size_mb = args.batch_tokens, 64
+    cfg.drafter.draft_vocab_size = min(cfg.drafter.draft_vocab_size, hf.vocab_size)
+    cfg.validate()
+    device = torch.device(args.device)
+    world = World(0, 1, 0, device)
+    target = FrozenTarget.load(t, device, cfg.aux_layer_ids())
+    build_data(tmp / "data", args.samples, hf.vocab_size, args.min_len, args.max_len)
+    ds = load_from_disk(str(tmp / "data"))
+    lengths = dataset_lengths(ds)
+    tokens = sum(lengths)
+    plan = plan_batches(list(range(len(lengths))), lengths, args.batch_tokens)
+    batches = [pad_batch([ds[i]["input_ids"] for i in b], device) for b in plan]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    @torch.inference_mode()
+    def forward():
+        for ids, mask in batches:
+            target.model(input_ids=ids, attention_mask=mask, use_cache=False)
+        sync()
+
+    def capture(dtype: str):
+        def run():
+            cfg.capture.dtype = dtype
+            store = tmp / f"store_{dtype}"
+            import shutil
+            shutil.rmtree(store, ignore_errors=True)
+            capture_split(target, tmp / "data", store, cfg, world, store_meta(cfg, target, None))
+            sync()
+        return run
+
+    forward()  # warm-up (allocator, kernels)
+    t_fwd, t_bf16, t_fp8 = best_interleaved([forward, capture("bf16"), capture("fp8")], args.repeats)
+    size = {d: sum(p.stat().st_size for p in (tmp / f"store_{d}").rglob("*.safetensors")) for d in ("bf16", "fp8")}
+    base = baseline_bytes(target, ds, plan, tmp / "baseline")
+    H = hf.hidden_size
+
+    print(f"\nTarget: {path if args.target else 'random Llama'} (L={hf.num_hidden_layers}, H={H}, V={hf.vocab_size}, "
+          f"{args.dtype}) on {device}; {args.samples} samples, {tokens} tokens, batch_tokens={args.batch_tokens}, "
+          f"aux ids {cfg.aux_layer_ids()}; best of {args.repeats}.\n")
+    print("| path | tokens/s | vs plain forward | bytes/token | vs 8 x H baseline |")
+    print("|---|---:|---:|---:|---:|")
+    print(f"| plain forward (HF CausalLM, logits) | {tokens / t_fwd:,.0f} | 1.00 | - | - |")
+    print(f"| baseline store (file per sample, bf16) | - | - | {base / tokens:,.0f} | {base / tokens / (8 * H):.2f} |")
+    for d, tt in (("bf16", t_bf16), ("fp8", t_fp8)):
+        print(f"| capture, {d} store | {tokens / tt:,.0f} | {t_fwd / tt:.2f} | {size[d] / tokens:,.0f} | "
+              f"{size[d] / tokens / (8 * H):.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""torchrun entry for test_capture_resume.py: train/main.py, with each target forward slowed down by
+FLEDGE_TEST_SLOW seconds (so the test can kill -9 the run in the middle of the capture)."""
+
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import data.capture as capture  # noqa: E402
+from train import main  # noqa: E402
+
+_delay = float(os.environ.get("FLEDGE_TEST_SLOW", "0"))
+if _delay:
+    _rows = capture.capture_rows
+
+    def _slow_rows(target, rows):
+        time.sleep(_delay)
+        return _rows(target, rows)
+
+    capture.capture_rows = _slow_rows
+
+if __name__ == "__main__":
+    main.main()

@@ -1,0 +1,218 @@
+"""Feature store: the capture stage on a fake run dir, read back through FeatureStore / FeatureLoader.
+
+Checks the stored states against the target, the fp8 error bound, resumption after losing shards,
+lazy checksums naming the shard, manifest mismatches, and the loader's rank split and exact resume."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from data.capture import run_stage
+from data.feature_reader import FeatureLoader, FeatureStore
+from data.features import INDEX, STORE_MANIFEST, bytes_per_token
+from models.target import FrozenTarget
+from train.config import Config
+from train.distributed import World
+from train.stages import StageContext
+
+L, H, V, IDS = 6, 32, 96, [2, 3, 4]
+N_TRAIN, N_EVAL = 14, 4
+
+
+def make_target(path: Path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(hidden_size=H, intermediate_size=64, num_hidden_layers=L, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=V, max_position_embeddings=128)).save_pretrained(path)
+
+
+def make_prepared(run_dir: Path, seed=0):
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(seed)
+    for split, n in (("train", N_TRAIN), ("eval", N_EVAL)):
+        lens = torch.randint(3, 40, (n,), generator=g).tolist()
+        ids = [torch.randint(0, V, (k,), generator=g).int().tolist() for k in lens]
+        mask = [torch.randint(0, 2, (k,), generator=g).to(torch.int8).tolist() for k in lens]
+        Dataset.from_dict({"input_ids": ids, "loss_mask": mask}).save_to_disk(str(run_dir / "prepare" / split))
+
+
+def make_cfg(root: Path, name: str, dtype="bf16", shard_kb=8) -> Config:
+    cfg = Config()
+    cfg.recipe = "test"
+    cfg.run.name, cfg.run.output_root = name, str(root)
+    t = cfg.target
+    t.name_or_path, t.dtype, t.num_hidden_layers, t.hidden_size, t.vocab_size = str(root / "target"), "float32", L, H, V
+    cfg.drafter.aux_layer_ids, cfg.drafter.draft_vocab_size = list(IDS), 64
+    cfg.capture.dtype, cfg.capture.batch_tokens = dtype, 64
+    cfg.capture.shard_size_mb = shard_kb / 1024  # fractional MiB: tiny shards so every split has several
+    return cfg.validate()
+
+
+def capture(cfg: Config) -> Path:
+    run_dir = Path(cfg.run.output_root) / cfg.run.name
+    world = World(0, 1, 0, torch.device("cpu"))
+    ctx = StageContext(cfg, world, run_dir, run_dir / "capture", {"prepare": {"inputs_hash": "x", "complete": True}})
+    ctx.stage_dir.mkdir(parents=True, exist_ok=True)
+    out = run_stage(ctx)
+    assert out["train_samples"] == N_TRAIN and out["eval_samples"] == N_EVAL
+    return ctx.stage_dir
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("feat")
+    make_target(root / "target")
+    for name in ("bf16", "fp8"):
+        make_prepared(root / name)
+    return root
+
+
+@pytest.fixture(scope="module")
+def bf16_store(root):
+    return capture(make_cfg(root, "bf16"))
+
+
+def _reference(root, store, i):
+    from datasets import load_from_disk
+
+    row = load_from_disk(str(store.parent.parent / "prepare" / "train"))[i]
+    tcfg = make_cfg(root, "bf16").target
+    target = FrozenTarget.load(tcfg, torch.device("cpu"), IDS)
+    aux, final, argmax = target.capture(torch.tensor([row["input_ids"]]))
+    return row, aux[0], final[0], argmax[0]
+
+
+def test_store_matches_target(root, bf16_store):
+    store = FeatureStore(bf16_store / "train")
+    m = store.manifest
+    assert len(store) == N_TRAIN and store.sample_ids == list(range(N_TRAIN)) and len(m["shards"]) > 1
+    assert m["aux_layer_ids"] == IDS and m["bytes_per_token"] == bytes_per_token(3, H, "bf16")
+    assert m["tokenizer_hash"] and m["prepare_manifest_hash"] and m["target"]["fingerprint"]
+    for i in (0, 5, N_TRAIN - 1):
+        row, aux, final, argmax = _reference(root, bf16_store / "train", i)
+        s = store[i]
+        assert s["input_ids"].dtype == torch.int64 and s["loss_mask"].dtype == torch.bool
+        assert s["input_ids"].tolist() == row["input_ids"] and s["loss_mask"].int().tolist() == row["loss_mask"]
+        assert s["aux_hidden"].shape == (len(row["input_ids"]), 3 * H)
+        # bf16 storage of fp32 states captured in a padded batch vs alone: bf16 rounding only
+        torch.testing.assert_close(s["aux_hidden"].float(), aux, rtol=8e-3, atol=1e-4)
+        torch.testing.assert_close(s["target_hidden"].float(), final, rtol=8e-3, atol=1e-4)
+        assert torch.equal(s["target_argmax"], argmax)
+    on_disk = sum(p.stat().st_size for p in (bf16_store / "train").rglob("*.safetensors"))
+    assert m["num_tokens"] * m["bytes_per_token"] <= on_disk < m["num_tokens"] * m["bytes_per_token"] + 2048 * len(m["shards"])
+
+
+def test_fp8_round_trip_error(root, bf16_store):
+    """fp8-e4m3 with one scale s = amax/448 per token and aux layer: |err| <= 2^-4 |x| + 2^-10 s per element."""
+    store = FeatureStore(capture(make_cfg(root, "fp8", dtype="fp8")) / "train", dtype=torch.float32)
+    ref_store = FeatureStore(bf16_store / "train")
+    assert store.manifest["bytes_per_token"] < 0.7 * ref_store.manifest["bytes_per_token"]
+    rel = []
+    for i in range(len(store)):
+        _, aux, final, _ = _reference(root, bf16_store / "train", i)
+        got = store[i]["aux_hidden"]
+        T = aux.shape[0]
+        s = aux.view(T, 3, H).abs().amax(-1, keepdim=True) / 448.0
+        bound = (2 ** -4 * aux.view(T, 3, H).abs() + 2 ** -10 * s + 1e-6 * s).view(T, -1)
+        assert ((got - aux).abs() <= bound).all()
+        rel.append(((got - aux).norm() / aux.norm()).item())
+        torch.testing.assert_close(store[i]["target_hidden"].float(), final, rtol=8e-3, atol=1e-4)  # bf16 as before
+    assert max(rel) < 0.04  # measured ~0.02: the per-token relative RMS error of the aux states
+
+
+def test_resume_after_lost_shards_is_identical(root, bf16_store, tmp_path):
+    snap = {p.relative_to(bf16_store): p.read_bytes() for p in bf16_store.rglob("*") if p.is_file()}
+    rdir = bf16_store / "train" / "rank00000"
+    index = json.loads((rdir / INDEX).read_text())
+    assert len(index["shards"]) >= 3
+    # as if killed after writing shard 2 but before indexing it, with shard 1 corrupted on disk
+    (rdir / index["shards"][-1]["name"]).unlink()
+    index["shards"], index["complete"] = index["shards"][:3], False
+    (rdir / INDEX).write_text(json.dumps(index))
+    raw = bytearray((rdir / index["shards"][1]["name"]).read_bytes())
+    raw[-5] ^= 0xFF
+    (rdir / index["shards"][1]["name"]).write_bytes(bytes(raw))
+    (bf16_store / "train" / STORE_MANIFEST).unlink()
+    capture(make_cfg(root, "bf16"))
+    after = {p.relative_to(bf16_store): p.read_bytes() for p in bf16_store.rglob("*") if p.is_file()}
+    assert after.keys() == snap.keys() and all(after[k] == snap[k] for k in snap)
+
+
+def test_flipped_byte_names_the_shard(bf16_store, tmp_path):
+    store_dir = tmp_path / "train"
+    shutil.copytree(bf16_store / "train", store_dir)
+    store = FeatureStore(store_dir)
+    shard = store.manifest["shards"][1]["path"]
+    victim = next(i for i in range(len(store)) if store._loc[i][0] == shard)
+    other = next(i for i in range(len(store)) if store._loc[i][0] != shard)
+    raw = bytearray((store_dir / shard).read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    (store_dir / shard).write_bytes(bytes(raw))
+    store = FeatureStore(store_dir)
+    store[other]  # other shards still read (checks are lazy, per shard)
+    with pytest.raises(ValueError, match=shard.split("/")[-1]):
+        store[victim]
+
+
+def test_manifest_mismatch_refused(root, bf16_store):
+    store = FeatureStore(bf16_store / "train")
+    store.check_compatible(make_cfg(root, "bf16"))
+    cfg = make_cfg(root, "bf16")
+    cfg.drafter.aux_layer_ids = [2, 3, 5]
+    with pytest.raises(ValueError, match="drafter.aux_layer_ids"):
+        store.check_compatible(cfg)
+    cfg = make_cfg(root, "bf16")
+    cfg.target.name_or_path = "meta-llama/Llama-3.1-8B-Instruct"
+    with pytest.raises(ValueError, match="target.name_or_path"):
+        FeatureLoader(bf16_store / "train", 0, 1, 64, 2, 0, cfg=cfg)
+    cfg = make_cfg(root, "bf16")
+    cfg.target.hidden_size = 2 * H
+    with pytest.raises(ValueError, match="target.hidden_size"):
+        store.check_compatible(cfg)
+
+
+def test_loader_ranks_and_exact_resume(bf16_store):
+    def ids_of(batch):
+        return [tuple(batch.input_ids[r][batch.document_ids[r] == d].tolist())
+                for r in range(batch.input_ids.shape[0]) for d in batch.document_ids[r].unique().tolist() if d >= 0]
+
+    loaders = [FeatureLoader(bf16_store / "train", r, 2, 64, 2, seed=3) for r in range(2)]
+    assert len(loaders[0]) == len(loaders[1]) > 0
+    seen = [ids_of(b) for ld in loaders for b in ld]
+    flat = [s for b in seen for s in b]
+    assert len(flat) == len(set(flat))  # no sample on two ranks
+    ld = FeatureLoader(bf16_store / "train", 0, 2, 64, 2, seed=3)
+    full = [ids_of(b) for b in ld] + [ids_of(b) for b in ld]  # epochs 0 and 1
+    assert full[:len(full) // 2] != full[len(full) // 2:]  # reshuffled per epoch
+    ld = FeatureLoader(bf16_store / "train", 0, 2, 64, 2, seed=3)
+    it = iter(ld)
+    first = [ids_of(next(it))]
+    state = ld.state_dict()
+    assert state == {"epoch": 0, "position": 1} and all(type(v) is int for v in state.values())
+    resumed = FeatureLoader(bf16_store / "train", 0, 2, 64, 2, seed=3)
+    resumed.load_state_dict(state)
+    rest = [ids_of(b) for b in resumed] + [ids_of(b) for b in resumed]
+    assert first + rest == full
+    b = next(iter(FeatureLoader(bf16_store / "train", 0, 1, 64, 2, seed=0)))
+    assert b.aux_hidden.shape[-1] == 3 * H and b.target_hidden.shape[-1] == H and b.target_argmax.dtype == torch.int64
+
+
+def test_online_source_yields_the_offline_batches(root, bf16_store):
+    from data.capture import OnlineFeatureSource
+
+    cfg = make_cfg(root, "bf16")
+    cfg.train.micro_batch_tokens, cfg.train.micro_batch_size, cfg.run.seed = 64, 2, 5
+    online = OnlineFeatureSource(cfg, World(0, 1, 0, torch.device("cpu")))
+    offline = FeatureLoader(bf16_store / "train", 0, 1, 64, 2, seed=5, dtype=torch.float32)
+    assert len(online) == len(offline)
+    for a, b in zip(online, offline):
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask)
+        assert torch.equal(a.document_ids, b.document_ids) and torch.equal(a.target_argmax, b.target_argmax)
+        torch.testing.assert_close(a.aux_hidden.float(), b.aux_hidden, rtol=8e-3, atol=1e-4)  # b: bf16 store
+        torch.testing.assert_close(a.target_hidden.float(), b.target_hidden, rtol=8e-3, atol=1e-4)
+    assert online.state_dict() == {"epoch": 1, "position": 0}
