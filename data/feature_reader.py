@@ -102,60 +102,88 @@ class FeatureStore:
 
 
 class BatchIterator:
-    """Seeded, rank-sharded packing of samples into batches, with an exactly resumable position.
+    """A global batch plan that does not depend on the world size, and an exactly resumable position.
 
-    Epoch e shuffles all samples with ``seed + e``; rank r takes every world-th of them; plan_rows packs
-    them into rows of ``row_tokens`` and rows are grouped ``rows_per_batch`` at a time. Every rank keeps
-    the same number of batches (the minimum over ranks, computed locally from the lengths) so no rank
-    waits on a collective the others skipped. Iterating runs the current epoch from the saved position,
-    then moves the position to the next epoch. Subclasses implement ``fetch(indices) -> list[dict]``."""
+    Epoch e packs all samples into rows (data.packing.plan_rows, seed + e), groups rows
+    ``rows_per_batch`` at a time and shuffles the batches (seed + e). Global batch g of an epoch goes to
+    rank g % world; the last ``n % world`` batches of an epoch are dropped so every rank runs the same
+    number of collectives. The position is the number of global batches consumed by all ranks together,
+    so 2 ranks x 1 batch and 1 rank x 2 batches (gradient accumulation) see the same data, and a resume
+    on another world size continues where the run stopped. Subclasses implement ``fetch``."""
 
     def __init__(self, lengths: list[int], rank: int, world: int, row_tokens: int, rows_per_batch: int, seed: int):
         self.lengths, self.rank, self.world = list(lengths), rank, world
         self.row_tokens, self.rows_per_batch, self.seed = row_tokens, rows_per_batch, seed
-        self.epoch, self.position = 0, 0
+        self.position = 0
         self._plan_cache: tuple[int, list] | None = None
+        if not self.lengths:
+            raise ValueError("no samples to train on; check the prepare stage's counts (kept/dropped)")
 
     def fetch(self, indices: list[int]) -> list[dict]:
         raise NotImplementedError
 
-    def _rank_batches(self, epoch: int, rank: int) -> list[list[list[int]]]:
-        from data.packing import plan_rows
-
-        g = torch.Generator().manual_seed(self.seed + epoch)
-        order = torch.randperm(len(self.lengths), generator=g).tolist()[rank::self.world]
-        rows = plan_rows([self.lengths[i] for i in order], self.row_tokens, self.seed + epoch)
-        rows = [[order[j] for j in row] for row in rows]
-        return [rows[i:i + self.rows_per_batch] for i in range(0, len(rows), self.rows_per_batch)]
-
-    def epoch_plan(self, epoch: int) -> list[list[list[int]]]:
-        """This rank's batches of epoch ``epoch``: a list of batches, each a list of rows of sample indices."""
+    def global_plan(self, epoch: int) -> list[list[list[int]]]:
+        """All batches of ``epoch``: a list of batches, each a list of rows of sample indices."""
         if self._plan_cache is None or self._plan_cache[0] != epoch:
-            n = min(len(self._rank_batches(epoch, r)) for r in range(self.world))
-            self._plan_cache = (epoch, self._rank_batches(epoch, self.rank)[:n])
+            from data.packing import plan_rows
+
+            rows = plan_rows(self.lengths, self.row_tokens, self.seed + epoch)
+            batches = [rows[i:i + self.rows_per_batch] for i in range(0, len(rows), self.rows_per_batch)]
+            g = torch.Generator().manual_seed(self.seed * 7919 + epoch)
+            order = torch.randperm(len(batches), generator=g).tolist()
+            self._plan_cache = (epoch, [batches[i] for i in order])
         return self._plan_cache[1]
 
-    def __len__(self) -> int:
-        return len(self.epoch_plan(self.epoch))
+    @property
+    def rounds_per_epoch(self) -> int:
+        n = len(self.global_plan(0)) // self.world
+        if n == 0:
+            raise ValueError(f"{len(self.global_plan(0))} batches per epoch cannot feed {self.world} ranks; "
+                             "lower train.micro_batch_tokens / micro_batch_size or add data")
+        return n
 
-    def __iter__(self) -> Iterator[FeatureBatch]:
+    @property
+    def global_batches_per_epoch(self) -> int:
+        return self.rounds_per_epoch * self.world
+
+    def __len__(self) -> int:
+        """This rank's batches per epoch."""
+        return self.rounds_per_epoch
+
+    def batch_at(self, g: int) -> FeatureBatch:
+        """Global batch ``g`` (counted across epochs)."""
         from data.packing import collate
 
-        plan = self.epoch_plan(self.epoch)
-        while self.position < len(plan):
-            rows = plan[self.position]
-            flat = self.fetch([i for row in rows for i in row])
-            it = iter(flat)
-            samples = [[next(it) for _ in row] for row in rows]
-            self.position += 1
-            yield collate(samples, self.row_tokens)
-        self.epoch, self.position = self.epoch + 1, 0
+        epoch, i = divmod(g, self.global_batches_per_epoch)
+        rows = self.global_plan(epoch)[i]
+        flat = iter(self.fetch([j for row in rows for j in row]))
+        return collate([[next(flat) for _ in row] for row in rows], self.row_tokens)
+
+    def next_batch(self) -> tuple[int, FeatureBatch]:
+        """This rank's next batch and its global index; the position advances by one round."""
+        g = self.position + self.rank
+        self.position += self.world
+        return g, self.batch_at(g)
+
+    def seek(self, position: int) -> None:
+        self.position = int(position)
+
+    def __iter__(self) -> Iterator[FeatureBatch]:
+        """The rest of the current epoch for this rank."""
+        end = (self.position // self.global_batches_per_epoch + 1) * self.global_batches_per_epoch
+        while self.position < end:
+            yield self.next_batch()[1]
+
+    def eval_batches(self, n: int) -> Iterator[FeatureBatch]:
+        """This rank's share of the first ``n`` rounds of epoch 0 (cycling): the same at every eval."""
+        for i in range(n):
+            yield self.batch_at((i % self.rounds_per_epoch) * self.world + self.rank)
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position}
+        return {"position": self.position}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self.position = int(state["position"])
 
 
 class FeatureLoader(BatchIterator):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -21,11 +20,11 @@ from tqdm import tqdm
 from train import checkpoint
 from train.config import Config
 from train.distributed import World, all_reduce_sum
-from train.engine import build_engine
+from train.engine import build_engine, use_bf16
 from train.metrics import MetricsLog, RatioMeter, al_estimate
 from train.stages import StageContext
 from train.ttt_model import TTTModel, build_ttt_model
-from train.train_data import build_loader
+from train.train_data import build_loaders
 
 log = logging.getLogger(__name__)
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: checkpoint written, re-run the same command to resume
@@ -54,8 +53,8 @@ class _SigtermFlag:
 def run_stage(ctx: StageContext) -> dict:
     cfg, world = ctx.cfg, ctx.world
     model = build_ttt_model(cfg, ctx.run_dir, world.device)
-    train_data = build_loader(cfg, ctx, "train")
-    eval_data = build_loader(cfg, ctx, "eval")
+    dtype = torch.bfloat16 if use_bf16(cfg, world) else torch.float32
+    train_data, eval_data = build_loaders(cfg, ctx, dtype)
     per_step = cfg.train.grad_accum * world.world_size
     total = cfg.train.max_steps or max(1, cfg.train.epochs * train_data.global_batches_per_epoch // per_step)
 
@@ -80,7 +79,6 @@ def run_stage(ctx: StageContext) -> dict:
     bar = tqdm(total=total, initial=step, desc="train", disable=not world.is_main, dynamic_ncols=True)
     t_log = time.time()
     last_drafter_dir = None
-    dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float32
 
     def drafter_meta() -> dict:
         return model.drafter_meta(cfg)

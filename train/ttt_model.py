@@ -56,7 +56,7 @@ def build_ttt_model(cfg: Config, run_dir: Path, device: torch.device) -> TTTMode
 
     from data.vocab import DraftVocab
     from models.drafter import DrafterSpec, Eagle3Drafter
-    from models.target import load_target_tensors, target_tensor_names
+    from models.target import load_input_embeddings, load_lm_head_rows
 
     t = cfg.target
     hf_config = AutoConfig.from_pretrained(t.name_or_path, revision=t.revision, trust_remote_code=t.trust_remote_code)
@@ -66,22 +66,19 @@ def build_ttt_model(cfg: Config, run_dir: Path, device: torch.device) -> TTTMode
                          f"drafter.draft_vocab_size={cfg.drafter.draft_vocab_size}; re-run prepare")
     spec = DrafterSpec.from_target_config(hf_config, cfg.drafter, cfg.aux_layer_ids())
     torch.manual_seed(cfg.run.seed)
-    drafter = Eagle3Drafter(spec)
-    embed_name, head_name = target_tensor_names(hf_config)
-    tensors = load_target_tensors(t.name_or_path, t.revision, [embed_name, head_name])
-    selected = vocab.selected.long()
-    teacher_head = tensors[head_name][selected].float().contiguous()
+    drafter = Eagle3Drafter(spec, attention=cfg.drafter.attention)
+    embedding = load_input_embeddings(t.name_or_path, t.revision)
+    teacher_head = load_lm_head_rows(t.name_or_path, t.revision, vocab.selected).float().contiguous()
+    drafter.load_target_embedding(embedding)
+    drafter.set_vocab(vocab.d2t, vocab.t2d)
     with torch.no_grad():
-        drafter.embed_tokens.weight.copy_(tensors[embed_name].float())
-        drafter.d2t.copy_(vocab.d2t)
-        drafter.t2d.copy_(vocab.t2d)
         if spec.hidden_size == spec.target_hidden_size:
             # Warm start: the drafter's y plays the role of the target's final normed state.
             drafter.lm_head.weight.copy_(teacher_head)
     if cfg.drafter.init_from:
         from models.export import load_drafter
 
-        loaded = load_drafter(cfg.drafter.init_from, embed_tokens=tensors[embed_name])
+        loaded = load_drafter(cfg.drafter.init_from, embed_weight=embedding)
         drafter.load_state_dict(loaded.state_dict())
         log.info("initialised the drafter from %s", cfg.drafter.init_from)
     return TTTModel(drafter, teacher_head, cfg).to(device)

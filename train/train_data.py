@@ -1,0 +1,31 @@
+"""The trainer's data: the feature store (offline) or the live target (online), as global-plan loaders.
+
+Both are ``data.feature_reader.BatchIterator`` subclasses: a batch plan that does not depend on the
+world size, rank r taking global batches r, r+W, ..., and one integer of state (global batches
+consumed), so a kill, a resume or a change of world size continues exactly where training stopped.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from data.feature_reader import BatchIterator
+from train.config import Config
+from train.stages import StageContext
+
+
+def build_loaders(cfg: Config, ctx: StageContext, dtype: torch.dtype) -> tuple[BatchIterator, BatchIterator]:
+    """This rank's (train, eval) loaders; online mode shares one frozen target between them."""
+    t, w = cfg.train, ctx.world
+    if cfg.capture.mode == "offline":
+        from data.feature_reader import FeatureLoader
+
+        return tuple(FeatureLoader(ctx.run_dir / "capture" / split, w.rank, w.world_size, t.micro_batch_tokens,
+                                   t.micro_batch_size, cfg.run.seed, cfg=cfg, dtype=dtype)
+                     for split in ("train", "eval"))
+    from data.capture import OnlineFeatureSource
+    from models.target import FrozenTarget
+
+    target = FrozenTarget.load(cfg.target, w.device, cfg.aux_layer_ids(), cfg.capture.device_map)
+    return tuple(OnlineFeatureSource(cfg, w, target=target, split=split, run_dir=ctx.run_dir)
+                 for split in ("train", "eval"))
