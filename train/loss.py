@@ -104,21 +104,28 @@ def ttt_loss(
             & (_shift(doc, 2 + k, -2) == doc)
             & drafter.t2d[teacher_argmax]
         ).reshape(-1)
-        rows = counted.nonzero().squeeze(1)
-        # teacher of row t at step k is the target's state at t+1+k (same batch row; counted => in range)
-        teacher_rows = rows + 1 + k
         y_flat = y.reshape(B * T, -1)
         loss_sum = y.new_zeros((), dtype=torch.float32)
         right = torch.zeros(B * T, dtype=torch.bool, device=y.device)
-        for a in range(0, rows.numel(), chunk_size):
-            r, tr = rows[a : a + chunk_size], teacher_rows[a : a + chunk_size]
+        # Chunks tile all B*T positions (only counted rows are computed), so every rank calls lm_head
+        # the same number of times whatever its mask: ZeRO-3 gathers lm_head per call and ZeRO-2 reduces
+        # gradients in bucket order, and both need the same graph on every rank. An empty chunk
+        # computes one row with weight 0 to keep lm_head (and y) in the graph.
+        for a in range(0, B * T, chunk_size):
+            r = a + counted[a : a + chunk_size].nonzero().squeeze(1)
+            empty = r.numel() == 0
+            if empty:
+                r = r.new_tensor([a])
+            # teacher of row t at step k is the target's state at t+1+k (same batch row; counted => in range)
+            tr = r if empty else r + 1 + k
             args = (y_flat[r], th_flat[tr], drafter.lm_head, teacher_head)
             part, pred = checkpoint(_chunk_loss, *args, use_reentrant=False) if use_ckpt else _chunk_loss(*args)
+            if empty:
+                loss_sum = loss_sum + 0.0 * part
+                continue
             loss_sum = loss_sum + part
             right[r] = drafter.draft_to_target(pred) == teacher_argmax.reshape(-1)[r]
         n = counted.sum()
-        if rows.numel() == 0:
-            loss_sum = loss_sum + 0.0 * y.sum()  # keeps the graph connected; all-masked -> loss 0, finite
         total = total + step_weight**k * loss_sum / n.clamp(min=1)
         chain_counted = counted if chain_counted is None else chain_counted & counted
         chain_right = right if chain_right is None else chain_right & right

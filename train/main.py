@@ -61,11 +61,16 @@ def main(dcfg: DictConfig) -> None:
     except ValueError as e:
         print(f"fledge: config error: {e}", file=sys.stderr)
         sys.exit(2)
+    from train.trainer import PREEMPTED_EXIT_CODE, Preempted
+
     try:
         run(cfg)
     except NotImplementedError as e:
         print(f"fledge: {e}", file=sys.stderr)
         sys.exit(3)
+    except Preempted as e:
+        print(f"fledge: {e}", file=sys.stderr)
+        sys.exit(PREEMPTED_EXIT_CODE)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,8 @@ STAGE_ENTRY = {
     "export": "models.export:run_stage",
     "eval": "train.evaluate:run_stage",
 }
+TRAIN_CADENCE = ("max_steps", "epochs", "grad_accum", "save_every", "keep_last", "eval_every", "eval_batches",
+                 "log_every", "max_nonfinite")
 UPSTREAM = {"prepare": None, "capture": "prepare", "train": "capture", "export": "train", "eval": "export"}
 
 
@@ -66,7 +68,10 @@ def config_slice(cfg: Config, stage: str) -> dict[str, Any]:
         cap = d(cfg.capture)
         return {"target": target, "capture": cap, "aux_layer_ids": cfg.aux_layer_ids()}
     if stage == "train":
-        return {"drafter": d(cfg.drafter), "train": d(cfg.train), "deepspeed": d(cfg.deepspeed),
+        # Run length and cadence are left out: changing them (or grad_accum together with the world
+        # size) continues from the last checkpoint instead of discarding the run.
+        train = {k: v for k, v in d(cfg.train).items() if k not in TRAIN_CADENCE}
+        return {"drafter": d(cfg.drafter), "train": train, "deepspeed": d(cfg.deepspeed),
                 "capture_mode": cfg.capture.mode, "seed": cfg.run.seed}
     if stage == "export":
         return {"export": {k: v for k, v in d(cfg.export).items() if k not in ("push_to_hub", "private")}}

@@ -1,0 +1,124 @@
+"""The train stage under DeepSpeed on 2 gloo ranks: ZeRO-2/3 equal one process, exact resume after
+kill -9, and a preempted 2-rank run resumed on 1 rank through the universal checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.distributed
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+       "WANDB_MODE": "disabled", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
+STEPS = 6
+TRAIN = ["drafter.ttt_steps=2", "drafter.draft_vocab_size=1024", "train.micro_batch_tokens=256",
+         f"train.max_steps={STEPS}", "train.log_every=1", "train.eval_every=3", "train.eval_batches=2",
+         "train.save_every=2", "train.keep_last=2", "train.optim.warmup_steps=2", "train.optim.lr=3e-3"]
+
+
+def main_cmd(nproc: int) -> list[str]:
+    if nproc == 1:
+        return [sys.executable, "train/main.py"]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+            "--master_port", str(29500 + os.getpid() % 2000), "train/main.py"]
+
+
+def run(cmd: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+    res = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    return res
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory, random_tiny_target, tiny_data):
+    """prepare + capture once on an untrained tiny target; each test copies them into its own run."""
+    out = tmp_path_factory.mktemp("train_runs")
+    run([sys.executable, "train/main.py", "recipe=tiny", f"target.name_or_path={random_tiny_target}",
+         f"run.output_root={out}", "run.name=base", "run.stages=[prepare,capture]",
+         f"data.sources.0.path={tiny_data}/train.jsonl", "data.sources.0.max_samples=80",
+         f"data.eval_sources.0.path={tiny_data}/eval.jsonl", "data.eval_sources.0.max_samples=16",
+         "data.perturb.fraction=0", "drafter.draft_vocab_size=1024"], timeout=600)
+    return out, random_tiny_target
+
+
+def new_run(base, name: str) -> list[str]:
+    out, target = base
+    for stage in ("prepare", "capture"):
+        shutil.copytree(out / "base" / stage, out / name / stage)
+    return ["recipe=tiny", f"target.name_or_path={target}", f"run.output_root={out}", f"run.name={name}",
+            "run.stages=[train]", "data.perturb.fraction=0", *TRAIN]
+
+
+def losses(base, name: str) -> list[list[float]]:
+    lines = [json.loads(x) for x in (base[0] / name / "train" / "metrics.jsonl").read_text().splitlines()]
+    return [[r["loss_0"], r["loss_1"]] for r in lines if "loss_0" in r]
+
+
+@pytest.fixture(scope="module")
+def reference(base):
+    """Uninterrupted: 2 ranks, ZeRO-2, one micro-batch each."""
+    run(main_cmd(2) + new_run(base, "ref") + ["deepspeed=zero2"])
+    ref = losses(base, "ref")
+    assert len(ref) == STEPS
+    assert ref[-1][0] < ref[0][0]  # it learns
+    return ref
+
+
+def test_zero3_and_one_process_match_zero2(base, reference):
+    run(main_cmd(2) + new_run(base, "z3") + ["deepspeed=zero3"])
+    run(main_cmd(1) + new_run(base, "single") + ["deepspeed=zero2", "train.grad_accum=2"])
+    for name in ("z3", "single"):
+        got = losses(base, name)
+        assert len(got) == STEPS
+        for a, b in zip(got, reference):
+            assert a == pytest.approx(b, rel=2e-4, abs=2e-5, nan_ok=True), name
+    best = base[0] / "z3" / "train" / "best" / "model.safetensors"
+    assert best.exists()  # ZeRO-3 shards gathered into full drafter weights
+
+
+def _start(cmd):
+    return subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def _wait_for_checkpoint(proc, ckpt_dir: Path, timeout: float = 240) -> None:
+    t0 = time.time()
+    while not (ckpt_dir / "latest").exists():
+        assert proc.poll() is None, proc.stdout.read()[-4000:]
+        assert time.time() - t0 < timeout, "no checkpoint appeared"
+        time.sleep(0.2)
+
+
+def test_kill_9_then_resume_gives_the_same_losses(base, reference):
+    args = new_run(base, "killed") + ["deepspeed=zero2"]
+    proc = _start(main_cmd(2) + args)
+    _wait_for_checkpoint(proc, base[0] / "killed" / "train" / "checkpoints")
+    os.killpg(proc.pid, signal.SIGKILL)  # launcher and both workers, mid-run
+    proc.wait()
+    assert len(losses(base, "killed")) < STEPS
+    run(main_cmd(2) + args)
+    got = [x for step in losses(base, "killed") for x in step]
+    assert got == pytest.approx([x for step in reference for x in step], rel=1e-6, abs=1e-7, nan_ok=True)
+
+
+def test_preempted_two_ranks_resume_on_one(base, reference):
+    args = new_run(base, "moved") + ["deepspeed=zero2"]
+    proc = _start(main_cmd(2) + args)
+    _wait_for_checkpoint(proc, base[0] / "moved" / "train" / "checkpoints")
+    os.killpg(proc.pid, signal.SIGTERM)  # Slurm preemption: checkpoint, then exit 75
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0, out[-3000:]
+    assert "preempted" in out, out[-3000:]
+    run(main_cmd(1) + args + ["train.grad_accum=2"])  # same global batch on half the ranks
+    got = losses(base, "moved")
+    assert len(got) == STEPS
+    for a, b in zip(got, reference):
+        assert a == pytest.approx(b, rel=2e-4, abs=2e-5, nan_ok=True)
