@@ -25,3 +25,44 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.gpu)
             if not HAS_CUDA:
                 item.add_marker(skip_gpu)
+
+
+def _tiny_target_script():
+    """scripts/ is not a package: load make_tiny_target.py by path (once per session)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    name = "make_tiny_target"
+    if name not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "scripts" / "make_tiny_target.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+@pytest.fixture(scope="session")
+def tiny_target_script():
+    """The scripts/make_tiny_target.py module (build_tiny_target, build_data, build_tokenizer, ...)."""
+    return _tiny_target_script()
+
+
+@pytest.fixture(scope="session")
+def tiny_target():
+    """Path of the quick tiny target (a trained Llama + chat tokenizer), built once into .cache (~2 min)."""
+    return _tiny_target_script().build_tiny_target("quick")
+
+
+@pytest.fixture(scope="session")
+def tiny_data():
+    """Path of the tiny recipe's data dir (train.jsonl, eval.jsonl), built once into .cache (seconds)."""
+    return _tiny_target_script().build_data()
+
+
+@pytest.fixture(scope="session")
+def random_tiny_target(tmp_path_factory):
+    """Path of an untrained Llama of the tiny target's shape with its tokenizer (seconds), for tests of
+    mechanics that do not need a learned target."""
+    return _tiny_target_script().save_random_target(tmp_path_factory.mktemp("random_tiny_target"))

@@ -1,0 +1,309 @@
+"""Build the tiny real target: a small Llama and a BPE chat tokenizer trained on the stdlib's source.
+
+    python scripts/make_tiny_target.py --budget quick|testbed [--out .cache/tiny_target]
+
+Writes, under ``--out`` (default: the repo's .cache/tiny_target, gitignored):
+    data/{train,eval}.jsonl   the tiny recipe's conversations (OpenAI ``messages`` form)
+    tokenizer/                the BPE tokenizer with its chat template (cached apart: seconds to build)
+    <budget>/                 a Hugging Face LlamaForCausalLM directory + metrics.json
+Every artifact carries a build.json holding a hash of its settings; a matching one means "done", so
+re-running returns at once. Each is written to a temporary sibling and renamed, so a kill leaves nothing
+half-written. Seeded and deterministic by step count (bitwise only for the same thread count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import functools
+import hashlib
+import json
+import math
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from data import tiny_corpus  # noqa: E402
+from data.atomic import atomic_path, read_json, write_json_atomic  # noqa: E402
+
+SCRIPT_VERSION = 1
+SEED = 0
+N_TRAIN, N_EVAL = 2000, 100
+N_PROMPTS, GEN_TOKENS = 16, 64  # greedy continuations scored for distinct-3-grams
+
+# 8 layers so the aux ids (2, L//2, L-3) = (2, 4, 5) are distinct; GQA and an untied head like real targets.
+MODEL = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=8,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+             rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
+
+# Step counts (not wall time) fix each budget, so builds are deterministic; see the README /
+# report for the calibration on 2 idle cores (quick ~2 min, testbed ~15 min).
+BUDGETS = {
+    "quick": dict(steps=120, seq_len=512, batch_size=4, lr=2e-3, warmup=12),
+    "testbed": dict(steps=560, seq_len=512, batch_size=8, lr=2e-3, warmup=40),
+}
+
+
+def default_root() -> Path:
+    return REPO / ".cache" / "tiny_target"
+
+
+@functools.lru_cache(maxsize=1)
+def _stdlib_signature() -> str:
+    """Cheap identity of the stdlib the corpus comes from (Python version + file names and sizes)."""
+    root = tiny_corpus.stdlib_dir()
+    h = hashlib.sha256(platform.python_version().encode())
+    for p in sorted(root.rglob("*.py")):
+        h.update(f"{p.relative_to(root)}:{p.stat().st_size}".encode())
+    return h.hexdigest()[:16]
+
+
+def _key(**settings) -> str:
+    blob = json.dumps({"script": SCRIPT_VERSION, "stdlib": _stdlib_signature(), **settings}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _done(path: Path, key: str) -> bool:
+    meta = read_json(path / "build.json") if path.is_dir() else None
+    return bool(meta) and meta.get("key") == key
+
+
+@contextlib.contextmanager
+def _lock(path: Path):
+    """One builder at a time per artifact (pytest sessions and the CLI may race for the same one); a
+    testbed build does not block a quick one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def build_data(root: Path | None = None) -> Path:
+    """Write (once) ``root/data/{train,eval}.jsonl``; returns the data directory."""
+    out = Path(root or default_root()) / "data"
+    key = _key(kind="data", seed=SEED, n_train=N_TRAIN, n_eval=N_EVAL)
+    if _done(out, key):
+        return out
+    with _lock(out):
+        if _done(out, key):
+            return out
+        train_files, eval_files = tiny_corpus.split_sources(tiny_corpus.list_sources())
+        stream = tiny_corpus.conversation_stream(train_files, SEED)
+        train = [next(stream) for _ in range(N_TRAIN)]
+        held = tiny_corpus.eval_conversations(eval_files, N_EVAL, SEED + 1)
+        with atomic_path(out) as tmp:
+            tmp.mkdir()
+            for name, rows in (("train", train), ("eval", held)):
+                (tmp / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            write_json_atomic(tmp / "build.json", {
+                "key": key, "train_modules": [f.path for f in train_files],
+                "eval_modules": [f.path for f in eval_files], "n_train": N_TRAIN, "n_eval": N_EVAL})
+    return out
+
+
+def build_tokenizer(root: Path | None = None) -> Path:
+    """Train (once) the byte-level BPE chat tokenizer on the train modules; returns its directory."""
+    out = Path(root or default_root()) / "tokenizer"
+    key = _key(kind="tokenizer", vocab=MODEL["vocab_size"], template=tiny_corpus.CHAT_TEMPLATE)
+    if _done(out, key):
+        return out
+    with _lock(out):
+        if _done(out, key):
+            return out
+        train_files, _ = tiny_corpus.split_sources(tiny_corpus.list_sources())
+        tok = tiny_corpus.train_tokenizer(train_files, MODEL["vocab_size"])
+        with atomic_path(out) as tmp:
+            tok.save_pretrained(tmp)
+            write_json_atomic(tmp / "build.json", {"key": key})
+    return out
+
+
+def _llama_config(tok):
+    from transformers import LlamaConfig
+
+    m = dict(MODEL)
+    rope = {"rope_type": "default", "rope_theta": m.pop("rope_theta")}
+    return LlamaConfig(**m, rope_parameters=rope, bos_token_id=tok.bos_token_id,
+                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+
+
+def _save_model(model, tok, path: Path) -> None:
+    """bfloat16 on disk: what real hub targets ship, so the pipeline's dtype='auto' path is exercised."""
+    model.generation_config.update(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                   pad_token_id=tok.pad_token_id, do_sample=False)
+    model.to(torch.bfloat16).save_pretrained(path)
+    tok.save_pretrained(path)
+
+
+def save_random_target(out: Path, root: Path | None = None, seed: int = SEED) -> Path:
+    """Save an untrained Llama of the tiny target's shape with the same tokenizer (seconds; for tests of
+    mechanics that do not need a learned target)."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(build_tokenizer(root))
+    torch.manual_seed(seed)
+    _save_model(LlamaForCausalLM(_llama_config(tok)), tok, Path(out))
+    return Path(out)
+
+
+def _batches(tok, files, seed: int, seq_len: int, batch_size: int) -> Iterator[torch.Tensor]:
+    """(batch, seq_len + 1) windows of chat-rendered conversations packed end to end."""
+    stream = tiny_corpus.conversation_stream(files, seed)
+    buf: list[int] = []
+    rows: list[list[int]] = []
+    while True:
+        texts = [tok.apply_chat_template(next(stream)["messages"], tokenize=False) for _ in range(64)]
+        for ids in tok(texts, add_special_tokens=False)["input_ids"]:
+            buf.extend(ids)
+        while len(buf) > seq_len:
+            rows.append(buf[: seq_len + 1])
+            buf = buf[seq_len + 1:]
+            if len(rows) == batch_size:
+                yield torch.tensor(rows)
+                rows = []
+
+
+def _lr_lambda(warmup: int, steps: int):
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        t = (step - warmup) / max(1, steps - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))  # cosine down to 10% of the peak
+    return f
+
+
+def train_target(tok, files, steps: int, seq_len: int, batch_size: int, lr: float, warmup: int,
+                 seed: int = SEED, log_every: int = 50):
+    """Train the tiny Llama from scratch on chat-rendered conversations (bf16 autocast on CPU)."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(_llama_config(tok))
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=lr, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(warmup, steps))
+    batches = _batches(tok, files, seed + 1, seq_len, batch_size)
+    model.train()
+    t0, loss_sum, n = time.time(), 0.0, 0
+    for step in range(1, steps + 1):
+        x = next(batches)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(input_ids=x[:, :-1]).logits
+        loss = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        loss_sum, n = loss_sum + loss.item(), n + 1
+        if step % log_every == 0 or step == steps:
+            el = time.time() - t0
+            print(f"step {step}/{steps} loss {loss_sum / n:.3f} lr {sched.get_last_lr()[0]:.2e} "
+                  f"{el / step:.3f}s/step eta {el / step * (steps - step):.0f}s", flush=True)
+            loss_sum, n = 0.0, 0
+    return model
+
+
+@torch.no_grad()
+def evaluate_target(path: Path, eval_jsonl: Path) -> dict:
+    """Held-out loss / top-1 over assistant tokens of eval conversations, and distinct-3-gram ratio
+    of greedy continuations of the first N_PROMPTS eval prompts (cut from the middle of files)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    convs = [json.loads(line) for line in eval_jsonl.read_text().splitlines()]
+    nll, correct, count = 0.0, 0, 0
+    for i in range(0, len(convs), 10):
+        enc = tok.apply_chat_template([c["messages"] for c in convs[i:i + 10]], return_dict=True, padding=True,
+                                      return_assistant_tokens_mask=True, return_tensors="pt")
+        logits = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).logits[:, :-1].float()
+        mask = enc["assistant_masks"][:, 1:].bool()  # position t predicts token t+1
+        target = enc["input_ids"][:, 1:]
+        nll += F.cross_entropy(logits[mask], target[mask], reduction="sum").item()
+        correct += (logits[mask].argmax(-1) == target[mask]).sum().item()
+        count += int(mask.sum())
+    prompts = tok.apply_chat_template([c["messages"][:-1] for c in convs[:N_PROMPTS]], add_generation_prompt=True,
+                                      return_dict=True, padding=True, return_tensors="pt")
+    gen = model.generate(**prompts, max_new_tokens=GEN_TOKENS, do_sample=False)[:, prompts["input_ids"].shape[1]:]
+    ratios, samples, lengths = [], [], []
+    for row in gen.tolist():
+        out = row[: row.index(tok.eos_token_id) + 1] if tok.eos_token_id in row else row
+        grams = list(zip(out, out[1:], out[2:]))
+        ratios.append(len(set(grams)) / max(1, len(grams)))
+        samples.append(tok.decode(out))
+        lengths.append(len(out))
+    return {"heldout_loss": nll / count, "heldout_top1": correct / count, "heldout_tokens": count,
+            "distinct3": sum(ratios) / len(ratios), "greedy_samples": samples[:4],
+            "mean_greedy_tokens": sum(lengths) / len(lengths)}
+
+
+def build_tiny_target(budget: str = "quick", root: Path | None = None, steps: int | None = None) -> Path:
+    """Build (once) the ``budget`` target under ``root``; returns its from_pretrained directory.
+    ``steps`` overrides the budget's step count (smoke tests); it is part of the cache key."""
+    if budget not in BUDGETS:
+        raise ValueError(f"--budget {budget!r}: expected one of {sorted(BUDGETS)}")
+    settings = dict(BUDGETS[budget], **({"steps": steps} if steps else {}))
+    root = Path(root or default_root())
+    data_dir, tok_dir = build_data(root), build_tokenizer(root)
+    out = root / budget
+    key = _key(kind="target", budget=settings, model=MODEL, seed=SEED,
+               data=read_json(data_dir / "build.json")["key"], tok=read_json(tok_dir / "build.json")["key"])
+    if _done(out, key):
+        return out
+    from transformers import AutoTokenizer
+
+    with _lock(out):
+        if _done(out, key):
+            return out
+        tok = AutoTokenizer.from_pretrained(tok_dir)
+        train_files, _ = tiny_corpus.split_sources(tiny_corpus.list_sources())
+        t0, c0 = time.time(), time.process_time()
+        model = train_target(tok, train_files, **settings)
+        train_s, train_cpu = time.time() - t0, time.process_time() - c0
+        with atomic_path(out) as tmp:
+            _save_model(model, tok, tmp)
+            metrics = evaluate_target(tmp, data_dir / "eval.jsonl")
+            metrics.update(budget=budget, **settings, train_seconds=round(train_s, 1),
+                           train_cpu_seconds=round(train_cpu, 1),
+                           wall_seconds=round(time.time() - t0, 1), torch_threads=torch.get_num_threads(),
+                           parameters=sum(p.numel() for p in model.parameters()))
+            write_json_atomic(tmp / "metrics.json", metrics)
+            write_json_atomic(tmp / "build.json", {"key": key})
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--budget", default="quick", choices=sorted(BUDGETS))
+    ap.add_argument("--out", type=Path, default=default_root())
+    ap.add_argument("--steps", type=int, default=None, help="override the budget's step count (smoke tests)")
+    args = ap.parse_args(argv)
+    path = build_tiny_target(args.budget, args.out, args.steps)
+    m = read_json(path / "metrics.json")
+    print(f"{path}: held-out loss {m['heldout_loss']:.3f}, top-1 {m['heldout_top1']:.1%}, "
+          f"distinct-3 {m['distinct3']:.2f}, {m['steps']} steps in {m['wall_seconds']:.0f}s, "
+          f"{m['parameters'] / 1e6:.1f}M params")
+
+
+if __name__ == "__main__":
+    main()
