@@ -6,6 +6,13 @@ them into target forwards of about ``capture.batch_tokens`` padded tokens: a fix
 recomputes exactly the batches an uninterrupted run computed and the store ends byte-identical.
 Right padding + attention mask: causal attention never lets a real token see the pads after it.
 
+Array capture (``capture.slice_index=i`` of ``capture.num_slices=N``, one Slurm array task each): slice
+i is samples [i*n/N, (i+1)*n/N) of every split, cut between the task's ranks the same way, written to
+``<split>/sliceNNNNN/`` and recorded in ``capture/slices/``; the stage stays incomplete. A later run with
+``num_slices=N`` and no slice index merges: it writes each split's store.json over all slices (or names
+the slices to rerun), and the stage is complete. The merged store reads like a plain one (same samples,
+same ids), so training does not depend on how it was captured.
+
 Online (``capture.mode=online``): ``OnlineFeatureSource`` runs the target on the training rank for each
 batch and yields the same FeatureBatch as the offline FeatureLoader.
 """
@@ -15,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import shutil
 import time
 from pathlib import Path
 from typing import Optional
@@ -22,8 +30,9 @@ from typing import Optional
 import torch
 
 from data.feature_reader import BatchIterator
+from data.atomic import read_json, write_json_atomic
 from data.features import (SCHEMA_VERSION, STORE_MANIFEST, ShardWriter, bytes_per_token, encode_sample, rank_dir,
-                           write_store_manifest)
+                           slice_dir, store_manifest, write_store_manifest)
 from models.target import FrozenTarget
 
 log = logging.getLogger(__name__)
@@ -73,20 +82,35 @@ def capture_rows(target: FrozenTarget, rows: list[list[int]]):
         yield aux[b, :n], final[b, :n], argmax[b, :n]
 
 
+def slice_bounds(num_samples: int, index: Optional[int], num_slices: int) -> tuple[int, int]:
+    """Sample ids [lo, hi) of slice ``index`` of ``num_slices`` (all samples when index is None)."""
+    if index is None:
+        return 0, num_samples
+    return index * num_samples // num_slices, (index + 1) * num_samples // num_slices
+
+
 def capture_split(target: FrozenTarget, dataset_dir: Path, store_dir: Path, cfg, world, meta: dict) -> dict:
-    """Capture one prepared split into a store (this rank's part; rank 0 writes store.json at the end)."""
+    """Capture one prepared split into a store (this rank's part; rank 0 writes store.json at the end).
+
+    With ``capture.slice_index`` set only that slice's samples are captured, into ``store_dir/sliceNNNNN``,
+    and no store.json is written (merge_slices does it once every slice has finished)."""
     from datasets import load_from_disk
     from tqdm import tqdm
 
     ds = load_from_disk(str(dataset_dir))
     lengths = dataset_lengths(ds)
-    ids = list(range(world.rank, len(lengths), world.world_size))
+    part, num_slices = cfg.capture.slice_index, cfg.capture.num_slices
+    lo, hi = slice_bounds(len(lengths), part, num_slices)
+    out_dir = store_dir if part is None else slice_dir(store_dir, part)
+    ids = list(range(lo + world.rank, hi, world.world_size))
     plan = plan_batches(ids, lengths, cfg.capture.batch_tokens)
     n_aux = len(meta["aux_layer_ids"])
     settings = {"world_size": world.world_size, "batch_tokens": cfg.capture.batch_tokens,
                 "shard_size_mb": cfg.capture.shard_size_mb, "dtype": cfg.capture.dtype,
                 "num_samples": len(lengths), "schema_version": SCHEMA_VERSION}
-    writer = ShardWriter(rank_dir(store_dir, world.rank), cfg.capture.shard_size_mb * 2**20, settings)
+    if part is not None:
+        settings["slice"] = [part, num_slices]
+    writer = ShardWriter(rank_dir(out_dir, world.rank), cfg.capture.shard_size_mb * 2**20, settings)
     done_tokens = sum(lengths[i] for i in writer.done_ids)
     bar = tqdm(total=sum(lengths[i] for i in ids), initial=done_tokens, unit="tok", unit_scale=True,
                desc=f"capture {dataset_dir.name}", disable=not world.is_main, dynamic_ncols=True)
@@ -105,15 +129,79 @@ def capture_split(target: FrozenTarget, dataset_dir: Path, store_dir: Path, cfg,
     writer.finish()
     bar.close()
     world.barrier()
-    summary = {"samples": len(lengths), "tokens": sum(lengths)}
-    if world.is_main:
-        m = write_store_manifest(store_dir, world.world_size, meta)
+    summary = {"samples": hi - lo, "tokens": sum(lengths[lo:hi])}
+    if world.is_main and part is None:
+        m = write_store_manifest(store_dir, [rank_dir("", r).name for r in range(world.world_size)], meta,
+                                 len(lengths), world_size=world.world_size)
         summary.update(bytes=sum(s["bytes"] for s in m["shards"]), shards=len(m["shards"]))
+    elif world.is_main:
+        for stale in out_dir.glob("rank*"):  # an earlier attempt of this slice on more ranks
+            if int(stale.name[4:]) >= world.world_size:
+                shutil.rmtree(stale, ignore_errors=True)
+        summary.update(range=[lo, hi], of=len(lengths))
     return summary
+
+
+def slice_record(stage_dir: Path, index: int) -> Path:
+    """The file that says slice ``index`` of an array capture finished (every split, every rank)."""
+    return stage_dir / "slices" / f"slice{index:05d}.json"
+
+
+def _array_spec(ids: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5" (sbatch --array syntax)."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def merge_slices(ctx, splits: list[str]) -> dict:
+    """Make the finished slices of an array capture one store per split (``store.json`` over every
+    slice's rank indexes); raises ValueError naming the slices still missing and how to rerun them."""
+    n, stage_dir = ctx.cfg.capture.num_slices, ctx.stage_dir
+    records = [read_json(slice_record(stage_dir, i)) for i in range(n)]
+    missing = [i for i, r in enumerate(records) if not r or r.get("num_slices") != n]
+    if missing:
+        spec = _array_spec(missing)
+        raise ValueError(
+            f"capture.num_slices={n}: slices {spec} have not finished (no {slice_record(stage_dir, missing[0])} "
+            f"and the like); rerun them with `sbatch --array={spec} {ctx.run_dir / 'slurm' / 'capture_array.sbatch'}` "
+            f"(or run.stages=[capture] capture.slice_index=I for each), then run this again")
+    meta = records[0]["meta"]
+    odd = [i for i, r in enumerate(records) if r["meta"] != meta or sorted(r["splits"]) != sorted(splits)]
+    if odd:
+        raise ValueError(f"capture slices {_array_spec(odd)} were captured from another target or prepared data "
+                         f"than slice 0 ({slice_record(stage_dir, odd[0])}); delete those records and rerun "
+                         f"them: sbatch --array={_array_spec(odd)} {ctx.run_dir / 'slurm' / 'capture_array.sbatch'}")
+    out: dict = {"mode": "offline", "capture_dtype": meta["capture_dtype"], "bytes_per_token": meta["bytes_per_token"],
+                 "slices": n}
+    for split in splits:
+        parts = [f"{slice_dir('', i).name}/{rank_dir('', r).name}" for i, rec in enumerate(records)
+                 for r in range(rec["world_size"])]
+        total = records[0]["splits"][split]["of"]
+        fields = dict(num_slices=n, slice_world_sizes=[r["world_size"] for r in records])
+        # Every rank checks the indexes (so all raise together); rank 0 writes.
+        m = store_manifest(stage_dir / split, parts, meta, total, **fields)
+        if ctx.world.is_main:
+            write_store_manifest(stage_dir / split, parts, meta, total, **fields)
+        out.update({f"{split}_samples": m["num_samples"], f"{split}_tokens": m["num_tokens"],
+                    f"{split}_bytes": sum(s["bytes"] for s in m["shards"]), f"{split}_shards": len(m["shards"])})
+    ctx.world.barrier()
+    return out
 
 
 def _hash_json(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _prepare_hash(manifest: dict) -> str:
+    """What the prepared data is: the prepare stage's inputs hash and counts. Not its wall-clock time,
+    pid or paths, so the same capture in another run directory or world layout writes the same store.json."""
+    outputs = {k: v for k, v in (manifest.get("outputs") or {}).items() if k != "paths"}
+    return _hash_json({"inputs_hash": manifest.get("inputs_hash"), "outputs": outputs})
 
 
 def tokenizer_hash(name_or_path: str, prepare_manifest: Optional[dict]) -> Optional[str]:
@@ -145,12 +233,16 @@ def store_meta(cfg, target: FrozenTarget, prepare_manifest: Optional[dict]) -> d
         "capture_dtype": cfg.capture.dtype,
         "bytes_per_token": bytes_per_token(n_aux, target.hidden_size, cfg.capture.dtype),
         "tokenizer_hash": tokenizer_hash(t.name_or_path, prepare_manifest),
-        "prepare_manifest_hash": _hash_json(prepare_manifest) if prepare_manifest else None,
+        "prepare_manifest_hash": _prepare_hash(prepare_manifest) if prepare_manifest else None,
     }
 
 
 def run_stage(ctx) -> dict:
-    """Capture every prepared split into ``<run>/capture/<split>/`` (offline mode); a no-op online."""
+    """Capture every prepared split into ``<run>/capture/<split>/`` (offline mode); a no-op online.
+
+    Array capture: with ``capture.slice_index`` set, capture that slice only, record it in
+    ``capture/slices/`` and return a partial summary (the stage stays incomplete); with
+    ``capture.num_slices > 1`` and no slice index, merge the finished slices instead of capturing."""
     cfg = ctx.cfg
     if cfg.capture.mode == "online":
         log.warning("capture.mode=online: no feature store is written; the trainer runs the target itself")
@@ -158,16 +250,31 @@ def run_stage(ctx) -> dict:
     prep = ctx.dir_of("prepare")
     if not (prep / "train").exists():
         raise ValueError(f"{prep / 'train'} does not exist: run the prepare stage first (run.stages=[prepare,capture])")
-    target = FrozenTarget.load(cfg.target, ctx.world.device, cfg.aux_layer_ids(), cfg.capture.device_map)
-    meta = store_meta(cfg, target, ctx.upstream.get("prepare"))
-    out: dict = {"mode": "offline", "capture_dtype": cfg.capture.dtype, "bytes_per_token": meta["bytes_per_token"]}
-    t0 = time.time()
-    for split in SPLITS:
-        if (prep / split).exists():
-            s = capture_split(target, prep / split, ctx.stage_dir / split, cfg, ctx.world, meta)
-            out.update({f"{split}_{k}": v for k, v in s.items()})
-    out["tokens_per_s"] = round(out.get("train_tokens", 0) / max(time.time() - t0, 1e-9), 1)
-    out["store"] = {s: str(ctx.stage_dir / s / STORE_MANIFEST) for s in SPLITS if (prep / s).exists()}
+    splits = [s for s in SPLITS if (prep / s).exists()]
+    part = cfg.capture.slice_index
+    if part is None and cfg.capture.num_slices > 1:
+        out = merge_slices(ctx, splits)
+    else:
+        if part is not None and ctx.world.is_main:
+            slice_record(ctx.stage_dir, part).unlink(missing_ok=True)  # this slice is being (re)written
+        target = FrozenTarget.load(cfg.target, ctx.world.device, cfg.aux_layer_ids(), cfg.capture.device_map)
+        meta = store_meta(cfg, target, ctx.upstream.get("prepare"))
+        out = {"mode": "offline", "capture_dtype": cfg.capture.dtype, "bytes_per_token": meta["bytes_per_token"]}
+        t0 = time.time()
+        per_split = {split: capture_split(target, prep / split, ctx.stage_dir / split, cfg, ctx.world, meta)
+                     for split in splits}
+        for split, s in per_split.items():
+            out.update({f"{split}_{k}": v for k, v in s.items() if k not in ("range", "of")})
+        out["tokens_per_s"] = round(out.get("train_tokens", 0) / max(time.time() - t0, 1e-9), 1)
+        if part is not None:
+            if ctx.world.is_main:
+                write_json_atomic(slice_record(ctx.stage_dir, part), {
+                    "slice_index": part, "num_slices": cfg.capture.num_slices, "world_size": ctx.world.world_size,
+                    "meta": meta, "splits": per_split})
+            log.info("capture slice %d of %d done; merge with capture.num_slices=%d (no slice_index) when all are",
+                     part, cfg.capture.num_slices, cfg.capture.num_slices)
+            return dict(out, complete=False, slice_index=part, num_slices=cfg.capture.num_slices)
+    out["store"] = {s: str(ctx.stage_dir / s / STORE_MANIFEST) for s in splits}
     return out
 
 

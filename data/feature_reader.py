@@ -37,10 +37,12 @@ class FeatureStore:
         self.num_aux = len(m["aux_layer_ids"])
         self._sha = {sh["path"]: sh["sha256"] for sh in m["shards"]}
         rows = []  # (sample_id, shard path, offset, length)
-        for r in range(m["world_size"]):
-            for sh in read_json(rank_dir(self.dir, r) / INDEX)["shards"]:
-                rows += [(sid, f"{rank_dir(self.dir, r).name}/{sh['name']}", off, n) for sid, off, n in sh["samples"]]
-        rows.sort()
+        # Older manifests have no "indexes": one rank directory per rank of the capture.
+        parts = m.get("indexes") or [rank_dir("", r).name for r in range(m["world_size"])]
+        for part in parts:
+            for sh in read_json(self.dir / part / INDEX)["shards"]:
+                rows += [(sid, f"{part}/{sh['name']}", off, n) for sid, off, n in sh["samples"]]
+        rows.sort()  # global sample order, whatever ranks or slices wrote the samples
         self.sample_ids = [r[0] for r in rows]
         self._loc = [r[1:] for r in rows]
         self.lengths = [r[3] for r in rows]

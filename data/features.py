@@ -2,9 +2,14 @@
 
 Layout of one split's store (e.g. ``<run>/capture/train/``)::
 
-    store.json                   manifest: target, layer ids, dtypes, hashes, every shard's sha256
+    store.json                   manifest: target, layer ids, dtypes, hashes, the indexes, every shard's sha256
     rank00000/index.json         this rank's finished shards, each with its samples [id, offset, length]
     rank00000/shard-00000.safetensors
+
+An array-job capture (``capture.slice_index``, data/capture.py) writes ``slice00003/rank00000/...``
+instead, one directory per slice since every task numbers its ranks from 0; the merge lists those
+rank directories in ``store.json["indexes"]``. Sample ids are always global (prepared-row numbers),
+so a reader sees one store in global sample order however it was written.
 
 A shard concatenates several samples along dim 0 (tokens): ``input_ids`` int32 [N], ``loss_mask`` uint8
 [N], ``aux_hidden`` bf16 [N, n*Ht] (or fp8-e4m3 [N, n*Ht] + ``aux_scale`` fp32 [N, n], one scale per token
@@ -39,6 +44,10 @@ KEYS = ("input_ids", "loss_mask", "aux_hidden", "target_hidden", "target_argmax"
 
 def rank_dir(store_dir: str | Path, rank: int) -> Path:
     return Path(store_dir) / f"rank{rank:05d}"
+
+
+def slice_dir(store_dir: str | Path, index: int) -> Path:
+    return Path(store_dir) / f"slice{index:05d}"
 
 
 def bytes_per_token(num_aux: int, hidden_size: int, aux_dtype: str) -> int:
@@ -153,22 +162,34 @@ def _remove_path(p: Path) -> None:
         p.unlink(missing_ok=True)
 
 
-def write_store_manifest(store_dir: str | Path, world_size: int, meta: dict) -> dict:
-    """Merge every rank's finished index into ``store.json`` (rank 0, after all ranks finished)."""
+def store_manifest(store_dir: str | Path, parts: list[str], meta: dict, num_samples: int, **fields) -> dict:
+    """The ``store.json`` content over the finished indexes in ``parts`` (rank dirs relative to the store,
+    e.g. ``rank00000`` or ``slice00003/rank00001``). Checks that every index is complete and that the
+    parts hold each sample id in [0, num_samples) exactly once; reads only the small index files."""
+    store_dir = Path(store_dir)
+    shards, seen, num_tokens = [], [], 0
+    for part in parts:
+        index = read_json(store_dir / part / INDEX)
+        if not index or not index.get("complete"):
+            raise RuntimeError(f"{store_dir / part}: capture of this rank is not complete")
+        for sh in index["shards"]:
+            shards.append({"path": f"{part}/{sh['name']}", "sha256": sh["sha256"], "bytes": sh["bytes"],
+                           "tokens": sh["tokens"], "num_samples": len(sh["samples"])})
+            seen += [s[0] for s in sh["samples"]]
+            num_tokens += sh["tokens"]
+    if sorted(seen) != list(range(num_samples)):
+        dup, missing = len(seen) - len(set(seen)), num_samples - len(set(seen) & set(range(num_samples)))
+        raise RuntimeError(f"{store_dir}: the indexes of {parts} hold {dup} duplicate and miss {missing} of "
+                           f"{num_samples} samples; capture again (run.force=[capture])")
+    return dict(meta, schema_version=SCHEMA_VERSION, **fields, indexes=list(parts), num_samples=num_samples,
+                num_tokens=num_tokens, shards=shards, complete=True)
+
+
+def write_store_manifest(store_dir: str | Path, parts: list[str], meta: dict, num_samples: int, **fields) -> dict:
+    """Write ``store.json`` (see store_manifest) once every part has finished (one process, at the end)."""
     store_dir = Path(store_dir)
     for p in store_dir.glob(f".{STORE_MANIFEST}*"):  # temporaries of a killed earlier write
         _remove_path(p)
-    shards, num_samples, num_tokens = [], 0, 0
-    for r in range(world_size):
-        index = read_json(rank_dir(store_dir, r) / INDEX)
-        if not index or not index.get("complete"):
-            raise RuntimeError(f"{rank_dir(store_dir, r)}: capture of rank {r} is not complete")
-        for sh in index["shards"]:
-            shards.append({"path": f"{rank_dir(store_dir, r).name}/{sh['name']}", "sha256": sh["sha256"],
-                           "bytes": sh["bytes"], "tokens": sh["tokens"], "num_samples": len(sh["samples"])})
-            num_samples += len(sh["samples"])
-            num_tokens += sh["tokens"]
-    manifest = dict(meta, schema_version=SCHEMA_VERSION, world_size=world_size, num_samples=num_samples,
-                    num_tokens=num_tokens, shards=shards, complete=True)
+    manifest = store_manifest(store_dir, parts, meta, num_samples, **fields)
     write_json_atomic(store_dir / STORE_MANIFEST, manifest)
     return manifest

@@ -9,8 +9,10 @@ fails now rather than after a day in the queue. The filled scripts go to RUN_DIR
 logs to RUN_DIR/logs/; stdout is a shell snippet (pipe it to `bash` to submit), notes go to stderr.
 
 Jobs: `capture` = prepare+capture on one allocation, or with --array N a prepare job followed by an
-N-task capture array; `train` = every stage (complete ones are skipped, so it resumes and, after an
-array capture, merges the store); `pipeline` = capture then train, chained with --dependency=afterok.
+N-task capture array (each task runs only the capture stage, on slice SLURM_ARRAY_TASK_ID: never
+prepare, which would race on one directory); `train` = every stage (complete ones are skipped, so it
+resumes; after an array capture, `capture.num_slices=N` makes its capture stage merge the slices, or
+name the ones to rerun); `pipeline` = capture then train, chained with --dependency=afterok.
 """
 
 from __future__ import annotations
@@ -109,6 +111,11 @@ def plan(kind: str, args: argparse.Namespace, overrides: list[str]) -> list[Job]
                                                ("cpus_per_task", args.cpus_per_task)) if v is not None})
     if args.array is not None and args.array < 1:
         raise ValueError(f"--array {args.array}: need at least 1 slice")
+    if any(o.startswith(("run.stages=", "+run.stages=", "++run.stages=")) for o in overrides):
+        raise ValueError("set the stages with --stages, not a run.stages= override (each job sets its own; "
+                         "capture array tasks must run the capture stage alone)")
+    if args.array:  # what every array task will compose (train.launch adds the slice overrides)
+        compose([*overrides, "run.stages=[capture]", f"capture.num_slices={args.array}", "capture.slice_index=0"])
     run_dir = Path(cfg.run.output_root) / cfg.run.name
     abs_run_dir = run_dir if run_dir.is_absolute() else REPO / run_dir
     user = [o for o in overrides if not o.startswith(("recipe=", "run.name=", "run.output_root="))]

@@ -93,6 +93,11 @@ class CaptureConfig:
     shard_size_mb: float = 1024  # per shard file (tests use fractions of a MiB)
     batch_tokens: int = 16384  # tokens per target forward
     device_map: Optional[str] = None  # e.g. "auto" to spread a big target over a node's GPUs
+    # Array-job capture (scripts/slurm/capture_array.sbatch): task i runs with slice_index=i and captures
+    # samples [i*n/N, (i+1)*n/N) of each split; a later run with num_slices=N and no slice_index merges
+    # the slices into one store. Neither is in the stage's inputs hash (the tasks share one stage dir).
+    num_slices: int = 1
+    slice_index: Optional[int] = None
 
 
 @dataclass
@@ -188,6 +193,7 @@ class Config:
         _one_of("data.on_error", self.data.on_error, ("error", "skip"))
         _one_of("capture.mode", self.capture.mode, ("offline", "online"))
         _one_of("capture.dtype", self.capture.dtype, ("bf16", "fp8"))
+        _check_capture_slices(self)
         _one_of("deepspeed.zero_stage", self.deepspeed.zero_stage, (0, 1, 2, 3))
         _one_of("train.optim.schedule", self.train.optim.schedule, ("cosine", "linear", "constant"))
         _one_of("export.format", self.export.format, ("hf", "speculators"))
@@ -236,6 +242,25 @@ class Config:
 def default_aux_layer_ids(num_layers: int) -> list[int]:
     """(2, L//2, L-3): hidden_states[k] of a Hugging Face forward, k = layers applied so far."""
     return [2, num_layers // 2, num_layers - 3]
+
+
+def _check_capture_slices(cfg: Config) -> None:
+    c = cfg.capture
+    if c.num_slices < 1:
+        raise ValueError(f"capture.num_slices={c.num_slices}: must be >= 1")
+    if c.num_slices > 1 and "capture" in cfg.run.force:
+        raise ValueError(f"capture.num_slices={c.num_slices} with run.force=[capture]: forcing would clear the "
+                         "slices of the array capture; delete <run>/capture once before submitting the array instead")
+    if c.slice_index is None:
+        return
+    if not 0 <= c.slice_index < c.num_slices:
+        raise ValueError(f"capture.slice_index={c.slice_index}: must be in [0, capture.num_slices={c.num_slices})")
+    if list(cfg.run.stages) != ["capture"]:
+        raise ValueError(f"capture.slice_index={c.slice_index} with run.stages={list(cfg.run.stages)}: a slice task "
+                         "runs the capture stage alone (run.stages=[capture]); prepare runs once before the "
+                         "array, later stages after the merge (capture.num_slices=N without slice_index)")
+    if c.mode != "offline":
+        raise ValueError(f"capture.slice_index with capture.mode={c.mode}: slices exist only for the offline store")
 
 
 def _one_of(key: str, value: Any, allowed: tuple, many: bool = False) -> None:

@@ -6,7 +6,9 @@ complete manifest matches is skipped, so re-running a command resumes. A stage w
 starts over in a cleared directory, and since every downstream hash includes its upstream manifest,
 the change cascades. An incomplete manifest with the same hash means "interrupted": the stage runs
 again over its own partial output and is expected to resume it (capture keeps finished shards,
-train loads its last checkpoint).
+train loads its last checkpoint). A stage may also finish on purpose with part of its work done (one
+slice of an array capture): its summary then holds ``"complete": False``, the manifest stays incomplete
+and the stages after it do not run.
 """
 
 from __future__ import annotations
@@ -65,7 +67,9 @@ def config_slice(cfg: Config, stage: str) -> dict[str, Any]:
         return {"target": target, "data": d(cfg.data), "draft_vocab_size": cfg.drafter.draft_vocab_size,
                 "seed": cfg.run.seed}
     if stage == "capture":
-        cap = d(cfg.capture)
+        # The slice fields are left out: the array tasks of one capture and its merge must agree on the
+        # hash, or each would clear the others' output (and slicing does not change the store's content).
+        cap = {k: v for k, v in d(cfg.capture).items() if k not in ("num_slices", "slice_index")}
         return {"target": target, "capture": cap, "aux_layer_ids": cfg.aux_layer_ids()}
     if stage == "train":
         # Run length and cadence are left out: changing them (or grad_accum together with the world
@@ -163,11 +167,19 @@ def run_stages(cfg: Config, world: World) -> dict[str, dict]:
         outputs = entry(StageContext(cfg, world, run_dir, stage_dir, upstream)) or {}
         outputs = broadcast_object(outputs)  # rank 0's summary is the one recorded
         world.barrier()
-        manifest = {"stage": stage, "inputs_hash": h, "complete": True, "seconds": round(time.time() - t0, 1),
+        complete = outputs.pop("complete", True) is not False
+        manifest = {"stage": stage, "inputs_hash": h, "complete": complete, "seconds": round(time.time() - t0, 1),
                     "outputs": outputs, "pid": os.getpid()}
+        if not complete:
+            manifest["partial"] = True
         if world.is_main:
             write_json_atomic(stage_dir / "manifest.json", manifest)
         world.barrier()
+        if not complete:
+            later = [s for s in selected if STAGES.index(s) > STAGES.index(stage)]
+            log.warning("stage %s: partial output recorded, the stage stays incomplete%s", stage,
+                        f"; not running {later}" if later else "")
+            break
         manifests[stage] = manifest
         log.info("stage %s: done in %.1fs", stage, manifest["seconds"])
     return manifests

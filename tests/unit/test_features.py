@@ -221,3 +221,50 @@ def test_online_source_yields_the_offline_batches(root, bf16_store):
         torch.testing.assert_close(a.aux_hidden.float(), b.aux_hidden, rtol=8e-3, atol=1e-4)  # b: bf16 store
         torch.testing.assert_close(a.target_hidden.float(), b.target_hidden, rtol=8e-3, atol=1e-4)
     assert online.state_dict() == {"position": len(offline)}
+
+
+def test_array_slices_merge_into_one_store(root, bf16_store):
+    """3 slices captured one after another (slice 2 by 2 ranks), merged: the plain store's samples."""
+    run_dir = root / "sliced"
+    shutil.copytree(root / "bf16" / "prepare", run_dir / "prepare")
+    cfg = make_cfg(root, "sliced")
+    cfg.run.stages, cfg.capture.num_slices = ["capture"], 3
+    up = {"prepare": {"inputs_hash": "x", "complete": True}}
+
+    def run(slice_index, world):
+        c = make_cfg(root, "sliced")
+        c.run.stages, c.capture.num_slices, c.capture.slice_index = ["capture"], 3, slice_index
+        return run_stage(StageContext(c.validate(), world, run_dir, run_dir / "capture", up))
+
+    out = run(0, World(0, 1, 0, torch.device("cpu")))
+    assert out["complete"] is False and out["train_samples"] == N_TRAIN // 3
+    for rank in (1, 0):  # rank 0 records the slice once its own part is done: run it last
+        run(2, _NoBarrierWorld(rank, 2, rank, torch.device("cpu")))
+    merge = StageContext(cfg.validate(), World(0, 1, 0, torch.device("cpu")), run_dir, run_dir / "capture", up)
+    with pytest.raises(ValueError, match=r"slices 1 have not finished.*sbatch --array=1 .*capture_array.sbatch"):
+        run_stage(merge)
+    with pytest.raises(ValueError, match="no complete store.json"):
+        FeatureStore(run_dir / "capture" / "train")
+    run(1, World(0, 1, 0, torch.device("cpu")))
+    out = run_stage(merge)
+    assert "complete" not in out and out["train_samples"] == N_TRAIN and out["slices"] == 3
+
+    plain, merged = FeatureStore(bf16_store / "train"), FeatureStore(run_dir / "capture" / "train")
+    assert "slice00002/rank00001" in merged.manifest["indexes"]
+    assert merged.sample_ids == plain.sample_ids == list(range(N_TRAIN)) and merged.lengths == plain.lengths
+    for i in range(N_TRAIN):
+        a, b = plain[i], merged[i]
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+        # other forward batches than the plain run's: fp32 noise, then bf16 rounding
+        torch.testing.assert_close(a["aux_hidden"], b["aux_hidden"], rtol=8e-3, atol=1e-4)
+        torch.testing.assert_close(a["target_hidden"], b["target_hidden"], rtol=8e-3, atol=1e-4)
+    assert len(FeatureStore(run_dir / "capture" / "eval")) == N_EVAL
+    loaders = [FeatureLoader(d / "train", 0, 1, 64, 2, seed=3) for d in (bf16_store, run_dir / "capture")]
+    assert loaders[0].global_plan(0) == loaders[1].global_plan(0)  # the training batch plan is global
+
+
+class _NoBarrierWorld(World):
+    """Rank r of w with no process group: the test runs the ranks one after another."""
+
+    def barrier(self) -> None:
+        pass

@@ -19,6 +19,7 @@ def make_cfg(tmp_path, *overrides):
 
 class _Calls(list):
     kill: list
+    partial: list
 
 
 @pytest.fixture
@@ -34,11 +35,15 @@ def calls(monkeypatch):
             if stage == "capture" and kill:
                 kill.pop()
                 raise KeyboardInterrupt  # simulated kill mid-stage, partial output left behind
+            if stage == "capture" and log.partial:
+                log.partial.pop()
+                return {"n": len(log), "complete": False}  # e.g. one slice of an array capture
             return {"n": len(log)}
         return run
 
     monkeypatch.setattr(stages, "load_entry", entry_for)
     log.kill = log_kill
+    log.partial = []
     return log
 
 
@@ -95,3 +100,41 @@ def test_unbuilt_stage_fails_clearly(monkeypatch):
     monkeypatch.setitem(stages.STAGE_ENTRY, "eval", "models.no_such_module:run_stage")
     with pytest.raises(NotImplementedError, match="stage 'eval' is not built yet"):
         stages.load_entry("eval")
+
+
+def test_partial_stage_stays_incomplete_and_stops_the_run(tmp_path, calls, world):
+    calls.partial.append(True)
+    stages.run_stages(make_cfg(tmp_path, "run.stages=[prepare,capture,train]"), world)
+    assert calls == ["prepare", "capture"]  # train did not run after a partial capture
+    m = json.loads((tmp_path / "tiny" / "capture" / "manifest.json").read_text())
+    assert m["complete"] is False and m["partial"] is True and m["outputs"] == {"n": 2}
+    assert not (tmp_path / "tiny" / "train").exists()
+    calls.clear()
+    stages.run_stages(make_cfg(tmp_path, "run.stages=[prepare,capture,train]"), world)
+    assert calls == ["capture", "train"]  # same hash, incomplete: capture runs again (the merge), then train
+    assert (tmp_path / "tiny" / "capture" / "out.txt").exists()  # not cleared
+
+
+def test_capture_slices_share_the_stage_hash(tmp_path, calls, world):
+    plain = make_cfg(tmp_path, "run.stages=[prepare,capture,train]")
+    task = make_cfg(tmp_path, "run.stages=[capture]", "capture.num_slices=4", "capture.slice_index=3")
+    merge = make_cfg(tmp_path, "run.stages=[prepare,capture,train]", "capture.num_slices=4")
+    hashes = {stages.inputs_hash(c, "capture", {}) for c in (plain, task, merge)}
+    assert len(hashes) == 1
+    assert stages.inputs_hash(make_cfg(tmp_path, "capture.batch_tokens=7"), "capture", {}) not in hashes
+    stages.run_stages(plain, world)
+    calls.clear()
+    stages.run_stages(merge, world)
+    assert calls == []  # a complete store is not captured again because the job asks for slices
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["capture.num_slices=0"], "capture.num_slices=0"),
+    (["run.stages=[capture]", "capture.num_slices=2", "capture.slice_index=2"], r"must be in \[0"),
+    (["capture.num_slices=2", "capture.slice_index=0"], r"run.stages=\[capture\]"),  # never prepare in a task
+    (["run.stages=[capture]", "run.force=[capture]", "capture.num_slices=2", "capture.slice_index=0"], "clear"),
+    (["run.force=[capture]", "capture.num_slices=2"], "clear the slices"),  # the merge must not wipe them
+])
+def test_bad_slice_settings_are_refused(tmp_path, overrides, match):
+    with pytest.raises(ValueError, match=match):
+        make_cfg(tmp_path, *overrides)

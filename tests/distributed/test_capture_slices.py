@@ -1,0 +1,97 @@
+"""Array-job capture through the stage runner: two slice tasks running at the same time in one run
+directory (slice 0 on 2 torchrun ranks, slice 1 in this process), then the merge, read back through
+FeatureStore sample for sample against a plain capture of the same prepared data."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_capture_resume import H, L, N, V, _prepare
+
+pytestmark = pytest.mark.distributed
+REPO = Path(__file__).resolve().parents[2]
+TARGET = ["recipe=tiny", "target.dtype=float32", f"target.num_hidden_layers={L}", f"target.hidden_size={H}",
+          f"target.vocab_size={V}", "drafter.draft_vocab_size=64", "drafter.aux_layer_ids=[2,3,4]",
+          "capture.shard_size_mb=0.02", "capture.batch_tokens=256"]
+
+
+def _overrides(root: Path, run: str, *extra: str) -> list[str]:
+    return [*TARGET, f"run.name={run}", f"run.output_root={root}", f"target.name_or_path={root / 'target'}", *extra]
+
+
+def _cfg(root: Path, run: str, *extra: str):
+    from hydra import compose, initialize_config_dir
+
+    from train.main import CONF_DIR, to_config
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return to_config(compose(config_name="config", overrides=_overrides(root, run, *extra)))
+
+
+def _run_here(root: Path, run: str, *extra: str) -> dict:
+    from train.distributed import World
+    from train.stages import run_stages
+
+    return run_stages(_cfg(root, run, *extra), World(0, 1, 0, torch.device("cpu")))
+
+
+def _manifest(root: Path, run: str) -> dict:
+    return json.loads((root / run / "capture" / "manifest.json").read_text())
+
+
+def test_slices_then_merge_equal_a_plain_capture(tmp_path):
+    from data.feature_reader import FeatureLoader, FeatureStore
+
+    _prepare(tmp_path)  # prepared runs "a" and "b" with the same data
+    _run_here(tmp_path, "a", "run.stages=[capture]")  # the plain reference
+
+    task = ["run.stages=[capture]", "capture.num_slices=2"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    slice0 = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train/main.py",
+         *_overrides(tmp_path, "b", *task, "capture.slice_index=0")],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _run_here(tmp_path, "b", *task, "capture.slice_index=1")  # while slice 0 runs in the same stage dir
+        out, _ = slice0.communicate(timeout=300)
+    finally:
+        slice0.kill()
+    assert slice0.returncode == 0, out[-4000:]
+    m = _manifest(tmp_path, "b")
+    assert m["complete"] is False and m["partial"] is True
+    assert sorted(p.name for p in (tmp_path / "b" / "capture" / "slices").iterdir()) == [
+        "slice00000.json", "slice00001.json"]
+    assert not (tmp_path / "b" / "capture" / "train" / "store.json").exists()
+
+    # A later run with the slice count and no slice index merges; train would follow in the same run.
+    (tmp_path / "b" / "capture" / "slices" / "slice00001.json").rename(tmp_path / "slice1.json")
+    with pytest.raises(ValueError, match=r"slices 1 have not finished.*sbatch --array=1 "):
+        _run_here(tmp_path, "b", *task)
+    (tmp_path / "slice1.json").rename(tmp_path / "b" / "capture" / "slices" / "slice00001.json")
+    merged_manifest = _run_here(tmp_path, "b", *task)["capture"]
+    assert merged_manifest["complete"] and _manifest(tmp_path, "b")["complete"]
+    assert merged_manifest["inputs_hash"] == _manifest(tmp_path, "a")["inputs_hash"]
+
+    for split in ("train", "eval"):
+        plain = FeatureStore(tmp_path / "a" / "capture" / split)
+        merged = FeatureStore(tmp_path / "b" / "capture" / split)
+        assert merged.manifest["indexes"] == ["slice00000/rank00000", "slice00000/rank00001", "slice00001/rank00000"]
+        assert merged.sample_ids == plain.sample_ids == list(range(len(plain))) and merged.lengths == plain.lengths
+        for i in range(len(plain)):
+            a, b = plain[i], merged[i]
+            assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+            # other forward batches than the plain capture: fp32 noise below bf16 rounding
+            torch.testing.assert_close(a["aux_hidden"], b["aux_hidden"], rtol=8e-3, atol=1e-4)
+            torch.testing.assert_close(a["target_hidden"], b["target_hidden"], rtol=8e-3, atol=1e-4)
+            assert torch.equal(a["target_argmax"], b["target_argmax"]), (split, i)
+    assert len(FeatureStore(tmp_path / "b" / "capture" / "train")) == N
+    plans = [FeatureLoader(tmp_path / r / "capture" / "train", 0, 2, 128, 2, seed=1).global_plan(0) for r in "ab"]
+    assert plans[0] == plans[1]  # the training batch plan does not depend on how the store was written
