@@ -167,10 +167,7 @@ def _one(job: dict) -> dict:
     bf16 = use_bf16(cfg, world)
     dtype = torch.bfloat16 if bf16 else torch.float32
     engine, _, _ = build_engine(model, cfg, world, total_steps=job["warmup"] + job["steps"])
-    if model.teacher_head.dtype != dtype:
-        # DeepSpeed's bf16 casts parameters only, so the fp32 teacher_head buffer meets bf16 target_hidden
-        # in train/loss.py's matmul; the trainer has the same mismatch (reported to the lead).
-        model.teacher_head = model.teacher_head.to(dtype)
+    model.cast_teacher(dtype)  # as the trainer does: DeepSpeed's bf16 casts parameters, not buffers
     batch = batch.to(world.device, dtype)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     if cuda:

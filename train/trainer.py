@@ -65,6 +65,7 @@ def run_stage(ctx: StageContext) -> dict:
     if universal:
         tag = checkpoint.to_universal(ckpt_dir, tag, world)
     engine, _, scheduler = build_engine(model, cfg, world, total, load_universal=universal)
+    model.cast_teacher(dtype)
     if tag:
         path, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag)
         if path is None:

@@ -37,6 +37,11 @@ class TTTModel(nn.Module):
         return ttt_loss(self.drafter, batch, self.teacher_head, steps=self.steps,
                         step_weight=self.step_weight, chunk_size=self.chunk_size)
 
+    def cast_teacher(self, dtype: torch.dtype) -> None:
+        """DeepSpeed's bf16 mode casts parameters, not buffers: match the teacher head to the compute
+        dtype once (its logits are upcast to fp32 before the softmax in the loss)."""
+        self.teacher_head = self.teacher_head.to(dtype)
+
     def drafter_meta(self, cfg: Config) -> dict:
         """What export needs besides the weights: the spec and how the drafter was trained."""
         return {

@@ -122,3 +122,11 @@ def test_preempted_two_ranks_resume_on_one(base, reference):
     assert len(got) == STEPS
     for a, b in zip(got, reference):
         assert a == pytest.approx(b, rel=2e-4, abs=2e-5, nan_ok=True)
+
+
+def test_bf16_engine_trains(base):
+    """DeepSpeed bf16 (the GPU default) casts parameters only: the frozen teacher head must follow."""
+    run(main_cmd(1) + new_run(base, "bf16") + ["deepspeed=zero2", "deepspeed.bf16=true", "train.max_steps=2",
+                                               "train.eval_every=2"])
+    got = losses(base, "bf16")
+    assert len(got) == 2 and all(x == x and x > 0 for step in got for x in step if x == x)
