@@ -6,11 +6,12 @@ j = 1..k, only the key that step produced at row t. With keys concatenated over 
 
 - ``dense``: the concatenated keys with a dense boolean mask through SDPA. O(T * (k+1) T) memory;
   the reference the tests compare against.
-- ``sdpa``: the memory-linear CPU path. A custom autograd function that walks query blocks; per block
-  it scores the step-0 keys that can be causal (``[bq, <= T]``) and the k diagonal keys as row-wise dot
-  products, and takes one joint softmax over both. Only q, k, v, the output and the log-sum-exp are
-  saved; the backward recomputes each block's probabilities (FlashAttention-2 style), so memory is
-  linear in T, and blocks above the diagonal are never computed.
+- ``sdpa``: the memory-linear CPU path (``_FlashTTTAttention``). The causal part runs torch's CPU
+  flash kernel once per document (documents are contiguous runs of equal ``document_ids``, padding's
+  -1 included, so slicing q/k/v to a run and ``is_causal=True`` is the mask), giving ``out_c`` and
+  its log-sum-exp ``lse_c``. The k diagonal scores ``s_j = scale * q . k_j`` are row-wise dots. The
+  joint softmax is then a merge: ``L = logaddexp(lse_c, s_1..s_k)``, ``out = exp(lse_c - L) out_c +
+  sum_j exp(s_j - L) v_j``. Memory is linear in T and nothing above the diagonal is computed.
 - ``flex``: ``flex_attention`` with a block mask over the concatenated keys (GPU; compiled).
 
 Shapes: q ``[B, Hq, T, D]``; k0, v0 ``[B, Hkv, T, D]`` (step 0); kd, vd ``[B, Hkv, J, T, D]``
@@ -19,13 +20,13 @@ Shapes: q ``[B, Hq, T, D]``; k0, v0 ``[B, Hkv, T, D]`` (step 0); kd, vd ``[B, Hk
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
 IMPLEMENTATIONS = ("auto", "flex", "sdpa", "dense")
-BLOCK_ROWS = 256  # query rows per block of the memory-linear path (scores: Hq * 256 * T floats)
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # -> (out, lse [B, H, T]); GQA ok
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward  # -> dq, dk, dv
 
 
 def resolve_attention(name: str, device: torch.device) -> str:
@@ -34,6 +35,8 @@ def resolve_attention(name: str, device: torch.device) -> str:
         raise ValueError(f"drafter.attention={name!r}: expected one of {list(IMPLEMENTATIONS)}")
     if name == "auto":
         return "flex" if device.type == "cuda" else "sdpa"
+    if name == "sdpa" and device.type != "cpu":
+        raise ValueError(f"drafter.attention='sdpa' runs torch's CPU flash kernel; on {device.type} use auto or flex")
     return name
 
 
@@ -44,7 +47,7 @@ def ttt_attention(q, k0, v0, kd, vd, document_ids, impl: str = "sdpa"):
         return _dense(q, k0, v0, kd, vd, document_ids)
     if impl == "flex":
         return _flex(q, k0, v0, kd, vd, document_ids)
-    return _BlockedTTTAttention.apply(q, k0, v0, kd, vd, document_ids)
+    return _FlashTTTAttention.apply(q, k0, v0, kd, vd, document_segments(document_ids))
 
 
 def ttt_dense_mask(document_ids: torch.Tensor, steps: int) -> torch.Tensor:
@@ -54,6 +57,29 @@ def ttt_dense_mask(document_ids: torch.Tensor, steps: int) -> torch.Tensor:
     causal = (idx[None, :] <= idx[:, None])[None] & (document_ids[:, :, None] == document_ids[:, None, :])
     eye = torch.eye(T, dtype=torch.bool, device=document_ids.device).expand(causal.shape[0], T, T)
     return torch.cat([causal] + [eye] * steps, dim=-1)[:, None]
+
+
+def document_segments(document_ids: torch.Tensor) -> list[tuple[slice, int, int]]:
+    """``[B, T]`` ids -> ``(rows, start, end)`` runs of one id, one flash call each.
+
+    Rows with identical ids share their calls. An id that comes back after another (``0 0 1 0``)
+    would let the later run see the earlier one, which per-run causal attention cannot express.
+    """
+    B, T = document_ids.shape
+    same = B == 1 or bool((document_ids == document_ids[:1]).all())
+    segments = []
+    for r in [0] if same else range(B):
+        row = document_ids[r]
+        cuts = ((row[1:] != row[:-1]).nonzero().flatten() + 1).tolist()
+        bounds = [0, *cuts, T]
+        if len(bounds) - 1 != row.unique().numel():
+            raise ValueError(
+                f"document_ids row {r}: a document id occurs in two separate runs; packed documents must be "
+                "contiguous (as data/packing.py writes them), or use drafter.attention=dense"
+            )
+        rows = slice(0, B) if same else slice(r, r + 1)
+        segments += [(rows, a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+    return segments
 
 
 def _concat_keys(k0, kd):
@@ -92,87 +118,80 @@ def _flex(q, k0, v0, kd, vd, document_ids):
     return fn(q, _concat_keys(k0, kd), _concat_keys(v0, vd), block_mask=block_mask, enable_gqa=True)
 
 
-def _block_scores(qb, k0, kdb, doc, a, b, scale):
-    """Scores of query rows a..b-1 (qb ``[B, Hkv, G, n, D]``), at least fp32.
+def _diag_scores(qg, kd, scale, acc):
+    """Row-wise scores of each query head against its row's step-j key: ``[B, Hkv, G, T, J]`` in ``acc``."""
+    return torch.einsum("bhgtd,bhjtd->bhgtj", qg, kd).to(acc) * scale
 
-    Causal part ``[B, Hkv, G, n, b]`` (keys 0..b-1; the G query heads of a kv head are folded into the
-    rows of one matmul) and diagonal part ``[B, Hkv, G, n, J]``.
+
+def _merge_weights(lse_c, sd):
+    """Joint-softmax weights: w = exp(lse_c - L) ``[..., T]`` on the causal output, pd ``[..., T, J]``."""
+    L = torch.logaddexp(lse_c, torch.logsumexp(sd, -1))  # every row sees its own key: lse_c finite
+    return torch.exp(lse_c - L), torch.exp(sd - L[..., None])
+
+
+def _diag_apply(w, x):
+    """``sum_j w[..., j] x_j``: w ``[B, Hkv, G, T, J]``, x ``[B, Hkv, J, T, D]`` -> ``[B, Hkv, G, T, D]``."""
+    return torch.einsum("bhgtj,bhjtd->bhgtd", w, x)
+
+
+class _FlashTTTAttention(torch.autograd.Function):
+    """Causal step-0 part via the flash kernel per document, merged with the diagonal keys.
+
+    Backward, with O the merged output, dO its gradient, delta = rowsum(dO * O) and the joint
+    probabilities P = w P_c (causal keys; P_c the per-document softmax, w = exp(lse_c - L)) and pd
+    (diagonal keys): dS = P (dO . v - delta) for every key. The flash backward called with grad
+    ``w dO``, output O and ``lse_c`` forms P_c (w dO . v - rowsum(w dO * O)), exactly the causal part
+    of that (and dV = P_c^T w dO); the diagonal part is a few row-wise products.
     """
-    B, Hkv, G, n, D = qb.shape
-    acc = torch.promote_types(qb.dtype, torch.float32)  # softmax in fp32 even for bf16 inputs
-    s = torch.matmul(qb.reshape(B, Hkv, G * n, D), k0[:, :, :b].transpose(-1, -2)).to(acc)
-    s = s.view(B, Hkv, G, n, b) * scale
-    rows = torch.arange(a, b, device=qb.device)
-    cols = torch.arange(b, device=qb.device)
-    allowed = (cols[None, :] <= rows[:, None])[None] & (doc[:, a:b, None] == doc[:, None, :b])
-    s = s.masked_fill(~allowed[:, None, None], float("-inf"))
-    sd = torch.einsum("bhgtd,bhjtd->bhgtj", qb, kdb).to(acc) * scale
-    return s, sd
-
-
-def _fold(x):
-    """``[B, Hkv, G, n, X]`` -> ``[B, Hkv, G * n, X]`` (a copy only when x is a slice)."""
-    return x.reshape(x.shape[0], x.shape[1], -1, x.shape[-1])
-
-
-class _BlockedTTTAttention(torch.autograd.Function):
-    """Joint softmax over causal step-0 keys and diagonal keys, one query block at a time."""
 
     @staticmethod
-    def forward(ctx, q, k0, v0, kd, vd, doc):
+    def forward(ctx, q, k0, v0, kd, vd, segments):
         B, Hq, T, D = q.shape
-        Hkv = k0.shape[1]
-        G = Hq // Hkv
-        scale = 1.0 / math.sqrt(D)
-        qg = q.view(B, Hkv, G, T, D)  # query heads grouped under their kv head
-        out = torch.empty_like(qg)
-        lse = torch.empty(B, Hkv, G, T, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
-        for a in range(0, T, BLOCK_ROWS):
-            b = min(a + BLOCK_ROWS, T)
-            qb, kdb, vdb = qg[:, :, :, a:b], kd[:, :, :, a:b], vd[:, :, :, a:b]
-            s, sd = _block_scores(qb, k0, kdb, doc, a, b, scale)
-            m = s.amax(-1)  # finite: every row sees its own step-0 key
-            if sd.shape[-1]:
-                m = torch.maximum(m, sd.amax(-1))
-            p, pd = torch.exp(s - m[..., None]), torch.exp(sd - m[..., None])
-            l = p.sum(-1) + pd.sum(-1)
-            o = torch.matmul(_fold(p.to(q.dtype)), v0[:, :, :b]).view(B, Hkv, G, b - a, D)
-            o = o + torch.einsum("bhgtj,bhjtd->bhgtd", pd.to(q.dtype), vdb)
-            out[:, :, :, a:b] = o / l[..., None].to(q.dtype)
-            lse[:, :, :, a:b] = m + torch.log(l)
-        ctx.save_for_backward(q, k0, v0, kd, vd, doc, out, lse)
-        return out.view(B, Hq, T, D)
+        Hkv, J = k0.shape[1], kd.shape[2]
+        scale = D**-0.5
+        acc = torch.promote_types(q.dtype, torch.float32)  # merge in fp32 even for bf16 inputs
+        out_c = torch.empty_like(q)
+        lse_c = torch.empty(B, Hq, T, dtype=acc, device=q.device)
+        for rows, a, b in segments:
+            o, lse = _flash(q[rows, :, a:b], k0[rows, :, a:b], v0[rows, :, a:b], 0.0, True, scale=scale)
+            out_c[rows, :, a:b], lse_c[rows, :, a:b] = o, lse
+        ctx.segments = segments
+        if J == 0:
+            ctx.save_for_backward(q, k0, v0, kd, vd, out_c, lse_c)
+            return out_c
+        qg = q.view(B, Hkv, Hq // Hkv, T, D)  # query heads grouped under their kv head
+        w, pd = _merge_weights(lse_c.view(qg.shape[:-1]), _diag_scores(qg, kd, scale, acc))
+        out = w[..., None] * out_c.view(qg.shape) + _diag_apply(pd, vd.to(acc))
+        out = out.to(q.dtype).view(B, Hq, T, D)
+        ctx.save_for_backward(q, k0, v0, kd, vd, out, lse_c, w, pd)  # w, pd: [.., T(, J)], small
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k0, v0, kd, vd, doc, out, lse = ctx.saved_tensors
+        q, k0, v0, kd, vd, out, lse_c, *merge = ctx.saved_tensors
         B, Hq, T, D = q.shape
-        Hkv = k0.shape[1]
-        G = Hq // Hkv
-        scale = 1.0 / math.sqrt(D)
-        qg = q.view(B, Hkv, G, T, D)
-        do = grad_out.reshape(B, Hkv, G, T, D)
-        delta = (do.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # [B, Hkv, G, T]: rowsum(dO * O)
-        dq = torch.empty_like(qg)
-        dk0, dv0 = torch.zeros_like(k0), torch.zeros_like(v0)
-        dkd, dvd = torch.empty_like(kd), torch.empty_like(vd)
-        for a in range(0, T, BLOCK_ROWS):
-            b = min(a + BLOCK_ROWS, T)
-            n = b - a
-            qb, kdb, vdb, dob = qg[:, :, :, a:b], kd[:, :, :, a:b], vd[:, :, :, a:b], do[:, :, :, a:b]
-            s, sd = _block_scores(qb, k0, kdb, doc, a, b, scale)
-            lb, db = lse[:, :, :, a:b, None], delta[:, :, :, a:b, None]
-            p, pd = torch.exp(s - lb).to(q.dtype), torch.exp(sd - lb).to(q.dtype)
-            dob_f = _fold(dob)
-            dv0[:, :, :b] += torch.matmul(_fold(p).transpose(-1, -2), dob_f)
-            dp = torch.matmul(dob_f, v0[:, :, :b].transpose(-1, -2)).view(B, Hkv, G, n, b)
-            ds = p * (dp - db) * scale
-            dsd = pd * (torch.einsum("bhgtd,bhjtd->bhgtj", dob, vdb) - db) * scale
-            dqb = torch.matmul(_fold(ds), k0[:, :, :b]).view(B, Hkv, G, n, D)
-            dq[:, :, :, a:b] = dqb + torch.einsum("bhgtj,bhjtd->bhgtd", dsd, kdb)
-            dk0[:, :, :b] += torch.matmul(_fold(ds).transpose(-1, -2), _fold(qb))
-            dkd[:, :, :, a:b] = torch.einsum("bhgtj,bhgtd->bhjtd", dsd, qb)
-            dvd[:, :, :, a:b] = torch.einsum("bhgtj,bhgtd->bhjtd", pd, dob)
+        Hkv, J = k0.shape[1], kd.shape[2]
+        G, scale, acc = Hq // Hkv, D**-0.5, lse_c.dtype
+        qg, dog = q.view(B, Hkv, G, T, D), grad_out.reshape(B, Hkv, G, T, D).to(acc)
+        if J:
+            w, pd = merge
+            grad_c = (w[..., None] * dog).to(q.dtype).view(B, Hq, T, D)
+        else:
+            grad_c = grad_out.contiguous()
+        dq, dk0, dv0 = torch.empty_like(q), torch.zeros_like(k0), torch.zeros_like(v0)
+        for rows, a, b in ctx.segments:
+            sl = (rows, slice(None), slice(a, b))
+            dq[sl], dk0[sl], dv0[sl] = _flash_backward(
+                grad_c[sl], q[sl], k0[sl], v0[sl], out[sl], lse_c[sl], 0.0, True, scale=scale
+            )
+        if J == 0:
+            return dq, dk0, dv0, torch.zeros_like(kd), torch.zeros_like(vd), None
+        delta = (dog * out.view(B, Hkv, G, T, D).to(acc)).sum(-1, keepdim=True)  # [B, Hkv, G, T, 1]
+        dpd = torch.einsum("bhgtd,bhjtd->bhgtj", dog, vd.to(acc))  # dO . v_j
+        dsd = pd * (dpd - delta) * scale
+        dq = dq.view(B, Hkv, G, T, D) + _diag_apply(dsd, kd.to(acc)).to(q.dtype)
+        dkd = torch.einsum("bhgtj,bhgtd->bhjtd", dsd, qg.to(acc)).to(kd.dtype)
+        dvd = torch.einsum("bhgtj,bhgtd->bhjtd", pd, dog).to(vd.dtype)
         return dq.view(B, Hq, T, D), dk0, dv0, dkd, dvd, None
 
 

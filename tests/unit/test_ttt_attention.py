@@ -3,16 +3,23 @@
 import pytest
 import torch
 
-import models.attention as attention
 from models.attention import cached_attention, ttt_attention, ttt_dense_mask
 
 
-def inputs(J, B=2, Hq=4, Hkv=2, T=23, D=8, seed=0):
+LAYOUTS = {  # per row of document ids; T = 23
+    "packed+pad": [[0] * 7 + [1] * 12 + [-1] * 4, [0] * 23],  # rows with different runs
+    "singletons": [[0, 1, 2] + [3] * 18 + [4, -1], [0] * 22 + [1]],  # documents of length 1
+    "shared": [[0] * 5 + [1] * 16 + [-1] * 2] * 2,  # identical rows share one flash call per run
+}
+
+
+def inputs(J, B=2, Hq=4, Hkv=2, T=23, D=8, seed=0, layout="packed+pad"):
     g = torch.Generator().manual_seed(seed)
     mk = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).requires_grad_()  # noqa: E731
-    packed = [0] * 7 + [1] * 12 + [-1] * (T - 19) if T >= 19 else [0] * T  # two documents + padding
-    doc = torch.tensor([packed, [0] * T][:B], dtype=torch.int32)
-    return mk(B, Hq, T, D), mk(B, Hkv, T, D), mk(B, Hkv, T, D), mk(B, Hkv, J, T, D), mk(B, Hkv, J, T, D), doc
+    rows = LAYOUTS[layout] if T == 23 else [[0] * T] * 2
+    doc = torch.tensor(rows[:B], dtype=torch.int32)
+    q = mk(B, T, Hq, D).transpose(1, 2)  # the drafter's layout: heads split from [B, T, Hq * D]
+    return q, mk(B, Hkv, T, D), mk(B, Hkv, T, D), mk(B, Hkv, J, T, D), mk(B, Hkv, J, T, D), doc
 
 
 def test_dense_mask_layout():
@@ -24,10 +31,9 @@ def test_dense_mask_layout():
 
 
 @pytest.mark.parametrize("J", [0, 1, 3])
-@pytest.mark.parametrize("block", [5, 256])
-def test_memory_linear_equals_dense(J, block, monkeypatch):
-    monkeypatch.setattr(attention, "BLOCK_ROWS", block)  # several query blocks, and one
-    q, k0, v0, kd, vd, doc = inputs(J)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_memory_linear_equals_dense(J, layout):
+    q, k0, v0, kd, vd, doc = inputs(J, layout=layout)
     out = ttt_attention(q, k0, v0, kd, vd, doc, "sdpa")
     ref = ttt_attention(q, k0, v0, kd, vd, doc, "dense")
     torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
@@ -51,6 +57,42 @@ def test_documents_do_not_leak():
     out2 = ttt_attention(q, k0b, v0b, kd, vd, doc, "sdpa")
     assert torch.equal(out[0, :, 7:19], out2[0, :, 7:19])  # document 1 untouched
     assert (out[0, :, :7] - out2[0, :, :7]).abs().max() > 1e-3
+
+
+def test_padding_is_finite_and_isolated():
+    q, k0, v0, kd, vd, doc = inputs(2)
+    out = ttt_attention(q, k0, v0, kd, vd, doc, "sdpa")
+    assert torch.isfinite(out).all()
+    real = (doc >= 0)[:, None, :, None]
+    grads = torch.autograd.grad((out * real).sum(), [q, k0, v0, kd, vd])
+    pad = ~real
+    for g in grads:  # real rows never read padding keys, so padding gets no gradient from them
+        mask = pad if g.dim() == 4 else pad[:, :, None]
+        assert torch.equal(g * mask, torch.zeros_like(g))
+    assert all(g.abs().sum() > 0 for g in grads)
+
+
+def test_bf16_close_to_dense():
+    *xs, doc = inputs(3)
+    xs = [x.detach().bfloat16().requires_grad_() for x in xs]
+    ref_in = [x.detach().float().requires_grad_() for x in xs]
+    out = ttt_attention(*xs, doc, "sdpa")
+    ref = ttt_attention(*ref_in, doc, "dense")
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    grad = torch.randn_like(ref)
+    got = torch.autograd.grad(out, xs, grad.bfloat16())
+    want = torch.autograd.grad(ref, ref_in, grad)
+    for a, b in zip(got, want):
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a.float(), b, atol=5e-2, rtol=5e-2)
+
+
+def test_non_contiguous_document_refused():
+    q, k0, v0, kd, vd, _ = inputs(1)
+    doc = torch.tensor([[0] * 10 + [1] * 5 + [0] * 8, [0] * 23], dtype=torch.int32)
+    with pytest.raises(ValueError, match="document_ids row 0"):
+        ttt_attention(q, k0, v0, kd, vd, doc, "sdpa")
 
 
 def test_flex_forward_equals_dense():
