@@ -54,6 +54,23 @@ def ttt_states(drafter, batch: FeatureBatch, steps: int) -> list[torch.Tensor]:
     return ys
 
 
+def _use_kernel(y: torch.Tensor, lm_head, loss_impl: str) -> bool:
+    """The fused Triton loss runs on CUDA when lm_head's weight is whole (ZeRO-3 partitions it and
+    gathers it only inside lm_head's own forward, so there the torch path runs)."""
+    if loss_impl not in ("auto", "torch"):
+        raise ValueError(f"drafter.loss_impl={loss_impl!r}: expected auto | torch")
+    return loss_impl == "auto" and y.is_cuda and not hasattr(lm_head.weight, "ds_id")
+
+
+def _kernel_loss(y, teacher_hidden, lm_head, teacher_head):
+    """Same contract as _chunk_loss, streamed over vocab blocks: no [rows, Vd] tensor exists."""
+    from models.kernels import fused_draft_loss
+
+    m = torch.ones(y.shape[0], device=y.device, dtype=torch.float32)
+    return fused_draft_loss(y, lm_head.weight, teacher_hidden, teacher_head.to(teacher_hidden.dtype), m,
+                            impl="triton")
+
+
 def _chunk_loss(y, teacher_hidden, lm_head, teacher_head):
     """Soft cross-entropy summed over rows (fp32) and the drafter's argmax (draft ids) for rows of y."""
     logits = lm_head(y).float()
@@ -71,6 +88,7 @@ def ttt_loss(
     steps: int,
     step_weight: float,
     chunk_size: int,
+    loss_impl: str = "auto",
 ) -> TTTResult:
     """Unroll ``steps`` TTT steps of ``drafter`` (an ``Eagle3Drafter``) on ``batch`` and score them.
 
@@ -90,7 +108,9 @@ def ttt_loss(
     doc = batch.document_ids
     valid = doc >= 0
     th_flat = batch.target_hidden.reshape(B * T, -1)
-    use_ckpt = torch.is_grad_enabled()
+    use_kernel = _use_kernel(batch.target_hidden, drafter.lm_head, loss_impl)
+    use_ckpt = torch.is_grad_enabled() and not use_kernel
+    chunk_fn = _kernel_loss if use_kernel else _chunk_loss
 
     ys = ttt_states(drafter, batch, steps)
     total = ys[0].new_zeros((), dtype=torch.float32)
@@ -119,7 +139,7 @@ def ttt_loss(
             # teacher of row t at step k is the target's state at t+1+k (same batch row; counted => in range)
             tr = r if empty else r + 1 + k
             args = (y_flat[r], th_flat[tr], drafter.lm_head, teacher_head)
-            part, pred = checkpoint(_chunk_loss, *args, use_reentrant=False) if use_ckpt else _chunk_loss(*args)
+            part, pred = checkpoint(chunk_fn, *args, use_reentrant=False) if use_ckpt else chunk_fn(*args)
             if empty:
                 loss_sum = loss_sum + 0.0 * part
                 continue

@@ -30,12 +30,13 @@ class TTTModel(nn.Module):
         self.steps = cfg.drafter.ttt_steps
         self.step_weight = cfg.drafter.step_weight
         self.chunk_size = cfg.drafter.loss_chunk_size
+        self.loss_impl = cfg.drafter.loss_impl
 
     def forward(self, batch: FeatureBatch):
         from train.loss import ttt_loss
 
         return ttt_loss(self.drafter, batch, self.teacher_head, steps=self.steps,
-                        step_weight=self.step_weight, chunk_size=self.chunk_size)
+                        step_weight=self.step_weight, chunk_size=self.chunk_size, loss_impl=self.loss_impl)
 
     def cast_teacher(self, dtype: torch.dtype) -> None:
         """DeepSpeed's bf16 mode casts parameters, not buffers: match the teacher head to the compute

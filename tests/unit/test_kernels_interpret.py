@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-CHECKS = ("fused_loss", "fused_loss_bf16", "rmsnorm", "fp8")
+CHECKS = ("fused_loss", "fused_loss_bf16", "rmsnorm", "fp8", "ttt_loss_kernel_path")
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +145,33 @@ def check_fp8():
         assert back.dtype == dtype
         # Exact in fp32; the interpreter's fp32->bf16 cast truncates (the GPU rounds), so allow one bf16 ulp.
         torch.testing.assert_close(back, want, rtol=0 if dtype == torch.float32 else 2**-7, atol=0)
+
+
+def check_ttt_loss_kernel_path():
+    """train/loss.py with the Triton loss (forced on for CPU tensors) equals its torch path: values,
+    metrics and gradients of every trainable parameter."""
+    import torch
+
+    import train.loss as L
+    from tests.unit.test_drafter import make_drafter, packed_batch
+
+    results = {}
+    for impl in ("torch", "kernel"):
+        L._use_kernel = (lambda y, head, loss_impl: True) if impl == "kernel" else (lambda *a: False)
+        d = make_drafter()
+        b = packed_batch()
+        head = torch.randn(d.spec.draft_vocab_size, d.spec.target_hidden_size, generator=torch.Generator().manual_seed(3))
+        out = L.ttt_loss(d, b, head, steps=3, step_weight=0.8, chunk_size=7)
+        out.loss.backward()
+        results[impl] = (out, {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None})
+    (a, ga), (b_, gb) = results["torch"], results["kernel"]
+    _close("loss", b_.loss.detach(), a.loss.detach(), 1e-5, 1e-5)
+    for name in a.metrics:
+        assert torch.equal(a.metrics[name][1], b_.metrics[name][1]), name
+        _close(name, b_.metrics[name][0], a.metrics[name][0], 1e-4, 1e-5)
+    assert ga.keys() == gb.keys()
+    for name in ga:
+        _close(f"grad {name}", gb[name], ga[name], 1e-5, 1e-4)
 
 
 if __name__ == "__main__":
