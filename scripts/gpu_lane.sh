@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The GPU lane, as one prepared script for a machine with a CUDA device (e.g. the lent H200):
+# the marked GPU tests, then the benchmarks at real shapes. Results go to $OUT (default outputs/gpu_lane).
+#
+#   OUT=/some/dir bash scripts/gpu_lane.sh [--wheels DIR]
+#
+# It runs under that machine's own python3 (its torch/triton/transformers). Packages that image lacks
+# (hydra-core, omegaconf, antlr4-python3-runtime, deepspeed, datasets for bench_train.py) can be carried
+# as wheels built here, e.g. `pip wheel --no-deps -w wheels hydra-core==1.3.8 omegaconf==2.3.1
+# antlr4-python3-runtime==4.9.3 deepspeed==0.19.8`, and installed with --wheels. Each step runs even if
+# an earlier one failed; the summary says which did.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-outputs/gpu_lane}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+if [ "${1:-}" = "--wheels" ] && [ -n "${2:-}" ]; then
+  $PY -m pip install -q --no-index --no-deps "$2"/*.whl > "$OUT/wheels.txt" 2>&1 || echo "wheel install failed (see wheels.txt)"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 WANDB_MODE=disabled
+status=()
+step() {  # step NAME TIMEOUT_S CMD...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
+  local rc=$?
+  status+=("$name rc=$rc $((SECONDS - t0))s")
+}
+step nvidia_smi 30 nvidia-smi
+step tests_gpu 240 $PY -m pytest tests/gpu -q -p no:cacheprovider
+step bench_loss 300 $PY scripts/bench_loss.py --device cuda
+step bench_train 300 $PY scripts/bench_train.py --device cuda
+printf '%s\n' "${status[@]}" | tee "$OUT/summary.txt"
