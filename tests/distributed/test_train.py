@@ -109,16 +109,17 @@ def test_kill_9_then_resume_gives_the_same_losses(base, reference):
     assert got == pytest.approx([x for step in reference for x in step], rel=1e-6, abs=1e-7, nan_ok=True)
 
 
-def test_preempted_two_ranks_resume_on_one(base, reference):
-    args = new_run(base, "moved") + ["deepspeed=zero2"]
+@pytest.mark.parametrize("zero", ["zero2", "zero3"])
+def test_preempted_two_ranks_resume_on_one(base, reference, zero):
+    args = new_run(base, f"moved_{zero}") + [f"deepspeed={zero}"]
     proc = _start(main_cmd(2) + args)
-    _wait_for_checkpoint(proc, base[0] / "moved" / "train" / "checkpoints")
+    _wait_for_checkpoint(proc, base[0] / f"moved_{zero}" / "train" / "checkpoints")
     os.killpg(proc.pid, signal.SIGTERM)  # Slurm preemption: checkpoint, then exit 75
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode != 0, out[-3000:]
     assert "preempted" in out, out[-3000:]
     run(main_cmd(1) + args + ["train.grad_accum=2"])  # same global batch on half the ranks
-    got = losses(base, "moved")
+    got = losses(base, f"moved_{zero}")
     assert len(got) == STEPS
     for a, b in zip(got, reference):
         assert a == pytest.approx(b, rel=2e-4, abs=2e-5, nan_ok=True)
