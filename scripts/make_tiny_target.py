@@ -82,6 +82,20 @@ def _done(path: Path, key: str) -> bool:
     return bool(meta) and meta.get("key") == key
 
 
+def _cached(out: Path, key: str, build) -> Path:
+    """Return ``out`` if its build.json holds ``key``; otherwise, under a lock (checked again inside),
+    run ``build(tmp)`` to fill a temp dir, which returns extra build.json fields, and rename it to ``out``."""
+    if _done(out, key):
+        return out
+    with _lock(out):
+        if not _done(out, key):
+            with atomic_path(out) as tmp:
+                tmp.mkdir()
+                extra = build(tmp) or {}
+                write_json_atomic(tmp / "build.json", {"key": key, **extra})
+    return out
+
+
 @contextlib.contextmanager
 def _lock(path: Path):
     """One builder at a time per artifact (pytest sessions and the CLI may race for the same one); a
@@ -99,40 +113,30 @@ def build_data(root: Path | None = None) -> Path:
     """Write (once) ``root/data/{train,eval}.jsonl``; returns the data directory."""
     out = Path(root or default_root()) / "data"
     key = _key(kind="data", seed=SEED, n_train=N_TRAIN, n_eval=N_EVAL)
-    if _done(out, key):
-        return out
-    with _lock(out):
-        if _done(out, key):
-            return out
+
+    def build(tmp: Path) -> dict:
         train_files, eval_files = tiny_corpus.split_sources(tiny_corpus.list_sources())
         stream = tiny_corpus.conversation_stream(train_files, SEED)
-        train = [next(stream) for _ in range(N_TRAIN)]
-        held = tiny_corpus.eval_conversations(eval_files, N_EVAL, SEED + 1)
-        with atomic_path(out) as tmp:
-            tmp.mkdir()
-            for name, rows in (("train", train), ("eval", held)):
-                (tmp / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-            write_json_atomic(tmp / "build.json", {
-                "key": key, "train_modules": [f.path for f in train_files],
-                "eval_modules": [f.path for f in eval_files], "n_train": N_TRAIN, "n_eval": N_EVAL})
-    return out
+        rows = {"train": [next(stream) for _ in range(N_TRAIN)],
+                "eval": tiny_corpus.eval_conversations(eval_files, N_EVAL, SEED + 1)}
+        for name, convs in rows.items():
+            (tmp / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in convs))
+        return {"train_modules": [f.path for f in train_files], "eval_modules": [f.path for f in eval_files],
+                "n_train": N_TRAIN, "n_eval": N_EVAL}
+
+    return _cached(out, key, build)
 
 
 def build_tokenizer(root: Path | None = None) -> Path:
     """Train (once) the byte-level BPE chat tokenizer on the train modules; returns its directory."""
     out = Path(root or default_root()) / "tokenizer"
     key = _key(kind="tokenizer", vocab=MODEL["vocab_size"], template=tiny_corpus.CHAT_TEMPLATE)
-    if _done(out, key):
-        return out
-    with _lock(out):
-        if _done(out, key):
-            return out
+
+    def build(tmp: Path) -> None:
         train_files, _ = tiny_corpus.split_sources(tiny_corpus.list_sources())
-        tok = tiny_corpus.train_tokenizer(train_files, MODEL["vocab_size"])
-        with atomic_path(out) as tmp:
-            tok.save_pretrained(tmp)
-            write_json_atomic(tmp / "build.json", {"key": key})
-    return out
+        tiny_corpus.train_tokenizer(train_files, MODEL["vocab_size"]).save_pretrained(tmp)
+
+    return _cached(out, key, build)
 
 
 def _llama_config(tok):
@@ -268,28 +272,24 @@ def build_tiny_target(budget: str = "quick", root: Path | None = None, steps: in
     out = root / budget
     key = _key(kind="target", budget=settings, model=MODEL, seed=SEED,
                data=read_json(data_dir / "build.json")["key"], tok=read_json(tok_dir / "build.json")["key"])
-    if _done(out, key):
-        return out
-    from transformers import AutoTokenizer
 
-    with _lock(out):
-        if _done(out, key):
-            return out
+    def build(tmp: Path) -> None:
+        from transformers import AutoTokenizer
+
         tok = AutoTokenizer.from_pretrained(tok_dir)
         train_files, _ = tiny_corpus.split_sources(tiny_corpus.list_sources())
         t0, c0 = time.time(), time.process_time()
         model = train_target(tok, train_files, **settings)
         train_s, train_cpu = time.time() - t0, time.process_time() - c0
-        with atomic_path(out) as tmp:
-            _save_model(model, tok, tmp)
-            metrics = evaluate_target(tmp, data_dir / "eval.jsonl")
-            metrics.update(budget=budget, **settings, train_seconds=round(train_s, 1),
-                           train_cpu_seconds=round(train_cpu, 1),
-                           wall_seconds=round(time.time() - t0, 1), torch_threads=torch.get_num_threads(),
-                           parameters=sum(p.numel() for p in model.parameters()))
-            write_json_atomic(tmp / "metrics.json", metrics)
-            write_json_atomic(tmp / "build.json", {"key": key})
-    return out
+        _save_model(model, tok, tmp)
+        metrics = evaluate_target(tmp, data_dir / "eval.jsonl")
+        metrics.update(budget=budget, **settings, train_seconds=round(train_s, 1),
+                       train_cpu_seconds=round(train_cpu, 1),
+                       wall_seconds=round(time.time() - t0, 1), torch_threads=torch.get_num_threads(),
+                       parameters=sum(p.numel() for p in model.parameters()))
+        write_json_atomic(tmp / "metrics.json", metrics)
+
+    return _cached(out, key, build)
 
 
 def main(argv: list[str] | None = None) -> None:
