@@ -29,14 +29,10 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import (
-    LlamaMLP,
-    LlamaRMSNorm,
-    LlamaRotaryEmbedding,
-    apply_rotary_pos_emb,
-)
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from models.attention import cached_attention, resolve_attention, ttt_attention
+from models.kernels.rmsnorm import RMSNorm
 
 
 @dataclass
@@ -211,10 +207,10 @@ class _MidLayer(nn.Module):
     def __init__(self, spec: DrafterSpec, config: LlamaConfig) -> None:
         super().__init__()
         H, eps = spec.hidden_size, spec.rms_norm_eps
-        self.input_layernorm = LlamaRMSNorm(H, eps=eps)
-        self.hidden_norm = LlamaRMSNorm(H, eps=eps)
+        self.input_layernorm = RMSNorm(H, eps=eps)
+        self.hidden_norm = RMSNorm(H, eps=eps)
         self.self_attn = _Attention(spec)
-        self.post_attention_layernorm = LlamaRMSNorm(H, eps=eps)
+        self.post_attention_layernorm = RMSNorm(H, eps=eps)
         self.mlp = LlamaMLP(config)
 
     def forward(self, emb, g, cos, sin, attend):
@@ -231,10 +227,11 @@ class Eagle3Drafter(nn.Module):
     """EAGLE-3 (flags off) / EAGLE-3.1 (``fc_norm`` + ``norm_output``) drafter for a Llama-like target.
 
     ``attention`` selects the TTT attention (auto | flex | sdpa | dense; see models/attention.py) and
-    may be changed on the instance; the engine path always uses a plain cached SDPA.
+    may be changed on the instance; the engine path always uses a plain cached SDPA. ``norm_impl``
+    selects every RMSNorm's implementation (torch | triton; see models/kernels/rmsnorm.py), likewise.
     """
 
-    def __init__(self, spec: DrafterSpec, attention: str = "auto") -> None:
+    def __init__(self, spec: DrafterSpec, attention: str = "auto", norm_impl: str = "torch") -> None:
         super().__init__()
         spec.validate()
         resolve_attention(attention, torch.device("cpu"))  # name check only
@@ -244,12 +241,12 @@ class Eagle3Drafter(nn.Module):
         self.embed_tokens = nn.Embedding(spec.vocab_size, H)
         self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen
         if spec.fc_norm:
-            self.fc_norm = nn.ModuleList(LlamaRMSNorm(Ht, eps=eps) for _ in spec.aux_layer_ids)
+            self.fc_norm = nn.ModuleList(RMSNorm(Ht, eps=eps) for _ in spec.aux_layer_ids)
         if spec.norm_before_fc:
-            self.input_norm = LlamaRMSNorm(spec.fc_in_features, eps=eps)
+            self.input_norm = RMSNorm(spec.fc_in_features, eps=eps)
         self.fc = nn.Linear(spec.fc_in_features, H, bias=False)
         self.midlayer = _MidLayer(spec, config)
-        self.norm = LlamaRMSNorm(H, eps=eps)
+        self.norm = RMSNorm(H, eps=eps)
         self.lm_head = nn.Linear(H, spec.draft_vocab_size, bias=False)
         self.rotary_emb = LlamaRotaryEmbedding(config)  # transformers' RoPE (llama3/yarn/linear...)
         self._inv_freq_fp32 = self.rotary_emb.inv_freq.detach().clone()
@@ -257,6 +254,20 @@ class Eagle3Drafter(nn.Module):
         self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.int64))  # identity map until set_vocab
         self.register_buffer("t2d", torch.arange(V) < Vd)
         self.register_load_state_dict_pre_hook(self._check_fc_width)
+        self.norm_impl = norm_impl
+
+    @property
+    def norm_impl(self) -> str:
+        return self._norm_impl
+
+    @norm_impl.setter
+    def norm_impl(self, impl: str) -> None:
+        if impl not in ("torch", "triton"):
+            raise ValueError(f"drafter.norm_impl={impl!r}: expected torch | triton")
+        self._norm_impl = impl
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                m.impl = impl
 
     # ---- setup -------------------------------------------------------------------------------
     @torch.no_grad()

@@ -118,7 +118,7 @@ def _build(name: str, cfg, device):
     spec = DrafterSpec.from_target_config(copy.deepcopy(c["shape"]), cfg.drafter, cfg.aux_layer_ids())
     torch.manual_seed(cfg.run.seed)
     with device:  # initialise in place: the 8B-shaped embedding alone is 2 GiB of fp32
-        drafter = Eagle3Drafter(spec, attention=cfg.drafter.attention)
+        drafter = Eagle3Drafter(spec, attention=cfg.drafter.attention, norm_impl=cfg.drafter.norm_impl)
     selected = torch.randperm(V)[:Vd].sort().values
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[selected] = True

@@ -29,5 +29,6 @@ step() {  # step NAME TIMEOUT_S CMD...
 step nvidia_smi 30 nvidia-smi
 step tests_gpu 240 $PY -m pytest tests/gpu -q -p no:cacheprovider
 step bench_loss 300 $PY scripts/bench_loss.py --device cuda
+step bench_rmsnorm 120 $PY scripts/bench_rmsnorm.py --device cuda
 step bench_train 300 $PY scripts/bench_train.py --device cuda
 printf '%s\n' "${status[@]}" | tee "$OUT/summary.txt"

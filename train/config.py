@@ -49,6 +49,7 @@ class DrafterConfig:
     attention: str = "auto"  # auto | flex | sdpa | dense (reference)
     loss_chunk_size: int = 1024  # rows per chunk of the teacher/draft logits
     loss_impl: str = "auto"  # auto (fused Triton loss on CUDA, torch elsewhere and under ZeRO-3) | torch
+    norm_impl: str = "torch"  # torch (F.rms_norm: torch's fused kernel on CUDA) | triton (ours, CUDA only)
     init_from: Optional[str] = None  # an exported drafter directory to fine-tune
 
 
@@ -191,6 +192,7 @@ class Config:
         _one_of("target.dtype", self.target.dtype, ("auto", "bfloat16", "float16", "float32"))
         _one_of("drafter.attention", self.drafter.attention, ("auto", "flex", "sdpa", "dense"))
         _one_of("drafter.loss_impl", self.drafter.loss_impl, ("auto", "torch"))
+        _one_of("drafter.norm_impl", self.drafter.norm_impl, ("torch", "triton"))
         _one_of("data.length_policy", self.data.length_policy, ("truncate", "drop"))
         _one_of("data.on_error", self.data.on_error, ("error", "skip"))
         _one_of("capture.mode", self.capture.mode, ("offline", "online"))

@@ -72,7 +72,7 @@ def build_ttt_model(cfg: Config, run_dir: Path, device: torch.device) -> TTTMode
                          f"drafter.draft_vocab_size={cfg.drafter.draft_vocab_size}; re-run prepare")
     spec = DrafterSpec.from_target_config(hf_config, cfg.drafter, cfg.aux_layer_ids())
     torch.manual_seed(cfg.run.seed)
-    drafter = Eagle3Drafter(spec, attention=cfg.drafter.attention)
+    drafter = Eagle3Drafter(spec, attention=cfg.drafter.attention, norm_impl=cfg.drafter.norm_impl)
     embedding = load_input_embeddings(t.name_or_path, t.revision)
     teacher_head = load_lm_head_rows(t.name_or_path, t.revision, vocab.selected).float().contiguous()
     drafter.load_target_embedding(embedding)

@@ -64,7 +64,7 @@ def _fwd_kernel(y_ptr, wd_ptr, t_ptr, wt_ptr, stats_ptr, arg_ptr,
     #                         sum exp(a - max_a) * b, best b); the torch side merges splits.
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # int64: rows * stride may pass 2**31
     row_ok = rows < N
     m_b = tl.full((BLOCK_N,), float("-inf"), tl.float32)
     s_b = tl.zeros((BLOCK_N,), tl.float32)
@@ -76,7 +76,7 @@ def _fwd_kernel(y_ptr, wd_ptr, t_ptr, wt_ptr, stats_ptr, arg_ptr,
     v_start = split * blocks_per_split * BLOCK_V
     v_end = tl.minimum(v_start + blocks_per_split * BLOCK_V, V)
     for v0 in range(v_start, v_end, BLOCK_V):
-        cols = v0 + tl.arange(0, BLOCK_V)
+        cols = (v0 + tl.arange(0, BLOCK_V)).to(tl.int64)
         col_ok = cols < V
         b = _logits_tile(y_ptr, wd_ptr, rows, cols, row_ok, col_ok, H, stride_y, stride_wd,
                          BLOCK_N, BLOCK_V, BLOCK_K, UPCAST, PREC)
@@ -115,8 +115,8 @@ def _bwd_kernel(y_ptr, wd_ptr, t_ptr, wt_ptr, lse_b_ptr, lse_a_ptr, r_ptr, dy_pt
                 UPCAST: tl.constexpr, PREC: tl.constexpr, HAS_DY: tl.constexpr, HAS_DW: tl.constexpr):
     # Program (row block, vocab block): recompute both logit tiles, form dL/db for the tile, then add
     # dy[rows] += dB @ W_d[cols] and dW_d[cols] += dB^T @ y[rows] into fp32 buffers, H-slice by H-slice.
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # int64 offsets, as above
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
     row_ok = rows < N
     col_ok = cols < V
     b = _logits_tile(y_ptr, wd_ptr, rows, cols, row_ok, col_ok, H, stride_y, stride_wd,

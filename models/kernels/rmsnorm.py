@@ -1,7 +1,12 @@
 """RMSNorm with Triton forward and backward kernels (fp32 accumulation, input dtype in and out).
 
-y = x * rsqrt(mean(x^2) + eps) * w over the last dim. The torch path (torch.nn.functional.rms_norm) runs
-on CPU and is the oracle; `rms_norm(..., impl="auto")` picks the kernel for CUDA tensors.
+y = x * rsqrt(mean(x^2) + eps) * w over the last dim. Two implementations:
+- "torch":  torch.nn.functional.rms_norm in the input dtype. On CUDA torch dispatches it to its own fused
+            kernel (_fused_rms_norm: fp32 accumulation, saves only x and rstd for backward) when x and w
+            share a dtype, so w is cast to x's dtype; on CPU it runs torch's composite (fp32 internally).
+- "triton": the kernels below (CUDA, or CPU under TRITON_INTERPRET=1); saves x and rstd.
+transformers' LlamaRMSNorm, by contrast, is six unfused ops that keep an fp32 copy of x and a normalised
+x for backward (6 bytes per element with bf16 x; scripts/bench_rmsnorm.py measures all three).
 Backward, with xhat = x * rstd:  dx = rstd * (dy*w - xhat * mean(dy*w*xhat)),  dw = sum_rows dy * xhat.
 """
 
@@ -19,7 +24,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 @triton.jit
 def _fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, H, eps, BLOCK_H: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # int64 offsets: N * H may pass 2**31
     cols = tl.arange(0, BLOCK_H)
     ok = cols < H
     x = tl.load(x_ptr + row * H + cols, mask=ok, other=0.0).to(tl.float32)
@@ -38,15 +43,18 @@ def _bwd_kernel(x_ptr, w_ptr, dy_ptr, rstd_ptr, dx_ptr, dw_part_ptr, N, H, BLOCK
     ok = cols < H
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     dw = tl.zeros((BLOCK_H,), tl.float32)
+    off = g.to(tl.int64) * H  # int64 offsets: N * H may pass 2**31
+    step = n_prog.to(tl.int64) * H
     for row in range(g, N, n_prog):
-        x = tl.load(x_ptr + row * H + cols, mask=ok, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + row * H + cols, mask=ok, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + off + cols, mask=ok, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + off + cols, mask=ok, other=0.0).to(tl.float32)
         rstd = tl.load(rstd_ptr + row)
         xhat = x * rstd
         dyw = dy * w
         dx = rstd * (dyw - xhat * (tl.sum(dyw * xhat, axis=0) / H))
-        tl.store(dx_ptr + row * H + cols, dx.to(dx_ptr.dtype.element_ty), mask=ok)
+        tl.store(dx_ptr + off + cols, dx.to(dx_ptr.dtype.element_ty), mask=ok)
         dw += dy * xhat
+        off += step
     tl.store(dw_part_ptr + g * H + cols, dw, mask=ok)
 
 
@@ -80,25 +88,33 @@ class _TritonRMSNorm(torch.autograd.Function):
         return dx.view(ctx.shape), dw_part.sum(0).to(weight.dtype), None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, impl: str = "auto") -> torch.Tensor:
+IMPLS = ("torch", "triton", "auto")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, impl: str = "torch") -> torch.Tensor:
     """RMSNorm over the last dim of x [..., H] with weight [H]; returns x's dtype.
 
-    impl: "triton" (CUDA, or CPU under TRITON_INTERPRET=1), "torch" (F.rms_norm), "auto" = triton on
-    CUDA tensors, torch elsewhere. Both compute in fp32 and differentiate in x and weight.
+    impl: "torch" (F.rms_norm; torch's fused kernel on CUDA), "triton" (CUDA, or CPU under
+    TRITON_INTERPRET=1), "auto" = triton on CUDA tensors, torch elsewhere. All accumulate in fp32 and
+    differentiate in x and weight.
     """
-    if impl not in ("auto", "triton", "torch"):
-        raise ValueError(f"rms_norm: impl={impl!r}; use 'auto', 'triton' or 'torch'")
+    if impl not in IMPLS:
+        raise ValueError(f"rms_norm: impl={impl!r}; use one of {IMPLS}")
     if weight.shape != x.shape[-1:]:
         raise ValueError(f"rms_norm: weight {tuple(weight.shape)} does not match x's last dim {x.shape[-1]}")
+    if impl == "triton" and not (x.is_cuda or INTERPRET):
+        raise ValueError("rms_norm: impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU); "
+                         "use impl='torch' (drafter.norm_impl=torch)")
     if impl == "triton" or (impl == "auto" and x.is_cuda):
         return _TritonRMSNorm.apply(x, weight, eps)
-    return F.rms_norm(x.float(), x.shape[-1:], weight.float(), eps).to(x.dtype)
+    return F.rms_norm(x, x.shape[-1:], weight.to(x.dtype), eps)
 
 
 class RMSNorm(torch.nn.Module):
-    """Drop-in RMSNorm (parameter `weight`, like transformers' LlamaRMSNorm) dispatching to the kernel."""
+    """Drop-in for transformers' LlamaRMSNorm (same parameter `weight`, so the same state dict) with a
+    selectable implementation; ``impl`` may be changed on the instance."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, impl: str = "auto"):
+    def __init__(self, hidden_size: int, eps: float = 1e-6, impl: str = "torch"):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.ones(hidden_size))
         self.eps, self.impl = eps, impl

@@ -72,6 +72,8 @@ def test_unknown_key_and_bad_type_name_the_key():
         ("drafter.aux_layer_ids=[2,4,40]", "drafter.aux_layer_ids"),
         ("drafter.draft_vocab_size=999999", "drafter.draft_vocab_size"),
         ("capture.dtype=int4", "capture.dtype"),
+        ("drafter.loss_impl=fast", "drafter.loss_impl"),
+        ("drafter.norm_impl=fast", "drafter.norm_impl"),
         ("run.stages=[prepare,bake]", "run.stages"),
         ("export.push_to_hub=true", "export.repo_id"),
     ],

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-CHECKS = ("fused_loss", "fused_loss_bf16", "rmsnorm", "fp8", "ttt_loss_kernel_path")
+CHECKS = ("fused_loss", "fused_loss_bf16", "rmsnorm", "fp8", "ttt_loss_kernel_path", "drafter_triton_norms",
+          "saved_memory")
 
 
 @pytest.fixture(scope="module")
@@ -172,6 +173,68 @@ def check_ttt_loss_kernel_path():
     assert ga.keys() == gb.keys()
     for name in ga:
         _close(f"grad {name}", gb[name], ga[name], 1e-5, 1e-4)
+
+
+def check_drafter_triton_norms():
+    """The drafter with norm_impl="triton" (every RMSNorm through the kernel) trains exactly like the
+    torch path: TTT loss and the gradient of every parameter, norm weights included."""
+    import torch
+
+    from tests.unit.test_drafter import make_drafter, packed_batch
+    from train.loss import ttt_loss
+
+    grads = {}
+    for impl in ("torch", "triton"):
+        d = make_drafter(fc_norm=True, norm_output=True)
+        d.norm_impl = impl
+        assert all(m.impl == impl for m in d.modules() if hasattr(m, "impl"))
+        head = torch.randn(d.spec.draft_vocab_size, d.spec.target_hidden_size, generator=torch.Generator().manual_seed(3))
+        out = ttt_loss(d, packed_batch(), head, steps=3, step_weight=0.8, chunk_size=7, loss_impl="torch")
+        out.loss.backward()
+        grads[impl] = (out.loss.detach(), {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None})
+    (la, ga), (lb, gb) = grads["torch"], grads["triton"]
+    _close("loss", lb, la, 1e-5, 1e-5)
+    assert ga.keys() == gb.keys() and any("norm" in n for n in ga)
+    for name in ga:
+        _close(f"grad {name}", gb[name], ga[name], 1e-5, 1e-4)
+
+
+def _saved_bytes(fn, inputs):
+    """Bytes of the storages autograd keeps for backward, beyond those of ``inputs``."""
+    import torch
+
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    own = {x.untyped_storage().data_ptr() for x in inputs}
+    return sum(b for ptr, b in storages.items() if ptr not in own)
+
+
+def check_saved_memory():
+    """What the kernels keep between forward and backward does not grow with the vocab: the fused
+    loss keeps two fp32 statistics per row whatever Vd is (the naive path, the negative control, keeps
+    [N, Vd] tensors); the RMSNorm kernel keeps one fp32 rstd per row."""
+    import torch
+
+    from models.kernels.fused_loss import fused_draft_loss
+    from models.kernels.rmsnorm import rms_norm
+
+    n = 37
+    saved = {}
+    for impl in ("triton", "naive"):
+        for vd in (40, 160):
+            inputs = _loss_inputs(torch.float32, n=n, vd=vd)
+            saved[impl, vd] = _saved_bytes(lambda: fused_draft_loss(*inputs, impl=impl), inputs)
+    assert saved["triton", 40] == saved["triton", 160] == 2 * n * 4, saved
+    assert saved["naive", 160] > saved["naive", 40] + n * 120 * 4, saved
+    x = torch.randn(5, 7, 96, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.ones(96, dtype=torch.bfloat16, requires_grad=True)
+    assert _saved_bytes(lambda: rms_norm(x, w, impl="triton"), (x, w)) == 5 * 7 * 4
 
 
 if __name__ == "__main__":

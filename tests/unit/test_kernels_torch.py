@@ -105,6 +105,41 @@ def test_rmsnorm_module_torch_path_matches_transformers():
         rms_norm(x, torch.ones(47))
 
 
+def test_rmsnorm_torch_path_in_bf16_is_close_to_transformers():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    ref = LlamaRMSNorm(64, eps=1e-6).to(torch.bfloat16)
+    ours = RMSNorm(64, eps=1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        ref.weight.uniform_(0.5, 1.5)
+        ours.weight.copy_(ref.weight)
+    x = torch.randn(4, 64, dtype=torch.bfloat16) * 5
+    out = ours(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref(x).float(), rtol=2**-7, atol=1e-2)  # one bf16 rounding apart
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU error")
+def test_rmsnorm_triton_on_cpu_says_how_to_fix():
+    with pytest.raises(ValueError, match="norm_impl=torch"):
+        rms_norm(torch.randn(2, 8), torch.ones(8), impl="triton")
+    with pytest.raises(ValueError, match="impl"):
+        rms_norm(torch.randn(2, 8), torch.ones(8), impl="fast")
+
+
+def test_drafter_norm_impl_reaches_every_norm_and_keeps_the_state_dict():
+    from tests.unit.test_drafter import make_drafter
+
+    d = make_drafter(fc_norm=True, norm_output=True)
+    names = [n for n, m in d.named_modules() if isinstance(m, RMSNorm)]
+    assert len(names) == 3 + 4  # fc_norm x 3 aux states, input/hidden/post-attention norms, final norm
+    d.norm_impl = "triton"
+    assert {m.impl for m in d.modules() if isinstance(m, RMSNorm)} == {"triton"}
+    assert "midlayer.input_layernorm.weight" in d.state_dict() and "norm.weight" in d.state_dict()
+    with pytest.raises(ValueError, match="drafter.norm_impl"):
+        d.norm_impl = "fast"
+
+
 def test_dtype_mismatch_raises():
     y, w_d, t, w_t, m = _inputs()
     with pytest.raises(ValueError, match="dtype"):
