@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -76,11 +77,14 @@ class MetricsLog:
         os.replace(tmp, self.path)
 
     def write(self, record: dict[str, Any]) -> None:
+        # A ratio with no counted rows in the window (or a non-finite value) is null: strict JSON, and
+        # "no value" rather than a number; wandb just skips it.
+        record = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json.dumps(record, allow_nan=False) + "\n")
         if self.wandb is not None:
             try:
-                self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+                self.wandb.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=record["step"])
             except Exception as e:  # never let logging take training down
                 log.warning("wandb.log failed (%s); continuing without wandb", e)
                 self.wandb = None

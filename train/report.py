@@ -24,13 +24,13 @@ def _fmt(x, digits: int = 2) -> str:
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """The train stage's JSON lines (skipping a torn last line)."""
+    """The train stage's JSON lines (skipping a torn last line); null values (no data) read as NaN."""
     if not path.exists():
         return []
     rows = []
     for line in path.read_text().splitlines():
         try:
-            rows.append(json.loads(line))
+            rows.append({k: (float("nan") if v is None else v) for k, v in json.loads(line).items()})
         except json.JSONDecodeError:
             continue
     return rows
