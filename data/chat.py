@@ -22,7 +22,9 @@ from typing import Any, Iterable
 from data.sources import DataError
 
 _MARKER_RE = re.compile(r"\{%-?\s*generation\s*-?%\}")
-_THINK_SPAN_RE = re.compile(r"<think>.*?</think>", re.DOTALL)
+# A thinking block with the whitespace that separates it from the answer ("</think>\n\n"): with
+# thinking out of the mask, the separator goes too (with thinking off, the serving prompt already ends in it).
+_THINK_SPAN_RE = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
 _PROBE = "fledge probe answer"
 
 

@@ -86,7 +86,7 @@ def test_qwen3_thinking(thinking_in_mask):
     think = "<think>\nthink about weather\n</think>"
     segs = [(f"<|im_start|>system\n{SYS}<|im_end|>\n<|im_start|>user\n{U1}<|im_end|>\n<|im_start|>assistant\n", 0),
             (A1 + "<|im_end|>", G), (f"\n<|im_start|>user\n{U2}<|im_end|>\n<|im_start|>assistant\n", 0),
-            (think, thinking_in_mask), ("\n\n" + A2 + "<|im_end|>", G), ("\n", 0)]
+            (think + "\n\n", thinking_in_mask), (A2 + "<|im_end|>", G), ("\n", 0)]
     tok, ids, mask = check(QWEN3, c, segs, eos="<|im_end|>", thinking_in_mask=thinking_in_mask)
     assert "old thought" not in tok.decode(ids)
 
@@ -157,5 +157,5 @@ def test_prefix_unstable_tokenization_raises():
 def test_thinking_inline_for_templates_without_a_reasoning_field(thinking_in_mask):
     c = conv({"role": "user", "content": U1}, {"role": "assistant", "content": A1, "reasoning_content": "why"})
     segs = [(f"<|im_start|>user\n{U1}<|im_end|>\n<|im_start|>assistant\n", 0),
-            ("<think>\nwhy\n</think>", thinking_in_mask), ("\n\n" + A1 + "<|im_end|>", G), ("\n", 0)]
+            ("<think>\nwhy\n</think>\n\n", thinking_in_mask), (A1 + "<|im_end|>", G), ("\n", 0)]
     check(CHATML, c, segs, thinking_in_mask=thinking_in_mask)
