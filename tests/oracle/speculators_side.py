@@ -1,11 +1,13 @@
 """The speculators side of the parity check (tests/oracle/test_speculators_parity.py); run it only with the
 oracle environment first on the path: PYTHONPATH=.oracle/site (speculators 0.9.0, transformers 5.19).
 
-    python tests/oracle/speculators_side.py DRAFTER_DIR INPUTS.safetensors OUT.safetensors STEPS
+    python tests/oracle/speculators_side.py DRAFTER_DIR INPUTS.safetensors OUT.safetensors STEPS [DECAY]
 
 Loads a Fledge export in the speculators dialect with speculators' own loader (strict about keys), runs
 its TTT forward on the inputs (CPU: sdpa attention) and saves the logits of every step, plus what its
-loader reported, for the test to compare with Fledge's forward. Imports nothing from Fledge.
+loader reported, for the test to compare with Fledge's forward. When the inputs also hold
+``verifier_hidden`` and ``loss_mask`` it runs the training forward instead (eager KL loss, step decay
+DECAY), backpropagates, and saves the loss and every parameter's gradient. Imports nothing from Fledge.
 """
 
 import json
@@ -18,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
 
-def main(drafter_dir, inputs_path, out_path, steps):
+def main(drafter_dir, inputs_path, out_path, steps, decay=1.0):
     config = Eagle3SpeculatorConfig.from_pretrained(drafter_dir)
     config.transformer_layer_config._attn_implementation = "sdpa"  # flex has no CPU backward
     model = Eagle3DraftModel.from_pretrained(drafter_dir, config=config, dtype=torch.float32)
@@ -33,9 +35,20 @@ def main(drafter_dir, inputs_path, out_path, steps):
     x = load_file(inputs_path)
     logits = []
     hook = model.lm_head.register_forward_hook(lambda mod, args, out: logits.append(out.detach().float()))
-    with torch.no_grad():
-        model(hidden_states=x["aux_hidden"], input_ids=x["input_ids"], document_ids=x["document_ids"],
-              position_ids=x["position_ids"], ttt_steps=steps)
+    kwargs = dict(hidden_states=x["aux_hidden"], input_ids=x["input_ids"], document_ids=x["document_ids"],
+                  position_ids=x["position_ids"], ttt_steps=steps)
+    out = {}
+    if "verifier_hidden" in x:
+        from speculators.losses import resolve_loss_config
+
+        _, loss, _ = model(**kwargs, verifier_last_hidden_states=x["verifier_hidden"], loss_mask=x["loss_mask"],
+                           ttt_step_loss_decay=decay, loss_config=resolve_loss_config("kl_div", "eager"))
+        loss.backward()
+        out = {f"grad/{n}": p.grad.contiguous() for n, p in model.named_parameters() if p.grad is not None}
+        out["loss"] = loss.detach().reshape(1)
+    else:
+        with torch.no_grad():
+            model(**kwargs)
     hook.remove()
     report = {
         "missing": sorted(set(params) - set(files)),
@@ -45,9 +58,9 @@ def main(drafter_dir, inputs_path, out_path, steps):
         "aux_ids": list(config.eagle_aux_hidden_state_layer_ids or []),
         "nan_params": sorted(n for n, p in model.named_parameters() if p.isnan().any()),
     }
-    save_file({f"logits_{k}": t.contiguous() for k, t in enumerate(logits)}, out_path,
-              metadata={"report": json.dumps(report)})
+    out.update({f"logits_{k}": t.contiguous() for k, t in enumerate(logits)})
+    save_file(out, out_path, metadata={"report": json.dumps(report)})
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), *(float(a) for a in sys.argv[5:6]))

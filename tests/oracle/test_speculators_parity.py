@@ -57,43 +57,48 @@ def _fledge_logits(drafter_dir: Path, x: dict) -> list[torch.Tensor]:
         return [d.lm_head(y) for y in ttt_states(d, batch, STEPS)]
 
 
-def _speculators_logits(drafter_dir: Path, x: dict, tmp: Path) -> tuple[list[torch.Tensor], dict]:
+def _run_speculators(drafter_dir: Path, x: dict, tmp: Path, decay: float | None = None) -> tuple[dict, dict]:
+    """speculators' forward on Fledge's inputs; with ``decay`` (and verifier states, loss mask in x) its
+    training forward + backward. Returns (its tensors: logits_k, and grad/<name>, loss), its load report."""
     # speculators takes rows pre-shifted: row t holds x_{t+1} with A_t (Fledge's step-0 token).
     ids = torch.zeros_like(x["input_ids"])
     ids[:, :-1] = x["input_ids"][:, 1:]
-    save_file({"input_ids": ids, "aux_hidden": x["aux_hidden"], "position_ids": x["position_ids"],
-               "document_ids": x["document_ids"].long()}, tmp / "inputs.safetensors")
+    save_file({**x, "input_ids": ids, "document_ids": x["document_ids"].long()}, tmp / "inputs.safetensors")
     env = dict(os.environ, PYTHONPATH=str(SITE), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     proc = subprocess.run([sys.executable, str(REPO / "tests/oracle/speculators_side.py"), str(drafter_dir),
-                           str(tmp / "inputs.safetensors"), str(tmp / "out.safetensors"), str(STEPS)],
+                           str(tmp / "inputs.safetensors"), str(tmp / "out.safetensors"), str(STEPS),
+                           *([] if decay is None else [str(decay)])],
                           env=env, cwd=tmp, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     with safe_open(tmp / "out.safetensors", "pt") as f:
-        report = json.loads(f.metadata()["report"])
-        return [f.get_tensor(f"logits_{k}") for k in range(STEPS)], report
+        return {k: f.get_tensor(k) for k in f.keys()}, json.loads(f.metadata()["report"])
+
+
+def _export(target: Path, flags: dict, draft_vocab: int, out: Path, seed: int = 3) -> tuple[Path, dict, list[int]]:
+    """A random drafter (norm weights near 1) for the target, exported in the speculators dialect."""
+    from models.export import random_state_dict, write_drafter
+    from models.serving_config import serving_config
+
+    tcfg = json.loads((target / "config.json").read_text())
+    L = tcfg["num_hidden_layers"]
+    ids = [2, L // 2, L - 3]
+    config = serving_config(tcfg, flags, ids, draft_vocab, fmt="speculators", target_name=str(target))
+    sd = random_state_dict(config, seed=seed)
+    with torch.no_grad():  # norms near 1, so the logits are not dominated by one random scale
+        for name, t in sd.items():
+            if name.endswith("norm.weight") or ".fc_norm." in f".{name}":
+                t.uniform_(0.5, 1.5)
+    return write_drafter(out, sd, config, include_embed=True), tcfg, ids
 
 
 @pytest.mark.parametrize("flags", [dict(fc_norm=True, norm_output=True), dict(fc_norm=False, norm_output=False)],
                          ids=["eagle3.1", "eagle3"])
 def test_speculators_loads_the_export_and_computes_the_same_logits(flags, random_tiny_target, tmp_path):
-    from models.export import random_state_dict, write_drafter
-    from models.serving_config import serving_config
-
-    target = Path(random_tiny_target)
-    tcfg = json.loads((target / "config.json").read_text())
-    L = tcfg["num_hidden_layers"]
-    ids = [2, L // 2, L - 3]
-    config = serving_config(tcfg, flags, ids, 512, fmt="speculators", target_name=str(target))
-    sd = random_state_dict(config, seed=3)
-    with torch.no_grad():  # norms near 1, so the logits are not dominated by one random scale
-        for name, t in sd.items():
-            if name.endswith("norm.weight") or ".fc_norm." in f".{name}":
-                t.uniform_(0.5, 1.5)
-    out = write_drafter(tmp_path / "drafter", sd, config, include_embed=True)
-
+    out, tcfg, ids = _export(Path(random_tiny_target), flags, 512, tmp_path / "drafter")
     x = _inputs(tcfg, len(ids))
     ours = _fledge_logits(out, x)
-    theirs, report = _speculators_logits(out, x, tmp_path)
+    got, report = _run_speculators(out, x, tmp_path)
+    theirs = [got[f"logits_{k}"] for k in range(STEPS)]
 
     assert report["unexpected"] == [] and report["mismatched"] == [], report
     assert set(report["missing"]) <= {"verifier_norm.weight", "verifier_lm_head.weight"}, report
@@ -105,3 +110,62 @@ def test_speculators_loads_the_export_and_computes_the_same_logits(flags, random
         assert a.shape == b.shape, (k, a.shape, b.shape)
         err = (a - b).abs().max().item()
         assert err < 1e-4 * max(1.0, b.abs().max().item()), f"step {k}: max |logit difference| {err:.3g}"
+
+
+def test_speculators_training_loss_has_fledges_gradients(random_tiny_target, tmp_path):
+    """The TTT loss (SPEC.md section 4) against speculators' training forward: the same gradient for every
+    parameter both train. The case is chosen where the two conventions coincide: one document, the full
+    vocab as draft vocab (no out-of-vocab rows), speculators' step decay = Fledge's step weight.
+    speculators' KL and Fledge's soft cross-entropy differ by the teacher's entropy, which has no
+    gradient: the losses must differ by exactly sum_k w^k mean_rows H(p)."""
+    import torch.nn.functional as F
+    from safetensors.torch import load_file
+
+    from data.batch import FeatureBatch
+    from models.export import load_drafter
+    from models.target import load_lm_head_rows
+    from train.loss import _shift, ttt_loss
+
+    target = Path(random_tiny_target)
+    flags, w = dict(fc_norm=True, norm_output=True), 0.8
+    tcfg = json.loads((target / "config.json").read_text())
+    V, T = tcfg["vocab_size"], 40
+    out, tcfg, ids = _export(target, flags, V, tmp_path / "drafter", seed=5)
+
+    g = torch.Generator().manual_seed(7)
+    x = _inputs(tcfg, len(ids), T=T)
+    x["document_ids"] = torch.zeros(1, T, dtype=torch.int32)
+    x["position_ids"] = torch.arange(T)[None]
+    pre = torch.randn(1, T, tcfg["hidden_size"], generator=g) * 2  # the target's last state before its norm
+    norm_w = next(t for k, t in load_file(next(target.glob("*.safetensors"))).items() if k.endswith("model.norm.weight"))
+    final = F.rms_norm(pre, (pre.shape[-1],), norm_w.float(), tcfg["rms_norm_eps"])
+    head = load_lm_head_rows(str(target), None, torch.arange(V)).float()
+    loss_mask = torch.rand(1, T, generator=g) > 0.25
+
+    d = load_drafter(out)
+    batch = FeatureBatch(input_ids=x["input_ids"], loss_mask=loss_mask, aux_hidden=x["aux_hidden"],
+                         target_hidden=final, target_argmax=(final @ head.T).argmax(-1),
+                         position_ids=x["position_ids"], document_ids=x["document_ids"])
+    res = ttt_loss(d, batch, head, steps=STEPS, step_weight=w, chunk_size=16, loss_impl="torch")
+    res.loss.backward()
+    ours = {n: p.grad for n, p in d.named_parameters() if p.grad is not None}
+
+    # speculators' layout: row t is the target's state at t+1 and the mask of the token it predicts, x_{t+2}.
+    ver = torch.zeros_like(pre)
+    ver[:, :-1] = pre[:, 1:]
+    got, _ = _run_speculators(out, {**x, "verifier_hidden": ver, "loss_mask": _shift(loss_mask, 2, False)},
+                              tmp_path, decay=w)
+    theirs = {k.removeprefix("grad/").replace("layers.0.", "midlayer."): v for k, v in got.items()
+              if k.startswith("grad/")}
+    assert set(theirs) and set(theirs) <= set(ours), (sorted(theirs), sorted(ours))
+    assert any(k.startswith("fc_norm.") for k in theirs) and "fc.weight" in theirs
+    for name, want in theirs.items():
+        err = ((ours[name] - want).norm() / want.norm()).item()
+        assert err < 1e-4, f"{name}: relative gradient difference {err:.3g}"
+
+    entropy = 0.0
+    for k in range(STEPS):
+        counted = (_shift(loss_mask, 2 + k, False) & (torch.arange(T) + 1 + k < T))[0]
+        p = torch.softmax(_shift(final, 1 + k, 0.0)[0, counted] @ head.T, -1)
+        entropy += w**k * -(p * p.clamp_min(1e-30).log()).sum(-1).mean().item()
+    assert abs(res.loss.item() - got["loss"].item() - entropy) < 1e-4 * res.loss.item()
