@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from train.report import read_metrics
+
 REPO = Path(__file__).resolve().parents[2]
 
 # (stage, how its output is compared): "files" = every file byte-for-byte plus the manifest;
@@ -138,7 +140,7 @@ def _assert_same(a, b, where: str = "") -> None:
 
 
 def _losses(run_dir: Path) -> list[dict[str, float]]:
-    rows = [json.loads(x) for x in (run_dir / "train" / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run_dir / "train" / "metrics.jsonl")  # null (no counted rows) -> NaN
     return [{k: v for k, v in r.items() if k.startswith("loss")} for r in rows if "loss_0" in r]
 
 

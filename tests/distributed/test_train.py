@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from train.report import read_metrics
+
 pytestmark = pytest.mark.distributed
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
@@ -58,7 +60,7 @@ def new_run(base, name: str) -> list[str]:
 
 
 def losses(base, name: str) -> list[list[float]]:
-    lines = [json.loads(x) for x in (base[0] / name / "train" / "metrics.jsonl").read_text().splitlines()]
+    lines = read_metrics(base[0] / name / "train" / "metrics.jsonl")  # null (no counted rows) -> NaN
     return [[r["loss_0"], r["loss_1"]] for r in lines if "loss_0" in r]
 
 
