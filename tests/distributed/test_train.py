@@ -3,7 +3,6 @@ kill -9, and a preempted 2-rank run resumed on 1 rank through the universal chec
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
