@@ -1,13 +1,18 @@
-"""Peak memory and time of the TTT loss (forward + backward over K steps): fused kernel vs torch paths.
+"""Peak memory and time of the TTT loss (forward + backward over K steps), as train/loss.py computes it.
 
-Each step k has its own drafter state y_k [N, H] and teacher state t_k [N, Ht]; the lm_heads W_d [Vd, H]
-(trainable) and W_t [Vd, Ht] (frozen) are shared; the total is sum_k 0.8^k L_k, then one backward, as in
-training. "extra peak" is the peak memory above what the inputs already hold, so it is the loss's own cost.
+As in training, step k scores drafter state y_k [N, H] row t against teacher row t+1+k of one target
+state t [N + K, Ht], so the K steps share teacher rows; the lm_heads W_d [Vd, H] (trainable) and W_t
+[Vd, Ht] (frozen) are shared; the total is sum_k 0.8^k L_k / N, then one backward. Implementations:
+- shared-triton / shared-chunked: train/loss.py's path (teacher expectation once per batch, then the
+  drafter logsumexp per step: Triton kernel / torch chunks);
+- per-step: its ZeRO-3 path, the earlier design (teacher recomputed in every step, chunks checkpointed);
+- naive: materialised [N, Vd] logits per step, plain autograd (the memory baseline).
+"extra peak" is the peak memory above what the inputs already hold, so it is the loss's own cost.
 
 GPU (the issue's shapes):  python scripts/bench_loss.py --device cuda
 CPU (torch paths, reduced): python scripts/bench_loss.py --device cpu --h 512 --vd 8000 --n 512 2048
 On CPU every measurement runs in a fresh subprocess and the peak is the growth of the process's max RSS.
-Prints a markdown table; ratios are against the chunked torch path measured in the same run.
+Prints a markdown table; ratios are against the per-step path measured in the same run.
 """
 
 from __future__ import annotations
@@ -26,25 +31,38 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models.kernels.fused_loss import fused_draft_loss  # noqa: E402
+from train.loss import _per_step_module_calls, _shared_teacher_steps  # noqa: E402
+
+IMPLS = ("shared-triton", "shared-chunked", "per-step", "naive")
 
 
 def _make_inputs(n, h, ht, vd, k, device, dtype):
+    """K drafter states (rows 0..N-1 of a [N + K + 1] layout), one teacher state, the heads, the masks."""
     g = torch.Generator(device=device).manual_seed(0)
-    ys = [torch.randn(n, h, device=device, dtype=dtype, generator=g).requires_grad_() for _ in range(k)]
-    ts = [torch.randn(n, ht, device=device, dtype=dtype, generator=g) for _ in range(k)]
-    w_d = (torch.randn(vd, h, device=device, dtype=dtype, generator=g) * h**-0.5).requires_grad_()
+    rows = n + k + 1
+    ys = [torch.randn(rows, h, device=device, dtype=dtype, generator=g).requires_grad_() for _ in range(k)]
+    t = torch.randn(rows, ht, device=device, dtype=dtype, generator=g)
+    head = torch.nn.Linear(h, vd, bias=False, device=device, dtype=dtype)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(vd, h, device=device, dtype=dtype, generator=g) * h**-0.5)
     w_t = torch.randn(vd, ht, device=device, dtype=dtype, generator=g) * ht**-0.5
-    m = (torch.rand(n, device=device, generator=g) > 0.2).float()
-    return ys, ts, w_d, w_t, m
+    counted = [torch.arange(rows, device=device) < n for _ in range(k)]  # row t + 1 + k stays in range
+    return ys, t, head, w_t, counted
 
 
-def _step(impl, ys, ts, w_d, w_t, m, chunk_size):
-    total = 0.0
-    for k, (y, t) in enumerate(zip(ys, ts)):
-        loss, _ = fused_draft_loss(y, w_d, t, w_t, m, impl=impl, chunk_size=chunk_size)
-        total = total + 0.8**k * loss
+def _step(impl, ys, t, head, w_t, counted, chunk_size):
+    if impl == "naive":
+        n = int(counted[0].sum())
+        parts = [fused_draft_loss(y[:n], head.weight, t[1 + k:1 + k + n], w_t, torch.ones(n, device=t.device),
+                                  impl="naive")[0] for k, y in enumerate(ys)]
+    elif impl == "per-step":
+        parts = [p for p, _, _ in _per_step_module_calls(ys, counted, t, head, w_t, chunk_size)]
+    else:
+        lse_impl = impl.removeprefix("shared-")
+        parts = [p for p, _, _ in _shared_teacher_steps(ys, counted, t, head, w_t, lse_impl, chunk_size)]
+    total = sum(0.8**k * p / int(c.sum()) for k, (p, c) in enumerate(zip(parts, counted)))
     total.backward()
-    for x in ys + [w_d]:
+    for x in ys + [head.weight]:
         x.grad = None
     return total.item()
 
@@ -64,8 +82,9 @@ def measure(impl, n, args) -> dict:
             _sync(device)
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-        else:
+        else:  # the warm-up's peak counts: it is the same as a timed step's
             base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            _step(impl, *inputs, args.chunk_size)
         times = []
         for _ in range(args.reps):
             _sync(device)
@@ -105,20 +124,20 @@ def main(argv=None):
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--chunk-size", type=int, default=1024, help="row chunk of the chunked torch path")
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--impls", nargs="+", default=None, help="default: triton chunked naive on cuda, "
-                   "chunked naive on cpu")
+    p.add_argument("--impls", nargs="+", default=None, choices=IMPLS, help="default: all on cuda, all but "
+                   "shared-triton on cpu")
     p.add_argument("--one", nargs=2, metavar=("IMPL", "N"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.one:
         print(json.dumps(measure(args.one[0], int(args.one[1]), args)))
         return
-    impls = args.impls or (["triton", "chunked", "naive"] if args.device == "cuda" else ["chunked", "naive"])
+    impls = args.impls or [i for i in IMPLS if args.device == "cuda" or i != "shared-triton"]
     passthrough = [a for a in (argv if argv is not None else sys.argv[1:])]
     ht = args.ht or args.h
     print(f"K={args.k}, H={args.h}, Ht={ht}, Vd={args.vd}, {args.dtype}, device={args.device} "
           f"({torch.cuda.get_device_name() if args.device == 'cuda' else 'CPU'}), chunk_size={args.chunk_size}, "
           f"median of {args.reps}; extra peak = memory above the inputs during forward+backward\n")
-    print("| N | impl | time | extra peak | speed-up vs chunked | peak vs chunked |")
+    print("| N | impl | time | extra peak | speed-up vs per-step | peak vs per-step |")
     print("|---|---|---|---|---|---|")
     for n in args.n:
         rows = {}
@@ -128,7 +147,7 @@ def main(argv=None):
                 torch.cuda.empty_cache()
             else:
                 rows[impl] = _measure_in_subprocess(impl, n, passthrough)
-        ref = rows.get("chunked", {})
+        ref = rows.get("per-step", {})
         for impl, r in rows.items():
             note = " (OOM)" if r.get("oom") else (f" (error: {r['error']})" if r.get("error") else "")
             t_ratio = f"{ref['ms'] / r['ms']:.2f}x" if r["ms"] and ref.get("ms") else "-"

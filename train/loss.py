@@ -7,9 +7,11 @@ the fed-back state of step k-1 at row t, and is scored against the teacher ``P_{
 loss-masked token of the same document as t and the target's argmax at t+1+k lies in the draft vocab.
 
 The teacher is computed from the target's final normed state and only the draft-vocab rows of its
-``lm_head``, over the counted rows only, in chunks of ``chunk_size`` rows; each chunk's logits live
-only inside a checkpointed function (recomputed in backward), so [rows, Vd] fp32 tensors never
-accumulate over chunks or steps.
+``lm_head``, over counted rows only, in chunks of ``chunk_size`` rows that are recomputed in backward,
+so [rows, Vd] fp32 tensors never accumulate over chunks or steps. Since step k reads teacher row t+1+k,
+the steps share teacher rows and the teacher is computed once per batch, not once per step
+(``_shared_teacher_steps``; on CUDA the drafter side runs the Triton kernel). Under ZeRO-3, whose
+lm_head weight exists only inside lm_head's forward, the loss goes step by step through that forward.
 """
 
 from __future__ import annotations
@@ -54,21 +56,36 @@ def ttt_states(drafter, batch: FeatureBatch, steps: int) -> list[torch.Tensor]:
     return ys
 
 
-def _use_kernel(y: torch.Tensor, lm_head, loss_impl: str) -> bool:
-    """The fused Triton loss runs on CUDA when lm_head's weight is whole (ZeRO-3 partitions it and
-    gathers it only inside lm_head's own forward, so there the torch path runs)."""
-    if loss_impl not in ("auto", "torch"):
-        raise ValueError(f"drafter.loss_impl={loss_impl!r}: expected auto | torch")
-    return loss_impl == "auto" and y.is_cuda and not hasattr(lm_head.weight, "ds_id")
+def _partitioned(lm_head) -> bool:
+    """ZeRO-3 partitions lm_head's weight and gathers it only inside lm_head's own forward."""
+    return hasattr(lm_head.weight, "ds_id")
 
 
-def _kernel_loss(y, teacher_hidden, lm_head, teacher_head):
-    """Same contract as _chunk_loss, streamed over vocab blocks: no [rows, Vd] tensor exists."""
-    from models.kernels import fused_draft_loss
+def _shared_teacher_steps(ys_flat, counted, th_flat, lm_head, teacher_head, impl, chunk_size):
+    """Per step k: (summed soft cross-entropy over its counted rows, those rows, the drafter's argmax).
 
-    m = torch.ones(y.shape[0], device=y.device, dtype=torch.float32)
-    return fused_draft_loss(y, lm_head.weight, teacher_hidden, teacher_head.to(teacher_hidden.dtype), m,
-                            impl="triton")
+    Row t of step k is scored against teacher row t+1+k, so the steps share teacher rows: the teacher's
+    expected head row q (models/kernels/fused_loss.py) is computed once for the union of the rows any
+    step needs, and each step pays only for its drafter logsumexp. No [rows, Vd] tensor outlives a chunk.
+    """
+    from models.kernels import draft_logsumexp, teacher_expectation
+
+    w = lm_head.weight
+    rows = [c.nonzero().squeeze(1) for c in counted]
+    wanted = torch.unique(torch.cat([r + 1 + k for k, r in enumerate(rows)]))  # counted => in range
+    slot = torch.full((counted[0].numel(),), -1, dtype=torch.long, device=w.device)
+    slot[wanted] = torch.arange(wanted.numel(), device=w.device)
+    q = teacher_expectation(th_flat[wanted], teacher_head.to(th_flat.dtype), w, chunk_size)
+    out = []
+    for k, (y, r) in enumerate(zip(ys_flat, rows)):
+        if r.numel() == 0:  # one weight-0 row keeps lm_head (and y) in every rank's graph
+            lse, _ = draft_logsumexp(y[:1], w, impl, chunk_size)
+            out.append((0.0 * lse.sum(), r, None))
+            continue
+        yr = y[r]
+        lse, pred = draft_logsumexp(yr, w, impl, chunk_size)
+        out.append(((lse - (yr.float() * q[slot[r + 1 + k]]).sum(-1)).sum(), r, pred))
+    return out
 
 
 def _chunk_loss(y, teacher_hidden, lm_head, teacher_head):
@@ -78,6 +95,33 @@ def _chunk_loss(y, teacher_hidden, lm_head, teacher_head):
         teacher = F.softmax((teacher_hidden @ teacher_head.T).float(), dim=-1)  # renormalised over Vd
     loss = -(teacher * F.log_softmax(logits, dim=-1)).sum()
     return loss, logits.detach().argmax(-1)
+
+
+def _per_step_module_calls(ys_flat, counted, th_flat, lm_head, teacher_head, chunk_size):
+    """The ZeRO-3 path: the same sums through lm_head's own forward, step by step, chunk by chunk.
+
+    Chunks tile all B*T positions (only counted rows are computed), so every rank calls lm_head the
+    same number of times whatever its mask (ZeRO-3 gathers the weight per call, and every rank needs
+    the same graph); an empty chunk computes one row with weight 0. Each chunk's logits live only
+    inside a checkpointed function.
+    """
+    use_ckpt = torch.is_grad_enabled()
+    out = []
+    for k, (y, c) in enumerate(zip(ys_flat, counted)):
+        loss_sum, rows, preds = y.new_zeros((), dtype=torch.float32), [], []
+        for a in range(0, c.numel(), chunk_size):
+            r = a + c[a : a + chunk_size].nonzero().squeeze(1)
+            empty = r.numel() == 0
+            rr = r.new_tensor([a]) if empty else r
+            args = (y[rr], th_flat[rr if empty else rr + 1 + k], lm_head, teacher_head)
+            part, pred = checkpoint(_chunk_loss, *args, use_reentrant=False) if use_ckpt else _chunk_loss(*args)
+            loss_sum = loss_sum + (0.0 * part if empty else part)
+            if not empty:
+                rows.append(r)
+                preds.append(pred)
+        r = torch.cat(rows) if rows else c.nonzero().squeeze(1)
+        out.append((loss_sum, r, torch.cat(preds) if preds else None))
+    return out
 
 
 def ttt_loss(
@@ -104,50 +148,38 @@ def ttt_loss(
     Vd = drafter.spec.draft_vocab_size
     if teacher_head.shape[0] != Vd:
         raise ValueError(f"teacher_head has {teacher_head.shape[0]} rows; drafter.draft_vocab_size={Vd}")
+    if loss_impl not in ("auto", "torch"):
+        raise ValueError(f"drafter.loss_impl={loss_impl!r}: expected auto | torch")
     B, T = batch.input_ids.shape
     doc = batch.document_ids
     valid = doc >= 0
     th_flat = batch.target_hidden.reshape(B * T, -1)
-    use_kernel = _use_kernel(batch.target_hidden, drafter.lm_head, loss_impl)
-    use_ckpt = torch.is_grad_enabled() and not use_kernel
-    chunk_fn = _kernel_loss if use_kernel else _chunk_loss
 
     ys = ttt_states(drafter, batch, steps)
+    teacher_argmax = [_shift(batch.target_argmax, 1 + k, 0).reshape(-1) for k in range(steps)]
+    counted = [
+        (valid & _shift(batch.loss_mask, 2 + k, False) & (_shift(doc, 2 + k, -2) == doc)).reshape(-1)
+        & drafter.t2d[teacher_argmax[k]]
+        for k in range(steps)
+    ]
+    ys_flat = [y.reshape(B * T, -1) for y in ys]
+    if _partitioned(drafter.lm_head):
+        scored = _per_step_module_calls(ys_flat, counted, th_flat, drafter.lm_head, teacher_head, chunk_size)
+    else:
+        impl = "auto" if loss_impl == "auto" else "chunked"
+        scored = _shared_teacher_steps(ys_flat, counted, th_flat, drafter.lm_head, teacher_head, impl, chunk_size)
+
     total = ys[0].new_zeros((), dtype=torch.float32)
     metrics: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     chain_counted = chain_right = None
-    for k, y in enumerate(ys):
-        teacher_argmax = _shift(batch.target_argmax, 1 + k, 0)
-        counted = (
-            valid
-            & _shift(batch.loss_mask, 2 + k, False)
-            & (_shift(doc, 2 + k, -2) == doc)
-            & drafter.t2d[teacher_argmax]
-        ).reshape(-1)
-        y_flat = y.reshape(B * T, -1)
-        loss_sum = y.new_zeros((), dtype=torch.float32)
-        right = torch.zeros(B * T, dtype=torch.bool, device=y.device)
-        # Chunks tile all B*T positions (only counted rows are computed), so every rank calls lm_head
-        # the same number of times whatever its mask: ZeRO-3 gathers lm_head per call and ZeRO-2 reduces
-        # gradients in bucket order, and both need the same graph on every rank. An empty chunk
-        # computes one row with weight 0 to keep lm_head (and y) in the graph.
-        for a in range(0, B * T, chunk_size):
-            r = a + counted[a : a + chunk_size].nonzero().squeeze(1)
-            empty = r.numel() == 0
-            if empty:
-                r = r.new_tensor([a])
-            # teacher of row t at step k is the target's state at t+1+k (same batch row; counted => in range)
-            tr = r if empty else r + 1 + k
-            args = (y_flat[r], th_flat[tr], drafter.lm_head, teacher_head)
-            part, pred = checkpoint(chunk_fn, *args, use_reentrant=False) if use_ckpt else chunk_fn(*args)
-            if empty:
-                loss_sum = loss_sum + 0.0 * part
-                continue
-            loss_sum = loss_sum + part
-            right[r] = drafter.draft_to_target(pred) == teacher_argmax.reshape(-1)[r]
-        n = counted.sum()
+    for k, (loss_sum, r, pred) in enumerate(scored):
+        right = torch.zeros(B * T, dtype=torch.bool, device=ys[0].device)
+        if pred is not None:
+            right[r] = drafter.draft_to_target(pred) == teacher_argmax[k][r]
+        counted_k = counted[k]
+        n = counted_k.sum()
         total = total + step_weight**k * loss_sum / n.clamp(min=1)
-        chain_counted = counted if chain_counted is None else chain_counted & counted
+        chain_counted = counted_k if chain_counted is None else chain_counted & counted_k
         chain_right = right if chain_right is None else chain_right & right
         f64 = lambda x: x.detach().to(torch.float64)  # noqa: E731
         metrics[f"loss_{k}"] = (f64(loss_sum), f64(n))

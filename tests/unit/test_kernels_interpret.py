@@ -90,12 +90,13 @@ def check_fused_loss():
 def check_fused_loss_bf16():
     import torch
 
-    # bf16 in, fp32 softmax: the kernel keeps fp32 logits, the oracle gets them from fp32 math too.
+    # bf16 in, fp32 softmax: the kernel keeps fp32 logits; the y . q term uses q from a bf16 matmul (one
+    # bf16 rounding of q, ~2e-4 of the loss); the oracle is fp32 math throughout.
     inputs = _loss_inputs(torch.bfloat16, n=33, h=48, ht=32, vd=70, seed=1)
     ref = _run_loss("naive", tuple(x.float() for x in inputs))
     got = _run_loss("triton", inputs)
     assert got[2].dtype == torch.bfloat16 and got[3].dtype == torch.bfloat16
-    _close("loss", got[0], ref[0], atol=1e-4, rtol=1e-4)
+    _close("loss", got[0], ref[0], atol=1e-3, rtol=1e-3)
     _close("dy", got[2], ref[2], atol=1e-3, rtol=2e-2)
     _close("dW_d", got[3], ref[3], atol=1e-3, rtol=2e-2)
 
@@ -149,22 +150,25 @@ def check_fp8():
 
 
 def check_ttt_loss_kernel_path():
-    """train/loss.py with the Triton loss (forced on for CPU tensors) equals its torch path: values,
+    """train/loss.py with the Triton kernel (forced on for CPU tensors) equals its torch path: values,
     metrics and gradients of every trainable parameter."""
     import torch
 
+    import models.kernels as K
     import train.loss as L
     from tests.unit.test_drafter import make_drafter, packed_batch
 
+    torch_lse = K.draft_logsumexp
     results = {}
     for impl in ("torch", "kernel"):
-        L._use_kernel = (lambda y, head, loss_impl: True) if impl == "kernel" else (lambda *a: False)
+        K.draft_logsumexp = (lambda y, w, impl, chunk: torch_lse(y, w, "triton", chunk)) if impl == "kernel" else torch_lse
         d = make_drafter()
         b = packed_batch()
         head = torch.randn(d.spec.draft_vocab_size, d.spec.target_hidden_size, generator=torch.Generator().manual_seed(3))
         out = L.ttt_loss(d, b, head, steps=3, step_weight=0.8, chunk_size=7)
         out.loss.backward()
         results[impl] = (out, {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None})
+    K.draft_logsumexp = torch_lse
     (a, ga), (b_, gb) = results["torch"], results["kernel"]
     _close("loss", b_.loss.detach(), a.loss.detach(), 1e-5, 1e-5)
     for name in a.metrics:
@@ -216,26 +220,25 @@ def _saved_bytes(fn, inputs):
 
 
 def check_saved_memory():
-    """What the kernels keep between forward and backward does not grow with the vocab: the fused
-    loss keeps two fp32 statistics per row whatever Vd is (the naive path, the negative control, keeps
-    [N, Vd] tensors); the RMSNorm kernel keeps one fp32 rstd per row."""
+    """What the loss keeps between forward and backward does not grow with the vocab: one fp32 lse per row
+    and the fp32 [N, H] operands of the y . q term, whatever Vd is (the naive path, the negative control,
+    keeps [N, Vd] tensors); the RMSNorm kernel keeps one fp32 rstd per row."""
     import torch
 
     from models.kernels.fused_loss import fused_draft_loss
     from models.kernels.rmsnorm import rms_norm
 
-    n = 37
+    n, h = 37, 40
     saved = {}
     for impl in ("triton", "naive"):
         for vd in (40, 160):
-            inputs = _loss_inputs(torch.float32, n=n, vd=vd)
+            inputs = _loss_inputs(torch.float32, n=n, h=h, vd=vd)
             saved[impl, vd] = _saved_bytes(lambda: fused_draft_loss(*inputs, impl=impl), inputs)
-    assert saved["triton", 40] == saved["triton", 160] == 2 * n * 4, saved
+    assert saved["triton", 40] == saved["triton", 160] <= n * 4 + n * h * 4, saved
     assert saved["naive", 160] > saved["naive", 40] + n * 120 * 4, saved
     x = torch.randn(5, 7, 96, dtype=torch.bfloat16, requires_grad=True)
     w = torch.ones(96, dtype=torch.bfloat16, requires_grad=True)
     assert _saved_bytes(lambda: rms_norm(x, w, impl="triton"), (x, w)) == 5 * 7 * 4
-
 
 if __name__ == "__main__":
     import traceback

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.kernels import RMSNorm, dequantize_e4m3, fused_draft_loss, quantize_e4m3, rms_norm
+from models.kernels import (RMSNorm, dequantize_e4m3, draft_logsumexp, fused_draft_loss, quantize_e4m3, rms_norm,
+                            teacher_expectation)
 
 
 def _inputs(dtype=torch.float32, n=45, h=32, ht=24, vd=50, seed=0):
@@ -60,6 +61,33 @@ def test_chunked_bf16_keeps_dtypes_and_fp32_loss():
     assert loss.dtype == torch.float32 and dy.dtype == dw.dtype == torch.bfloat16
     torch.testing.assert_close(loss, ref[0], rtol=2e-2, atol=1e-2)
     torch.testing.assert_close(dw.float(), ref[3], rtol=5e-2, atol=2e-2)
+
+
+def test_the_two_pieces_match_their_formulas(monkeypatch):
+    """teacher_expectation = softmax(t W_t^T) W_d (gradient in W_d only); draft_logsumexp = logsumexp and
+    argmax of y W_d^T. Chunking, including the Vd-bounded teacher chunks, changes nothing."""
+    import models.kernels.fused_loss as FL
+
+    y, w_d, t, w_t, _ = _inputs()
+    monkeypatch.setattr(FL, "TEACHER_CHUNK_ELEMENTS", 3 * w_t.shape[0])  # 3-row teacher chunks
+    up = torch.randn(y.shape[0], y.shape[1])
+    w1, w2 = w_d.clone().requires_grad_(), w_d.clone().requires_grad_()
+    q = teacher_expectation(t, w_t, w1, chunk_size=1000)
+    want = torch.softmax(t @ w_t.T, -1) @ w2
+    torch.testing.assert_close(q, want)
+    (q * up).sum().backward()
+    (want * up).sum().backward()
+    torch.testing.assert_close(w1.grad, w2.grad)
+    for impl in ("chunked", "naive"):
+        yi, wi = y.clone().requires_grad_(), w_d.clone().requires_grad_()
+        lse, arg = draft_logsumexp(yi, wi, impl=impl, chunk_size=4)
+        b = y @ w_d.T
+        torch.testing.assert_close(lse, torch.logsumexp(b, -1))
+        assert torch.equal(arg, b.argmax(-1))
+        (lse * up[:, 0]).sum().backward()
+        d = torch.softmax(b, -1) * up[:, :1]
+        torch.testing.assert_close(yi.grad, d @ w_d)
+        torch.testing.assert_close(wi.grad, d.T @ y)
 
 
 def test_masked_rows_do_not_count():

@@ -135,3 +135,29 @@ def test_bad_arguments():
         ttt_loss(d, b, torch.randn(40, 32), steps=0, step_weight=W, chunk_size=8)
     with pytest.raises(ValueError, match="draft_vocab_size"):
         ttt_loss(d, b, torch.randn(41, 32), steps=1, step_weight=W, chunk_size=8)
+
+
+def test_zero3_path_equals_the_shared_teacher_path(monkeypatch):
+    """Under ZeRO-3 the loss goes step by step through lm_head's forward (teacher per step); elsewhere the
+    teacher is computed once for all steps. Same loss, metrics and gradients."""
+    import train.loss as L
+
+    head = torch.randn(40, 32, generator=torch.Generator().manual_seed(4))
+    out = {}
+    for partitioned in (False, True):
+        monkeypatch.setattr(L, "_partitioned", lambda lm_head: partitioned)
+        d = remapped(make_drafter(**FLAGS["eagle31"]))
+        d.train()
+        b = packed_batch()
+        b.target_argmax = torch.randint(0, 50, b.target_argmax.shape, generator=torch.Generator().manual_seed(3))
+        res = ttt_loss(d, b, head, steps=K, step_weight=W, chunk_size=5)
+        res.loss.backward()
+        out[partitioned] = (res, {n: p.grad for n, p in d.named_parameters() if p.grad is not None})
+    (a, ga), (b_, gb) = out[False], out[True]
+    torch.testing.assert_close(a.loss, b_.loss)
+    for name in a.metrics:
+        torch.testing.assert_close(a.metrics[name][0], b_.metrics[name][0])
+        assert torch.equal(a.metrics[name][1], b_.metrics[name][1])
+    assert ga.keys() == gb.keys()
+    for name in ga:
+        torch.testing.assert_close(ga[name], gb[name], atol=1e-6, rtol=1e-5)
