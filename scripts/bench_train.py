@@ -10,9 +10,10 @@ the median step time, warmup steps excluded.
 Configurations: ``tiny`` (the tiny recipe: H 256, heads 4/2, I 512, Vd 2048, K 3, T 1024), ``mid``
 (H 1024, heads 8/2, I 3584, Vd 8000, K 7, T 2048) and ``llama8b`` (Llama-3-8B-shaped: H 4096, heads 32/8,
 head_dim 128, I 14336, Vd 32000, V 128256, K 7, T 4096). fp32 on CPU, bf16 on CUDA (the engine's rule).
-Each config runs three variants, every one in a fresh subprocess: ``ttt`` (K steps, ZeRO-2 as the
-recipes), ``k1`` (one step: the ratio is the cost of training-time test) and ``zero0`` (K steps without
-ZeRO). Ratios are against ``ttt`` measured in the same run, so the shared machine's noise cancels.
+Each config runs four variants, every one in a fresh subprocess: ``ttt`` (K steps, ZeRO-2 as the
+recipes), ``k1`` (one step: the ratio is the cost of training-time test), ``zero0`` (K steps without
+ZeRO) and ``perstep`` (K steps with the earlier loss that recomputes the teacher in every step, which
+ZeRO-3 still uses; train/loss.py). Ratios are against ``ttt`` measured in the same run, so the shared machine's noise cancels.
 
 Memory: on CPU the peak RSS of the subprocess, and ``train MiB`` = that minus the peak of a subprocess
 that only imports the same modules and builds the model and batch (so: gradients, optimizer state,
@@ -26,7 +27,9 @@ Model FLOPs are counted analytically (no recomputation, elementwise ops ignored)
     ``fc`` once per real token; the mid-layer (q/k/v/o, gate/up/down) once per real token per TTT step;
     the drafter ``lm_head`` once per *counted* row per step (the loss only computes counted rows:
     sum over documents of max(0, L - 2 - k) at step k);
-  - the teacher logits (target_hidden @ teacher_head^T, frozen, no grad): 2 * Ht * Vd per counted row per step;
+  - the teacher, once per teacher row any step reads (the K steps share it; train/loss.py): its logits
+    (target_hidden @ teacher_head^T, frozen) 2 * Ht * Vd, and q = softmax(.) @ lm_head 4 * Vd * H (forward,
+    and the backward to lm_head only);
   - attention at step k: each query head scores (t + 1) causal step-0 keys of its document plus k
     diagonal keys; QK^T and PV cost 4 * head_dim FLOPs per (query head, key) forward, x3 with backward;
   - the frozen embedding lookup, norms, RoPE and softmaxes: 0. Padding rows (computed, useless): 0.
@@ -67,7 +70,8 @@ CONFIGS = {
         num_key_value_heads=8, head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5,
         rope_parameters=LLAMA3_ROPE)),
 }
-VARIANTS = {"ttt": dict(k1=False, zero=2), "k1": dict(k1=True, zero=2), "zero0": dict(k1=False, zero=0)}
+VARIANTS = {"ttt": dict(k1=False, zero=2), "k1": dict(k1=True, zero=2), "zero0": dict(k1=False, zero=0),
+            "perstep": dict(k1=False, zero=2, per_step_teacher=True)}
 DOC_FRACTIONS = (0.50, 0.30, 0.15)  # of T; the remaining 5 % is padding
 
 
@@ -82,10 +86,12 @@ def train_flops(spec, steps: int, docs: list[int]) -> float:
     tokens = sum(docs)
     layer_weights = 2 * H * (Hq + 2 * Hkv) * D + Hq * D * H + 3 * H * I  # q/k/v over [emb, g], o, MLP
     flops = 6 * spec.fc_in_features * H * tokens
+    teacher_rows = sum(max(0, L - 2) for L in docs)  # rows 1..L-2 of each document: the union over steps
+    flops += (2 * Ht * Vd + 4 * Vd * H) * teacher_rows
     for k in range(steps):
         counted = sum(max(0, L - 2 - k) for L in docs)
         keys = sum(L * (L + 1) // 2 + k * L for L in docs)
-        flops += 6 * layer_weights * tokens + 6 * H * Vd * counted + 2 * Ht * Vd * counted + 12 * D * Hq * keys
+        flops += 6 * layer_weights * tokens + 6 * H * Vd * counted + 12 * D * Hq * keys
     return float(flops)
 
 
@@ -153,6 +159,10 @@ def _one(job: dict) -> dict:
 
     world = init_world()
     name, var = job["config"], VARIANTS[job["variant"]]
+    if var.get("per_step_teacher"):  # the earlier loss: the teacher recomputed in every step (ZeRO-3's path)
+        import train.loss
+
+        train.loss._partitioned = lambda lm_head: True
     cfg = _compose(name, var["k1"], var["zero"])
     cuda = world.device.type == "cuda"
     model, batch, spec = _build(name, cfg, world.device)
