@@ -68,7 +68,7 @@ def _shared_teacher_steps(ys_flat, counted, th_flat, lm_head, teacher_head, impl
     expected head row q (models/kernels/fused_loss.py) is computed once for the union of the rows any
     step needs, and each step pays only for its drafter logsumexp. No [rows, Vd] tensor outlives a chunk.
     """
-    from models.kernels import draft_logsumexp, teacher_expectation
+    from models.kernels import draft_logsumexp, gather_dot, teacher_expectation
 
     w = lm_head.weight
     rows = [c.nonzero().squeeze(1) for c in counted]
@@ -84,7 +84,7 @@ def _shared_teacher_steps(ys_flat, counted, th_flat, lm_head, teacher_head, impl
             continue
         yr = y[r]
         lse, pred = draft_logsumexp(yr, w, impl, chunk_size)
-        out.append(((lse - (yr.float() * q[slot[r + 1 + k]]).sum(-1)).sum(), r, pred))
+        out.append(((lse - gather_dot(yr, q, slot[r + 1 + k])).sum(), r, pred))
     return out
 
 

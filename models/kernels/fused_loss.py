@@ -234,6 +234,26 @@ class _TeacherExpectation(torch.autograd.Function):
         return None, None, dw.to(w_d.dtype), None
 
 
+class _GatherDot(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, q, index):
+        ctx.save_for_backward(y, q, index)
+        return (y.float() * q[index]).sum(-1)  # the gathered and upcast copies die here
+
+    @staticmethod
+    def backward(ctx, grad):
+        y, q, index = ctx.saved_tensors
+        dy = (grad[:, None] * q[index]).to(y.dtype) if ctx.needs_input_grad[0] else None
+        dq = torch.zeros_like(q).index_add_(0, index, grad[:, None] * y.float()) if ctx.needs_input_grad[1] else None
+        return dy, dq, None
+
+
+def gather_dot(y: torch.Tensor, q: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``(y.float() * q[index]).sum(-1)`` [N] fp32, keeping only y, q and index for backward (plain autograd
+    would keep an fp32 copy of y and of q[index] per call: per TTT step)."""
+    return _GatherDot.apply(y, q, index)
+
+
 def teacher_expectation(t: torch.Tensor, w_t: torch.Tensor, w_d: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
     """q = softmax(t W_t^T) W_d, ``[M, H]`` fp32: the teacher's expected drafter-head row per teacher row.
 
@@ -298,6 +318,6 @@ def fused_draft_loss(y: torch.Tensor, w_d: torch.Tensor, t: torch.Tensor, w_t: t
     else:
         lse, argmax = draft_logsumexp(y, w_d, impl, chunk_size)
         q = teacher_expectation(t, w_t, w_d, chunk_size)
-        loss_row = lse - (y.float() * q).sum(-1)
+        loss_row = lse - gather_dot(y, q, torch.arange(n, device=y.device))
     weighted = loss_row * m.detach().float()
     return (weighted.sum() if reduction == "sum" else weighted), argmax

@@ -90,6 +90,28 @@ def test_the_two_pieces_match_their_formulas(monkeypatch):
         torch.testing.assert_close(wi.grad, d.T @ y)
 
 
+def test_gather_dot_matches_autograd_and_keeps_no_copies():
+    from models.kernels import gather_dot
+
+    g = torch.Generator().manual_seed(1)
+    y = torch.randn(9, 16, generator=g).bfloat16().requires_grad_()
+    q = torch.randn(5, 16, generator=g).requires_grad_()
+    idx = torch.tensor([0, 4, 4, 1, 2, 3, 0, 0, 2])
+    up = torch.randn(9, generator=g)
+    got = gather_dot(y, q, idx)
+    (got * up).sum().backward()
+    y2, q2 = y.detach().clone().requires_grad_(), q.detach().clone().requires_grad_()
+    want = (y2.float() * q2[idx]).sum(-1)
+    (want * up).sum().backward()
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(y.grad, y2.grad)
+    torch.testing.assert_close(q.grad, q2.grad)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        gather_dot(y, q, idx)
+    assert {t.untyped_storage().data_ptr() for t in saved} == {x.untyped_storage().data_ptr() for x in (y, q, idx)}
+
+
 def test_masked_rows_do_not_count():
     y, w_d, t, w_t, m = _inputs()
     keep = m.bool()
