@@ -4,7 +4,7 @@ A Fledge drafter exported in the speculators dialect must load into speculators 
 Eagle3DraftModel with no missing or unexpected tensor (this checks the dialect's names, `fc_norm.*`
 included, and its config flags), and speculators' TTT forward must give the same logits as Fledge's at
 every step (the fused features, fc_norm, the 2H attention input, the step-k masks and positions, and
-norm_output feedback). EAGLE-3 (flags off) and EAGLE-3.1 (flags on) both.
+norm_output feedback). EAGLE-3 (flags off), EAGLE-3.1 (flags on) and the older norm_before_fc.
 
 speculators pins transformers <= 5.19, so it lives apart from the project's environment: install it with
 `bash scripts/setup_oracle.sh` (into .oracle/site; scripts/test.sh does this) and the speculators side runs
@@ -91,8 +91,9 @@ def _export(target: Path, flags: dict, draft_vocab: int, out: Path, seed: int = 
     return write_drafter(out, sd, config, include_embed=True), tcfg, ids
 
 
-@pytest.mark.parametrize("flags", [dict(fc_norm=True, norm_output=True), dict(fc_norm=False, norm_output=False)],
-                         ids=["eagle3.1", "eagle3"])
+@pytest.mark.parametrize("flags", [dict(fc_norm=True, norm_output=True), dict(fc_norm=False, norm_output=False),
+                                   dict(fc_norm=False, norm_output=False, norm_before_fc=True)],
+                         ids=["eagle3.1", "eagle3", "eagle3+norm_before_fc"])
 def test_speculators_loads_the_export_and_computes_the_same_logits(flags, random_tiny_target, tmp_path):
     out, tcfg, ids = _export(Path(random_tiny_target), flags, 512, tmp_path / "drafter")
     x = _inputs(tcfg, len(ids))
@@ -104,7 +105,8 @@ def test_speculators_loads_the_export_and_computes_the_same_logits(flags, random
     assert set(report["missing"]) <= {"verifier_norm.weight", "verifier_lm_head.weight"}, report
     assert report["nan_params"] == [], report  # every tensor it uses came from the export
     assert report["aux_ids"] == ids
-    assert report["flags"]["fc_norm"] == flags["fc_norm"] and report["flags"]["norm_output"] == flags["norm_output"]
+    for flag in ("fc_norm", "norm_output", "norm_before_fc"):
+        assert report["flags"][flag] == flags.get(flag, False), (flag, report["flags"])
     assert report["flags"]["norm_before_residual"] is False
     for k, (a, b) in enumerate(zip(ours, theirs)):
         assert a.shape == b.shape, (k, a.shape, b.shape)
