@@ -126,6 +126,8 @@ def test_all_masked_rows_give_finite_zero_loss():
     assert torch.isfinite(res.loss) and float(res.loss.detach()) == 0.0
     res.loss.backward()
     assert all(float(res.metrics[f"acc_{k}"][1]) == 0 for k in range(K))
+    # lm_head stays in the graph (a zero gradient, not None): every rank must reduce the same buckets
+    assert d.lm_head.weight.grad is not None and not d.lm_head.weight.grad.any()
 
 
 def test_bad_arguments():
