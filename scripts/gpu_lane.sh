@@ -8,7 +8,8 @@
 # (hydra-core, omegaconf, antlr4-python3-runtime, deepspeed, datasets for bench_train.py) can be carried
 # as wheels built here, e.g. `pip wheel --no-deps -w wheels hydra-core==1.3.8 omegaconf==2.3.1
 # antlr4-python3-runtime==4.9.3 deepspeed==0.19.8`, and installed with --wheels. Each step runs even if
-# an earlier one failed; the summary says which did.
+# an earlier one failed; the summary says which did. The step limits add up to 9 minutes, inside one
+# 10-minute device command; outputs are written as they come, so a cut run still returns its files.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-outputs/gpu_lane}
@@ -17,18 +18,16 @@ mkdir -p "$OUT"
 if [ "${1:-}" = "--wheels" ] && [ -n "${2:-}" ]; then
   $PY -m pip install -q --no-index --no-deps "$2"/*.whl > "$OUT/wheels.txt" 2>&1 || echo "wheel install failed (see wheels.txt)"
 fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 WANDB_MODE=disabled
-status=()
-step() {  # step NAME TIMEOUT_S CMD...
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 WANDB_MODE=disabled PYTHONUNBUFFERED=1
+: > "$OUT/summary.txt"
+step() {  # step NAME TIMEOUT_S CMD...   (rc 124 = stopped at its limit)
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
-  local rc=$?
-  status+=("$name rc=$rc $((SECONDS - t0))s")
+  echo "$name rc=$? $((SECONDS - t0))s" | tee -a "$OUT/summary.txt"
 }
-step nvidia_smi 30 nvidia-smi
-step tests_gpu 240 $PY -m pytest tests/gpu -q -p no:cacheprovider
-step bench_loss 300 $PY scripts/bench_loss.py --device cuda
-step bench_rmsnorm 120 $PY scripts/bench_rmsnorm.py --device cuda
-step bench_train 300 $PY scripts/bench_train.py --device cuda
-printf '%s\n' "${status[@]}" | tee "$OUT/summary.txt"
+step nvidia_smi 15 nvidia-smi
+step tests_gpu 150 $PY -m pytest tests/gpu -q -p no:cacheprovider
+step bench_loss 180 $PY scripts/bench_loss.py --device cuda
+step bench_rmsnorm 45 $PY scripts/bench_rmsnorm.py --device cuda
+step bench_train 150 $PY scripts/bench_train.py --device cuda
