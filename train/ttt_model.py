@@ -64,6 +64,9 @@ def build_ttt_model(cfg: Config, run_dir: Path, device: torch.device) -> TTTMode
     from models.drafter import DrafterSpec, Eagle3Drafter
     from models.target import load_input_embeddings, load_lm_head_rows
 
+    if cfg.drafter.norm_impl == "triton" and device.type != "cuda":
+        raise ValueError(f"drafter.norm_impl=triton runs a CUDA kernel but training runs on {device.type}; "
+                         "use drafter.norm_impl=torch")
     t = cfg.target
     hf_config = AutoConfig.from_pretrained(t.name_or_path, revision=t.revision, trust_remote_code=t.trust_remote_code)
     vocab = DraftVocab.load(run_dir / "prepare" / "vocab.safetensors")

@@ -87,3 +87,13 @@ def test_run_dir_does_not_depend_on_the_clock():
     a = to_config(compose_cfg(["recipe=tiny"]))
     b = to_config(compose_cfg(["recipe=tiny"]))
     assert a.run.name == b.run.name == "tiny"
+
+
+def test_triton_norms_on_cpu_fail_before_any_work(tmp_path):
+    import torch
+
+    from train.ttt_model import build_ttt_model
+
+    cfg = to_config(compose_cfg(["recipe=tiny", "drafter.norm_impl=triton"]))  # valid config: a GPU may run it
+    with pytest.raises(ValueError, match="drafter.norm_impl=torch"):
+        build_ttt_model(cfg, tmp_path, torch.device("cpu"))
