@@ -29,11 +29,13 @@ from typing import Optional
 
 import torch
 
-from data.feature_reader import BatchIterator
-from data.atomic import read_json, write_json_atomic
-from data.features import (SCHEMA_VERSION, STORE_MANIFEST, ShardWriter, bytes_per_token, encode_sample, rank_dir,
+from fledge.data.feature_reader import BatchIterator
+from fledge.atomic import read_json, write_json_atomic
+from fledge.data.features import (SCHEMA_VERSION, STORE_MANIFEST, ShardWriter, bytes_per_token, encode_sample, rank_dir,
                            slice_dir, store_manifest, write_store_manifest)
-from models.target import FrozenTarget
+from fledge.conf.schema import Config
+from fledge.distributed import World
+from fledge.models.target import FrozenTarget, target_fingerprint
 
 log = logging.getLogger(__name__)
 SPLITS = ("train", "eval", "eval_perturbed")
@@ -158,24 +160,23 @@ def _array_spec(ids: list[int]) -> str:
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def merge_slices(ctx, splits: list[str]) -> dict:
+def merge_slices(n: int, world: World, stage_dir: Path, splits: list[str], array_script: Path) -> dict:
     """Make the finished slices of an array capture one store per split (``store.json`` over every
     slice's rank indexes); raises ValueError naming the slices still missing and how to rerun them."""
-    n, stage_dir = ctx.cfg.capture.num_slices, ctx.stage_dir
     records = [read_json(slice_record(stage_dir, i)) for i in range(n)]
     missing = [i for i, r in enumerate(records) if not r or r.get("num_slices") != n]
     if missing:
         spec = _array_spec(missing)
         raise ValueError(
             f"capture.num_slices={n}: slices {spec} have not finished (no {slice_record(stage_dir, missing[0])} "
-            f"and the like); rerun them with `sbatch --array={spec} {ctx.run_dir / 'slurm' / 'capture_array.sbatch'}` "
+            f"and the like); rerun them with `sbatch --array={spec} {array_script}` "
             f"(or run.stages=[capture] capture.slice_index=I for each), then run this again")
     meta = records[0]["meta"]
     odd = [i for i, r in enumerate(records) if r["meta"] != meta or sorted(r["splits"]) != sorted(splits)]
     if odd:
         raise ValueError(f"capture slices {_array_spec(odd)} were captured from another target or prepared data "
                          f"than slice 0 ({slice_record(stage_dir, odd[0])}); delete those records and rerun "
-                         f"them: sbatch --array={_array_spec(odd)} {ctx.run_dir / 'slurm' / 'capture_array.sbatch'}")
+                         f"them: sbatch --array={_array_spec(odd)} {array_script}")
     out: dict = {"mode": "offline", "capture_dtype": meta["capture_dtype"], "bytes_per_token": meta["bytes_per_token"],
                  "slices": n}
     for split in splits:
@@ -185,11 +186,11 @@ def merge_slices(ctx, splits: list[str]) -> dict:
         fields = dict(num_slices=n, slice_world_sizes=[r["world_size"] for r in records])
         # Every rank checks the indexes (so all raise together); rank 0 writes.
         m = store_manifest(stage_dir / split, parts, meta, total, **fields)
-        if ctx.world.is_main:
+        if world.is_main:
             write_store_manifest(stage_dir / split, parts, meta, total, **fields)
         out.update({f"{split}_samples": m["num_samples"], f"{split}_tokens": m["num_tokens"],
                     f"{split}_bytes": sum(s["bytes"] for s in m["shards"]), f"{split}_shards": len(m["shards"])})
-    ctx.world.barrier()
+    world.barrier()
     return out
 
 
@@ -218,7 +219,6 @@ def tokenizer_hash(name_or_path: str, prepare_manifest: Optional[dict]) -> Optio
 
 def store_meta(cfg, target: FrozenTarget, prepare_manifest: Optional[dict]) -> dict:
     """The store manifest's description of what was captured (everything but the shards)."""
-    from train.stages import target_fingerprint
 
     t = cfg.target
     n_aux = len(target.aux_layer_ids)
@@ -237,44 +237,43 @@ def store_meta(cfg, target: FrozenTarget, prepare_manifest: Optional[dict]) -> d
     }
 
 
-def run_stage(ctx) -> dict:
-    """Capture every prepared split into ``<run>/capture/<split>/`` (offline mode); a no-op online.
+def capture(cfg: Config, world: World, prep: Path, stage_dir: Path, prepare_manifest: dict | None,
+            array_script: Path) -> dict:
+    """Capture every prepared split of ``prep`` into ``stage_dir/<split>/`` (offline mode); a no-op online.
 
     Array capture: with ``capture.slice_index`` set, capture that slice only, record it in
     ``capture/slices/`` and return a partial summary (the stage stays incomplete); with
     ``capture.num_slices > 1`` and no slice index, merge the finished slices instead of capturing."""
-    cfg = ctx.cfg
     if cfg.capture.mode == "online":
         log.warning("capture.mode=online: no feature store is written; the trainer runs the target itself")
         return {"mode": "online"}
-    prep = ctx.dir_of("prepare")
     if not (prep / "train").exists():
         raise ValueError(f"{prep / 'train'} does not exist: run the prepare stage first (run.stages=[prepare,capture])")
     splits = [s for s in SPLITS if (prep / s).exists()]
     part = cfg.capture.slice_index
     if part is None and cfg.capture.num_slices > 1:
-        out = merge_slices(ctx, splits)
+        out = merge_slices(cfg.capture.num_slices, world, stage_dir, splits, array_script)
     else:
-        if part is not None and ctx.world.is_main:
-            slice_record(ctx.stage_dir, part).unlink(missing_ok=True)  # this slice is being (re)written
-        target = FrozenTarget.load(cfg.target, ctx.world.device, cfg.aux_layer_ids(), cfg.capture.device_map)
-        meta = store_meta(cfg, target, ctx.upstream.get("prepare"))
+        if part is not None and world.is_main:
+            slice_record(stage_dir, part).unlink(missing_ok=True)  # this slice is being (re)written
+        target = FrozenTarget.load(cfg.target, world.device, cfg.aux_layer_ids(), cfg.capture.device_map)
+        meta = store_meta(cfg, target, prepare_manifest)
         out = {"mode": "offline", "capture_dtype": cfg.capture.dtype, "bytes_per_token": meta["bytes_per_token"]}
         t0 = time.time()
-        per_split = {split: capture_split(target, prep / split, ctx.stage_dir / split, cfg, ctx.world, meta)
+        per_split = {split: capture_split(target, prep / split, stage_dir / split, cfg, world, meta)
                      for split in splits}
         for split, s in per_split.items():
             out.update({f"{split}_{k}": v for k, v in s.items() if k not in ("range", "of")})
         out["tokens_per_s"] = round(out.get("train_tokens", 0) / max(time.time() - t0, 1e-9), 1)
         if part is not None:
-            if ctx.world.is_main:
-                write_json_atomic(slice_record(ctx.stage_dir, part), {
-                    "slice_index": part, "num_slices": cfg.capture.num_slices, "world_size": ctx.world.world_size,
+            if world.is_main:
+                write_json_atomic(slice_record(stage_dir, part), {
+                    "slice_index": part, "num_slices": cfg.capture.num_slices, "world_size": world.world_size,
                     "meta": meta, "splits": per_split})
             log.info("capture slice %d of %d done; merge with capture.num_slices=%d (no slice_index) when all are",
                      part, cfg.capture.num_slices, cfg.capture.num_slices)
             return dict(out, complete=False, slice_index=part, num_slices=cfg.capture.num_slices)
-    out["store"] = {s: str(ctx.stage_dir / s / STORE_MANIFEST) for s in splits}
+    out["store"] = {s: str(stage_dir / s / STORE_MANIFEST) for s in splits}
     return out
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from typing import Any, Iterable
 
-from data.sources import DataError
+from fledge.data.sources import DataError
 
 _MARKER_RE = re.compile(r"\{%-?\s*generation\s*-?%\}")
 # A thinking block with the whitespace that separates it from the answer ("</think>\n\n"): with

@@ -15,9 +15,9 @@ from typing import Iterator, Optional
 
 import torch
 
-from data.atomic import read_json, sha256_file
-from data.batch import FeatureBatch
-from data.features import INDEX, SCHEMA_VERSION, STORE_MANIFEST, decode_aux, rank_dir
+from fledge.atomic import read_json, sha256_file
+from fledge.data.batch import FeatureBatch
+from fledge.data.features import INDEX, SCHEMA_VERSION, STORE_MANIFEST, decode_aux, rank_dir
 
 
 class FeatureStore:
@@ -127,7 +127,7 @@ class BatchIterator:
     def global_plan(self, epoch: int) -> list[list[list[int]]]:
         """All batches of ``epoch``: a list of batches, each a list of rows of sample indices."""
         if self._plan_cache is None or self._plan_cache[0] != epoch:
-            from data.packing import plan_rows
+            from fledge.data.packing import plan_rows
 
             rows = plan_rows(self.lengths, self.row_tokens, self.seed + epoch)
             batches = [rows[i:i + self.rows_per_batch] for i in range(0, len(rows), self.rows_per_batch)]
@@ -154,7 +154,7 @@ class BatchIterator:
 
     def batch_at(self, g: int) -> FeatureBatch:
         """Global batch ``g`` (counted across epochs)."""
-        from data.packing import collate
+        from fledge.data.packing import collate
 
         epoch, i = divmod(g, self.global_batches_per_epoch)
         rows = self.global_plan(epoch)[i]

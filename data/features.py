@@ -31,8 +31,8 @@ from typing import Optional
 
 import torch
 
-from data.atomic import atomic_path, read_json, sha256_file, write_json_atomic
-from models.kernels.fp8 import dequantize_e4m3, quantize_e4m3
+from fledge.atomic import atomic_path, read_json, sha256_file, write_json_atomic
+from fledge.models.kernels.fp8 import dequantize_e4m3, quantize_e4m3
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import datetime as dt
 import hashlib
 import random
 
-from train.config import PerturbConfig
+from fledge.conf.schema import PerturbConfig
 
 SYSTEM_MODES = ("none", "default", "list")
 

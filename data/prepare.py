@@ -28,12 +28,12 @@ from pathlib import Path
 
 import numpy as np
 
-from data.atomic import write_json_atomic
-from data.chat import ChatRenderer, describe, eot_ids_from_target
-from data.perturb import chosen, perturb
-from data.sources import DataError, iter_rows, normalize
-from data.vocab import DraftVocab, count_masked, load_cached, save_with_key, tokenizer_fingerprint, vocab_key
-from train.config import Config, DataConfig, SourceConfig
+from fledge.atomic import write_json_atomic
+from fledge.data.chat import ChatRenderer, describe, eot_ids_from_target
+from fledge.data.perturb import chosen, perturb
+from fledge.data.sources import DataError, iter_rows, normalize
+from fledge.data.vocab import DraftVocab, count_masked, load_cached, save_with_key, tokenizer_fingerprint, vocab_key
+from fledge.conf.schema import Config, DataConfig, SourceConfig
 
 log = logging.getLogger(__name__)
 SHOW_ERRORS = 5
@@ -150,18 +150,9 @@ def tokenize_split(convs: list[dict], renderer: ChatRenderer, data: DataConfig, 
     return out, [convs[i] for i in keep], counts
 
 
-def run_stage(ctx) -> dict:
-    """Build the prepare outputs (see the module docstring); returns the stage summary (rank 0)."""
-    if not ctx.world.is_main:
-        ctx.world.barrier()
-        return {}
-    try:
-        return _run(ctx.cfg, Path(ctx.stage_dir))
-    finally:
-        ctx.world.barrier()
-
-
-def _run(cfg: Config, stage_dir: Path) -> dict:
+def prepare(cfg: Config, stage_dir: Path) -> dict:
+    """Build the prepare outputs (see the module docstring) in ``stage_dir``; returns the summary. One
+    process does this (the pipeline runs it on rank 0)."""
     data = cfg.data
     seed = data.seed + cfg.run.seed
     build = stage_dir / ".build"

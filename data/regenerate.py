@@ -1,6 +1,6 @@
 """Regeneration: re-answer the user turns of chat data with the target itself (EAGLE's recommended data).
 
-Not a pipeline stage: run ``scripts/regenerate.py`` (or :func:`regenerate`) once and point
+Not a pipeline stage: run ``fledge regenerate`` (or :func:`regenerate`) once and point
 ``data.sources`` at its output. Each assistant message is replaced, in order, by the target's answer to
 the conversation so far (earlier answers already regenerated); assistant messages carrying tool calls
 are kept as they are (their tool results would not match new calls).
@@ -13,8 +13,11 @@ there, so an interrupted run resumes. Each line records what was regenerated and
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
+import os
+import sys
 import threading
 import time
 import urllib.error
@@ -23,7 +26,20 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Iterable, Protocol
 
+from fledge.data.sources import DataError, iter_rows, normalize
+
 log = logging.getLogger(__name__)
+API_KEY_ENV = "FLEDGE_API_KEY"  # the OpenAI-compatible server's key; never taken from argv (ps shows argv)
+USAGE = """Re-answer a chat data set's user turns with the target.
+
+    FLEDGE_API_KEY=... fledge regenerate --input data.jsonl --output regen.jsonl \\
+        --endpoint http://127.0.0.1:8000/v1 --model meta-llama/Llama-3.1-8B-Instruct --concurrency 64
+    fledge regenerate --input data.jsonl --output regen.jsonl --in-process .cache/tiny_target/quick
+
+The server's API key, if it needs one, comes from the FLEDGE_API_KEY environment variable (never the
+command line, where other users of the machine can read it). Rerunning the same command resumes. Point
+data.sources[].path at the output afterwards.
+"""
 
 
 class Backend(Protocol):
@@ -173,3 +189,40 @@ def regenerate(conversations: Iterable[dict], out_path: str | Path, backend: Bac
     if stats["failed"]:
         log.warning("regenerate: %d conversations failed (rerun to retry): %s", stats["failed"], stats["first_errors"])
     return stats
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="fledge regenerate", description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--input", required=True, help="jsonl / json / parquet file, datasets dir or hub id")
+    ap.add_argument("--split", default="train")
+    ap.add_argument("--max-samples", type=int)
+    ap.add_argument("--output", required=True, help="append-only jsonl (resumed when it exists)")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--endpoint", help="OpenAI-compatible base url, e.g. http://127.0.0.1:8000/v1")
+    src.add_argument("--in-process", metavar="MODEL_DIR", help="generate with transformers in this process")
+    ap.add_argument("--model", help="served model name (with --endpoint)")
+    ap.add_argument("--api-key", help=argparse.SUPPRESS)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--max-tokens", type=int, default=1024)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--device", default="cpu", help="with --in-process")
+    a = ap.parse_args(argv)
+    if a.api_key is not None:
+        ap.error(f"--api-key on the command line is visible to every user of this machine (ps); "
+                 f"export {API_KEY_ENV}=... instead")
+    if a.endpoint and not a.model:
+        ap.error("--endpoint needs --model (the name the server serves)")
+    backend = (OpenAIBackend(a.endpoint, a.model, os.environ.get(API_KEY_ENV)) if a.endpoint
+               else TransformersBackend.from_pretrained(a.in_process, device=a.device))
+    convs, bad = [], 0
+    for row in iter_rows(a.input, a.split, a.max_samples):
+        try:
+            if row.error:
+                raise DataError(row.where, row.error)
+            convs.append({**normalize(row.record, row.where), "source": a.input, "index": row.index})
+        except DataError as e:
+            bad += 1
+            print(f"skipped {e}", file=sys.stderr)
+    stats = regenerate(convs, a.output, backend, a.temperature, a.max_tokens, a.concurrency)
+    print(json.dumps({**stats, "bad_rows": bad, "output": a.output}, indent=2))
+    return 1 if stats["failed"] else 0

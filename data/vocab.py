@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data.atomic import atomic_path, read_json, write_json_atomic
+from fledge.atomic import atomic_path, read_json, write_json_atomic
 
 
 @dataclass

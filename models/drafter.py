@@ -31,8 +31,8 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from models.attention import cached_attention, resolve_attention, ttt_attention
-from models.kernels.rmsnorm import RMSNorm
+from fledge.models.attention import cached_attention, resolve_attention, ttt_attention
+from fledge.models.kernels.rmsnorm import RMSNorm
 
 
 @dataclass

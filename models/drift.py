@@ -78,7 +78,7 @@ def drift_curves(drafter, target, prompts: Sequence[Sequence[int]], depth: int, 
     ``models.speculative.TargetRunner`` built with the drafter's aux layer ids."""
     from tqdm import tqdm
 
-    from models.speculative import DrafterProposer
+    from fledge.models.speculative import DrafterProposer
 
     probe = DriftProbe(drafter)
     proposer = DrafterProposer(drafter, probe=probe)

@@ -22,8 +22,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from data.atomic import atomic_path, read_json, write_json_atomic
-from models.serving_config import dialect_of, layer_config, serving_config, target_config_dict
+from fledge.atomic import atomic_path, read_json, write_json_atomic
+from fledge.models.serving_config import dialect_of, layer_config, serving_config, target_config_dict
 
 log = logging.getLogger(__name__)
 RECORD = "fledge_training.json"
@@ -148,7 +148,7 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, target_co
 def spec_from_export(drafter_dir: str | Path, target_num_hidden_layers: int | None = None):
     """The DrafterSpec of an exported dir: from our training record when present, else (public EAGLE-3
     checkpoints) from config.json, read as the target's layer settings plus the Eagle-3 fields."""
-    from models.drafter import DrafterSpec
+    from fledge.models.drafter import DrafterSpec
 
     d = Path(drafter_dir)
     record = read_json(d / RECORD)
@@ -197,7 +197,7 @@ def load_drafter(drafter_dir: str | Path, embed_weight: torch.Tensor | None = No
     """Read an exported dir (either dialect, or a public EAGLE-3 checkpoint in the HF layout) into an
     ``Eagle3Drafter``. When the export has no ``embed_tokens.weight``, it comes from ``embed_weight`` or
     from the target's safetensors (``target`` = a local dir); a missing ``t2d`` is rebuilt from ``d2t``."""
-    from models.drafter import Eagle3Drafter
+    from fledge.models.drafter import Eagle3Drafter
 
     d = Path(drafter_dir)
     L = None
@@ -224,7 +224,7 @@ def load_drafter(drafter_dir: str | Path, embed_weight: torch.Tensor | None = No
     missing, unexpected = model.load_state_dict(sd, strict=False)
     if missing or unexpected:
         raise ValueError(f"{d}: tensors do not match the drafter (missing {sorted(missing)}, unexpected "
-                         f"{sorted(unexpected)}); run scripts/lint_drafter.py on it")
+                         f"{sorted(unexpected)}); run `fledge lint` on it")
     return model.to(device)
 
 
@@ -259,72 +259,10 @@ def load_target_config(target_cfg) -> dict:
         target_cfg.name_or_path, revision=target_cfg.revision, trust_remote_code=target_cfg.trust_remote_code))
 
 
-def resolve_checkpoint(ctx) -> Path:
-    """export.checkpoint = best | last | a path -> the checkpoint directory."""
-    which = ctx.cfg.export.checkpoint
-    if which in ("best", "last"):
-        outputs = (ctx.upstream.get("train") or {}).get("outputs") or {}
-        path = outputs.get(which) or (outputs.get("last") if which == "best" else None)
-        if not path:
-            raise ValueError(f"export.checkpoint={which}: the train stage's manifest names no such checkpoint")
-    else:
-        path = which
-    p = Path(path)
-    if not p.is_absolute() and not p.exists() and (ctx.run_dir / p).exists():
-        p = ctx.run_dir / p
-    if not p.is_dir():
-        raise ValueError(f"export.checkpoint={which}: {p} is not a directory")
-    return p
-
-
-def run_stage(ctx) -> dict:
-    """Export stage: checkpoint -> ``<stage_dir>/drafter``, lint it, optionally push it to the Hub.
-    Rank 0 does the work; its outcome (summary or error) is broadcast so no rank waits on a failed one."""
-    from train.distributed import broadcast_object
-
-    result: dict[str, Any] = {}
-    if ctx.world.is_main:
-        try:
-            result = {"summary": _export(ctx)}
-        except ValueError as e:
-            result = {"error": str(e)}
-    result = broadcast_object(result)
-    if "error" in result:
-        raise ValueError(result["error"])
-    return result["summary"]
-
-
-def _export(ctx) -> dict:
-    from models.lint import format_findings, lint_drafter
-
-    cfg = ctx.cfg
-    out = ctx.stage_dir / "drafter"
-    ckpt = resolve_checkpoint(ctx)
-    target = load_target_config(cfg.target)
-    export_checkpoint(ckpt, out, target, fmt=cfg.export.format, max_shard_size=cfg.export.max_shard_size,
-                      target_name=cfg.target.name_or_path, speculative_tokens=cfg.eval.draft_tokens)
-    findings = lint_drafter(out, target) if cfg.export.lint else []
-    for line in format_findings(findings):
-        log.warning("lint: %s", line)
-    n_err = sum(f.level == "error" for f in findings)
-    summary: dict[str, Any] = {"drafter": str(out), "checkpoint": str(ckpt), "format": cfg.export.format,
-                               "lint_errors": n_err, "lint_warnings": len(findings) - n_err,
-                               "files": sorted(p.name for p in out.iterdir())}
-    if n_err:
-        raise ValueError(f"export: the drafter in {out} fails the linter with {n_err} error(s) (logged above); "
-                         "fix them (or set export.lint=false to keep it unpublished)")
-    if cfg.export.push_to_hub:
-        from models.hub import push_to_hub
-
-        summary["hub_url"] = push_to_hub(out, cfg.export.repo_id, private=cfg.export.private, run_dir=ctx.run_dir,
-                                         target_config=target, speculative_tokens=cfg.eval.draft_tokens)
-    return summary
-
-
 def random_state_dict(config: dict, seed: int = 0, include_embed: bool = True) -> dict[str, torch.Tensor]:
     """A random fp32 drafter state_dict matching a serving config (either dialect's config, drafter names),
     with a valid random draft vocab: for tests and dry runs of the export path without a trained drafter."""
-    from models.serving_config import expected_tensors
+    from fledge.models.serving_config import expected_tensors
 
     g = torch.Generator().manual_seed(seed)
     c = layer_config(config)

@@ -7,14 +7,16 @@ timeouts) are retried with exponential backoff; other errors (401, 403, 404, ...
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-from data.atomic import read_json
-from models.serving_config import dialect_of, layer_config
+from fledge.atomic import read_json
+from fledge.models.serving_config import dialect_of, layer_config
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -169,7 +171,7 @@ def push_to_hub(drafter_dir: str | Path, repo_id: str, private: bool = True, run
     Refuses an export with linter errors. ``token`` defaults to ``HF_TOKEN``."""
     from huggingface_hub import CommitOperationAdd, HfApi
 
-    from models.lint import format_findings, has_errors, lint_drafter
+    from fledge.models.lint import format_findings, has_errors, lint_drafter
 
     d = Path(drafter_dir)
     findings = lint_drafter(d, target_config)
@@ -191,3 +193,29 @@ def push_to_hub(drafter_dir: str | Path, repo_id: str, private: bool = True, run
                         "create_commit", attempts, base_delay)
     log.info("uploaded %s to %s (%s)", d, repo_id, "private" if private else "public")
     return str(info.commit_url)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="fledge push", description="Upload an exported drafter with a generated model card (token from HF_TOKEN, never printed).")
+    ap.add_argument("drafter_dir")
+    ap.add_argument("repo_id")
+    ap.add_argument("--public", action="store_true", help="create a public repo (default private)")
+    ap.add_argument("--run-dir", help="the run directory, for the card's eval table, plots and config")
+    ap.add_argument("--target", help="target: local dir, config.json, or hub id (default: from the export)")
+    ap.add_argument("--recipe", help="take the target's config from conf/recipe/<name>.yaml")
+    ap.add_argument("--k", type=int, default=5, help="num_speculative_tokens in the card's serving commands")
+    ap.add_argument("--endpoint", help="Hub endpoint (default HF_ENDPOINT or huggingface.co)")
+    args = ap.parse_args(argv)
+    from fledge.models.lint import resolve_target_config
+
+    drafter = Path(args.drafter_dir)
+    run_dir = args.run_dir or (drafter.parent.parent if drafter.parent.name == "export" else None)
+    try:
+        url = push_to_hub(drafter, args.repo_id, private=not args.public, run_dir=run_dir,
+                          target_config=resolve_target_config(args.target, args.recipe, drafter),
+                          speculative_tokens=args.k, endpoint=args.endpoint)
+    except ValueError as e:
+        print(f"push_to_hub: {e}", file=sys.stderr)
+        return 1
+    print(url)
+    return 0

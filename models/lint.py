@@ -9,6 +9,8 @@ is merely unusual.
 
 from __future__ import annotations
 
+import argparse
+
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,9 +18,9 @@ from typing import Any
 
 import torch
 
-from data.atomic import read_json
-from models.export import RECORD, read_tensors, tensor_headers
-from models.serving_config import (HF_ARCH, SPECULATORS_ARCH, dialect_of, expected_tensors, layer_config,
+from fledge.atomic import read_json
+from fledge.models.export import RECORD, read_tensors, tensor_headers
+from fledge.models.serving_config import (HF_ARCH, SPECULATORS_ARCH, dialect_of, expected_tensors, layer_config,
                                    rope_of, target_config_dict)
 
 _ST_DTYPE = {torch.bfloat16: "BF16", torch.int64: "I64", torch.bool: "BOOL"}
@@ -243,14 +245,9 @@ def _check_vocab_maps(d: Path, V: int, Vd: int, headers: dict, add) -> None:
 
 def compose_recipe(recipe: str, overrides: list[str] | None = None):
     """The typed Config of ``conf/recipe/<recipe>.yaml`` (Hydra's compose API over conf/)."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+    from fledge.conf import compose
 
-    from train.main import CONF_DIR, to_config  # registers the schema
-
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return to_config(compose(config_name="config", overrides=[f"recipe={recipe}", *(overrides or [])]))
+    return compose([f"recipe={recipe}", *(overrides or [])])
 
 
 def resolve_target_config(target: str | None = None, recipe: str | None = None,
@@ -260,7 +257,7 @@ def resolve_target_config(target: str | None = None, recipe: str | None = None,
     import json
 
     if recipe:
-        from models.export import load_target_config
+        from fledge.models.export import load_target_config
 
         return load_target_config(compose_recipe(recipe).target)
     if target is None and drafter_dir is not None:
@@ -276,3 +273,20 @@ def resolve_target_config(target: str | None = None, recipe: str | None = None,
     from transformers import AutoConfig
 
     return target_config_dict(AutoConfig.from_pretrained(target))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="fledge lint", description="Lint an exported drafter against its target: the silent failures of SPEC section 8.")
+    ap.add_argument("drafter_dir")
+    ap.add_argument("--target", help="target: local dir, config.json, or hub id (default: from the export)")
+    ap.add_argument("--recipe", help="take the target's config from conf/recipe/<name>.yaml")
+    args = ap.parse_args(argv)
+    target = resolve_target_config(args.target, args.recipe, args.drafter_dir)
+    if target is None:
+        print("note: no target config given or recorded; skipping the checks against the target")
+    findings = lint_drafter(args.drafter_dir, target)
+    for line in format_findings(findings):
+        print(line)
+    errors = sum(f.level == "error" for f in findings)
+    print(f"{args.drafter_dir}: {errors} error(s), {len(findings) - errors} warning(s)")
+    return 1 if has_errors(findings) else 0

@@ -108,7 +108,7 @@ class DrafterProposer:
         self.reset()
 
     def reset(self) -> None:
-        from models.drafter import DraftCache
+        from fledge.models.drafter import DraftCache
 
         self.cache, self.n = DraftCache(), 0
         self.last_logits = self.last_state = None

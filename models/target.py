@@ -13,6 +13,7 @@ trainer gets the teacher's draft-vocab rows without instantiating the target.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Optional
@@ -20,7 +21,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from train.config import TargetConfig
+from fledge.conf.schema import TargetConfig
 
 LOGITS_CHUNK_BYTES = 1 << 28  # ~256 MiB of logits per lm_head chunk
 _EMBED_SUFFIX = "embed_tokens.weight"
@@ -40,6 +41,20 @@ def check_target_config(hf_config, tcfg: TargetConfig) -> None:
                 f"target.{key}={want} but {tcfg.name_or_path} has {key}={got}; "
                 f"fix target.{key} in the recipe (conf/target/*.yaml)"
             )
+
+
+def target_fingerprint(name_or_path: str) -> str:
+    """For a local target: its config plus the size and mtime of its weight files (cheap, no reads
+    of the weights); for a hub id, the id itself (the revision is in the config slice)."""
+    p = Path(name_or_path)
+    if not p.is_dir():
+        return name_or_path
+    h = hashlib.sha256()
+    for f in sorted(p.iterdir()):
+        if f.suffix in (".json", ".safetensors", ".bin", ".model", ".jinja"):
+            st = f.stat()
+            h.update(f"{f.name}:{st.st_size}:{int(st.st_mtime)}".encode())
+    return h.hexdigest()[:16]
 
 
 class FrozenTarget:

@@ -20,16 +20,15 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-import torch  # noqa: E402
+import torch
 
-from data.capture import capture_rows, capture_split, dataset_lengths, pad_batch, plan_batches, store_meta  # noqa: E402
-from models.target import FrozenTarget  # noqa: E402
-from train.config import Config  # noqa: E402
-from train.distributed import World  # noqa: E402
+from fledge.data.capture import capture_rows, capture_split, dataset_lengths, pad_batch, plan_batches, store_meta
+from fledge.models.target import FrozenTarget
+from fledge.conf.schema import Config
+from fledge.distributed import World
 
 
 def build_target(args, root: Path) -> str:

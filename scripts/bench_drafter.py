@@ -26,14 +26,13 @@ VD = 8000
 
 
 def _one(impl: str, T: int, steps: int, iters: int) -> dict:
-    sys.path.insert(0, str(ROOT))
     import torch
     from transformers import LlamaConfig
 
-    from data.batch import FeatureBatch
-    from models.drafter import DrafterSpec, Eagle3Drafter
-    from train.config import DrafterConfig
-    from train.loss import ttt_loss
+    from fledge.data.batch import FeatureBatch
+    from fledge.models.drafter import DrafterSpec, Eagle3Drafter
+    from fledge.conf.schema import DrafterConfig
+    from fledge.train.loss import ttt_loss
 
     torch.manual_seed(0)
     cfg = LlamaConfig(**SHAPE, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,

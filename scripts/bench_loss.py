@@ -29,9 +29,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from models.kernels.fused_loss import fused_draft_loss  # noqa: E402
-from train.loss import _per_step_module_calls, _shared_teacher_steps  # noqa: E402
+from fledge.models.kernels.fused_loss import fused_draft_loss
+from fledge.train.loss import _per_step_module_calls, _shared_teacher_steps
 
 IMPLS = ("shared-triton", "shared-chunked", "per-step", "naive")
 

@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -24,10 +23,10 @@ def main() -> None:
     import datasets
     import torch
 
-    from data.prepare import run_stage
-    from train.config import Config, DataConfig, PerturbConfig, SourceConfig
-    from train.distributed import World
-    from train.stages import StageContext
+    from fledge.train.stages import prepare as run_stage
+    from fledge.conf.schema import Config, DataConfig, PerturbConfig, SourceConfig
+    from fledge.distributed import World
+    from fledge.train.stages import StageContext
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default=".cache/tiny_target/quick", help="a dir with the target's tokenizer")

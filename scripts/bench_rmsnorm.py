@@ -25,8 +25,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from models.kernels.rmsnorm import RMSNorm  # noqa: E402
+from fledge.models.kernels.rmsnorm import RMSNorm
 
 IMPLS = ("hf", "torch", "triton")
 
@@ -86,8 +85,8 @@ def time_and_peak(impl: str, n: int, h: int, device, dtype, reps: int) -> dict:
 
 
 def _triton_saved_under_interpreter(h: int, dtype: str) -> float:
-    code = (f"import sys, torch; sys.path.insert(0, {str(ROOT)!r}); "
-            f"from scripts.bench_rmsnorm import saved_bytes_per_element as f; "
+    code = (f"import runpy, torch; "
+            f"f = runpy.run_path({__file__!r})['saved_bytes_per_element']; "
             f"print(f('triton', 64, {h}, 'cpu', torch.{dtype}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=dict(os.environ, TRITON_INTERPRET="1"), timeout=600)

@@ -96,9 +96,7 @@ def train_flops(spec, steps: int, docs: list[int]) -> float:
 
 
 def _compose(name: str, k1: bool, zero: int):
-    from hydra import compose, initialize_config_dir
-
-    from train.main import CONF_DIR, to_config
+    from fledge.conf import compose
 
     c = CONFIGS[name]
     overrides = [f"recipe={c['recipe']}", f"drafter.draft_vocab_size={c['vd']}",
@@ -107,17 +105,16 @@ def _compose(name: str, k1: bool, zero: int):
                  f"deepspeed.zero_stage={zero}", "deepspeed.offload_optimizer=false",
                  f"target.num_hidden_layers={c['shape']['num_hidden_layers']}",
                  f"target.hidden_size={c['shape']['hidden_size']}", f"target.vocab_size={c['shape']['vocab_size']}"]
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return to_config(compose(config_name="config", overrides=overrides))
+    return compose(overrides)
 
 
 def _build(name: str, cfg, device):
     """TTTModel (random weights, random vocab map) and one synthetic batch on ``device``."""
     import torch
 
-    from data.batch import FeatureBatch
-    from models.drafter import DrafterSpec, Eagle3Drafter
-    from train.ttt_model import TTTModel
+    from fledge.data.batch import FeatureBatch
+    from fledge.models.drafter import DrafterSpec, Eagle3Drafter
+    from fledge.train.ttt_model import TTTModel
 
     c = CONFIGS[name]
     V, Vd, T = c["shape"]["vocab_size"], c["vd"], c["T"]
@@ -149,20 +146,18 @@ def _build(name: str, cfg, device):
 
 def _one(job: dict) -> dict:
     """One measurement in this (fresh) process; ``job['mode']`` is ``train`` or ``build`` (memory baseline)."""
-    sys.path.insert(0, str(ROOT))
     import deepspeed  # noqa: F401  (imported by the baseline too, so its RSS cancels)
     import torch
 
-    import train.main  # noqa: F401  (registers the config schema)
-    from train.distributed import destroy_world, init_world
-    from train.engine import build_engine, use_bf16
+    from fledge.distributed import destroy_world, init_world
+    from fledge.train.engine import build_engine, use_bf16
 
     world = init_world()
     name, var = job["config"], VARIANTS[job["variant"]]
     if var.get("per_step_teacher"):  # the earlier loss: the teacher recomputed in every step (ZeRO-3's path)
-        import train.loss
+        import fledge.train.loss
 
-        train.loss._partitioned = lambda lm_head: True
+        fledge.train.loss._partitioned = lambda lm_head: True
     cfg = _compose(name, var["k1"], var["zero"])
     cuda = world.device.type == "cuda"
     model, batch, spec = _build(name, cfg, world.device)

@@ -8,14 +8,18 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from types import SimpleNamespace  # noqa: E402
+
 import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers import LlamaConfig  # noqa: E402
 
-try:
-    import torch
+import fledge.data.tiny_target as tiny_target_builder  # noqa: E402
+from fledge.conf.schema import DrafterConfig  # noqa: E402
+from fledge.data.batch import FeatureBatch  # noqa: E402
+from fledge.models.drafter import DrafterSpec, Eagle3Drafter  # noqa: E402
 
-    HAS_CUDA = torch.cuda.is_available()
-except ImportError:  # pragma: no cover
-    HAS_CUDA = False
+HAS_CUDA = torch.cuda.is_available()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -27,42 +31,101 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip_gpu)
 
 
-def _tiny_target_script():
-    """scripts/ is not a package: load make_tiny_target.py by path (once per session)."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    name = "make_tiny_target"
-    if name not in sys.modules:
-        path = Path(__file__).resolve().parents[1] / "scripts" / "make_tiny_target.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
 @pytest.fixture(scope="session")
 def tiny_target_script():
-    """The scripts/make_tiny_target.py module (build_tiny_target, build_data, build_tokenizer, ...)."""
-    return _tiny_target_script()
+    """The fledge.data.tiny_target module (build_tiny_target, build_data, build_tokenizer, ...)."""
+    return tiny_target_builder
 
 
 @pytest.fixture(scope="session")
 def tiny_target():
     """Path of the quick tiny target (a trained Llama + chat tokenizer), built once into .cache (~2 min)."""
-    return _tiny_target_script().build_tiny_target("quick")
+    return tiny_target_builder.build_tiny_target("quick")
 
 
 @pytest.fixture(scope="session")
 def tiny_data():
     """Path of the tiny recipe's data dir (train.jsonl, eval.jsonl), built once into .cache (seconds)."""
-    return _tiny_target_script().build_data()
+    return tiny_target_builder.build_data()
 
 
 @pytest.fixture(scope="session")
 def random_tiny_target(tmp_path_factory):
     """Path of an untrained Llama of the tiny target's shape with its tokenizer (seconds), for tests of
     mechanics that do not need a learned target."""
-    return _tiny_target_script().save_random_target(tmp_path_factory.mktemp("random_tiny_target"))
+    return tiny_target_builder.save_random_target(tmp_path_factory.mktemp("random_tiny_target"))
+
+
+# ---- shared helpers (import them as ``from conftest import ...``) -------------------------------------
+
+FLAGS = {
+    "eagle3": dict(fc_norm=False, norm_output=False),
+    "eagle31": dict(fc_norm=True, norm_output=True),
+    "norm_before_fc": dict(fc_norm=False, norm_output=False, norm_before_fc=True),
+}
+
+
+def target_config(**rope):
+    return LlamaConfig(
+        hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=6,
+        vocab_size=50, max_position_embeddings=4096, rms_norm_eps=1e-5,
+        rope_parameters=rope or {"rope_type": "default", "rope_theta": 10000.0},
+    )
+
+
+def make_drafter(seed=0, attention="sdpa", **flags):
+    torch.manual_seed(seed)
+    spec = DrafterSpec.from_target_config(target_config(), DrafterConfig(draft_vocab_size=40, **flags), [2, 3, 4])
+    d = Eagle3Drafter(spec, attention=attention)
+    with torch.no_grad():  # non-trivial norm weights so a skipped norm is visible
+        for name, p in d.named_parameters():
+            if name.endswith("norm.weight") or ".norm" in name or "fc_norm" in name or "input_norm" in name:
+                p.uniform_(0.5, 1.5)
+    return d.eval()
+
+
+def packed_batch(seed=1, T=19, H=32, n_aux=3):
+    g = torch.Generator().manual_seed(seed)
+    doc = torch.tensor([[0] * 9 + [1] * 8 + [-1] * 2, [0] * T])
+    pos = torch.zeros_like(doc)
+    for b in range(doc.shape[0]):
+        for t in range(1, T):
+            pos[b, t] = pos[b, t - 1] + 1 if doc[b, t] == doc[b, t - 1] else 0
+    B = doc.shape[0]
+    return FeatureBatch(
+        input_ids=torch.randint(0, 50, (B, T), generator=g),
+        loss_mask=torch.rand(B, T, generator=g) > 0.2,
+        aux_hidden=torch.randn(B, T, n_aux * H, generator=g),
+        target_hidden=torch.randn(B, T, H, generator=g),
+        target_argmax=torch.randint(0, 40, (B, T), generator=g),
+        position_ids=pos,
+        document_ids=doc.int(),
+    )
+
+
+def random_llama(seed=0, vocab_size=96):
+    """An untrained 6-layer Llama (hidden 32, GQA) for speculative-decoding mechanics."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=vocab_size, max_position_embeddings=256)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def random_drafter(target, norm_output=True, seed=1, vd=64):
+    """An Eagle3Drafter with random weights (norms too) and a random draft vocab of ``vd`` ids."""
+    v = target.config.vocab_size
+    flags = SimpleNamespace(fc_norm=norm_output, norm_output=norm_output, norm_before_fc=False, draft_vocab_size=vd)
+    spec = DrafterSpec.from_target_config(target.config, flags, [2, 3, 4])
+    torch.manual_seed(seed)
+    d = Eagle3Drafter(spec)
+    for p in d.parameters():  # random weights everywhere, norms included
+        if p.requires_grad:
+            p.data.normal_(0, 0.3 if p.dim() > 1 else 0.1).add_(1.0 if p.dim() == 1 else 0.0)
+    sel = torch.sort(torch.randperm(v, generator=torch.Generator().manual_seed(seed))[:vd]).values
+    t2d = torch.zeros(v, dtype=torch.bool)
+    t2d[sel] = True
+    d.set_vocab(sel - torch.arange(vd), t2d)
+    d.load_target_embedding(target.get_input_embeddings().weight.detach())
+    return d.eval()

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from data.atomic import atomic_path, read_json, write_bytes_atomic, write_json_atomic
-from train.distributed import World
+from fledge.atomic import atomic_path, read_json, write_bytes_atomic, write_json_atomic
+from fledge.distributed import World
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from train.config import Config
-from train.distributed import World
+from fledge.conf.schema import Config
+from fledge.distributed import World
 
 log = logging.getLogger(__name__)
 

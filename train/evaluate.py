@@ -24,8 +24,8 @@ from typing import Sequence
 import torch
 from tqdm import tqdm
 
-from data.atomic import read_json
-from models.speculative import (DrafterProposer, LookupProposer, TargetRunner, first_divergence, greedy_decode,
+from fledge.atomic import read_json
+from fledge.models.speculative import (DrafterProposer, LookupProposer, TargetRunner, first_divergence, greedy_decode,
                                 speculative_decode)
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ def prompt_upto(conv: dict) -> int:
 def lengthen(conv: dict, others: Sequence[dict], renderer, want_tokens: int) -> dict:
     """A copy of ``conv`` whose first user turn is prefixed with held-out text (the assistant answers of
     ``others``) until the prompt reaches about ``want_tokens`` tokens."""
-    from data.chat import prompt_ids
+    from fledge.data.chat import prompt_ids
 
     upto = prompt_upto(conv)
     first = next(i for i, m in enumerate(conv["messages"]) if m["role"] == "user")
@@ -80,7 +80,7 @@ def lengthen(conv: dict, others: Sequence[dict], renderer, want_tokens: int) -> 
 def build_prompt_sets(eval_cfg, renderer, prepare_dir: Path, max_prompt_tokens: int) -> dict[str, list[list[int]]]:
     """{set name: prompt token ids}; a set whose file is missing is skipped with a warning. Prompts longer
     than ``max_prompt_tokens`` are cut from the left (the generation prompt at the end is kept)."""
-    from data.chat import prompt_ids
+    from fledge.data.chat import prompt_ids
 
     sets = {}
     for name in eval_cfg.sets:
@@ -215,31 +215,14 @@ def _shift(x: torch.Tensor, s: int, fill) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------ the stage
-def run_stage(ctx) -> dict:
-    """Eval stage (rank 0 works, the other ranks wait): writes report.json / report.md / plots."""
-    summary = evaluate_run(ctx.cfg, ctx.run_dir, ctx.stage_dir, drafter_dir_of(ctx), ctx.world.device) \
-        if ctx.world.is_main else {}
-    ctx.world.barrier()
-    return summary
-
-
-def drafter_dir_of(ctx) -> Path:
-    outputs = (ctx.upstream.get("export") or {}).get("outputs") or {}
-    path = outputs.get("drafter") or outputs.get("path")
-    if not path:
-        raise ValueError("eval: the export stage's manifest names no drafter directory; run the export stage "
-                         "(run.stages=[export,eval])")
-    return Path(path)
-
-
 def evaluate_run(cfg, run_dir: Path, out_dir: Path, drafter_dir: Path, device: torch.device) -> dict:
     """Everything the eval stage measures, for an exported drafter in ``drafter_dir``."""
-    from data.chat import ChatRenderer, eot_ids_from_target
-    from data.prepare import load_tokenizer
-    from models.drift import drift_curves
-    from models.export import load_drafter
-    from models.target import FrozenTarget
-    from train.report import write_report
+    from fledge.data.chat import ChatRenderer, eot_ids_from_target
+    from fledge.data.prepare import load_tokenizer
+    from fledge.models.drift import drift_curves
+    from fledge.models.export import load_drafter
+    from fledge.models.target import FrozenTarget
+    from fledge.train.report import write_report
 
     ev, K = cfg.eval, cfg.drafter.ttt_steps
     renderer = ChatRenderer(load_tokenizer(cfg), extra_eot_ids=eot_ids_from_target(cfg.target.name_or_path,

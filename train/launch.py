@@ -1,4 +1,4 @@
-"""Slurm -> torchrun: ``srun python -m train.launch train/main.py recipe=NAME [overrides]``.
+"""Slurm -> torchrun: ``srun python -m fledge.train.launch fledge.train.main recipe=NAME [overrides]``.
 
 Under Slurm, srun starts ONE task per node running this module; it reads the SLURM_* variables, works
 out the rendezvous (first node of the allocation, node rank, nodes, workers per node) and execs
@@ -206,13 +206,13 @@ def capture_slice_overrides(env: Mapping[str, str], num_slices: int) -> list[str
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m train.launch", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m fledge.train.launch", description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc-per-node", type=int, default=None, help="workers per node (default: GPUs on node)")
     p.add_argument("--rdzv-backend", default="c10d", choices=["c10d", "static"])
     p.add_argument("--capture-slices", type=int, default=None, metavar="N",
                    help="array-job capture: this task captures slice SLURM_ARRAY_TASK_ID of N")
     p.add_argument("--dry-run", action="store_true", help="print the torchrun command instead of running it")
-    p.add_argument("script", help="the entry point, e.g. train/main.py")
+    p.add_argument("script", help="the entry point: a module (fledge.train.main, run as torchrun -m) or a .py file")
     p.add_argument("overrides", nargs=argparse.REMAINDER, help="Hydra overrides passed to the script")
     return p.parse_args(argv)
 
@@ -224,7 +224,8 @@ def build_command(args: argparse.Namespace, env: Mapping[str, str], python: str 
         rdzv_args = from_slurm_env(env, args.nproc_per_node).torchrun_args(args.rdzv_backend)
     else:
         rdzv_args = ["--standalone", f"--nproc_per_node={nproc_per_node(env, args.nproc_per_node)}"]
-    return [python, "-m", "torch.distributed.run", *rdzv_args, args.script, *args.overrides, *extra]
+    entry = [args.script] if args.script.endswith(".py") else ["-m", args.script]
+    return [python, "-m", "torch.distributed.run", *rdzv_args, *entry, *args.overrides, *extra]
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from data.batch import FeatureBatch
+from fledge.data.batch import FeatureBatch
 
 
 @dataclass
@@ -68,7 +68,7 @@ def _shared_teacher_steps(ys_flat, counted, th_flat, lm_head, teacher_head, impl
     expected head row q (models/kernels/fused_loss.py) is computed once for the union of the rows any
     step needs, and each step pays only for its drafter logsumexp. No [rows, Vd] tensor outlives a chunk.
     """
-    from models.kernels import draft_logsumexp, gather_dot, teacher_expectation
+    from fledge.models.kernels import draft_logsumexp, gather_dot, teacher_expectation
 
     w = lm_head.weight
     rows = [c.nonzero().squeeze(1) for c in counted]

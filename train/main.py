@@ -1,7 +1,8 @@
-"""Fledge entry point: ``torchrun --nproc_per_node=N train/main.py recipe=NAME [overrides]``.
+"""Fledge entry point: ``torchrun --nproc_per_node=N train/main.py recipe=NAME [overrides]`` (or
+``fledge run recipe=NAME``).
 
-Hydra composes conf/ over the dataclass schema in train/config.py; this file turns the result into
-typed objects once, sets up the process group, and runs the selected stages (train/stages.py).
+Hydra composes conf/ over the dataclass schema (fledge.conf); this file turns the result into typed
+objects once, sets up the process group, and runs the selected stages (train/stages.py).
 """
 
 from __future__ import annotations
@@ -11,31 +12,19 @@ import os
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repo's packages importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import hydra
-from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from train.config import Config
+from fledge.conf import CONF_DIR, Config, to_config
 
-CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
-ConfigStore.instance().store(name="fledge_schema", node=Config)
 log = logging.getLogger("fledge")
 
 
-def to_config(dcfg: DictConfig) -> Config:
-    """DictConfig (already type-checked by the schema) -> validated Config dataclasses."""
-    cfg = OmegaConf.to_object(dcfg)
-    assert isinstance(cfg, Config)
-    return cfg.validate()
-
-
 def run(cfg: Config) -> dict:
-    from data.atomic import write_bytes_atomic
-    from train.distributed import destroy_world, init_world, setup_logging
-    from train.stages import run_stages
+    from fledge.atomic import write_bytes_atomic
+    from fledge.distributed import destroy_world, init_world, setup_logging
+    from fledge.train.runner import run_stages
+    from fledge.train.stages import STAGES
 
     world = init_world()
     setup_logging(world)
@@ -44,7 +33,7 @@ def run(cfg: Config) -> dict:
         write_bytes_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(cfg)).encode())
         log.info("recipe %s, run directory %s, world %d on %s", cfg.recipe, run_dir, world.world_size, world.device)
     try:
-        manifests = run_stages(cfg, world)
+        manifests = run_stages(cfg, world, STAGES)
     finally:
         destroy_world()
     if world.is_main:
@@ -61,16 +50,20 @@ def main(dcfg: DictConfig) -> None:
     except ValueError as e:
         print(f"fledge: config error: {e}", file=sys.stderr)
         sys.exit(2)
-    from train.trainer import PREEMPTED_EXIT_CODE, Preempted
+    from fledge.train.trainer import PREEMPTED_EXIT_CODE, Preempted
 
     try:
         run(cfg)
-    except NotImplementedError as e:
-        print(f"fledge: {e}", file=sys.stderr)
-        sys.exit(3)
     except Preempted as e:
         print(f"fledge: {e}", file=sys.stderr)
         sys.exit(PREEMPTED_EXIT_CODE)
+
+
+def cli(argv: list[str]) -> int:
+    """``fledge run [overrides]``: Hydra reads its overrides from sys.argv."""
+    sys.argv = ["fledge run", *argv]
+    main()
+    return 0
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from train.config import Config
-from train.distributed import all_reduce_sum
+from fledge.conf.schema import Config
+from fledge.distributed import all_reduce_sum
 
 log = logging.getLogger(__name__)
 

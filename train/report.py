@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 from typing import Optional
 
-from data.atomic import write_bytes_atomic, write_json_atomic
+from fledge.atomic import write_bytes_atomic, write_json_atomic
 
 
 def _fmt(x, digits: int = 2) -> str:

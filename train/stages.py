@@ -1,190 +1,129 @@
-"""The stage runner: prepare -> capture -> train -> export -> eval, resumable by manifest.
+"""The five pipeline stages, each an ordinary function of a typed :class:`StageContext`.
 
-Each stage writes ``<run_dir>/<stage>/manifest.json`` holding a hash of its inputs (its config slice,
-the upstream manifests, code-relevant versions, a fingerprint of a local target). A stage whose
-complete manifest matches is skipped, so re-running a command resumes. A stage whose inputs changed
-starts over in a cleared directory, and since every downstream hash includes its upstream manifest,
-the change cascades. An incomplete manifest with the same hash means "interrupted": the stage runs
-again over its own partial output and is expected to resume it (capture keeps finished shards,
-train loads its last checkpoint). A stage may also finish on purpose with part of its work done (one
-slice of an array capture): its summary then holds ``"complete": False``, the manifest stays incomplete
-and the stages after it do not run.
+A stage here is glue only: it reads what it needs from the context (config, world, run and stage
+directories, upstream manifests), decides which ranks work, and calls the library that owns the work
+(``fledge.data.prepare``, ``fledge.data.capture``, the trainer, ``fledge.models.export``, the evaluator).
+The runner (train/runner.py) orders them, hashes their inputs and records their manifests.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import importlib
-import json
 import logging
-import os
-import shutil
-import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from train.config import STAGES, Config
-from train.distributed import World, broadcast_object
-from data.atomic import read_json, write_json_atomic
+from fledge.conf.schema import Config
+from fledge.distributed import broadcast_object
+from fledge.train.runner import StageContext
 
 log = logging.getLogger(__name__)
-SCHEMA_VERSION = 1
-
-# Where each stage's entry point lives: "module:function", imported only when the stage runs.
-STAGE_ENTRY = {
-    "prepare": "data.prepare:run_stage",
-    "capture": "data.capture:run_stage",
-    "train": "train.trainer:run_stage",
-    "export": "models.export:run_stage",
-    "eval": "train.evaluate:run_stage",
-}
-TRAIN_CADENCE = ("max_steps", "epochs", "grad_accum", "save_every", "keep_last", "eval_every", "eval_batches",
-                 "log_every", "max_nonfinite")
-UPSTREAM = {"prepare": None, "capture": "prepare", "train": "capture", "export": "train", "eval": "export"}
 
 
-@dataclass
-class StageContext:
-    """What a stage receives: the typed config, where to write, and the upstream manifests."""
+def prepare(ctx: StageContext) -> dict:
+    """Tokenize the chat data with assistant-only masks and build the draft vocab (rank 0 works)."""
+    from fledge.data.prepare import prepare as build
 
-    cfg: Config
-    world: World
-    run_dir: Path
-    stage_dir: Path
-    upstream: dict[str, dict]  # stage name -> its complete manifest (all earlier stages present)
-
-    def dir_of(self, stage: str) -> Path:
-        return self.run_dir / stage
-
-
-def config_slice(cfg: Config, stage: str) -> dict[str, Any]:
-    """The config values a stage's output depends on (logging and later stages excluded)."""
-    d = dataclasses.asdict
-    target = {k: v for k, v in d(cfg.target).items() if k != "config_overrides"}
-    if stage == "prepare":
-        return {"target": target, "data": d(cfg.data), "draft_vocab_size": cfg.drafter.draft_vocab_size,
-                "seed": cfg.run.seed}
-    if stage == "capture":
-        # The slice fields are left out: the array tasks of one capture and its merge must agree on the
-        # hash, or each would clear the others' output (and slicing does not change the store's content).
-        cap = {k: v for k, v in d(cfg.capture).items() if k not in ("num_slices", "slice_index")}
-        return {"target": target, "capture": cap, "aux_layer_ids": cfg.aux_layer_ids()}
-    if stage == "train":
-        # Run length and cadence are left out: changing them (or grad_accum together with the world
-        # size) continues from the last checkpoint instead of discarding the run.
-        train = {k: v for k, v in d(cfg.train).items() if k not in TRAIN_CADENCE}
-        return {"drafter": d(cfg.drafter), "train": train, "deepspeed": d(cfg.deepspeed),
-                "capture_mode": cfg.capture.mode, "seed": cfg.run.seed}
-    if stage == "export":
-        return {"export": {k: v for k, v in d(cfg.export).items() if k not in ("push_to_hub", "private")}}
-    if stage == "eval":
-        return {"eval": d(cfg.eval)}
-    raise AssertionError(stage)
-
-
-def target_fingerprint(name_or_path: str) -> str:
-    """For a local target: its config plus the size and mtime of its weight files (cheap, no reads
-    of the weights); for a hub id, the id itself (the revision is in the config slice)."""
-    p = Path(name_or_path)
-    if not p.is_dir():
-        return name_or_path
-    h = hashlib.sha256()
-    for f in sorted(p.iterdir()):
-        if f.suffix in (".json", ".safetensors", ".bin", ".model", ".jinja"):
-            st = f.stat()
-            h.update(f"{f.name}:{st.st_size}:{int(st.st_mtime)}".encode())
-    return h.hexdigest()[:16]
-
-
-def inputs_hash(cfg: Config, stage: str, upstream: dict[str, dict]) -> str:
-    import torch
-    import transformers
-
-    payload = {
-        "schema": SCHEMA_VERSION,
-        "stage": stage,
-        "config": config_slice(cfg, stage),
-        "upstream": {k: v["inputs_hash"] for k, v in upstream.items()},
-        "versions": {"torch": torch.__version__.split("+")[0], "transformers": transformers.__version__},
-    }
-    if stage in ("prepare", "capture"):
-        payload["target_fingerprint"] = target_fingerprint(cfg.target.name_or_path)
-    blob = json.dumps(payload, sort_keys=True, default=str).encode()
-    return hashlib.sha256(blob).hexdigest()[:20]
-
-
-def load_entry(stage: str) -> Callable[[StageContext], dict]:
-    module_name, fn_name = STAGE_ENTRY[stage].split(":")
     try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name == module_name:
-            raise NotImplementedError(
-                f"stage '{stage}' is not built yet ({module_name} does not exist); "
-                f"select the stages that exist with run.stages=[...]"
-            ) from None
-        raise
-    return getattr(module, fn_name)
+        return build(ctx.cfg, Path(ctx.stage_dir)) if ctx.world.is_main else {}
+    finally:
+        ctx.world.barrier()
 
 
-def run_stages(cfg: Config, world: World) -> dict[str, dict]:
-    """Run the selected stages in pipeline order; return every stage's manifest that exists."""
-    run_dir = Path(cfg.run.output_root) / cfg.run.name
-    selected = [s for s in STAGES if s in cfg.run.stages]
-    manifests: dict[str, dict] = {}
-    for stage in STAGES:
-        m = read_json(run_dir / stage / "manifest.json")
-        if stage not in selected:
-            if m and m.get("complete"):
-                manifests[stage] = m
-            continue
-        up = UPSTREAM[stage]
-        if up and up not in manifests and not _skippable_upstream(cfg, stage):
-            raise ValueError(
-                f"stage '{stage}' needs the output of '{up}', which is missing or incomplete in {run_dir}; "
-                f"add it to run.stages (e.g. run.stages=[{up},{stage}])"
-            )
-        upstream = dict(manifests)
-        h = inputs_hash(cfg, stage, upstream)
-        stage_dir = run_dir / stage
-        if m and m.get("complete") and m.get("inputs_hash") == h and stage not in cfg.run.force:
-            log.info("stage %s: up to date (manifest %s), skipped", stage, h)
-            manifests[stage] = m
-            continue
-        if world.is_main:
-            if m and (m.get("inputs_hash") != h or stage in cfg.run.force):
-                log.warning("stage %s: inputs changed (%s -> %s); starting it over", stage, m.get("inputs_hash"), h)
-                shutil.rmtree(stage_dir, ignore_errors=True)
-            stage_dir.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(stage_dir / "manifest.json", {
-                "stage": stage, "inputs_hash": h, "complete": False, "started": time.time()})
-        world.barrier()
-        log.info("stage %s: running -> %s", stage, stage_dir)
-        t0 = time.time()
-        entry = load_entry(stage)
-        outputs = entry(StageContext(cfg, world, run_dir, stage_dir, upstream)) or {}
-        outputs = broadcast_object(outputs)  # rank 0's summary is the one recorded
-        world.barrier()
-        complete = outputs.pop("complete", True) is not False
-        manifest = {"stage": stage, "inputs_hash": h, "complete": complete, "seconds": round(time.time() - t0, 1),
-                    "outputs": outputs, "pid": os.getpid()}
-        if not complete:
-            manifest["partial"] = True
-        if world.is_main:
-            write_json_atomic(stage_dir / "manifest.json", manifest)
-        world.barrier()
-        if not complete:
-            later = [s for s in selected if STAGES.index(s) > STAGES.index(stage)]
-            log.warning("stage %s: partial output recorded, the stage stays incomplete%s", stage,
-                        f"; not running {later}" if later else "")
-            break
-        manifests[stage] = manifest
-        log.info("stage %s: done in %.1fs", stage, manifest["seconds"])
-    return manifests
+def capture(ctx: StageContext) -> dict:
+    """Capture the target's states for every prepared split into the feature store (all ranks)."""
+    from fledge.data.capture import capture as run_capture
+
+    prep = ctx.dir_of("prepare")
+    if ctx.cfg.capture.mode == "offline" and not (prep / "train").exists():
+        raise ValueError(f"{prep / 'train'} does not exist: run the prepare stage first (run.stages=[prepare,capture])")
+    return run_capture(ctx.cfg, ctx.world, prep, ctx.stage_dir, ctx.upstream.get("prepare"),
+                       array_script=ctx.run_dir / "slurm" / "capture_array.sbatch")
 
 
-def _skippable_upstream(cfg: Config, stage: str) -> bool:
-    # Online training reads the target live: it needs prepare, not capture.
-    return stage == "train" and cfg.capture.mode == "online"
+def train(ctx: StageContext) -> dict:
+    """Train the drafter with training-time test under DeepSpeed (all ranks)."""
+    from fledge.train.trainer import run_training
+
+    return run_training(ctx)
+
+
+def export(ctx: StageContext) -> dict:
+    """Checkpoint -> serving directory, linted, optionally pushed (rank 0 works; its outcome, summary or
+    error, reaches every rank so none waits on a failed one)."""
+    result: dict[str, Any] = {}
+    if ctx.world.is_main:
+        try:
+            result = {"summary": _export(ctx.cfg, ctx.run_dir, ctx.stage_dir / "drafter", checkpoint_of(ctx))}
+        except ValueError as e:
+            result = {"error": str(e)}
+    result = broadcast_object(result)
+    if "error" in result:
+        raise ValueError(result["error"])
+    return result["summary"]
+
+
+def evaluate(ctx: StageContext) -> dict:
+    """Measure the exported drafter: acceptance, baselines, drift (rank 0 works, the others wait)."""
+    from fledge.train.evaluate import evaluate_run
+
+    summary = evaluate_run(ctx.cfg, ctx.run_dir, ctx.stage_dir, drafter_dir_of(ctx), ctx.world.device) \
+        if ctx.world.is_main else {}
+    ctx.world.barrier()
+    return summary
+
+
+def _export(cfg: Config, run_dir: Path, out: Path, ckpt: Path) -> dict:
+    from fledge.models.export import export_checkpoint, load_target_config
+    from fledge.models.lint import format_findings, lint_drafter
+
+    target = load_target_config(cfg.target)
+    export_checkpoint(ckpt, out, target, fmt=cfg.export.format, max_shard_size=cfg.export.max_shard_size,
+                      target_name=cfg.target.name_or_path, speculative_tokens=cfg.eval.draft_tokens)
+    findings = lint_drafter(out, target) if cfg.export.lint else []
+    for line in format_findings(findings):
+        log.warning("lint: %s", line)
+    n_err = sum(f.level == "error" for f in findings)
+    summary: dict[str, Any] = {"drafter": str(out), "checkpoint": str(ckpt), "format": cfg.export.format,
+                               "lint_errors": n_err, "lint_warnings": len(findings) - n_err,
+                               "files": sorted(p.name for p in out.iterdir())}
+    if n_err:
+        raise ValueError(f"export: the drafter in {out} fails the linter with {n_err} error(s) (logged above); "
+                         "fix them (or set export.lint=false to keep it unpublished)")
+    if cfg.export.push_to_hub:
+        from fledge.models.hub import push_to_hub
+
+        summary["hub_url"] = push_to_hub(out, cfg.export.repo_id, private=cfg.export.private, run_dir=run_dir,
+                                         target_config=target, speculative_tokens=cfg.eval.draft_tokens)
+    return summary
+
+
+STAGES: dict[str, Callable[[StageContext], dict]] = {
+    "prepare": prepare, "capture": capture, "train": train, "export": export, "eval": evaluate}
+
+
+def checkpoint_of(ctx: StageContext) -> Path:
+    """export.checkpoint = best | last | a path -> the checkpoint directory."""
+    which = ctx.cfg.export.checkpoint
+    if which in ("best", "last"):
+        outputs = (ctx.upstream.get("train") or {}).get("outputs") or {}
+        path = outputs.get(which) or (outputs.get("last") if which == "best" else None)
+        if not path:
+            raise ValueError(f"export.checkpoint={which}: the train stage's manifest names no such checkpoint")
+    else:
+        path = which
+    p = Path(path)
+    if not p.is_absolute() and not p.exists() and (ctx.run_dir / p).exists():
+        p = ctx.run_dir / p
+    if not p.is_dir():
+        raise ValueError(f"export.checkpoint={which}: {p} is not a directory")
+    return p
+
+
+def drafter_dir_of(ctx: StageContext) -> Path:
+    """The exported drafter directory named by the export stage's manifest."""
+    outputs = (ctx.upstream.get("export") or {}).get("outputs") or {}
+    path = outputs.get("drafter") or outputs.get("path")
+    if not path:
+        raise ValueError("eval: the export stage's manifest names no drafter directory; run the export stage "
+                         "(run.stages=[export,eval])")
+    return Path(path)

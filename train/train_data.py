@@ -9,22 +9,22 @@ from __future__ import annotations
 
 import torch
 
-from data.feature_reader import BatchIterator
-from train.config import Config
-from train.stages import StageContext
+from fledge.data.feature_reader import BatchIterator
+from fledge.conf.schema import Config
+from fledge.train.runner import StageContext
 
 
 def build_loaders(cfg: Config, ctx: StageContext, dtype: torch.dtype) -> tuple[BatchIterator, BatchIterator]:
     """This rank's (train, eval) loaders; online mode shares one frozen target between them."""
     t, w = cfg.train, ctx.world
     if cfg.capture.mode == "offline":
-        from data.feature_reader import FeatureLoader
+        from fledge.data.feature_reader import FeatureLoader
 
         return tuple(FeatureLoader(ctx.run_dir / "capture" / split, w.rank, w.world_size, t.micro_batch_tokens,
                                    t.micro_batch_size, cfg.run.seed, cfg=cfg, dtype=dtype)
                      for split in ("train", "eval"))
-    from data.capture import OnlineFeatureSource
-    from models.target import FrozenTarget
+    from fledge.data.capture import OnlineFeatureSource
+    from fledge.models.target import FrozenTarget
 
     target = FrozenTarget.load(cfg.target, w.device, cfg.aux_layer_ids(), cfg.capture.device_map)
     return tuple(OnlineFeatureSource(cfg, w, target=target, split=split, run_dir=ctx.run_dir)

@@ -17,14 +17,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from train import checkpoint
-from train.config import Config
-from train.distributed import World, all_reduce_sum
-from train.engine import build_engine, use_bf16
-from train.metrics import MetricsLog, RatioMeter, al_estimate
-from train.stages import StageContext
-from train.ttt_model import TTTModel, build_ttt_model
-from train.train_data import build_loaders
+from fledge.train import checkpoint
+from fledge.conf.schema import Config
+from fledge.distributed import World, all_reduce_sum
+from fledge.train.engine import build_engine, use_bf16
+from fledge.train.metrics import MetricsLog, RatioMeter, al_estimate
+from fledge.train.runner import StageContext
+from fledge.train.ttt_model import TTTModel, build_ttt_model
+from fledge.train.train_data import build_loaders
 
 log = logging.getLogger(__name__)
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: checkpoint written, re-run the same command to resume
@@ -50,7 +50,8 @@ class _SigtermFlag:
         signal.signal(signal.SIGTERM, self._old)
 
 
-def run_stage(ctx: StageContext) -> dict:
+def run_training(ctx: StageContext) -> dict:
+    """The train stage: build the TTT model and DeepSpeed engine, resume, train, checkpoint, evaluate."""
     cfg, world = ctx.cfg, ctx.world
     model = build_ttt_model(cfg, ctx.run_dir, world.device)
     dtype = torch.bfloat16 if use_bf16(cfg, world) else torch.float32

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from data.batch import FeatureBatch
-from train.config import Config
+from fledge.data.batch import FeatureBatch
+from fledge.conf.schema import Config
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ class TTTModel(nn.Module):
         self.loss_impl = cfg.drafter.loss_impl
 
     def forward(self, batch: FeatureBatch):
-        from train.loss import ttt_loss
+        from fledge.train.loss import ttt_loss
 
         return ttt_loss(self.drafter, batch, self.teacher_head, steps=self.steps,
                         step_weight=self.step_weight, chunk_size=self.chunk_size, loss_impl=self.loss_impl)
@@ -60,9 +60,9 @@ def build_ttt_model(cfg: Config, run_dir: Path, device: torch.device) -> TTTMode
     the target's weights (read directly, without instantiating the target)."""
     from transformers import AutoConfig
 
-    from data.vocab import DraftVocab
-    from models.drafter import DrafterSpec, Eagle3Drafter
-    from models.target import load_input_embeddings, load_lm_head_rows
+    from fledge.data.vocab import DraftVocab
+    from fledge.models.drafter import DrafterSpec, Eagle3Drafter
+    from fledge.models.target import load_input_embeddings, load_lm_head_rows
 
     if cfg.drafter.norm_impl == "triton" and device.type != "cuda":
         raise ValueError(f"drafter.norm_impl=triton runs a CUDA kernel but training runs on {device.type}; "
@@ -85,7 +85,7 @@ def build_ttt_model(cfg: Config, run_dir: Path, device: torch.device) -> TTTMode
             # Warm start: the drafter's y plays the role of the target's final normed state.
             drafter.lm_head.weight.copy_(teacher_head)
     if cfg.drafter.init_from:
-        from models.export import load_drafter
+        from fledge.models.export import load_drafter
 
         loaded = load_drafter(cfg.drafter.init_from, embed_weight=embedding)
         drafter.load_state_dict(loaded.state_dict())

@@ -6,9 +6,9 @@ imported); impl="torch" (or "chunked"/"naive" for the loss) forces a torch path.
 "torch", which on CUDA is torch's own fused kernel (see rmsnorm.py).
 """
 
-from models.kernels.fp8 import dequantize_e4m3, quantize_e4m3
-from models.kernels.fused_loss import draft_logsumexp, fused_draft_loss, gather_dot, teacher_expectation
-from models.kernels.rmsnorm import RMSNorm, rms_norm
+from fledge.models.kernels.fp8 import dequantize_e4m3, quantize_e4m3
+from fledge.models.kernels.fused_loss import draft_logsumexp, fused_draft_loss, gather_dot, teacher_expectation
+from fledge.models.kernels.rmsnorm import RMSNorm, rms_norm
 
 __all__ = ["RMSNorm", "dequantize_e4m3", "draft_logsumexp", "fused_draft_loss", "gather_dot", "quantize_e4m3",
            "rms_norm", "teacher_expectation"]

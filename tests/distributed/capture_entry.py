@@ -2,14 +2,10 @@
 FLEDGE_TEST_SLOW seconds (so the test can kill -9 the run in the middle of the capture)."""
 
 import os
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-import data.capture as capture  # noqa: E402
-from train import main  # noqa: E402
+import fledge.data.capture as capture
+from fledge.train import main
 
 _delay = float(os.environ.get("FLEDGE_TEST_SLOW", "0"))
 if _delay:

@@ -47,7 +47,7 @@ def _cmd(root: Path, run: str) -> list[str]:
 
 
 def _env(slow: float = 0.0) -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", FLEDGE_TEST_SLOW=str(slow), PYTHONPATH=str(REPO))
+    return dict(os.environ, OMP_NUM_THREADS="1", FLEDGE_TEST_SLOW=str(slow))
 
 
 def _files(d: Path) -> dict[str, bytes]:

@@ -27,19 +27,17 @@ def _overrides(root: Path, run: str, *extra: str) -> list[str]:
 
 
 def _cfg(root: Path, run: str, *extra: str):
-    from hydra import compose, initialize_config_dir
+    from fledge.conf import compose
 
-    from train.main import CONF_DIR, to_config
-
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return to_config(compose(config_name="config", overrides=_overrides(root, run, *extra)))
+    return compose(_overrides(root, run, *extra))
 
 
 def _run_here(root: Path, run: str, *extra: str) -> dict:
-    from train.distributed import World
-    from train.stages import run_stages
+    from fledge.distributed import World
+    from fledge.train.runner import run_stages
+    from fledge.train.stages import STAGES
 
-    return run_stages(_cfg(root, run, *extra), World(0, 1, 0, torch.device("cpu")))
+    return run_stages(_cfg(root, run, *extra), World(0, 1, 0, torch.device("cpu")), STAGES)
 
 
 def _manifest(root: Path, run: str) -> dict:
@@ -47,14 +45,14 @@ def _manifest(root: Path, run: str) -> dict:
 
 
 def test_slices_then_merge_equal_a_plain_capture(tmp_path):
-    from data.feature_reader import FeatureLoader, FeatureStore
+    from fledge.data.feature_reader import FeatureLoader, FeatureStore
 
     _prepare(tmp_path)  # prepared runs "a" and "b" with the same data
     _run_here(tmp_path, "a", "run.stages=[capture]")  # the plain reference
 
     task = ["run.stages=[capture]", "capture.num_slices=2"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env.update(OMP_NUM_THREADS="1")
     slice0 = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train/main.py",
          *_overrides(tmp_path, "b", *task, "capture.slice_index=0")],

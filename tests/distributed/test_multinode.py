@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from train.report import read_metrics
+from fledge.train.report import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -49,7 +49,7 @@ def _free_port() -> int:
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "TORCHELASTIC_"))}
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled",
-               DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO), **extra)
+               DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false", **extra)
     return env
 
 
@@ -76,7 +76,7 @@ def _wait(procs: list[subprocess.Popen], logs: list[Path], timeout: float = 600)
 def _run_one_node_two_ranks(root: Path, stages: list[str], inputs: list[str], tmp: Path) -> str:
     log = tmp / "ref.log"
     with open(log, "w") as f:
-        p = subprocess.Popen([sys.executable, "-m", "train.launch", "--nproc-per-node", "2",
+        p = subprocess.Popen([sys.executable, "-m", "fledge.train.launch", "--nproc-per-node", "2",
                               *_launch_args(root, stages, inputs)], cwd=REPO, env=_env(), stdout=f, stderr=subprocess.STDOUT)
     return _wait([p], [log])[0]
 
@@ -91,7 +91,7 @@ def _run_two_nodes_one_rank(root: Path, stages: list[str], inputs: list[str], tm
         logs.append(tmp / f"node{node}.log")
         with open(logs[-1], "w") as f:  # node 0 starts first: the lower pid, so c10d makes it group rank 0
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "train.launch", "--nproc-per-node", "1", *_launch_args(root, stages, inputs)],
+                [sys.executable, "-m", "fledge.train.launch", "--nproc-per-node", "1", *_launch_args(root, stages, inputs)],
                 cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT))
     return _wait(procs, logs)
 

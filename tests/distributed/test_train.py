@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from train.report import read_metrics
+from fledge.train.report import read_metrics
 
 pytestmark = pytest.mark.distributed
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.attention import ttt_attention
+from fledge.models.attention import ttt_attention
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"

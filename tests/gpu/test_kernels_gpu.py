@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.kernels import dequantize_e4m3, fused_draft_loss, quantize_e4m3, rms_norm
+from fledge.models.kernels import dequantize_e4m3, fused_draft_loss, quantize_e4m3, rms_norm
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -105,8 +105,8 @@ def test_torch_rms_norm_is_fused_on_cuda():
 
 
 def test_drafter_trains_the_same_with_triton_norms():
-    from tests.unit.test_drafter import make_drafter, packed_batch
-    from train.loss import ttt_loss
+    from conftest import make_drafter, packed_batch
+    from fledge.train.loss import ttt_loss
 
     losses = {}
     for impl in ("torch", "triton"):
@@ -122,8 +122,8 @@ def test_drafter_trains_the_same_with_triton_norms():
 def test_ttt_loss_with_the_kernel_matches_the_torch_path():
     """train/loss.py on CUDA: the shared-teacher loss through the Triton logsumexp (auto) equals its torch
     chunks (loss_impl=torch), values and every gradient (fp32)."""
-    from tests.unit.test_drafter import make_drafter, packed_batch
-    from train.loss import ttt_loss
+    from conftest import make_drafter, packed_batch
+    from fledge.train.loss import ttt_loss
 
     out = {}
     for impl in ("auto", "torch"):

@@ -43,9 +43,9 @@ def _inputs(target_cfg: dict, n_aux: int, T: int = 24, seed: int = 0) -> dict[st
 
 
 def _fledge_logits(drafter_dir: Path, x: dict) -> list[torch.Tensor]:
-    from data.batch import FeatureBatch
-    from models.export import load_drafter
-    from train.loss import ttt_states
+    from fledge.data.batch import FeatureBatch
+    from fledge.models.export import load_drafter
+    from fledge.train.loss import ttt_states
 
     d = load_drafter(drafter_dir).eval()
     T = x["input_ids"].shape[1]
@@ -76,8 +76,8 @@ def _run_speculators(drafter_dir: Path, x: dict, tmp: Path, decay: float | None 
 
 def _export(target: Path, flags: dict, draft_vocab: int, out: Path, seed: int = 3) -> tuple[Path, dict, list[int]]:
     """A random drafter (norm weights near 1) for the target, exported in the speculators dialect."""
-    from models.export import random_state_dict, write_drafter
-    from models.serving_config import serving_config
+    from fledge.models.export import random_state_dict, write_drafter
+    from fledge.models.serving_config import serving_config
 
     tcfg = json.loads((target / "config.json").read_text())
     L = tcfg["num_hidden_layers"]
@@ -123,10 +123,10 @@ def test_speculators_training_loss_has_fledges_gradients(random_tiny_target, tmp
     import torch.nn.functional as F
     from safetensors.torch import load_file
 
-    from data.batch import FeatureBatch
-    from models.export import load_drafter
-    from models.target import load_lm_head_rows
-    from train.loss import _shift, ttt_loss
+    from fledge.data.batch import FeatureBatch
+    from fledge.models.export import load_drafter
+    from fledge.models.target import load_lm_head_rows
+    from fledge.train.loss import _shift, ttt_loss
 
     target = Path(random_tiny_target)
     flags, w = dict(fc_norm=True, norm_output=True), 0.8

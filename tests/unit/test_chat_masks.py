@@ -5,8 +5,8 @@ import json
 import pytest
 
 from chat_templates import CHATML, LLAMA3, MARKERS, MISTRAL, QWEN3, make_tokenizer
-from data.chat import ChatRenderer
-from data.sources import DataError, normalize
+from fledge.data.chat import ChatRenderer
+from fledge.data.sources import DataError, normalize
 
 G = True  # a segment the target generates
 

@@ -9,55 +9,14 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from data.batch import FeatureBatch
-from models.drafter import DraftCache, DrafterSpec, Eagle3Drafter
-from train.config import DrafterConfig
-from train.loss import ttt_states
+from fledge.data.batch import FeatureBatch
+from fledge.models.drafter import DraftCache, DrafterSpec, Eagle3Drafter
+from fledge.conf.schema import DrafterConfig
+from fledge.train.loss import ttt_states
+
+from conftest import FLAGS, make_drafter, packed_batch, target_config
 
 TINY_TARGET = Path(__file__).resolve().parents[2] / ".cache/tiny_target/quick"
-FLAGS = {
-    "eagle3": dict(fc_norm=False, norm_output=False),
-    "eagle31": dict(fc_norm=True, norm_output=True),
-    "norm_before_fc": dict(fc_norm=False, norm_output=False, norm_before_fc=True),
-}
-
-
-def target_config(**rope):
-    return LlamaConfig(
-        hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=6,
-        vocab_size=50, max_position_embeddings=4096, rms_norm_eps=1e-5,
-        rope_parameters=rope or {"rope_type": "default", "rope_theta": 10000.0},
-    )
-
-
-def make_drafter(seed=0, attention="sdpa", **flags):
-    torch.manual_seed(seed)
-    spec = DrafterSpec.from_target_config(target_config(), DrafterConfig(draft_vocab_size=40, **flags), [2, 3, 4])
-    d = Eagle3Drafter(spec, attention=attention)
-    with torch.no_grad():  # non-trivial norm weights so a skipped norm is visible
-        for name, p in d.named_parameters():
-            if name.endswith("norm.weight") or ".norm" in name or "fc_norm" in name or "input_norm" in name:
-                p.uniform_(0.5, 1.5)
-    return d.eval()
-
-
-def packed_batch(seed=1, T=19, H=32, n_aux=3):
-    g = torch.Generator().manual_seed(seed)
-    doc = torch.tensor([[0] * 9 + [1] * 8 + [-1] * 2, [0] * T])
-    pos = torch.zeros_like(doc)
-    for b in range(doc.shape[0]):
-        for t in range(1, T):
-            pos[b, t] = pos[b, t - 1] + 1 if doc[b, t] == doc[b, t - 1] else 0
-    B = doc.shape[0]
-    return FeatureBatch(
-        input_ids=torch.randint(0, 50, (B, T), generator=g),
-        loss_mask=torch.rand(B, T, generator=g) > 0.2,
-        aux_hidden=torch.randn(B, T, n_aux * H, generator=g),
-        target_hidden=torch.randn(B, T, H, generator=g),
-        target_argmax=torch.randint(0, 40, (B, T), generator=g),
-        position_ids=pos,
-        document_ids=doc.int(),
-    )
 
 
 def test_state_dict_has_serving_names():
@@ -188,7 +147,7 @@ def test_feedback_rms_random_states():
 
 def test_feedback_rms_tiny_target_states():
     if not (TINY_TARGET / "config.json").exists():
-        pytest.skip(f"{TINY_TARGET} not built yet (scripts/make_tiny_target.py); random-state variant covers it")
+        pytest.skip(f"{TINY_TARGET} not built yet (fledge tiny-target); random-state variant covers it")
     from transformers import AutoModelForCausalLM
 
     target = AutoModelForCausalLM.from_pretrained(TINY_TARGET, dtype=torch.float32).eval()

@@ -4,13 +4,13 @@ is the post-norm state's (about 1) for EAGLE-3.1 and the pre-norm residual's for
 
 import torch
 
-from models.drift import DriftProbe, drift_curves
-from models.speculative import DrafterProposer, TargetRunner
-from tests.unit.test_speculative import random_drafter, tiny_target
+from fledge.models.drift import DriftProbe, drift_curves
+from fledge.models.speculative import DrafterProposer, TargetRunner
+from conftest import random_drafter, random_llama
 
 
 def test_probe_probabilities_reproduce_attention_output():
-    target = tiny_target()
+    target = random_llama()
     drafter = random_drafter(target)
     attn = drafter.midlayer.self_attn
     seen = {}
@@ -34,7 +34,7 @@ def test_probe_probabilities_reproduce_attention_output():
 
 
 def test_drift_curves_masses_and_rms():
-    target = tiny_target()
+    target = random_llama()
     prompts = [[1, 5, 9, 13, 5, 9, 13, 7], [3, 3, 60, 2, 44, 81, 17]]
     runner = TargetRunner(target, [2, 3, 4])
     s31 = drift_curves(random_drafter(target, norm_output=True), runner, prompts, depth=5)

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from data.atomic import write_json_atomic
-from models.speculative import DecodeResult, Round
-from train.evaluate import acceptance_stats, distinct_ngram_ratio
+from fledge.atomic import write_json_atomic
+from fledge.models.speculative import DecodeResult, Round
+from fledge.train.evaluate import acceptance_stats, distinct_ngram_ratio
 
 TEXTS = ["def add(a, b):\n    return a + b\n", "for i in range(10):\n    print(i * i)\n",
          "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
@@ -29,7 +29,7 @@ def _tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from data.tiny_corpus import BOS, CHAT_TEMPLATE, END, PAD, SPECIAL_TOKENS
+    from fledge.data.tiny_corpus import BOS, CHAT_TEMPLATE, END, PAD, SPECIAL_TOKENS
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -45,9 +45,9 @@ def _tokenizer():
 def run(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from models.export import training_record, write_drafter
-    from models.serving_config import serving_config, target_config_dict
-    from tests.unit.test_speculative import random_drafter
+    from fledge.models.export import training_record, write_drafter
+    from fledge.models.serving_config import serving_config, target_config_dict
+    from conftest import random_drafter
 
     root = tmp_path_factory.mktemp("evalrun")
     tok = _tokenizer()
@@ -78,10 +78,10 @@ def run(tmp_path_factory):
 
 
 def test_eval_stage_writes_report(run):
-    from train.config import Config
-    from train.distributed import World
-    from train.evaluate import run_stage
-    from train.stages import StageContext
+    from fledge.conf.schema import Config
+    from fledge.distributed import World
+    from fledge.train.stages import evaluate as run_stage
+    from fledge.train.stages import StageContext
 
     cfg = Config()
     cfg.target.name_or_path = str(run / "target")
@@ -140,8 +140,8 @@ def test_acceptance_stats_skips_budget_limited_rounds():
 
 
 def test_compare_script(run, tmp_path):
-    """scripts/compare_eagle3_vs_31.py on two runs' reports (the stage test's report, flags set per kind)."""
-    import importlib.util
+    """``fledge compare`` on two runs' reports (the stage test's report, flags set per kind)."""
+    import fledge.train.compare as cmp
 
     src = run / "run/eval/report.json"
     if not src.exists():
@@ -152,9 +152,6 @@ def test_compare_script(run, tmp_path):
         rep["flags"] = {"fc_norm": flag, "norm_output": flag}
         rep["sets"]["default"]["drafter"]["al"] *= scale
         write_json_atomic(tmp_path / name / "eval/report.json", rep)
-    spec = importlib.util.spec_from_file_location("cmp", Path(__file__).resolve().parents[2] / "scripts/compare_eagle3_vs_31.py")
-    cmp = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cmp)
     assert cmp.main([str(tmp_path / "r31"), str(tmp_path / "r3"), "--out", str(tmp_path / "out")]) == 0
     c = json.loads((tmp_path / "out/compare.json").read_text())
     assert c["sets"]["default"]["al_ratio"] == pytest.approx(2.0)
@@ -169,10 +166,10 @@ def test_greedy_mismatch_is_an_error(monkeypatch):
     """A speculative output that leaves plain greedy decoding (not at a numerical tie) fails the stage."""
     from types import SimpleNamespace
 
-    import train.evaluate as ev
-    from tests.unit.test_speculative import random_drafter, tiny_target
+    import fledge.train.evaluate as ev
+    from conftest import random_drafter, random_llama
 
-    target = tiny_target()
+    target = random_llama()
     drafter = random_drafter(target)
     cfg = SimpleNamespace(draft_tokens=2, max_new_tokens=8, lookup_max_ngram=3, temperature=0.0,
                           degenerate_threshold=0.5)

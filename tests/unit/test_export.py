@@ -8,10 +8,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from models.export import (from_serving_state_dict, random_state_dict, read_tensors, run_stage,
+from fledge.train.stages import export as run_stage
+from fledge.models.export import (from_serving_state_dict, random_state_dict, read_tensors,
                            to_serving_state_dict, write_drafter)
-from models.lint import compose_recipe, has_errors, lint_drafter
-from models.serving_config import expected_tensors, rope_of, serving_config
+from fledge.models.lint import compose_recipe, has_errors, lint_drafter
+from fledge.models.serving_config import expected_tensors, rope_of, serving_config
 
 TINY_TARGET = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
@@ -181,8 +182,8 @@ def test_export_stage_writes_lints_and_summarises(tmp_path):
 # ---- round trip through the real drafter (models/drafter.py) ----------------------------------------
 
 def _trained_like_drafter(fc_norm=True, norm_output=True, seed=0):
-    from models.drafter import DrafterSpec, Eagle3Drafter
-    from train.config import DrafterConfig
+    from fledge.models.drafter import DrafterSpec, Eagle3Drafter
+    from fledge.conf.schema import DrafterConfig
 
     dcfg = DrafterConfig(fc_norm=fc_norm, norm_output=norm_output, draft_vocab_size=128)
     spec = DrafterSpec.from_target_config(copy.deepcopy(TINY_TARGET), dcfg, [2, 4, 5])
@@ -195,7 +196,7 @@ def _trained_like_drafter(fc_norm=True, norm_output=True, seed=0):
 
 def _logits(model, steps=3):
     """Engine-style chain: prefill on fused aux states, then fed-back drafts (exercises norm_output)."""
-    from models.drafter import DraftCache
+    from fledge.models.drafter import DraftCache
 
     g = torch.Generator().manual_seed(1)
     aux = torch.randn(1, 6, 3 * 64, generator=g)
@@ -223,7 +224,7 @@ def _bf16_copy(model):
 
 @pytest.mark.parametrize("fmt", ["hf", "speculators"])
 def test_export_load_reproduces_training_logits(tmp_path, fmt):
-    from models.export import export_checkpoint, load_drafter
+    from fledge.models.export import export_checkpoint, load_drafter
 
     spec, model = _trained_like_drafter()
     ckpt = tmp_path / "ckpt"
@@ -244,7 +245,7 @@ def test_export_load_reproduces_training_logits(tmp_path, fmt):
 def test_loader_imports_public_eagle3_layout(tmp_path):
     """A public EAGLE-3 checkpoint: HF layout, no fc_norm, no embed_tokens, no t2d, no training record;
     the embedding comes from the target's own safetensors."""
-    from models.export import load_drafter
+    from fledge.models.export import load_drafter
 
     spec, model = _trained_like_drafter(fc_norm=False, norm_output=False, seed=3)
     config = serving_config(TINY_TARGET, spec, [2, 4, 5], 128)

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from data.capture import run_stage
-from data.feature_reader import FeatureLoader, FeatureStore
-from data.features import INDEX, STORE_MANIFEST, bytes_per_token
-from models.target import FrozenTarget
-from train.config import Config
-from train.distributed import World
-from train.stages import StageContext
+from fledge.train.stages import capture as run_stage
+from fledge.data.feature_reader import FeatureLoader, FeatureStore
+from fledge.data.features import INDEX, STORE_MANIFEST, bytes_per_token
+from fledge.models.target import FrozenTarget
+from fledge.conf.schema import Config
+from fledge.distributed import World
+from fledge.train.stages import StageContext
 
 L, H, V, IDS = 6, 32, 96, [2, 3, 4]
 N_TRAIN, N_EVAL = 14, 4
@@ -208,7 +208,7 @@ def test_loader_ranks_and_exact_resume(bf16_store):
 
 
 def test_online_source_yields_the_offline_batches(root, bf16_store):
-    from data.capture import OnlineFeatureSource
+    from fledge.data.capture import OnlineFeatureSource
 
     cfg = make_cfg(root, "bf16")
     cfg.train.micro_batch_tokens, cfg.train.micro_batch_size, cfg.run.seed = 64, 2, 5

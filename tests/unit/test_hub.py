@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from models.export import random_state_dict, training_record, write_drafter
-from models.hub import build_model_card, push_to_hub
-from models.serving_config import serving_config
+from fledge.models.export import random_state_dict, training_record, write_drafter
+from fledge.models.hub import build_model_card, push_to_hub
+from fledge.models.serving_config import serving_config
 
 TARGET = {
     "model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 6,

@@ -25,7 +25,7 @@ CHECKS = ("fused_loss", "fused_loss_bf16", "rmsnorm", "fp8", "ttt_loss_kernel_pa
 def interpreter_log():
     """Run every check in one fresh interpreter (one torch + triton import) and return its output."""
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]))  # conftest helpers
     proc = subprocess.run([sys.executable, __file__, *CHECKS], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     return proc.stdout + proc.stderr
@@ -59,7 +59,7 @@ def _loss_inputs(dtype, n=37, h=40, ht=24, vd=83, seed=0):
 def _run_loss(impl, inputs, reduction="sum"):
     import torch
 
-    from models.kernels.fused_loss import fused_draft_loss
+    from fledge.models.kernels.fused_loss import fused_draft_loss
 
     y, w_d, t, w_t, m = (x.detach().clone().requires_grad_(x.requires_grad) for x in inputs)
     loss, arg = fused_draft_loss(y, w_d, t, w_t, m, impl=impl, chunk_size=16, reduction=reduction)
@@ -105,7 +105,7 @@ def check_rmsnorm():
     import torch
     import torch.nn.functional as F
 
-    from models.kernels.rmsnorm import rms_norm
+    from fledge.models.kernels.rmsnorm import rms_norm
 
     g = torch.Generator().manual_seed(0)
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
@@ -129,7 +129,7 @@ def check_rmsnorm():
 def check_fp8():
     import torch
 
-    from models.kernels.fp8 import dequantize_e4m3, quantize_e4m3
+    from fledge.models.kernels.fp8 import dequantize_e4m3, quantize_e4m3
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 5, 150, generator=g) * torch.logspace(-3, 3, 5).view(1, 5, 1)
@@ -154,9 +154,9 @@ def check_ttt_loss_kernel_path():
     metrics and gradients of every trainable parameter."""
     import torch
 
-    import models.kernels as K
-    import train.loss as L
-    from tests.unit.test_drafter import make_drafter, packed_batch
+    import fledge.models.kernels as K
+    import fledge.train.loss as L
+    from conftest import make_drafter, packed_batch
 
     torch_lse = K.draft_logsumexp
     results = {}
@@ -184,8 +184,8 @@ def check_drafter_triton_norms():
     torch path: TTT loss and the gradient of every parameter, norm weights included."""
     import torch
 
-    from tests.unit.test_drafter import make_drafter, packed_batch
-    from train.loss import ttt_loss
+    from conftest import make_drafter, packed_batch
+    from fledge.train.loss import ttt_loss
 
     grads = {}
     for impl in ("torch", "triton"):
@@ -225,8 +225,8 @@ def check_saved_memory():
     keeps [N, Vd] tensors); the RMSNorm kernel keeps one fp32 rstd per row."""
     import torch
 
-    from models.kernels.fused_loss import fused_draft_loss
-    from models.kernels.rmsnorm import rms_norm
+    from fledge.models.kernels.fused_loss import fused_draft_loss
+    from fledge.models.kernels.rmsnorm import rms_norm
 
     n, h = 37, 40
     saved = {}

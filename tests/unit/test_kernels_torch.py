@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.kernels import (RMSNorm, dequantize_e4m3, draft_logsumexp, fused_draft_loss, quantize_e4m3, rms_norm,
+from fledge.models.kernels import (RMSNorm, dequantize_e4m3, draft_logsumexp, fused_draft_loss, quantize_e4m3, rms_norm,
                             teacher_expectation)
 
 
@@ -66,7 +66,7 @@ def test_chunked_bf16_keeps_dtypes_and_fp32_loss():
 def test_the_two_pieces_match_their_formulas(monkeypatch):
     """teacher_expectation = softmax(t W_t^T) W_d (gradient in W_d only); draft_logsumexp = logsumexp and
     argmax of y W_d^T. Chunking, including the Vd-bounded teacher chunks, changes nothing."""
-    import models.kernels.fused_loss as FL
+    import fledge.models.kernels.fused_loss as FL
 
     y, w_d, t, w_t, _ = _inputs()
     monkeypatch.setattr(FL, "TEACHER_CHUNK_ELEMENTS", 3 * w_t.shape[0])  # 3-row teacher chunks
@@ -91,7 +91,7 @@ def test_the_two_pieces_match_their_formulas(monkeypatch):
 
 
 def test_gather_dot_matches_autograd_and_keeps_no_copies():
-    from models.kernels import gather_dot
+    from fledge.models.kernels import gather_dot
 
     g = torch.Generator().manual_seed(1)
     y = torch.randn(9, 16, generator=g).bfloat16().requires_grad_()
@@ -178,7 +178,7 @@ def test_rmsnorm_triton_on_cpu_says_how_to_fix():
 
 
 def test_drafter_norm_impl_reaches_every_norm_and_keeps_the_state_dict():
-    from tests.unit.test_drafter import make_drafter
+    from conftest import make_drafter
 
     d = make_drafter(fc_norm=True, norm_output=True)
     names = [n for n, m in d.named_modules() if isinstance(m, RMSNorm)]

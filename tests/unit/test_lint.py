@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from models.export import random_state_dict, training_record, write_drafter
-from models.lint import format_findings, has_errors, lint_drafter
-from models.serving_config import serving_config
+from fledge.models.export import random_state_dict, training_record, write_drafter
+from fledge.models.lint import format_findings, has_errors, lint_drafter
+from fledge.models.serving_config import serving_config
 
 ROOT = Path(__file__).resolve().parents[2]
 TARGET = {
@@ -142,7 +142,7 @@ def test_cli_exit_status(good, tmp_path):
 
     (tmp_path / "target").mkdir()
     (tmp_path / "target" / "config.json").write_text(json.dumps(TARGET))
-    cmd = [sys.executable, str(ROOT / "scripts" / "lint_drafter.py")]
+    cmd = [sys.executable, "-m", "fledge", "lint"]
     ok = subprocess.run(cmd + [str(good), "--target", str(tmp_path / "target")], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     bad = tmp_path / "bad"

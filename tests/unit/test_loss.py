@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from tests.unit.test_drafter import FLAGS, make_drafter, packed_batch
-from train.loss import ttt_loss, ttt_states
+from conftest import FLAGS, make_drafter, packed_batch
+from fledge.train.loss import ttt_loss, ttt_states
 
 K, W = 3, 0.8
 
@@ -142,7 +142,7 @@ def test_bad_arguments():
 def test_zero3_path_equals_the_shared_teacher_path(monkeypatch):
     """Under ZeRO-3 the loss goes step by step through lm_head's forward (teacher per step); elsewhere the
     teacher is computed once for all steps. Same loss, metrics and gradients."""
-    import train.loss as L
+    import fledge.train.loss as L
 
     head = torch.randn(40, 32, generator=torch.Generator().manual_seed(4))
     out = {}

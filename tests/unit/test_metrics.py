@@ -3,10 +3,9 @@
 import json
 import math
 
-from tests.unit.test_config import compose_cfg
-from train.main import to_config
-from train.metrics import MetricsLog, al_estimate
-from train.report import read_metrics
+from fledge.conf import compose
+from fledge.train.metrics import MetricsLog, al_estimate
+from fledge.train.report import read_metrics
 
 
 def _strict(line):
@@ -14,7 +13,7 @@ def _strict(line):
 
 
 def test_no_data_is_null_not_nan_and_reads_back_as_nan(tmp_path):
-    cfg = to_config(compose_cfg(["recipe=tiny"]))
+    cfg = compose(["recipe=tiny"])
     path = tmp_path / "metrics.jsonl"
     log = MetricsLog(cfg, path, resume_step=0)
     log.write({"step": 1, "loss_0": 2.5, "acc_2": float("nan"), "lr": float("inf")})
@@ -27,7 +26,7 @@ def test_no_data_is_null_not_nan_and_reads_back_as_nan(tmp_path):
 
 
 def test_resume_drops_the_killed_runs_later_lines(tmp_path):
-    cfg = to_config(compose_cfg(["recipe=tiny"]))
+    cfg = compose(["recipe=tiny"])
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "loss_0": 1.0}) + "\n" for s in (10, 20, 30)) + '{"step": 4')
     MetricsLog(cfg, path, resume_step=20)

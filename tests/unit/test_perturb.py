@@ -1,7 +1,7 @@
 """Template perturbation: system-prompt modes, template variables, deterministic per key."""
 
-from data.perturb import chosen, perturb
-from train.config import PerturbConfig
+from fledge.data.perturb import chosen, perturb
+from fledge.conf.schema import PerturbConfig
 
 CONV = {"messages": [{"role": "system", "content": "orig"}, {"role": "user", "content": "q"},
                      {"role": "assistant", "content": "a"}], "source": "s", "index": 0}

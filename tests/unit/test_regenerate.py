@@ -1,25 +1,24 @@
 """Regeneration against a loopback OpenAI-compatible stub and in-process on a tiny random Llama."""
 
 import json
-import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
 
-from data.regenerate import OpenAIBackend, TransformersBackend, done_indices, regenerate
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from fledge.data import regenerate as cli
+from fledge.data.regenerate import OpenAIBackend, TransformersBackend, done_indices, regenerate
 
 
 class Stub(BaseHTTPRequestHandler):
     fail_on = set()  # user contents that get HTTP 400
     calls = []
+    auth = []
 
     def do_POST(self):  # noqa: N802
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         Stub.calls.append(body)
+        Stub.auth.append(self.headers.get("Authorization"))
         last = body["messages"][-1]["content"]
         if self.path != "/v1/chat/completions" or last in Stub.fail_on:
             self.send_response(400)
@@ -83,15 +82,26 @@ def test_endpoint_resume_and_record(server, tmp_path):
     assert Stub.calls[1]["messages"][1]["content"] == "re:q3|t=0.7" and Stub.calls[1]["max_tokens"] == 9
 
 
-def test_cli(server, tmp_path):
-    import regenerate as cli
-
+def test_cli(server, tmp_path, monkeypatch):
+    monkeypatch.setenv(cli.API_KEY_ENV, "sk-from-env")
+    Stub.auth.clear()
     src = tmp_path / "in.jsonl"
     src.write_text("\n".join(json.dumps({"messages": c["messages"]}) for c in _convs(3)) + "\n{bad\n")
     out = tmp_path / "o.jsonl"
     rc = cli.main(["--input", str(src), "--output", str(out), "--endpoint", server, "--model", "m",
                    "--concurrency", "2"])
     assert rc == 0 and done_indices(out) == {0, 1, 2}
+    assert Stub.auth and set(Stub.auth) == {"Bearer sk-from-env"}  # the key travels from the environment
+
+
+def test_cli_refuses_a_key_on_the_command_line(tmp_path, capsys):
+    """A key in argv is visible to every user of the machine (ps): refused, pointing at the variable."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--input", "x.jsonl", "--output", str(tmp_path / "o.jsonl"), "--endpoint", "http://127.0.0.1:9/v1",
+                  "--model", "m", "--api-key", "sk-secret"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert cli.API_KEY_ENV in err and "sk-secret" not in err
 
 
 def test_in_process_tiny_llama(tmp_path):

@@ -3,7 +3,6 @@ batch scripts executed under a fake srun/scontrol."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shlex
 import signal
@@ -14,21 +13,19 @@ from pathlib import Path
 
 import pytest
 
-from train.launch import (
+from fledge.train.launch import (
     PORT_BASE, PORT_SPAN, build_command, capture_slice_overrides, expand_nodelist, from_slurm_env,
     nproc_per_node, parse_args,
 )
 
 REPO = Path(__file__).resolve().parents[2]
-SLURM_DIR = REPO / "scripts" / "slurm"
+SLURM_DIR = REPO / "train" / "slurm"
 
 
 def _submit_module():
-    if "fledge_submit" not in sys.modules:  # scripts/ is not a package; dataclasses need the module registered
-        spec = importlib.util.spec_from_file_location("fledge_submit", REPO / "scripts" / "submit.py")
-        sys.modules["fledge_submit"] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules["fledge_submit"])
-    return sys.modules["fledge_submit"]
+    import fledge.train.submit
+
+    return fledge.train.submit
 
 
 # ---- node lists -------------------------------------------------------------------------------------
@@ -138,6 +135,8 @@ def test_build_command_under_slurm_and_on_a_workstation():
     local = build_command(parse_args(["--nproc-per-node", "2", "train/main.py", "recipe=tiny"]), {}, python="py")
     assert local == ["py", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train/main.py",
                      "recipe=tiny"]
+    module = build_command(parse_args(["--nproc-per-node", "2", "fledge.train.main", "recipe=tiny"]), {}, python="py")
+    assert module[-4:] == ["--nproc_per_node=2", "-m", "fledge.train.main", "recipe=tiny"]  # works from a wheel
 
 
 # ---- batch scripts and the submit helper ------------------------------------------------------------
@@ -192,7 +191,7 @@ def _fake_slurm(tmp_path: Path, srun: str, **env: str) -> dict[str, str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_"))}
     return {**base, "PATH": f"{bin_dir}:{base['PATH']}", "SLURM_JOB_ID": "999", "SLURM_JOB_NODELIST": "gpu[01-02]",
             "SLURM_NNODES": "2", "SLURM_NTASKS_PER_NODE": "1", "SLURM_GPUS_ON_NODE": "8",
-            "FAKE_LOG": str(tmp_path / "fake.log"), "PYTHONPATH": str(REPO), **env}
+            "FAKE_LOG": str(tmp_path / "fake.log"), **env}
 
 
 def _write_scripts(tmp_path: Path, *args: str) -> Path:
@@ -211,7 +210,8 @@ def test_filled_train_script_runs_launch_on_every_node(tmp_path, capsys):
     assert cmds[0] == cmds[1]
     assert "--nnodes=2" in cmds[0] and "--nproc_per_node=8" in cmds[0]
     assert f"--rdzv_endpoint=gpu01:{PORT_BASE + 999}" in cmds[0]
-    assert cmds[0][cmds[0].index("train/main.py") + 1:] == [
+    assert cmds[0][cmds[0].index("fledge.train.main") - 1:cmds[0].index("fledge.train.main")] == ["-m"]
+    assert cmds[0][cmds[0].index("fledge.train.main") + 1:] == [
         "recipe=llama3", "run.name=llama3", f"run.output_root={out}", "run.stages=[prepare,capture,train,export,eval]",
         "logging.wandb_tags=[a b,c]"]
     ledger = (out / "llama3/slurm/jobs.tsv").read_text().split("\t")

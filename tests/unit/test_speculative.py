@@ -9,44 +9,19 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import models.speculative as spec_mod
-from models.drafter import DrafterSpec, Eagle3Drafter
-from models.speculative import (DrafterProposer, LookupProposer, TargetRunner, greedy_decode, speculative_decode,
+import fledge.models.speculative as spec_mod
+from fledge.models.drafter import DrafterSpec, Eagle3Drafter
+from fledge.models.speculative import (DrafterProposer, LookupProposer, TargetRunner, greedy_decode, speculative_decode,
                                 verify)
+
+from conftest import random_drafter, random_llama
 
 V, VD = 96, 64
 
 
-def tiny_target(seed=0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=V, max_position_embeddings=256)
-    return LlamaForCausalLM(cfg).eval()
-
-
-def random_drafter(target, norm_output=True, seed=1, vd=VD):
-    """An Eagle3Drafter with random weights (norms too) and a random draft vocab of ``vd`` ids."""
-    v = target.config.vocab_size
-    flags = SimpleNamespace(fc_norm=norm_output, norm_output=norm_output, norm_before_fc=False, draft_vocab_size=vd)
-    spec = DrafterSpec.from_target_config(target.config, flags, [2, 3, 4])
-    torch.manual_seed(seed)
-    d = Eagle3Drafter(spec)
-    for p in d.parameters():  # random weights everywhere, norms included
-        if p.requires_grad:
-            p.data.normal_(0, 0.3 if p.dim() > 1 else 0.1).add_(1.0 if p.dim() == 1 else 0.0)
-    sel = torch.sort(torch.randperm(v, generator=torch.Generator().manual_seed(seed))[:vd]).values
-    t2d = torch.zeros(v, dtype=torch.bool)
-    t2d[sel] = True
-    d.set_vocab(sel - torch.arange(vd), t2d)
-    d.load_target_embedding(target.get_input_embeddings().weight.detach())
-    return d.eval()
-
-
 @pytest.fixture(scope="module")
 def target():
-    return tiny_target()
+    return random_llama()
 
 
 PROMPTS = [[1, 5, 9, 13, 5, 9, 13, 7], [3, 3, 60, 2, 44, 81, 17, 17, 17, 90, 2, 44]]

@@ -3,22 +3,19 @@
 import json
 
 import pytest
-from hydra import compose, initialize_config_dir
-
-import train.main  # noqa: F401
-import train.stages as stages
-from train.distributed import init_world
-from train.main import CONF_DIR, to_config
+import fledge.train.runner as runner
+from fledge.conf import compose
+from fledge.conf.schema import STAGES
+from fledge.distributed import init_world
 
 
 def make_cfg(tmp_path, *overrides):
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        d = compose(config_name="config", overrides=["recipe=tiny", f"run.output_root={tmp_path}", *overrides])
-    return to_config(d)
+    return compose(["recipe=tiny", f"run.output_root={tmp_path}", *overrides])
 
 
 class _Calls(list):
     kill: list
+    fns: dict
     partial: list
 
 
@@ -41,7 +38,7 @@ def calls(monkeypatch):
             return {"n": len(log)}
         return run
 
-    monkeypatch.setattr(stages, "load_entry", entry_for)
+    log.fns = {stage: entry_for(stage) for stage in STAGES}
     log.kill = log_kill
     log.partial = []
     return log
@@ -54,63 +51,57 @@ def world():
 
 def test_runs_in_order_then_skips(tmp_path, calls, world):
     cfg = make_cfg(tmp_path, "run.stages=[prepare,capture,train]")
-    stages.run_stages(cfg, world)
+    runner.run_stages(cfg, world, calls.fns)
     assert calls == ["prepare", "capture", "train"]
     m = json.loads((tmp_path / "tiny" / "capture" / "manifest.json").read_text())
     assert m["complete"] and m["outputs"] == {"n": 2}
-    stages.run_stages(cfg, world)
+    runner.run_stages(cfg, world, calls.fns)
     assert calls == ["prepare", "capture", "train"]  # all up to date
 
 
 def test_changed_input_reruns_that_stage_and_later(tmp_path, calls, world):
-    stages.run_stages(make_cfg(tmp_path, "run.stages=[prepare,capture,train]"), world)
+    runner.run_stages(make_cfg(tmp_path, "run.stages=[prepare,capture,train]"), world, calls.fns)
     calls.clear()
-    stages.run_stages(make_cfg(tmp_path, "run.stages=[prepare,capture,train]", "capture.dtype=fp8"), world)
+    runner.run_stages(make_cfg(tmp_path, "run.stages=[prepare,capture,train]", "capture.dtype=fp8"), world, calls.fns)
     assert calls == ["capture", "train"]
     calls.clear()
-    stages.run_stages(make_cfg(tmp_path, "run.stages=[prepare,capture,train]", "capture.dtype=fp8",
-                               "train.optim.lr=0.5"), world)
+    runner.run_stages(make_cfg(tmp_path, "run.stages=[prepare,capture,train]", "capture.dtype=fp8",
+                               "train.optim.lr=0.5"), world, calls.fns)
     assert calls == ["train"]
 
 
 def test_interrupted_stage_runs_again(tmp_path, calls, world):
     calls.kill.append(True)
     with pytest.raises(KeyboardInterrupt):
-        stages.run_stages(make_cfg(tmp_path, "run.stages=[prepare,capture]"), world)
+        runner.run_stages(make_cfg(tmp_path, "run.stages=[prepare,capture]"), world, calls.fns)
     m = json.loads((tmp_path / "tiny" / "capture" / "manifest.json").read_text())
     assert m["complete"] is False
     calls.clear()
-    stages.run_stages(make_cfg(tmp_path, "run.stages=[prepare,capture]"), world)
+    runner.run_stages(make_cfg(tmp_path, "run.stages=[prepare,capture]"), world, calls.fns)
     assert calls == ["capture"]  # same inputs, incomplete: runs again over its partial output
     assert (tmp_path / "tiny" / "capture" / "out.txt").exists()
 
 
 def test_missing_upstream_is_a_clear_error(tmp_path, calls, world):
     with pytest.raises(ValueError, match="needs the output of 'prepare'"):
-        stages.run_stages(make_cfg(tmp_path, "run.stages=[capture]"), world)
+        runner.run_stages(make_cfg(tmp_path, "run.stages=[capture]"), world, calls.fns)
 
 
 def test_force_reruns(tmp_path, calls, world):
-    stages.run_stages(make_cfg(tmp_path, "run.stages=[prepare]"), world)
-    stages.run_stages(make_cfg(tmp_path, "run.stages=[prepare]", "run.force=[prepare]"), world)
+    runner.run_stages(make_cfg(tmp_path, "run.stages=[prepare]"), world, calls.fns)
+    runner.run_stages(make_cfg(tmp_path, "run.stages=[prepare]", "run.force=[prepare]"), world, calls.fns)
     assert calls == ["prepare", "prepare"]
-
-
-def test_unbuilt_stage_fails_clearly(monkeypatch):
-    monkeypatch.setitem(stages.STAGE_ENTRY, "eval", "models.no_such_module:run_stage")
-    with pytest.raises(NotImplementedError, match="stage 'eval' is not built yet"):
-        stages.load_entry("eval")
 
 
 def test_partial_stage_stays_incomplete_and_stops_the_run(tmp_path, calls, world):
     calls.partial.append(True)
-    stages.run_stages(make_cfg(tmp_path, "run.stages=[prepare,capture,train]"), world)
+    runner.run_stages(make_cfg(tmp_path, "run.stages=[prepare,capture,train]"), world, calls.fns)
     assert calls == ["prepare", "capture"]  # train did not run after a partial capture
     m = json.loads((tmp_path / "tiny" / "capture" / "manifest.json").read_text())
     assert m["complete"] is False and m["partial"] is True and m["outputs"] == {"n": 2}
     assert not (tmp_path / "tiny" / "train").exists()
     calls.clear()
-    stages.run_stages(make_cfg(tmp_path, "run.stages=[prepare,capture,train]"), world)
+    runner.run_stages(make_cfg(tmp_path, "run.stages=[prepare,capture,train]"), world, calls.fns)
     assert calls == ["capture", "train"]  # same hash, incomplete: capture runs again (the merge), then train
     assert (tmp_path / "tiny" / "capture" / "out.txt").exists()  # not cleared
 
@@ -119,12 +110,12 @@ def test_capture_slices_share_the_stage_hash(tmp_path, calls, world):
     plain = make_cfg(tmp_path, "run.stages=[prepare,capture,train]")
     task = make_cfg(tmp_path, "run.stages=[capture]", "capture.num_slices=4", "capture.slice_index=3")
     merge = make_cfg(tmp_path, "run.stages=[prepare,capture,train]", "capture.num_slices=4")
-    hashes = {stages.inputs_hash(c, "capture", {}) for c in (plain, task, merge)}
+    hashes = {runner.inputs_hash(c, "capture", {}) for c in (plain, task, merge)}
     assert len(hashes) == 1
-    assert stages.inputs_hash(make_cfg(tmp_path, "capture.batch_tokens=7"), "capture", {}) not in hashes
-    stages.run_stages(plain, world)
+    assert runner.inputs_hash(make_cfg(tmp_path, "capture.batch_tokens=7"), "capture", {}) not in hashes
+    runner.run_stages(plain, world, calls.fns)
     calls.clear()
-    stages.run_stages(merge, world)
+    runner.run_stages(merge, world, calls.fns)
     assert calls == []  # a complete store is not captured again because the job asks for slices
 
 

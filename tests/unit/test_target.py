@@ -4,8 +4,8 @@ lm_head rows / embeddings read from safetensors (tied and untied); config mismat
 import pytest
 import torch
 
-from models.target import FrozenTarget, check_target_config, load_input_embeddings, load_lm_head_rows
-from train.config import TargetConfig
+from fledge.models.target import FrozenTarget, check_target_config, load_input_embeddings, load_lm_head_rows
+from fledge.conf.schema import TargetConfig
 
 L, H, V = 4, 64, 160
 
@@ -68,7 +68,7 @@ def test_padding_does_not_change_real_tokens(model):
 
 
 def test_argmax_chunking(model, monkeypatch):
-    import models.target as mt
+    import fledge.models.target as mt
 
     target = FrozenTarget(model, [1])
     x = torch.randint(0, V, (1, 17), generator=torch.Generator().manual_seed(4))

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from models.attention import cached_attention, ttt_attention, ttt_dense_mask
+from fledge.models.attention import cached_attention, ttt_attention, ttt_dense_mask
 
 
 LAYOUTS = {  # per row of document ids; T = 23

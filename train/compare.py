@@ -4,7 +4,7 @@ Train both drafters on the same data and steps (same recipe, only the drafter gr
 
     torchrun --nproc_per_node=2 train/main.py recipe=tiny drafter=eagle31 run.name=tiny_eagle31
     torchrun --nproc_per_node=2 train/main.py recipe=tiny drafter=eagle3  run.name=tiny_eagle3
-    python scripts/compare_eagle3_vs_31.py outputs/tiny_eagle31 outputs/tiny_eagle3 --out outputs/compare_tiny
+    fledge compare outputs/tiny_eagle31 outputs/tiny_eagle3 --out outputs/compare_tiny
 
 (The two runs each prepare and capture their own copy; to share them, copy ``prepare/`` and ``capture/``
 from the first run directory into the second before its command: matching manifests are skipped.)
@@ -25,11 +25,7 @@ import math
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from data.atomic import write_bytes_atomic, write_json_atomic  # noqa: E402
+from fledge.atomic import write_bytes_atomic, write_json_atomic
 
 LABELS = ("EAGLE-3.1", "EAGLE-3")
 

@@ -1,6 +1,6 @@
 """Build the tiny real target: a small Llama and a BPE chat tokenizer trained on the stdlib's source.
 
-    python scripts/make_tiny_target.py --budget quick|testbed [--out .cache/tiny_target]
+    fledge tiny-target --budget quick|testbed [--out .cache/tiny_target]
 
 Writes, under ``--out`` (default: the repo's .cache/tiny_target, gitignored):
     data/{train,eval}.jsonl   the tiny recipe's conversations (OpenAI ``messages`` form)
@@ -27,18 +27,14 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
-from data import tiny_corpus  # noqa: E402
-from data.atomic import atomic_path, read_json, write_json_atomic  # noqa: E402
+from fledge.data import tiny_corpus
+from fledge.atomic import atomic_path, read_json, write_json_atomic
 
 SCRIPT_VERSION = 1
 SEED = 0
@@ -59,7 +55,8 @@ BUDGETS = {
 
 
 def default_root() -> Path:
-    return REPO / ".cache" / "tiny_target"
+    """``.cache/tiny_target`` under the working directory: where conf/target/tiny.yaml looks for it."""
+    return Path.cwd() / ".cache" / "tiny_target"
 
 
 @functools.lru_cache(maxsize=1)

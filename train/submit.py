@@ -1,8 +1,8 @@
-"""Fill scripts/slurm/*.sbatch from a recipe and print the sbatch commands that submit them.
+"""Fill the Slurm templates (train/slurm/*.sbatch) from a recipe and print the sbatch commands that submit them.
 
-    python scripts/submit.py train recipe=llama3 --nodes 2 --partition gpu --account proj
-    python scripts/submit.py pipeline recipe=qwen3 --array 8 --time 24:00:00 train.epochs=5
-    python scripts/submit.py capture recipe=tiny --dry-run        # print the scripts, write nothing
+    fledge submit train recipe=llama3 --nodes 2 --partition gpu --account proj
+    fledge submit pipeline recipe=qwen3 --array 8 --time 24:00:00 train.epochs=5
+    fledge submit capture recipe=tiny --dry-run        # print the scripts, write nothing
 
 The recipe is composed (and validated) here exactly as train/main.py will compose it, so a bad override
 fails now rather than after a day in the queue. The filled scripts go to RUN_DIR/slurm/<job>.sbatch,
@@ -25,11 +25,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional, Union
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-SLURM_DIR = REPO / "scripts" / "slurm"
+SLURM_DIR = Path(__file__).resolve().parent / "slurm"  # the templates ship with the package
 ALL_STAGES = "[prepare,capture,train,export,eval]"
 
 
@@ -86,17 +82,9 @@ def render(template: str, sbatch: dict[str, Optional[str]], knobs: dict[str, Uni
 
 def compose(overrides: list[str]):
     """The validated Config train/main.py would build from these overrides."""
-    from hydra import compose as hydra_compose, initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
+    from fledge.conf import compose as compose_config
 
-    from train.main import CONF_DIR, to_config  # registers the schema
-
-    try:
-        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-            return to_config(hydra_compose("config", overrides=overrides))
-    except (HydraException, OmegaConfBaseException) as e:
-        raise ValueError(f"overrides {overrides}: {e}") from None
+    return compose_config(overrides)
 
 
 def plan(kind: str, args: argparse.Namespace, overrides: list[str]) -> list[Job]:
@@ -117,7 +105,7 @@ def plan(kind: str, args: argparse.Namespace, overrides: list[str]) -> list[Job]
     if args.array:  # what every array task will compose (train.launch adds the slice overrides)
         compose([*overrides, "run.stages=[capture]", f"capture.num_slices={args.array}", "capture.slice_index=0"])
     run_dir = Path(cfg.run.output_root) / cfg.run.name
-    abs_run_dir = run_dir if run_dir.is_absolute() else REPO / run_dir
+    abs_run_dir = run_dir if run_dir.is_absolute() else Path.cwd() / run_dir
     user = [o for o in overrides if not o.startswith(("recipe=", "run.name=", "run.output_root="))]
 
     def job(name: str, template: str, stages: str, res: Resources, extra: list[str], launch: list[str],
@@ -136,7 +124,7 @@ def plan(kind: str, args: argparse.Namespace, overrides: list[str]) -> list[Job]
         }
         knobs = {"RECIPE": cfg.recipe, "RUN_NAME": cfg.run.name, "OUTPUT_ROOT": cfg.run.output_root,
                  "STAGES": stages, "OVERRIDES": user + extra, "LAUNCH_ARGS": launch,
-                 "FLEDGE_ROOT": str(REPO), "PYTHON": args.python}
+                 "FLEDGE_ROOT": str(Path.cwd()), "PYTHON": args.python}
         text = render((SLURM_DIR / template).read_text(), sbatch, knobs)
         return Job(name, abs_run_dir / "slurm" / f"{name}.sbatch", text, depends_on)
 
@@ -202,7 +190,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         for j in jobs:
             print(f"# ===== {j.path} (not written: --dry-run) =====\n{j.text}")
     else:
-        from data.atomic import write_bytes_atomic
+        from fledge.atomic import write_bytes_atomic
 
         for j in jobs:
             write_bytes_atomic(j.path, j.text.encode())

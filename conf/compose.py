@@ -1,0 +1,43 @@
+"""The one place that turns ``conf/`` plus overrides into a validated :class:`Config`.
+
+``train/main.py`` (the Hydra app) and every tool (lint, submit, benchmarks, tests) compose through here,
+so a recipe means the same thing everywhere. The YAML groups live beside this file and ship in the wheel.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+from fledge.conf.schema import Config
+
+CONF_DIR = str(Path(__file__).resolve().parent)
+ConfigStore.instance().store(name="fledge_schema", node=Config)
+
+
+def to_config(dcfg: DictConfig) -> Config:
+    """DictConfig (already type-checked by the schema) -> validated Config dataclasses."""
+    cfg = OmegaConf.to_object(dcfg)
+    assert isinstance(cfg, Config)
+    return cfg.validate()
+
+
+def compose(overrides: list[str] | None = None) -> Config:
+    """The validated Config that ``train/main.py`` would build from these command-line overrides
+    (``["recipe=llama3", "train.optim.lr=5e-5"]``). A bad key, type or value raises ValueError naming it."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+            dcfg = hydra_compose(config_name="config", overrides=list(overrides or []))
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ValueError(f"overrides {list(overrides or [])}: {e}") from None
+    finally:
+        GlobalHydra.instance().clear()
+    return to_config(dcfg)

@@ -1,0 +1,78 @@
+"""The ``fledge`` command (also ``python -m fledge``): the pipeline and the tools over the same code.
+
+    fledge run recipe=tiny [overrides]          the pipeline in one process (torchrun train/main.py for N)
+    fledge tiny-target --budget quick           build the tiny recipe's target and data under .cache/
+    fledge lint DIR [--target T | --recipe R]   check a drafter directory against its target (SPEC 8)
+    fledge push DIR ORG/NAME                    upload with a model card (token from HF_TOKEN)
+    fledge submit pipeline recipe=NAME ...      fill the Slurm templates, print the sbatch commands
+    fledge regenerate --input ... --output ...  re-answer a data set with the target
+    fledge compare RUN_A RUN_B                  EAGLE-3.1 vs EAGLE-3 report from two runs
+    fledge config recipe=NAME [overrides]       print the composed, validated config
+
+Each tool's module owns its arguments (``fledge TOOL --help``); this file only dispatches, importing
+the tool when it is called so ``fledge --help`` stays instant.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+# name -> (module, function, one line of help)
+COMMANDS = {
+    "run": ("fledge.train.main", "cli", "run the pipeline in this process: fledge run recipe=NAME [overrides]"),
+    "tiny-target": ("fledge.data.tiny_target", "main", "build the tiny recipe's target and data under .cache/"),
+    "lint": ("fledge.models.lint", "main", "check an exported drafter against its target"),
+    "push": ("fledge.models.hub", "main", "upload a drafter with a generated model card"),
+    "submit": ("fledge.train.submit", "main", "fill the Slurm templates and print the sbatch commands"),
+    "regenerate": ("fledge.data.regenerate", "main", "re-answer a chat data set with the target"),
+    "compare": ("fledge.train.compare", "main", "EAGLE-3.1 vs EAGLE-3 report from two runs"),
+    "config": ("fledge.cli", "print_config", "print the composed, validated config of a recipe"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = [f"  {name:<{width}}  {help_}" for name, (_, _, help_) in COMMANDS.items()]
+    return ("usage: fledge COMMAND [ARGS]   (fledge COMMAND --help for its arguments)\n\ncommands:\n"
+            + "\n".join(lines) + "\n\nMulti-process: torchrun --nproc_per_node=N train/main.py recipe=NAME "
+            "(or torchrun ... -m fledge.train.main)")
+
+
+def print_config(argv: list[str]) -> int:
+    """``fledge config recipe=NAME [overrides]``: the Config train/main.py would run, as YAML."""
+    from omegaconf import OmegaConf
+
+    from fledge.conf import compose
+
+    if any(a in ("-h", "--help") for a in argv):
+        print("usage: fledge config recipe=NAME [overrides]")
+        return 0
+    try:
+        cfg = compose(argv)
+    except ValueError as e:
+        print(f"fledge: config error: {e}", file=sys.stderr)
+        return 2
+    print(OmegaConf.to_yaml(OmegaConf.structured(cfg)), end="")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        sys.exit(0)
+    if argv[0] in ("-V", "--version"):
+        from fledge import __version__
+
+        print(f"fledge {__version__}")
+        sys.exit(0)
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"fledge: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        sys.exit(2)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    module, fn, _ = COMMANDS[name]
+    code = getattr(importlib.import_module(module), fn)(rest)
+    sys.exit(code or 0)

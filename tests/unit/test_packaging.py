@@ -1,0 +1,131 @@
+"""One namespace, layers that only point down, and a wheel that works outside the repository.
+
+The wheel is built once per session. Its installed tree is what import-linter checks (the editable
+install maps train/, data/, models/ from the repo root, which import-linter's static scan cannot follow),
+and a fresh venv outside the repo runs ``fledge --help`` and composes every recipe from it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPES = sorted(p.stem for p in (REPO / "conf" / "recipe").glob("*.yaml"))
+LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    res = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                          "-w", str(out), str(REPO)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    (whl,) = out.glob("fledge-*.whl")
+    return whl
+
+
+@pytest.fixture(scope="module")
+def installed(wheel, tmp_path_factory) -> Path:
+    """The wheel unpacked as pip installs it (``--target``), for import-linter."""
+    site = tmp_path_factory.mktemp("site")
+    res = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target",
+                          str(site), str(wheel)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return site
+
+
+def test_wheel_ships_one_namespace_and_its_config(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"fledge"}, f"the wheel installs top-level {sorted(tops - {'fledge'})}"
+    for need in ("fledge/train/main.py", "fledge/data/prepare.py", "fledge/models/drafter.py",
+                 "fledge/conf/config.yaml", "fledge/conf/recipe/tiny.yaml", "fledge/conf/target/llama31_8b.yaml",
+                 "fledge/train/slurm/train.sbatch"):
+        assert need in names, need
+    entry = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "fledge = fledge.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
+
+
+def test_no_sys_path_edits_anywhere():
+    offenders = []
+    for path in REPO.rglob("*.py"):
+        if {".venv", ".oracle", ".git", ".cache", "outputs", "build"} & set(path.relative_to(REPO).parts):
+            continue
+        if re.search(r"sys\.path\.(insert|append)|sys\.path\s*[+=]", path.read_text()):
+            offenders.append(str(path.relative_to(REPO)))
+    assert not offenders, f"sys.path edits in {offenders}: import through the installed fledge package instead"
+
+
+def _lint_imports(site: Path, config: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(site))
+    return subprocess.run([str(LINT_IMPORTS), "--config", str(config), "--no-cache"], cwd=site, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_import_contracts_hold(installed):
+    res = _lint_imports(installed, REPO / "pyproject.toml")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "broken" not in res.stdout.lower() or " 0 broken" in res.stdout.lower(), res.stdout
+
+
+def test_a_wrong_way_import_breaks_the_contracts(installed, tmp_path):
+    """The contracts are live: a library importing the pipeline fails them (negative control)."""
+    bad = tmp_path / "site"
+    subprocess.run(["cp", "-r", str(installed), str(bad)], check=True)
+    lib = bad / "fledge" / "models" / "drafter.py"
+    lib.write_text(lib.read_text() + "\nfrom fledge.train import runner  # planted wrong-way import\n")
+    res = _lint_imports(bad, REPO / "pyproject.toml")
+    assert res.returncode != 0 and "fledge.models.drafter -> fledge.train.runner" in res.stdout, res.stdout
+
+
+@pytest.fixture(scope="module")
+def fresh_venv(wheel, tmp_path_factory) -> Path:
+    """A new venv outside the repo with the wheel installed; its dependencies come from the test's own
+    environment through a .pth line (no download), which does not carry the editable install's finder."""
+    root = tmp_path_factory.mktemp("fresh")
+    venv = root / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    site = Path(sysconfig.get_path("purelib", vars={"base": str(venv), "platbase": str(venv)}))
+    site.mkdir(parents=True, exist_ok=True)
+    (site / "deps.pth").write_text(sysconfig.get_path("purelib") + "\n")
+    res = subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q",
+                          "--no-deps", "--no-index", "--ignore-installed", str(wheel)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return venv
+
+
+def _in_fresh(venv: Path, *cmd: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(HF_HUB_OFFLINE="1", PATH=f"{venv / 'bin'}:{env['PATH']}")
+    return subprocess.run(list(cmd), cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_fresh_venv_runs_fledge_from_outside_the_repo(fresh_venv, tmp_path):
+    res = _in_fresh(fresh_venv, str(fresh_venv / "bin" / "fledge"), "--help", cwd=tmp_path)
+    assert res.returncode == 0 and "tiny-target" in res.stdout and "lint" in res.stdout, res.stdout + res.stderr
+    where = _in_fresh(fresh_venv, str(fresh_venv / "bin" / "python"), "-c",
+                      "import fledge.train.main as m; print(m.__file__)", cwd=tmp_path)
+    assert where.returncode == 0 and str(fresh_venv) in where.stdout and str(REPO) not in where.stdout, where
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fresh_venv_composes_every_recipe(fresh_venv, tmp_path, recipe):
+    res = _in_fresh(fresh_venv, str(fresh_venv / "bin" / "python"), "-m", "fledge", "config", f"recipe={recipe}",
+                    cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"recipe: {recipe}" in res.stdout
+
+
+def test_bad_override_in_fresh_venv_is_one_line_and_exit_2(fresh_venv, tmp_path):
+    res = _in_fresh(fresh_venv, str(fresh_venv / "bin" / "fledge"), "config", "recipe=tiny", "drafter.ttt_steps=0",
+                    cwd=tmp_path)
+    assert res.returncode == 2 and "drafter.ttt_steps" in res.stderr and "Traceback" not in res.stderr, res.stderr
