@@ -65,11 +65,15 @@ def load_tokenizer(cfg: Config):
     return tok
 
 
-def load_conversations(sources: list[SourceConfig], errors: ErrorLog) -> list[dict]:
-    """Normalised conversations of ``sources`` in order, each tagged with ``source`` and ``index``."""
+def load_conversations(sources: list[SourceConfig], errors: ErrorLog, key: str = "data.sources") -> list[dict]:
+    """Normalised conversations of ``sources`` in order, each tagged with ``source`` and ``index``. A source
+    with no rows at all (an empty file, a wrong split) is an error naming it: a mix silently missing one
+    of its sources trains a different drafter than the recipe says."""
     out = []
-    for src in sources:
+    for i, src in enumerate(sources):
+        n_rows = 0
         for row in iter_rows(src.path, src.split, src.max_samples):
+            n_rows += 1
             try:
                 if row.error:
                     raise DataError(row.where, row.error)
@@ -78,6 +82,9 @@ def load_conversations(sources: list[SourceConfig], errors: ErrorLog) -> list[di
                 errors.add(e)
                 continue
             out.append({**conv, "source": src.path, "index": row.index, "where": row.where})
+        if n_rows == 0:
+            raise ValueError(f"{src.path}: no rows (split {src.split!r}); an empty file or a wrong split? "
+                             f"fix {key}[{i}] or remove it")
     return out
 
 
@@ -85,7 +92,7 @@ def split_and_mix(data: DataConfig, errors: ErrorLog, seed: int) -> tuple[list[d
     """(train, eval) conversations: eval from ``eval_sources`` or a seeded hold-out; train weighted."""
     train = load_conversations(data.sources, errors)
     if data.eval_sources:
-        evals = load_conversations(data.eval_sources, errors)
+        evals = load_conversations(data.eval_sources, errors, key="data.eval_sources")
     else:
         order = list(range(len(train)))
         random.Random(seed).shuffle(order)

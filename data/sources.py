@@ -88,11 +88,17 @@ def iter_rows(path: str, split: str = "train", max_samples: int | None = None) -
 
 
 def _iter_jsonl(p: Path) -> Iterator[RawRow]:
-    with open(p, encoding="utf-8") as f:
-        for i, line in enumerate(f):
+    with open(p, "rb") as f:  # bytes: a line that is not UTF-8 is that row's error, named by file:line
+        for i, raw in enumerate(f):
+            where = f"{p}:{i + 1}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield RawRow(i, where, None, f"not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                                             "re-encode the file as UTF-8")
+                continue
             if not line.strip():
                 continue
-            where = f"{p}:{i + 1}"
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
@@ -107,6 +113,9 @@ def _iter_jsonl(p: Path) -> Iterator[RawRow]:
 def _iter_json(p: Path) -> Iterator[RawRow]:
     try:
         data = json.loads(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{p}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                         "re-encode the file as UTF-8") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{p}:{e.lineno}: malformed JSON ({e.msg}); a .json source must be one list of rows") from None
     if isinstance(data, dict):  # {"data": [...]} or a single conversation

@@ -43,29 +43,72 @@ def run(cfg: Config) -> dict:
     return manifests
 
 
+# Fledge raises ValueError (DataError is one) for bad input and config, with the file, line or key and the
+# fix in the message; those reach the user as one line and exit code 2. Anything else is a bug and keeps its
+# traceback. FLEDGE_DEBUG=1 (or Hydra's HYDRA_FULL_ERROR=1) shows the traceback of user errors too.
+USER_ERROR_EXIT_CODE = 2
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError)
+
+
+def debugging() -> bool:
+    return os.environ.get("FLEDGE_DEBUG") == "1" or os.environ.get("HYDRA_FULL_ERROR") == "1"
+
+
+def user_error(e: BaseException, all_ranks_agree: bool = False) -> None:
+    """Print ``e`` as one line and exit 2. Every rank that failed says so (a bad shard may fail one rank
+    only), prefixed by its rank in a multi-process run; an error every rank raises alike (the config's)
+    is printed once."""
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if rank == 0 or not all_ranks_agree:
+        where = f"[rank {rank}] " if world > 1 else ""
+        print(f"fledge: {where}error: {e}", file=sys.stderr, flush=True)
+    sys.exit(USER_ERROR_EXIT_CODE)
+
+
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
 def main(dcfg: DictConfig) -> None:
+    from fledge.train.trainer import PREEMPTED_EXIT_CODE, Preempted
+
     try:
         cfg = to_config(dcfg)
     except ValueError as e:
-        print(f"fledge: config error: {e}", file=sys.stderr)
-        sys.exit(2)
-    from fledge.train.trainer import PREEMPTED_EXIT_CODE, Preempted
-
+        if debugging():
+            raise
+        user_error(f"config: {e}", all_ranks_agree=True)
     try:
         run(cfg)
     except Preempted as e:
         print(f"fledge: {e}", file=sys.stderr)
         sys.exit(PREEMPTED_EXIT_CODE)
+    except USER_ERRORS as e:
+        if debugging():
+            raise
+        user_error(e)
+
+
+def check_overrides(argv: list[str]) -> None:
+    """Compose the command line's overrides once before Hydra does, so a bad key, type or group is one
+    line naming it and exit code 2 (Hydra's own report is a traceback hint and exit code 1). Hydra's flags
+    (--cfg, --help, -m, ...) are left to Hydra."""
+    if debugging() or any(a.startswith("-") for a in argv):
+        return
+    from fledge.conf import compose
+
+    try:
+        compose(argv)
+    except ValueError as e:
+        user_error(f"config: {e}", all_ranks_agree=True)
 
 
 def cli(argv: list[str]) -> int:
     """``fledge run [overrides]``: Hydra reads its overrides from sys.argv."""
     sys.argv = ["fledge run", *argv]
+    check_overrides(argv)
     main()
     return 0
 
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    check_overrides(sys.argv[1:])
     main()

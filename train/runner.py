@@ -98,6 +98,7 @@ def run_stages(cfg: Config, world: World, stage_fns: dict[str, Callable[[StageCo
     stage's manifest that exists."""
     run_dir = Path(cfg.run.output_root) / cfg.run.name
     selected = [s for s in STAGES if s in cfg.run.stages]
+    check_target_path(cfg.target.name_or_path)
     manifests: dict[str, dict] = {}
     for stage in STAGES:
         m = read_json(run_dir / stage / "manifest.json")
@@ -147,6 +148,15 @@ def run_stages(cfg: Config, world: World, stage_fns: dict[str, Callable[[StageCo
         manifests[stage] = manifest
         log.info("stage %s: done in %.1fs", stage, manifest["seconds"])
     return manifests
+
+
+def check_target_path(name_or_path: str) -> None:
+    """A target written as a path (absolute, or starting with . or ~) must exist before any stage runs;
+    otherwise transformers reads it as a malformed hub id and fails deep inside a stage."""
+    if name_or_path.startswith(("/", ".", "~")) and not Path(name_or_path).expanduser().is_dir():
+        hint = " (build it with `fledge tiny-target --budget quick`)" if "tiny_target" in name_or_path else ""
+        raise ValueError(f"target.name_or_path={name_or_path}: no such directory{hint}; give a model directory "
+                         "or a hub id (org/name)")
 
 
 def _skippable_upstream(cfg: Config, stage: str) -> bool:

@@ -10,7 +10,8 @@ from fledge.distributed import init_world
 
 
 def make_cfg(tmp_path, *overrides):
-    return compose(["recipe=tiny", f"run.output_root={tmp_path}", *overrides])
+    # the target must exist (the runner checks it first); these stages never read it
+    return compose(["recipe=tiny", f"run.output_root={tmp_path}", f"target.name_or_path={tmp_path}", *overrides])
 
 
 class _Calls(list):
