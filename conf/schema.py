@@ -95,7 +95,7 @@ class CaptureConfig:
     shard_size_mb: float = 1024  # per shard file (tests use fractions of a MiB)
     batch_tokens: int = 16384  # tokens per target forward
     device_map: Optional[str] = None  # e.g. "auto" to spread a big target over a node's GPUs
-    # Array-job capture (scripts/slurm/capture_array.sbatch): task i runs with slice_index=i and captures
+    # Array-job capture (train/slurm/capture_array.sbatch, `fledge submit capture --array N`): task i runs with slice_index=i and captures
     # samples [i*n/N, (i+1)*n/N) of each split; a later run with num_slices=N and no slice_index merges
     # the slices into one store. Neither is in the stage's inputs hash (the tasks share one stage dir).
     num_slices: int = 1

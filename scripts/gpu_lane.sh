@@ -18,7 +18,10 @@ mkdir -p "$OUT"
 if [ "${1:-}" = "--wheels" ] && [ -n "${2:-}" ]; then
   $PY -m pip install -q --no-index --no-deps "$2"/*.whl > "$OUT/wheels.txt" 2>&1 || echo "wheel install failed (see wheels.txt)"
 fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 WANDB_MODE=disabled PYTHONUNBUFFERED=1
+# Fledge itself: the wheel's layout (one fledge namespace) installed into a scratch site directory.
+$PY -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/fledge_site . > "$OUT/install.txt" 2>&1 \
+  || echo "fledge install failed (see install.txt)"
+export PYTHONPATH="/tmp/fledge_site${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 WANDB_MODE=disabled PYTHONUNBUFFERED=1
 : > "$OUT/summary.txt"
 step() {  # step NAME TIMEOUT_S CMD...   (rc 124 = stopped at its limit)
   local name=$1 limit=$2; shift 2
