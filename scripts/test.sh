@@ -3,6 +3,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-scripts/setup_oracle.sh || echo "warning: the speculators parity oracle did not install; tests/oracle will skip" >&2
+if ! scripts/setup_oracle.sh; then
+  # CI fails tests/oracle when the oracle is missing (FLEDGE_ORACLE_OPTIONAL=1 allows an offline CI to skip).
+  echo "warning: the speculators parity oracle did not install; tests/oracle will skip (fail under CI=true)" >&2
+fi
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=disabled DS_ACCELERATOR=cpu
 exec .venv/bin/python -m pytest -q "$@"

@@ -28,8 +28,14 @@ REPO = Path(__file__).resolve().parents[2]
 SITE = Path(os.environ.get("FLEDGE_ORACLE_SITE", REPO / ".oracle" / "site"))
 STEPS = 4
 
-pytestmark = pytest.mark.skipif(not (SITE / "speculators").is_dir(),
-                                reason=f"no speculators oracle at {SITE} (bash scripts/setup_oracle.sh)")
+# Locally a missing oracle skips these tests; in CI (CI=true) it fails them, so a broken oracle install
+# cannot turn the parity checks into silent skips. FLEDGE_ORACLE_OPTIONAL=1 allows the skip (offline CI).
+_MISSING = f"no speculators oracle at {SITE} (bash scripts/setup_oracle.sh)"
+if not (SITE / "speculators").is_dir() and os.environ.get("CI") == "true" \
+        and os.environ.get("FLEDGE_ORACLE_OPTIONAL") != "1":
+    pytest.fail(f"{_MISSING}; CI requires the parity oracle (FLEDGE_ORACLE_OPTIONAL=1 for an offline CI)",
+                pytrace=False)
+pytestmark = pytest.mark.skipif(not (SITE / "speculators").is_dir(), reason=_MISSING)
 
 
 def _inputs(target_cfg: dict, n_aux: int, T: int = 24, seed: int = 0) -> dict[str, torch.Tensor]:
