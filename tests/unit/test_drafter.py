@@ -211,6 +211,7 @@ def test_draft_to_target_and_vocab_map():
     [
         (dict(aux=[0, 3, 4]), "aux_layer_ids"),
         (dict(aux=[2, 3, 6]), "aux_layer_ids"),
+        (dict(aux=[3, 2, 4]), "distinct and ascending"),
         (dict(draft_vocab_size=51), "draft_vocab_size"),
         (dict(ttt_steps=0), "ttt_steps"),
         (dict(fc_norm=True, norm_before_fc=True), "norm_before_fc"),
