@@ -48,6 +48,8 @@ class DrafterConfig:
     draft_vocab_size: int = 32000
     ttt_steps: int = 7  # K
     step_weight: float = 0.8  # w: total loss = sum_k w^k L_k
+    # A loss registered in train/loss.py (the schema cannot import it: train/main.py checks the name at start).
+    loss: str = "ttt_ce"
     attention: str = "auto"  # auto | flex | sdpa | dense (reference)
     loss_chunk_size: int = 1024  # rows per chunk of the teacher/draft logits
     loss_impl: str = "auto"  # auto (fused Triton loss on CUDA, torch elsewhere and under ZeRO-3) | torch

@@ -45,8 +45,11 @@ def run(cfg: Config) -> dict:
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
 def main(dcfg: DictConfig) -> None:
+    from fledge.train.loss import check_loss_name
+
     try:
         cfg = to_config(dcfg)
+        check_loss_name(cfg.drafter.loss)  # the registry is the pipeline's: the schema cannot see it
     except ValueError as e:
         print(f"fledge: config error: {e}", file=sys.stderr)
         sys.exit(2)

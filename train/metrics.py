@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,12 +43,32 @@ class RatioMeter:
         return {n: (float(num / den) if den > 0 else float("nan")) for n, (num, den) in zip(names, total.tolist())}
 
 
-def al_estimate(values: dict[str, float], steps: int, prefix: str = "") -> float:
-    """Offline chain acceptance-length estimate: 1 + sum_k full_acc_k (SPEC.md section 4)."""
+def step_key(name: str, k: int) -> str:
+    """The logged name of per-step metric ``name`` at TTT step k ("full_acc_2")."""
+    return f"{name}_{k}"
+
+
+@dataclass
+class StepAccuracy:
+    """Teacher-forced accuracy per TTT step k = 0..K-1 (SPEC.md section 4): ``acc[k]`` (drafter argmax =
+    teacher argmax over step k's counted rows) and ``full_acc[k]`` (steps 0..k all right). NaN = no row."""
+
+    acc: list[float]
+    full_acc: list[float]
+
+    @classmethod
+    def from_values(cls, values: dict[str, float], steps: int, prefix: str = "") -> "StepAccuracy":
+        """From reduced metrics (``RatioMeter.reduce``) named by :func:`step_key`, e.g. ``eval/acc_0``."""
+        get = lambda name, k: values.get(prefix + step_key(name, k), float("nan"))  # noqa: E731
+        return cls([get("acc", k) for k in range(steps)], [get("full_acc", k) for k in range(steps)])
+
+
+def al_estimate(accuracy: StepAccuracy) -> float:
+    """Offline chain acceptance-length estimate: 1 + sum_k full_acc_k (SPEC.md section 4), summed up to
+    the first step without a value (NaN or None)."""
     total = 1.0
-    for k in range(steps):
-        v = values.get(f"{prefix}full_acc_{k}")
-        if v is None or v != v:  # missing or NaN
+    for v in accuracy.full_acc:
+        if v is None or v != v:
             break
         total += v
     return total

@@ -4,7 +4,7 @@ import json
 import math
 
 from fledge.conf import compose
-from fledge.train.metrics import MetricsLog, al_estimate
+from fledge.train.metrics import MetricsLog, StepAccuracy, al_estimate
 from fledge.train.report import read_metrics
 
 
@@ -22,7 +22,8 @@ def test_no_data_is_null_not_nan_and_reads_back_as_nan(tmp_path):
     assert rows[0] == {"step": 1, "loss_0": 2.5, "acc_2": None, "lr": None}
     back = read_metrics(path)
     assert math.isnan(back[0]["acc_2"]) and back[1]["acc_2"] == 0.25
-    assert al_estimate({"full_acc_0": 0.5, "full_acc_1": back[0]["acc_2"]}, 2) == 1.5
+    accuracy = StepAccuracy.from_values({"full_acc_0": 0.5, "full_acc_1": back[0]["acc_2"]}, 2)
+    assert al_estimate(accuracy) == 1.5
 
 
 def test_resume_drops_the_killed_runs_later_lines(tmp_path):
