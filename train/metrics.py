@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from fledge.conf.schema import Config
+from fledge.conf.schema import LoggingConfig
 from fledge.distributed import all_reduce_sum
 
 log = logging.getLogger(__name__)
@@ -75,12 +75,15 @@ def al_estimate(accuracy: StepAccuracy) -> float:
 
 
 class MetricsLog:
-    """Rank 0 only: appends one JSON object per logged step; mirrors to wandb when configured."""
+    """Rank 0 only: appends one JSON object per logged step; mirrors to wandb when ``logging`` (a
+    ``LoggingConfig``) names a project. ``run_name`` names the wandb run (unless ``wandb_run_name`` is set)
+    and ``run_config`` is what wandb records as the run's config."""
 
-    def __init__(self, cfg: Config, path: Path, resume_step: int) -> None:
+    def __init__(self, path: Path, resume_step: int, logging: LoggingConfig, run_name: str,
+                 run_config: dict[str, Any] | None = None) -> None:
         self.path = path
         self._truncate_after(resume_step)
-        self.wandb = _start_wandb(cfg, path.parent)
+        self.wandb = _start_wandb(logging, run_name, run_config or {}, path.parent)
 
     def _truncate_after(self, step: int) -> None:
         # A resumed run re-logs the steps after its checkpoint: drop the killed run's later lines.
@@ -118,8 +121,7 @@ class MetricsLog:
                 pass
 
 
-def _start_wandb(cfg: Config, run_dir: Path):
-    lc = cfg.logging
+def _start_wandb(lc: LoggingConfig, run_name: str, run_config: dict[str, Any], run_dir: Path):
     if not lc.wandb_project or lc.wandb_mode == "disabled" or os.environ.get("WANDB_MODE") == "disabled":
         return None
     mode = lc.wandb_mode
@@ -130,9 +132,8 @@ def _start_wandb(cfg: Config, run_dir: Path):
         import wandb
 
         return wandb.init(
-            project=lc.wandb_project, name=lc.wandb_run_name or cfg.run.name, tags=list(lc.wandb_tags),
-            mode=mode, dir=str(run_dir), resume="allow", id=f"{cfg.run.name}-train",
-            config={"recipe": cfg.recipe, "drafter": vars(cfg.drafter), "train": vars(cfg.train)},
+            project=lc.wandb_project, name=lc.wandb_run_name or run_name, tags=list(lc.wandb_tags),
+            mode=mode, dir=str(run_dir), resume="allow", id=f"{run_name}-train", config=run_config,
         )
     except Exception as e:
         log.warning("wandb could not start (%s); training continues with the local metrics log only", e)

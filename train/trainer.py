@@ -75,7 +75,10 @@ def run_training(ctx: StageContext) -> dict:
     step = int(state["step"])
     train_data.seek(step * per_step)
 
-    metrics_log = MetricsLog(cfg, ctx.stage_dir / "metrics.jsonl", step) if world.is_main else None
+    metrics_log = None
+    if world.is_main:
+        metrics_log = MetricsLog(ctx.stage_dir / "metrics.jsonl", step, cfg.logging, cfg.run.name,
+                                 {"recipe": cfg.recipe, "drafter": vars(cfg.drafter), "train": vars(cfg.train)})
     sigterm = _SigtermFlag()
     meter, tokens, nonfinite_run, skipped = RatioMeter(), 0, 0, int(state.get("skipped", 0))
     bar = tqdm(total=total, initial=step, desc="train", disable=not world.is_main, dynamic_ncols=True)

@@ -15,7 +15,7 @@ def _strict(line):
 def test_no_data_is_null_not_nan_and_reads_back_as_nan(tmp_path):
     cfg = compose(["recipe=tiny"])
     path = tmp_path / "metrics.jsonl"
-    log = MetricsLog(cfg, path, resume_step=0)
+    log = MetricsLog(path, 0, cfg.logging, cfg.run.name)
     log.write({"step": 1, "loss_0": 2.5, "acc_2": float("nan"), "lr": float("inf")})
     log.write({"step": 2, "loss_0": 2.0, "acc_2": 0.25})
     rows = [_strict(x) for x in path.read_text().splitlines()]  # every line is strict JSON
@@ -30,5 +30,5 @@ def test_resume_drops_the_killed_runs_later_lines(tmp_path):
     cfg = compose(["recipe=tiny"])
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "loss_0": 1.0}) + "\n" for s in (10, 20, 30)) + '{"step": 4')
-    MetricsLog(cfg, path, resume_step=20)
+    MetricsLog(path, 20, cfg.logging, cfg.run.name)
     assert [r["step"] for r in read_metrics(path)] == [10, 20]
