@@ -280,20 +280,17 @@ def capture(cfg: Config, world: World, prep: Path, stage_dir: Path, prepare_mani
 class OnlineFeatureSource(BatchIterator):
     """``capture.mode=online``: the same batches as FeatureLoader, computed by the target each step.
 
-    Samples come from the prepared split; the target runs on this rank's device, and the sample dicts
-    (aux in the target's dtype, no fp8) stay on that device for collate."""
+    Samples come from the prepared split in ``dataset_dir`` (``<run>/prepare/<split>``); ``target`` runs on
+    this rank's device, and the sample dicts (aux in the target's dtype, no fp8) stay on that device for
+    collate. ``rank``, ``world``, ``row_tokens``, ``rows_per_batch`` and ``seed`` as for FeatureLoader."""
 
-    def __init__(self, cfg, world, target: Optional[FrozenTarget] = None, split: str = "train",
-                 run_dir: Optional[Path] = None, row_tokens: Optional[int] = None, rows_per_batch: Optional[int] = None):
+    def __init__(self, dataset_dir: str | Path, target: FrozenTarget, rank: int, world: int, row_tokens: int,
+                 rows_per_batch: int, seed: int):
         from datasets import load_from_disk
 
-        run_dir = Path(run_dir) if run_dir else Path(cfg.run.output_root) / cfg.run.name
-        self.ds = load_from_disk(str(run_dir / "prepare" / split))
-        self.target = target or FrozenTarget.load(cfg.target, world.device, cfg.aux_layer_ids(),
-                                                  cfg.capture.device_map)
-        super().__init__(dataset_lengths(self.ds), world.rank, world.world_size,
-                         row_tokens or cfg.train.micro_batch_tokens, rows_per_batch or cfg.train.micro_batch_size,
-                         cfg.run.seed)
+        self.ds = load_from_disk(str(dataset_dir))
+        self.target = target
+        super().__init__(dataset_lengths(self.ds), rank, world, row_tokens, rows_per_batch, seed)
 
     def fetch(self, indices: list[int]) -> list[dict]:
         rows = self.ds.select(indices)
