@@ -28,6 +28,22 @@ def test_recipe_composes_and_validates(recipe):
         assert overrides["vocab_size"] == cfg.target.vocab_size
 
 
+@pytest.mark.parametrize("target", sorted(p.stem for p in Path(CONF_DIR, "target").glob("*.yaml")))
+def test_target_sizes_are_written_once(target):
+    """Where a target file carries config_overrides, its top-level sizes interpolate them (never a second copy)."""
+    from omegaconf import OmegaConf
+
+    raw = OmegaConf.to_container(OmegaConf.load(Path(CONF_DIR, "target", f"{target}.yaml")), resolve=False)
+    for key in ("num_hidden_layers", "hidden_size", "vocab_size"):
+        if key in raw.get("config_overrides", {}):
+            assert raw[key] == f"${{.config_overrides.{key}}}", (target, key, raw[key])
+
+
+def test_one_size_override_moves_both_places():
+    cfg = compose(["recipe=llama3", "target.config_overrides.num_hidden_layers=40"])
+    assert cfg.target.num_hidden_layers == 40 and cfg.aux_layer_ids() == [2, 20, 37]
+
+
 def test_llama3_aux_ids_are_boundary_convention():
     cfg = compose(["recipe=llama3"])
     assert cfg.aux_layer_ids() == [2, 16, 29]
