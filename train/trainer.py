@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
