@@ -216,7 +216,7 @@ def evaluate_run(cfg, run_dir: Path, out_dir: Path, drafter_dir: Path, device: t
     from fledge.train.report import write_report
 
     ev, K = cfg.eval, cfg.drafter.ttt_steps
-    renderer = ChatRenderer(load_tokenizer(cfg), extra_eot_ids=eot_ids_from_target(cfg.target.name_or_path,
+    renderer = ChatRenderer(load_tokenizer(cfg.target, cfg.data.chat_template), extra_eot_ids=eot_ids_from_target(cfg.target.name_or_path,
                                                                                    cfg.target.revision))
     eos = sorted(renderer.eot_ids)
     record = read_json(drafter_dir / "fledge_training.json") or {}
