@@ -90,8 +90,9 @@ class TTTLoss(ABC):
         rows = [_flat(alignment.step_rows(batch.loss_mask, batch.document_ids, batch.target_argmax, drafter.t2d, k))
                 for k in range(self.steps)]
         ys_flat = [y.reshape(B * T, -1) for y in ys]
-        scored = None if _partitioned(drafter.lm_head) else \
-            self.shared_teacher_sums(ys_flat, rows, th_flat, drafter.lm_head, teacher_head)
+        scored = None
+        if not _partitioned(drafter.lm_head):  # under ZeRO-3 only lm_head's own forward sees its weight
+            scored = self.shared_teacher_sums(ys_flat, rows, th_flat, drafter.lm_head, teacher_head)
         if scored is None:
             scored = _per_step_module_calls(self.loss_sum, ys_flat, rows, th_flat, drafter.lm_head, teacher_head,
                                             self.chunk_size)
