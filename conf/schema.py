@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from fledge.conf.drafter_rules import drafter_problems, raise_problems
+
 STAGES = ("prepare", "capture", "train", "export", "eval")
 
 
@@ -46,6 +48,8 @@ class DrafterConfig:
     draft_vocab_size: int = 32000
     ttt_steps: int = 7  # K
     step_weight: float = 0.8  # w: total loss = sum_k w^k L_k
+    # A loss registered in train/loss.py (the schema cannot import it: train/main.py checks the name at start).
+    loss: str = "ttt_ce"
     attention: str = "auto"  # auto | flex | sdpa | dense (reference)
     loss_chunk_size: int = 1024  # rows per chunk of the teacher/draft logits
     loss_impl: str = "auto"  # auto (fused Triton loss on CUDA, torch elsewhere and under ZeRO-3) | torch
@@ -202,12 +206,6 @@ class Config:
         _one_of("train.optim.schedule", self.train.optim.schedule, ("cosine", "linear", "constant"))
         _one_of("export.format", self.export.format, ("hf", "speculators"))
         _one_of("logging.wandb_mode", self.logging.wandb_mode, ("auto", "online", "offline", "disabled"))
-        if self.drafter.ttt_steps < 1:
-            raise ValueError(f"drafter.ttt_steps={self.drafter.ttt_steps}: must be >= 1")
-        if self.drafter.fc_norm and self.drafter.norm_before_fc:
-            raise ValueError(
-                "drafter.fc_norm=true and drafter.norm_before_fc=true: pick one (EAGLE-3.1 uses fc_norm)"
-            )
         if not 0.0 <= self.data.eval_fraction < 1.0:
             raise ValueError(f"data.eval_fraction={self.data.eval_fraction}: must be in [0, 1)")
         if not 0.0 <= self.data.perturb.fraction <= 1.0:
@@ -215,23 +213,10 @@ class Config:
         L, V = self.target.num_hidden_layers, self.target.vocab_size
         if L <= 0:
             raise ValueError("target.num_hidden_layers must be written in the recipe (the target's layer count)")
-        ids = self.aux_layer_ids()
-        if len(set(ids)) != len(ids) or any(not 1 <= i < L for i in ids):
-            raise ValueError(
-                f"drafter.aux_layer_ids={ids}: need distinct boundary ids in [1, {L - 1}] "
-                f"for a target with num_hidden_layers={L} (0 is the embedding, {L} the pre-norm output)"
-            )
-        if ids[0] == 1:
-            raise ValueError(
-                f"drafter.aux_layer_ids={ids} starts with 1: SGLang adds 1 to such lists; "
-                "use boundary ids (default (2, L//2, L-3))"
-            )
-        if V and self.drafter.draft_vocab_size > V:
-            raise ValueError(
-                f"drafter.draft_vocab_size={self.drafter.draft_vocab_size} exceeds target.vocab_size={V}"
-            )
-        if self.drafter.draft_vocab_size < 1:
-            raise ValueError(f"drafter.draft_vocab_size={self.drafter.draft_vocab_size}: must be >= 1")
+        d = self.drafter
+        raise_problems(drafter_problems(self.aux_layer_ids(), L, fc_norm=d.fc_norm, norm_before_fc=d.norm_before_fc,
+                                        ttt_steps=d.ttt_steps, draft_vocab_size=d.draft_vocab_size,
+                                        vocab_size=V or None))
         if self.export.push_to_hub and not self.export.repo_id:
             raise ValueError("export.push_to_hub=true needs export.repo_id (e.g. my-org/llama3-eagle3.1)")
         return self

@@ -33,7 +33,7 @@ from fledge.data.feature_reader import BatchIterator
 from fledge.atomic import read_json, write_json_atomic
 from fledge.data.features import (SCHEMA_VERSION, STORE_MANIFEST, ShardWriter, bytes_per_token, encode_sample, rank_dir,
                            slice_dir, store_manifest, write_store_manifest)
-from fledge.conf.schema import Config
+from fledge.conf.schema import CaptureConfig, TargetConfig
 from fledge.distributed import World
 from fledge.models.target import FrozenTarget, target_fingerprint
 
@@ -91,28 +91,29 @@ def slice_bounds(num_samples: int, index: Optional[int], num_slices: int) -> tup
     return index * num_samples // num_slices, (index + 1) * num_samples // num_slices
 
 
-def capture_split(target: FrozenTarget, dataset_dir: Path, store_dir: Path, cfg, world, meta: dict) -> dict:
+def capture_split(target: FrozenTarget, dataset_dir: Path, store_dir: Path, cap: CaptureConfig, world,
+                  meta: dict) -> dict:
     """Capture one prepared split into a store (this rank's part; rank 0 writes store.json at the end).
 
-    With ``capture.slice_index`` set only that slice's samples are captured, into ``store_dir/sliceNNNNN``,
+    With ``cap.slice_index`` set only that slice's samples are captured, into ``store_dir/sliceNNNNN``,
     and no store.json is written (merge_slices does it once every slice has finished)."""
     from datasets import load_from_disk
     from tqdm import tqdm
 
     ds = load_from_disk(str(dataset_dir))
     lengths = dataset_lengths(ds)
-    part, num_slices = cfg.capture.slice_index, cfg.capture.num_slices
+    part, num_slices = cap.slice_index, cap.num_slices
     lo, hi = slice_bounds(len(lengths), part, num_slices)
     out_dir = store_dir if part is None else slice_dir(store_dir, part)
     ids = list(range(lo + world.rank, hi, world.world_size))
-    plan = plan_batches(ids, lengths, cfg.capture.batch_tokens)
+    plan = plan_batches(ids, lengths, cap.batch_tokens)
     n_aux = len(meta["aux_layer_ids"])
-    settings = {"world_size": world.world_size, "batch_tokens": cfg.capture.batch_tokens,
-                "shard_size_mb": cfg.capture.shard_size_mb, "dtype": cfg.capture.dtype,
+    settings = {"world_size": world.world_size, "batch_tokens": cap.batch_tokens,
+                "shard_size_mb": cap.shard_size_mb, "dtype": cap.dtype,
                 "num_samples": len(lengths), "schema_version": SCHEMA_VERSION}
     if part is not None:
         settings["slice"] = [part, num_slices]
-    writer = ShardWriter(rank_dir(out_dir, world.rank), cfg.capture.shard_size_mb * 2**20, settings)
+    writer = ShardWriter(rank_dir(out_dir, world.rank), cap.shard_size_mb * 2**20, settings)
     done_tokens = sum(lengths[i] for i in writer.done_ids)
     bar = tqdm(total=sum(lengths[i] for i in ids), initial=done_tokens, unit="tok", unit_scale=True,
                desc=f"capture {dataset_dir.name}", disable=not world.is_main, dynamic_ncols=True)
@@ -126,7 +127,7 @@ def capture_split(target: FrozenTarget, dataset_dir: Path, store_dir: Path, cfg,
             if i in writer.done_ids:
                 continue
             writer.add(i, encode_sample(row["input_ids"], row["loss_mask"], aux, final, argmax, n_aux,
-                                        cfg.capture.dtype))
+                                        cap.dtype))
             bar.update(lengths[i])
     writer.finish()
     bar.close()
@@ -217,50 +218,50 @@ def tokenizer_hash(name_or_path: str, prepare_manifest: Optional[dict]) -> Optio
     return ((prepare_manifest or {}).get("outputs") or {}).get("tokenizer_hash")
 
 
-def store_meta(cfg, target: FrozenTarget, prepare_manifest: Optional[dict]) -> dict:
-    """The store manifest's description of what was captured (everything but the shards)."""
-
-    t = cfg.target
+def store_meta(t: TargetConfig, aux_dtype: str, target: FrozenTarget, prepare_manifest: Optional[dict]) -> dict:
+    """The store manifest's description of what was captured (everything but the shards): ``target``
+    loaded from the config ``t``, aux states stored as ``aux_dtype`` (capture.dtype: bf16 | fp8)."""
     n_aux = len(target.aux_layer_ids)
     return {
         "target": {"name_or_path": t.name_or_path, "revision": t.revision,
                    "fingerprint": target_fingerprint(t.name_or_path), "dtype": str(target.lm_head.weight.dtype)},
         "num_hidden_layers": len(target.layers), "hidden_size": target.hidden_size, "vocab_size": target.vocab_size,
         "aux_layer_ids": list(target.aux_layer_ids),
-        "dtypes": {"aux_hidden": "float8_e4m3fn" if cfg.capture.dtype == "fp8" else "bfloat16",
-                   "aux_scale": "float32" if cfg.capture.dtype == "fp8" else None,
+        "dtypes": {"aux_hidden": "float8_e4m3fn" if aux_dtype == "fp8" else "bfloat16",
+                   "aux_scale": "float32" if aux_dtype == "fp8" else None,
                    "target_hidden": "bfloat16", "target_argmax": "int32", "input_ids": "int32", "loss_mask": "uint8"},
-        "capture_dtype": cfg.capture.dtype,
-        "bytes_per_token": bytes_per_token(n_aux, target.hidden_size, cfg.capture.dtype),
+        "capture_dtype": aux_dtype,
+        "bytes_per_token": bytes_per_token(n_aux, target.hidden_size, aux_dtype),
         "tokenizer_hash": tokenizer_hash(t.name_or_path, prepare_manifest),
         "prepare_manifest_hash": _prepare_hash(prepare_manifest) if prepare_manifest else None,
     }
 
 
-def capture(cfg: Config, world: World, prep: Path, stage_dir: Path, prepare_manifest: dict | None,
-            array_script: Path) -> dict:
-    """Capture every prepared split of ``prep`` into ``stage_dir/<split>/`` (offline mode); a no-op online.
+def capture(target_cfg: TargetConfig, cap: CaptureConfig, aux_layer_ids: list[int], world: World, prep: Path,
+            stage_dir: Path, prepare_manifest: dict | None, array_script: Path) -> dict:
+    """Capture the states at ``aux_layer_ids`` of the target ``target_cfg`` names for every prepared split
+    of ``prep`` into ``stage_dir/<split>/`` (``cap.mode=offline``); a no-op online.
 
-    Array capture: with ``capture.slice_index`` set, capture that slice only, record it in
+    Array capture: with ``cap.slice_index`` set, capture that slice only, record it in
     ``capture/slices/`` and return a partial summary (the stage stays incomplete); with
-    ``capture.num_slices > 1`` and no slice index, merge the finished slices instead of capturing."""
-    if cfg.capture.mode == "online":
+    ``cap.num_slices > 1`` and no slice index, merge the finished slices instead of capturing."""
+    if cap.mode == "online":
         log.warning("capture.mode=online: no feature store is written; the trainer runs the target itself")
         return {"mode": "online"}
     if not (prep / "train").exists():
         raise ValueError(f"{prep / 'train'} does not exist: run the prepare stage first (run.stages=[prepare,capture])")
     splits = [s for s in SPLITS if (prep / s).exists()]
-    part = cfg.capture.slice_index
-    if part is None and cfg.capture.num_slices > 1:
-        out = merge_slices(cfg.capture.num_slices, world, stage_dir, splits, array_script)
+    part = cap.slice_index
+    if part is None and cap.num_slices > 1:
+        out = merge_slices(cap.num_slices, world, stage_dir, splits, array_script)
     else:
         if part is not None and world.is_main:
             slice_record(stage_dir, part).unlink(missing_ok=True)  # this slice is being (re)written
-        target = FrozenTarget.load(cfg.target, world.device, cfg.aux_layer_ids(), cfg.capture.device_map)
-        meta = store_meta(cfg, target, prepare_manifest)
-        out = {"mode": "offline", "capture_dtype": cfg.capture.dtype, "bytes_per_token": meta["bytes_per_token"]}
+        target = FrozenTarget.load(target_cfg, world.device, aux_layer_ids, cap.device_map)
+        meta = store_meta(target_cfg, cap.dtype, target, prepare_manifest)
+        out = {"mode": "offline", "capture_dtype": cap.dtype, "bytes_per_token": meta["bytes_per_token"]}
         t0 = time.time()
-        per_split = {split: capture_split(target, prep / split, stage_dir / split, cfg, world, meta)
+        per_split = {split: capture_split(target, prep / split, stage_dir / split, cap, world, meta)
                      for split in splits}
         for split, s in per_split.items():
             out.update({f"{split}_{k}": v for k, v in s.items() if k not in ("range", "of")})
@@ -268,11 +269,11 @@ def capture(cfg: Config, world: World, prep: Path, stage_dir: Path, prepare_mani
         if part is not None:
             if world.is_main:
                 write_json_atomic(slice_record(stage_dir, part), {
-                    "slice_index": part, "num_slices": cfg.capture.num_slices, "world_size": world.world_size,
+                    "slice_index": part, "num_slices": cap.num_slices, "world_size": world.world_size,
                     "meta": meta, "splits": per_split})
             log.info("capture slice %d of %d done; merge with capture.num_slices=%d (no slice_index) when all are",
-                     part, cfg.capture.num_slices, cfg.capture.num_slices)
-            return dict(out, complete=False, slice_index=part, num_slices=cfg.capture.num_slices)
+                     part, cap.num_slices, cap.num_slices)
+            return dict(out, complete=False, slice_index=part, num_slices=cap.num_slices)
     out["store"] = {s: str(stage_dir / s / STORE_MANIFEST) for s in splits}
     return out
 
@@ -280,20 +281,17 @@ def capture(cfg: Config, world: World, prep: Path, stage_dir: Path, prepare_mani
 class OnlineFeatureSource(BatchIterator):
     """``capture.mode=online``: the same batches as FeatureLoader, computed by the target each step.
 
-    Samples come from the prepared split; the target runs on this rank's device, and the sample dicts
-    (aux in the target's dtype, no fp8) stay on that device for collate."""
+    Samples come from the prepared split in ``dataset_dir`` (``<run>/prepare/<split>``); ``target`` runs on
+    this rank's device, and the sample dicts (aux in the target's dtype, no fp8) stay on that device for
+    collate. ``rank``, ``world``, ``row_tokens``, ``rows_per_batch`` and ``seed`` as for FeatureLoader."""
 
-    def __init__(self, cfg, world, target: Optional[FrozenTarget] = None, split: str = "train",
-                 run_dir: Optional[Path] = None, row_tokens: Optional[int] = None, rows_per_batch: Optional[int] = None):
+    def __init__(self, dataset_dir: str | Path, target: FrozenTarget, rank: int, world: int, row_tokens: int,
+                 rows_per_batch: int, seed: int):
         from datasets import load_from_disk
 
-        run_dir = Path(run_dir) if run_dir else Path(cfg.run.output_root) / cfg.run.name
-        self.ds = load_from_disk(str(run_dir / "prepare" / split))
-        self.target = target or FrozenTarget.load(cfg.target, world.device, cfg.aux_layer_ids(),
-                                                  cfg.capture.device_map)
-        super().__init__(dataset_lengths(self.ds), world.rank, world.world_size,
-                         row_tokens or cfg.train.micro_batch_tokens, rows_per_batch or cfg.train.micro_batch_size,
-                         cfg.run.seed)
+        self.ds = load_from_disk(str(dataset_dir))
+        self.target = target
+        super().__init__(dataset_lengths(self.ds), rank, world, row_tokens, rows_per_batch, seed)
 
     def fetch(self, indices: list[int]) -> list[dict]:
         rows = self.ds.select(indices)

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator, Sequence
 
 import torch
 
 from fledge.atomic import read_json, sha256_file
+from fledge.conf.schema import TargetConfig
 from fledge.data.batch import FeatureBatch
 from fledge.data.features import INDEX, SCHEMA_VERSION, STORE_MANIFEST, decode_aux, rank_dir
 
@@ -53,12 +54,13 @@ class FeatureStore:
     def __len__(self) -> int:
         return len(self._loc)
 
-    def check_compatible(self, cfg) -> None:
-        """Refuse (ValueError) a store captured from another target / layer ids / sizes than ``cfg``."""
-        m, t = self.manifest, cfg.target
+    def check_compatible(self, target: TargetConfig, aux_layer_ids: Sequence[int]) -> None:
+        """Refuse (ValueError) a store captured from another target / layer ids / sizes than the
+        ``target`` config and ``aux_layer_ids`` a run trains with."""
+        m, t = self.manifest, target
         want = {"target.name_or_path": t.name_or_path, "target.revision": t.revision,
                 "target.num_hidden_layers": t.num_hidden_layers, "target.hidden_size": t.hidden_size,
-                "target.vocab_size": t.vocab_size, "drafter.aux_layer_ids": list(cfg.aux_layer_ids())}
+                "target.vocab_size": t.vocab_size, "drafter.aux_layer_ids": list(aux_layer_ids)}
         have = {"target.name_or_path": m["target"]["name_or_path"], "target.revision": m["target"]["revision"],
                 "target.num_hidden_layers": m["num_hidden_layers"], "target.hidden_size": m["hidden_size"],
                 "target.vocab_size": m["vocab_size"], "drafter.aux_layer_ids": m["aux_layer_ids"]}
@@ -181,30 +183,16 @@ class BatchIterator:
         for i in range(n):
             yield self.batch_at((i % self.rounds_per_epoch) * self.world + self.rank)
 
-    def state_dict(self) -> dict[str, int]:
-        return {"position": self.position}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.position = int(state["position"])
-
 
 class FeatureLoader(BatchIterator):
-    """FeatureBatch iterator over an offline store (see BatchIterator for order and resumption)."""
+    """FeatureBatch iterator over an offline store (see BatchIterator for order and resumption); check the
+    store against the run with ``loader.store.check_compatible`` first."""
 
     def __init__(self, store_dir: str | Path, rank: int, world: int, row_tokens: int, rows_per_batch: int,
-                 seed: int, cfg=None, dtype: torch.dtype = torch.bfloat16):
+                 seed: int, dtype: torch.dtype = torch.bfloat16):
         self.store = FeatureStore(store_dir, dtype=dtype)
-        if cfg is not None:
-            self.store.check_compatible(cfg)
         super().__init__(self.store.lengths, rank, world, row_tokens, rows_per_batch, seed)
 
     def fetch(self, indices: list[int]) -> list[dict]:
         return [self.store[i] for i in indices]
 
-
-def open_store(store_dir: str | Path, cfg: Optional[object] = None) -> FeatureStore:
-    """A FeatureStore, checked against ``cfg`` when given."""
-    store = FeatureStore(store_dir)
-    if cfg is not None:
-        store.check_compatible(cfg)
-    return store

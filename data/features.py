@@ -39,7 +39,6 @@ log = logging.getLogger(__name__)
 SCHEMA_VERSION = 1
 STORE_MANIFEST = "store.json"
 INDEX = "index.json"
-KEYS = ("input_ids", "loss_mask", "aux_hidden", "target_hidden", "target_argmax")
 
 
 def rank_dir(store_dir: str | Path, rank: int) -> Path:

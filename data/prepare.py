@@ -25,6 +25,7 @@ import os
 import random
 import shutil
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -33,7 +34,7 @@ from fledge.data.chat import ChatRenderer, describe, eot_ids_from_target
 from fledge.data.perturb import chosen, perturb
 from fledge.data.sources import DataError, iter_rows, normalize
 from fledge.data.vocab import DraftVocab, count_masked, load_cached, save_with_key, tokenizer_fingerprint, vocab_key
-from fledge.conf.schema import Config, DataConfig, SourceConfig
+from fledge.conf.schema import DataConfig, SourceConfig, TargetConfig
 
 log = logging.getLogger(__name__)
 SHOW_ERRORS = 5
@@ -53,15 +54,15 @@ class ErrorLog:
             self.first.append(str(err))
 
 
-def load_tokenizer(cfg: Config):
-    """The target's tokenizer (and data.chat_template, a file or a string, when set)."""
+def load_tokenizer(target: TargetConfig, chat_template: Optional[str] = None):
+    """The ``target``'s tokenizer, with ``chat_template`` (data.chat_template: a file or a string) when set."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(cfg.target.name_or_path, revision=cfg.target.revision,
-                                        trust_remote_code=cfg.target.trust_remote_code)
-    if cfg.data.chat_template:
-        p = Path(cfg.data.chat_template)
-        tok.chat_template = p.read_text() if p.is_file() else cfg.data.chat_template
+    tok = AutoTokenizer.from_pretrained(target.name_or_path, revision=target.revision,
+                                        trust_remote_code=target.trust_remote_code)
+    if chat_template:
+        p = Path(chat_template)
+        tok.chat_template = p.read_text() if p.is_file() else chat_template
     return tok
 
 
@@ -157,16 +158,16 @@ def tokenize_split(convs: list[dict], renderer: ChatRenderer, data: DataConfig, 
     return out, [convs[i] for i in keep], counts
 
 
-def prepare(cfg: Config, stage_dir: Path) -> dict:
-    """Build the prepare outputs (see the module docstring) in ``stage_dir``; returns the summary. One
-    process does this (the pipeline runs it on rank 0)."""
-    data = cfg.data
-    seed = data.seed + cfg.run.seed
+def prepare(data: DataConfig, target: TargetConfig, draft_vocab_size: int, run_seed: int, stage_dir: Path) -> dict:
+    """Build the prepare outputs (see the module docstring) of ``data`` for ``target`` in ``stage_dir``, with a
+    draft vocab of ``draft_vocab_size`` ids; returns the summary. ``run_seed`` (run.seed) is added to
+    ``data.seed``. One process does this (the pipeline runs it on rank 0)."""
+    seed = data.seed + run_seed
     build = stage_dir / ".build"
     shutil.rmtree(build, ignore_errors=True)
     build.mkdir(parents=True)
     try:
-        summary = _build(cfg, data, seed, stage_dir, build)
+        summary = _build(data, target, draft_vocab_size, seed, stage_dir, build)
         for name in sorted(os.listdir(build)):
             if not name.startswith("."):
                 dest = stage_dir / name
@@ -177,10 +178,11 @@ def prepare(cfg: Config, stage_dir: Path) -> dict:
     return summary
 
 
-def _build(cfg: Config, data: DataConfig, seed: int, stage_dir: Path, build: Path) -> dict:
-    tok = load_tokenizer(cfg)
+def _build(data: DataConfig, target: TargetConfig, draft_vocab_size: int, seed: int, stage_dir: Path,
+           build: Path) -> dict:
+    tok = load_tokenizer(target, data.chat_template)
     renderer = ChatRenderer(tok, data.last_turn_only, data.thinking_in_mask,
-                            eot_ids_from_target(cfg.target.name_or_path, cfg.target.revision))
+                            eot_ids_from_target(target.name_or_path, target.revision))
     errors = ErrorLog(data.on_error)
     train, evals = split_and_mix(data, errors, seed)
     if not train:
@@ -208,12 +210,12 @@ def _build(cfg: Config, data: DataConfig, seed: int, stage_dir: Path, build: Pat
         lengths = np.fromiter((len(x) for x in ds["input_ids"]), dtype=np.int64, count=len(ds))
         stats[name] = {"conversations": len(ds), "tokens": int(lengths.sum())}
         if name == "train":
-            V = max(cfg.target.vocab_size, len(tok))
+            V = max(target.vocab_size, len(tok))
             vc = np.zeros(V, dtype=np.int64)
             for ids, mask in zip(ds["input_ids"], ds["loss_mask"]):
                 count_masked(ids, mask, V, vc)
             stats[name]["masked_tokens"] = int(vc.sum())
-    vocab_meta = _draft_vocab(vc, cfg, tok, stage_dir, build)
+    vocab_meta = _draft_vocab(vc, draft_vocab_size, tok, stage_dir, build)
     tc = counts["train"]
     summary = {
         "kept": tc["ok"] + tc["truncated"], "truncated": tc["truncated"], "dropped": tc["dropped"],
@@ -232,11 +234,10 @@ def _build(cfg: Config, data: DataConfig, seed: int, stage_dir: Path, build: Pat
     return summary
 
 
-def _draft_vocab(counts: np.ndarray, cfg: Config, tok, stage_dir: Path, build: Path) -> dict:
-    """Build (or reuse, when the key matches) the draft vocab over the training counts."""
+def _draft_vocab(counts: np.ndarray, Vd: int, tok, stage_dir: Path, build: Path) -> dict:
+    """Build (or reuse, when the key matches) the draft vocab of ``Vd`` ids over the training counts."""
     import hashlib
 
-    Vd = cfg.drafter.draft_vocab_size
     if Vd > len(counts):
         raise ValueError(f"drafter.draft_vocab_size={Vd} exceeds the target's vocab ({len(counts)})")
     key = vocab_key(hashlib.sha256(counts.tobytes()).hexdigest(), tokenizer_fingerprint(tok), Vd)

@@ -48,12 +48,6 @@ class RawRow:
     error: str | None = None
 
 
-def source_name(path: str) -> str:
-    """A short stable name for a source path (its file/dir name, or the hub id)."""
-    p = Path(path)
-    return p.name if p.exists() else path
-
-
 def iter_rows(path: str, split: str = "train", max_samples: int | None = None) -> Iterator[RawRow]:
     """Rows of a jsonl / json / parquet file, a local ``datasets`` directory, or a hub dataset id.
 

@@ -109,15 +109,6 @@ def list_sources(root: Path | None = None) -> list[SourceFile]:
     return out
 
 
-def corpus_fingerprint(files: list[SourceFile]) -> str:
-    """A hash of the corpus text: a different Python install gives a different (re-built) cache."""
-    h = hashlib.sha256()
-    for f in files:
-        h.update(f.path.encode())
-        h.update("\n".join(f.lines).encode())
-    return h.hexdigest()[:16]
-
-
 def is_eval_module(path: str) -> bool:
     return int(hashlib.sha256(path.encode()).hexdigest(), 16) % 100 < EVAL_PERCENT
 

@@ -31,6 +31,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+from fledge.conf.drafter_rules import drafter_problems, raise_problems
 from fledge.models.attention import cached_attention, resolve_attention, ttt_attention
 from fledge.models.kernels.rmsnorm import RMSNorm
 
@@ -99,19 +100,14 @@ class DrafterSpec:
         )
 
     def validate(self) -> None:
-        """Raise ValueError naming the offending field."""
-        L, ids = self.target_num_hidden_layers, self.aux_layer_ids
-        if not ids or len(set(ids)) != len(ids) or any(not 1 <= i < L for i in ids):
-            raise ValueError(
-                f"drafter.aux_layer_ids={ids}: need distinct boundary ids in [1, {L - 1}] for a target "
-                f"with num_hidden_layers={L}"
-            )
-        if not 1 <= self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(
-                f"drafter.draft_vocab_size={self.draft_vocab_size}: must be in [1, vocab_size={self.vocab_size}]"
-            )
-        if self.fc_norm and self.norm_before_fc:
-            raise ValueError("drafter.fc_norm and drafter.norm_before_fc are both true: pick one (3.1: fc_norm)")
+        """Raise ValueError naming the offending field. The aux-id and flag rules are the config's
+        (fledge.conf.drafter_rules), except that a list starting with 1 is accepted: a spec may describe a
+        public checkpoint written that way, which can still be loaded and measured (config, export and lint
+        refuse it)."""
+        problems = drafter_problems(self.aux_layer_ids, self.target_num_hidden_layers, fc_norm=self.fc_norm,
+                                    norm_before_fc=self.norm_before_fc, draft_vocab_size=self.draft_vocab_size,
+                                    vocab_size=self.vocab_size)
+        raise_problems(problems, skip=("aux-ids-start-1",))
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_key_value_heads={self.num_key_value_heads} must divide "

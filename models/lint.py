@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from fledge.atomic import read_json
+from fledge.conf.drafter_rules import drafter_problems
 from fledge.models.export import RECORD, read_tensors, tensor_headers
 from fledge.models.serving_config import (HF_ARCH, SPECULATORS_ARCH, dialect_of, expected_tensors, layer_config,
                                    rope_of, target_config_dict)
@@ -92,27 +93,24 @@ def _check_header(config: dict, c: dict, add) -> None:
             'set "norm_before_residual": false')
 
 
+# How to fix each broken aux-id / flag rule of fledge.conf.drafter_rules, in a serving config.json.
+_FIXES = {
+    "aux-ids-missing": "write eagle_config.eagle_aux_hidden_state_layer_ids (boundary convention)",
+    "aux-ids-order": "retrain/export with ascending ids: engines feed fc the states in layer order",
+    "aux-ids-start-1": "retrain/export with boundary ids (default (2, L//2, L-3)); if the ids really are 'output "
+                       "of layer i', add 1 to each",
+    "aux-ids-range": "use boundary ids in [1, L-1] of the target (default [2, L//2, L-3])",
+    "fc-norm-and-norm-before-fc": "the two options exclude each other; keep the one the drafter was trained with",
+}
+
+
 def _check_aux_ids(c: dict, t: dict | None, record: dict | None, add) -> None:
     ids = c.get("aux_layer_ids")
+    L = int(t["num_hidden_layers"]) if t is not None else None
+    for p in drafter_problems(list(ids or []), L, prefix=""):
+        add("error", p.code, p.message, _FIXES[p.code])
     if not ids:
-        add("error", "aux-ids-missing", "no eagle_aux_hidden_state_layer_ids: engines then pick their own "
-            "default layers, which need not be the ones the drafter was trained on",
-            "write eagle_config.eagle_aux_hidden_state_layer_ids (boundary convention)")
         return
-    if ids[0] == 1:
-        add("error", "aux-ids-start-1", f"aux ids {ids} start with 1: SGLang adds 1 to every id of such a list "
-            "(it reads it as 'output of layer i'), shifting all three captured states",
-            "retrain/export with boundary ids (default (2, L//2, L-3)); if the ids really are 'output of layer i', "
-            "add 1 to each")
-    if len(set(ids)) != len(ids) or list(ids) != sorted(ids):
-        add("warning", "aux-ids-order", f"aux ids {ids} are not distinct and ascending",
-            "check the fc column blocks follow the same order as the ids")
-    if t is not None:
-        L = int(t["num_hidden_layers"])
-        bad = [i for i in ids if not 1 <= i < L]
-        if bad:
-            add("error", "aux-ids-range", f"aux ids {bad} outside [1, {L - 1}] for a {L}-layer target",
-                f"use boundary ids in [1, {L - 1}] (default [2, {L // 2}, {L - 3}])")
     trained = (record or {}).get("trained_with", {}).get("aux_layer_ids")
     if trained is not None and list(trained) != list(ids):
         add("error", "aux-ids-trained", f"config says aux ids {ids} but the drafter was trained on {trained}",
@@ -150,9 +148,8 @@ def _check_against_target(c: dict, t: dict, add) -> None:
 
 
 def _check_flags(c: dict, record: dict | None, add) -> None:
-    if c.get("fc_norm") and c.get("norm_before_fc"):
-        add("error", "fc-norm-and-norm-before-fc", "fc_norm and norm_before_fc are both true",
-            "the two options exclude each other; keep the one the drafter was trained with")
+    for p in drafter_problems(fc_norm=bool(c.get("fc_norm")), norm_before_fc=bool(c.get("norm_before_fc")), prefix=""):
+        add("error", p.code, p.message, _FIXES[p.code])
     trained = (record or {}).get("trained_with")
     if not trained:
         add("warning", "no-training-record", f"no {RECORD}: whether norm_output matches training cannot be "

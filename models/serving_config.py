@@ -25,6 +25,8 @@ from typing import Any, Mapping
 
 import torch
 
+from fledge.conf.drafter_rules import drafter_problems, raise_problems
+
 HF_ARCH = "LlamaForCausalLMEagle3"
 SPECULATORS_ARCH = "Eagle3Speculator"
 DIALECTS = ("hf", "speculators")
@@ -96,15 +98,9 @@ def serving_config(
     Ht, V, L = int(t["hidden_size"]), int(t["vocab_size"]), int(t["num_hidden_layers"])
     H = int(_opt(drafter, "hidden_size") or Ht)
     ids = [int(i) for i in aux_layer_ids]
-    if ids and ids[0] == 1:
-        raise ValueError(f"aux_layer_ids={ids} starts with 1: SGLang would add 1 to every id; use boundary ids")
-    if any(not 1 <= i < L for i in ids):
-        raise ValueError(f"aux_layer_ids={ids}: boundary ids must lie in [1, {L - 1}] for a {L}-layer target")
-    if not 1 <= draft_vocab_size <= V:
-        raise ValueError(f"draft_vocab_size={draft_vocab_size}: must be in [1, vocab_size={V}]")
     fc_norm, norm_output, nbf = (_flag(drafter, k) for k in ("fc_norm", "norm_output", "norm_before_fc"))
-    if fc_norm and nbf:
-        raise ValueError("fc_norm and norm_before_fc are both true: the drafter uses one or the other, never both")
+    raise_problems(drafter_problems(ids, L, fc_norm=fc_norm, norm_before_fc=nbf, draft_vocab_size=draft_vocab_size,
+                                    vocab_size=V, prefix=""))
     heads = int(t["num_attention_heads"])
     theta, scaling = rope_of(t)
     layer = {

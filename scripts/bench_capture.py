@@ -132,7 +132,7 @@ def main() -> None:
             store = tmp / f"store_{dtype}"
             import shutil
             shutil.rmtree(store, ignore_errors=True)
-            capture_split(target, tmp / "data", store, cfg, world, store_meta(cfg, target, None))
+            capture_split(target, tmp / "data", store, cfg.capture, world, store_meta(cfg.target, dtype, target, None))
             sync()
         return run
 

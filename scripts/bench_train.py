@@ -114,6 +114,7 @@ def _build(name: str, cfg, device):
 
     from fledge.data.batch import FeatureBatch
     from fledge.models.drafter import DrafterSpec, Eagle3Drafter
+    from fledge.train.loss import build_loss
     from fledge.train.ttt_model import TTTModel
 
     c = CONFIGS[name]
@@ -127,7 +128,7 @@ def _build(name: str, cfg, device):
     t2d[selected] = True
     drafter.set_vocab((selected - torch.arange(Vd)).to(device), t2d.to(device))
     teacher_head = torch.randn(Vd, spec.target_hidden_size, device=device) * spec.target_hidden_size**-0.5
-    model = TTTModel(drafter, teacher_head, cfg).to(device)
+    model = TTTModel(drafter, teacher_head, build_loss(cfg.drafter)).to(device)
 
     docs = doc_lengths(T)
     doc_ids = torch.full((1, T), -1, dtype=torch.int32)

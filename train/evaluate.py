@@ -27,6 +27,8 @@ from tqdm import tqdm
 from fledge.atomic import read_json
 from fledge.models.speculative import (DrafterProposer, LookupProposer, TargetRunner, first_divergence, greedy_decode,
                                 speculative_decode)
+from fledge.train import alignment
+from fledge.train.metrics import StepAccuracy, al_estimate
 
 log = logging.getLogger(__name__)
 SET_FILES = {"default": "eval_conversations.jsonl", "perturbed": "eval_perturbed_conversations.jsonl",
@@ -176,10 +178,11 @@ def evaluate_set(name: str, prompts: list[list[int]], target_model, drafter, eva
 
 @torch.inference_mode()
 def heldout_accuracy(drafter, frozen, samples: Sequence[tuple[list[int], list[int]]], steps: int) -> dict:
-    """Teacher-forced per-step accuracy on held-out conversations, unrolled ``steps`` TTT steps (beyond
-    the trained K too) with ``drafter.ttt_step``. Row t at step j reads x_{t+1+j} (teacher forcing) at
-    RoPE position t+j and predicts x_{t+2+j}; it counts when x_{t+2+j} is an assistant token and the
-    target's argmax there lies in the draft vocab (as in training). ``full_acc[j]``: steps 0..j all right."""
+    """Teacher-forced per-step accuracy on held-out conversations (one document each), unrolled ``steps``
+    TTT steps, beyond the trained K too. Step j's inputs and counted rows are training's
+    (train/alignment.py). ``full_acc[j]`` counts, among step j's counted rows, those whose steps 0..j were
+    all right, where a step whose row did not count (its target outside the draft vocab, say) is a miss,
+    as it is when drafting: this is the offline side of the offline-vs-measured comparison."""
     hit, full, rows = torch.zeros(steps), torch.zeros(steps), torch.zeros(steps)
     dev, dtype = drafter.lm_head.weight.device, drafter.lm_head.weight.dtype
     for ids, mask in tqdm(samples, desc="held-out accuracy", leave=False):
@@ -188,30 +191,18 @@ def heldout_accuracy(drafter, frozen, samples: Sequence[tuple[list[int], list[in
         x, argmax = x.to(dev), argmax.to(dev)
         m = torch.tensor([mask], device=dev, dtype=torch.bool)
         T = x.shape[1]
-        state, kv, all_ok = drafter.fuse(aux.to(dev, dtype)), [], torch.ones(1, T, dtype=torch.bool, device=dev)
-        doc = torch.zeros(1, T, dtype=torch.int32, device=dev)
-        for j in range(steps):
-            tok = _shift(x, 1 + j, 0)
-            y, state = drafter.ttt_step(tok, state, torch.arange(T, device=dev)[None] + j, doc, kv)
-            pred = drafter.draft_to_target(drafter.lm_head(y).argmax(-1))
-            teacher = _shift(argmax, 1 + j, 0)
-            rows_j = _shift(m, 2 + j, False) & drafter.t2d[teacher]
-            ok = pred == teacher
+        doc, pos = torch.zeros(1, T, dtype=torch.int32, device=dev), torch.arange(T, device=dev)[None]
+        all_ok = torch.ones(1, T, dtype=torch.bool, device=dev)
+        for j, y in enumerate(alignment.unroll(drafter, aux.to(dev, dtype), x, pos, doc, steps)):
+            step = alignment.step_rows(m, doc, argmax, drafter.t2d, j)
+            ok = drafter.draft_to_target(drafter.lm_head(y).argmax(-1)) == step.teacher_argmax
             all_ok &= ok
-            hit[j] += float((ok & rows_j).sum())
-            full[j] += float((all_ok & rows_j).sum())
-            rows[j] += float(rows_j.sum())
+            hit[j] += float((ok & step.counted).sum())
+            full[j] += float((all_ok & step.counted).sum())
+            rows[j] += float(step.counted.sum())
     acc = (hit / rows.clamp_min(1)).tolist()
     full_acc = (full / rows.clamp_min(1)).tolist()
     return {"steps": steps, "acc": acc, "full_acc": full_acc, "rows": rows.tolist()}
-
-
-def _shift(x: torch.Tensor, s: int, fill) -> torch.Tensor:
-    """x[:, t + s] at t (``fill`` past the end)."""
-    out = torch.full_like(x, fill)
-    if s < x.shape[1]:
-        out[:, :x.shape[1] - s] = x[:, s:]
-    return out
 
 
 # ------------------------------------------------------------------------------------------ the stage
@@ -225,7 +216,7 @@ def evaluate_run(cfg, run_dir: Path, out_dir: Path, drafter_dir: Path, device: t
     from fledge.train.report import write_report
 
     ev, K = cfg.eval, cfg.drafter.ttt_steps
-    renderer = ChatRenderer(load_tokenizer(cfg), extra_eot_ids=eot_ids_from_target(cfg.target.name_or_path,
+    renderer = ChatRenderer(load_tokenizer(cfg.target, cfg.data.chat_template), extra_eot_ids=eot_ids_from_target(cfg.target.name_or_path,
                                                                                    cfg.target.revision))
     eos = sorted(renderer.eot_ids)
     record = read_json(drafter_dir / "fledge_training.json") or {}
@@ -253,13 +244,14 @@ def evaluate_run(cfg, run_dir: Path, out_dir: Path, drafter_dir: Path, device: t
         samples = [renderer.encode(c, f"{default}:{i + 1}")
                    for i, c in enumerate(read_conversations(default)[:ev.num_prompts])]
         report["heldout"] = heldout_accuracy(drafter, frozen, samples, ev.heldout_steps or 2 * K)
-        measured = next(iter(report["sets"].values()))["drafter"]["accept_at"]
-        offline = report["heldout"]["full_acc"][:len(measured)]
-        report["offline_vs_measured"] = {"set": next(iter(report["sets"])), "offline_full_acc": offline,
+        first = next(iter(report["sets"]))
+        measured = report["sets"][first]["drafter"]["accept_at"]
+        offline = StepAccuracy(report["heldout"]["acc"][:len(measured)], report["heldout"]["full_acc"][:len(measured)])
+        report["offline_vs_measured"] = {"set": first, "offline_full_acc": offline.full_acc,
                                          "measured_accept_at": measured,
-                                         "gap": [m - o for m, o in zip(measured, offline)],
-                                         "offline_al": 1 + sum(offline), "measured_al":
-                                         next(iter(report["sets"].values()))["drafter"]["al"]}
+                                         "gap": [m - o for m, o in zip(measured, offline.full_acc)],
+                                         "offline_al": al_estimate(offline),
+                                         "measured_al": report["sets"][first]["drafter"]["al"]}
     train_manifest = read_json(run_dir / "train" / "manifest.json") or {}
     report["train_al_estimate"] = (train_manifest.get("outputs") or {}).get("best_al_estimate")
     write_report(report, out_dir, run_dir / "train" / "metrics.jsonl")

@@ -1,28 +1,43 @@
-"""Training-time-test loss (SPEC.md section 4): K unrolled draft steps against the target's teacher.
+"""Training losses (SPEC.md section 4): the registry ``drafter.loss`` selects from, and the TTT soft CE.
 
-Alignment, from an unshifted ``FeatureBatch`` (index t = token x_t and the target's state after it):
-step k, row t gets token x_{t+1+k} at RoPE position ``position_ids[t] + k``, feature ``A_t`` (step 0) or
-the fed-back state of step k-1 at row t, and is scored against the teacher ``P_{t+1+k}`` (from
-``target_hidden[t+1+k]``, the distribution of x_{t+2+k}). Row t of step k counts when x_{t+2+k} is a
-loss-masked token of the same document as t and the target's argmax at t+1+k lies in the draft vocab.
+A loss is a :class:`TTTLoss` subclass registered under a name. It writes one method, ``loss_sum``: the
+summed loss of some rows given their drafter logits and teacher logits over the draft vocab (fp32
+``[rows, Vd]`` each). Everything else is shared and written once here or in train/alignment.py: the
+unroll of K steps, which rows count at step k and against which teacher row, the step weights
+(``sum_k w^k L_k``, L_k the mean over step k's counted rows), the metrics, and the execution::
 
-The teacher is computed from the target's final normed state and only the draft-vocab rows of its
-``lm_head``, over counted rows only, in chunks of ``chunk_size`` rows that are recomputed in backward,
-so [rows, Vd] fp32 tensors never accumulate over chunks or steps. Since step k reads teacher row t+1+k,
-the steps share teacher rows and the teacher is computed once per batch, not once per step
-(``_shared_teacher_steps``; on CUDA the drafter side runs the Triton kernel). Under ZeRO-3, whose
-lm_head weight exists only inside lm_head's forward, the loss goes step by step through that forward.
+    @register_loss("my_loss")
+    class MyLoss(TTTLoss):
+        def loss_sum(self, logits, teacher_logits):
+            ...  # a fp32 scalar, differentiable in logits
+
+    # then train with drafter.loss=my_loss (TTTModel receives build_loss(cfg.drafter))
+
+Execution paths. ``loss_sum`` runs through the *generic* path: per step, in row chunks recomputed in
+backward, the logits come from ``lm_head``'s own forward. It is the only path ZeRO-3 allows (the
+partitioned lm_head weight exists only inside that forward), and it serves every stage. The soft CE has,
+besides, a *shared-teacher* path: ``-sum_i p_i log softmax(y W)_i = lse(y W) - y . q`` with ``q = p W``
+depending on the teacher row alone, and since step k reads teacher row t+1+k the steps share teacher
+rows, so q is computed once per batch, not once per step (on CUDA the drafter's logsumexp is a Triton
+kernel). That path rewrites the formula, so it cannot be derived from ``loss_sum``: a loss that wants one
+provides ``shared_teacher_sums`` itself, and a test pins it to the generic path
+(tests/unit/test_loss.py::test_zero3_path_equals_the_shared_teacher_path).
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from fledge.conf.drafter_rules import drafter_problems, raise_problems
 from fledge.data.batch import FeatureBatch
+from fledge.train import alignment
+from fledge.train.metrics import step_key
 
 
 @dataclass
@@ -33,27 +48,132 @@ class TTTResult:
     metrics: dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
-def _shift(x: torch.Tensor, s: int, fill) -> torch.Tensor:
-    """``out[:, t] = x[:, t + s]``, ``fill`` past the end."""
-    out = torch.full_like(x, fill)
-    if s < x.shape[1]:
-        out[:, : x.shape[1] - s] = x[:, s:]
-    return out
+class TTTLoss(ABC):
+    """A TTT loss: ``loss_sum`` (the formula) plus the unroll, alignment, step weights and metrics.
 
-
-def ttt_states(drafter, batch: FeatureBatch, steps: int) -> list[torch.Tensor]:
-    """Unroll ``steps`` TTT steps (teacher forcing); returns y_k = norm(h2) ``[B, T, H]`` per step.
-
-    Step k row t: token x_{t+1+k}, RoPE position ``position_ids[t] + k``, feature ``fuse(A_t)`` at step
-    0 and the fed-back state of step k-1 after. ``drafter.lm_head(y_k)`` are the step's logits.
+    ``steps`` is K, ``step_weight`` w, ``chunk_size`` the rows per chunk of logits, ``impl`` the
+    shared-teacher path's implementation (auto: Triton on CUDA; torch). Call it as
+    ``loss(drafter, batch, teacher_head)``; ``teacher_head`` ``[Vd, Ht]`` holds the draft-vocab rows of the
+    target's lm_head in draft-id order.
     """
-    g = drafter.fuse(batch.aux_hidden)
-    kv: list = []
-    ys = []
-    for k in range(steps):
-        y, g = drafter.ttt_step(_shift(batch.input_ids, 1 + k, 0), g, batch.position_ids + k, batch.document_ids, kv)
-        ys.append(y)
-    return ys
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, *, steps: int, step_weight: float, chunk_size: int, impl: str = "auto") -> None:
+        raise_problems(drafter_problems(ttt_steps=steps))
+        if chunk_size < 1:
+            raise ValueError(f"drafter.loss_chunk_size={chunk_size}: must be >= 1")
+        if impl not in ("auto", "torch"):
+            raise ValueError(f"drafter.loss_impl={impl!r}: expected auto | torch")
+        self.steps, self.step_weight, self.chunk_size, self.impl = steps, step_weight, chunk_size, impl
+
+    @abstractmethod
+    def loss_sum(self, logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+        """The loss summed over rows: fp32 scalar from the drafter's ``logits`` and the teacher's
+        ``teacher_logits`` (both fp32 ``[rows, Vd]``; the teacher's carry no gradient)."""
+
+    def shared_teacher_sums(self, ys_flat, rows, th_flat, lm_head, teacher_head):
+        """An optional fast path outside ZeRO-3, with the generic path's result: per step, (summed loss
+        over its counted rows, those flat row indices, the drafter's argmax at them); None = no such path."""
+        return None
+
+    def __call__(self, drafter, batch: FeatureBatch, teacher_head: torch.Tensor) -> TTTResult:
+        """Unroll ``self.steps`` TTT steps of ``drafter`` on ``batch`` and score them: returns the weighted
+        loss (L_k is 0 when step k counts no row) and numerator/denominator metrics; ``full_acc_k`` counts
+        rows whose steps 0..k are all counted, and is right when all of them are."""
+        Vd = drafter.spec.draft_vocab_size
+        if teacher_head.shape[0] != Vd:
+            raise ValueError(f"teacher_head has {teacher_head.shape[0]} rows; drafter.draft_vocab_size={Vd}")
+        B, T = batch.input_ids.shape
+        th_flat = batch.target_hidden.reshape(B * T, -1)
+        ys = alignment.ttt_states(drafter, batch, self.steps)
+        rows = [_flat(alignment.step_rows(batch.loss_mask, batch.document_ids, batch.target_argmax, drafter.t2d, k))
+                for k in range(self.steps)]
+        ys_flat = [y.reshape(B * T, -1) for y in ys]
+        scored = None
+        if not _partitioned(drafter.lm_head):  # under ZeRO-3 only lm_head's own forward sees its weight
+            scored = self.shared_teacher_sums(ys_flat, rows, th_flat, drafter.lm_head, teacher_head)
+        if scored is None:
+            scored = _per_step_module_calls(self.loss_sum, ys_flat, rows, th_flat, drafter.lm_head, teacher_head,
+                                            self.chunk_size)
+        return self._weigh(drafter, rows, scored, ys[0].device)
+
+    def _weigh(self, drafter, rows, scored, device) -> TTTResult:
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        metrics: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        chain_counted = chain_right = None
+        f64 = lambda x: x.detach().to(torch.float64)  # noqa: E731
+        for k, (step, (loss_sum, r, pred)) in enumerate(zip(rows, scored)):
+            right = torch.zeros_like(step.counted)
+            if pred is not None:
+                right[r] = drafter.draft_to_target(pred) == step.teacher_argmax[r]
+            n = step.counted.sum()
+            total = total + self.step_weight**k * loss_sum / n.clamp(min=1)
+            chain_counted = step.counted if chain_counted is None else chain_counted & step.counted
+            chain_right = right if chain_right is None else chain_right & right
+            metrics[step_key("loss", k)] = (f64(loss_sum), f64(n))
+            metrics[step_key("acc", k)] = (f64(right.sum()), f64(n))
+            metrics[step_key("full_acc", k)] = (f64((chain_right & chain_counted).sum()), f64(chain_counted.sum()))
+        return TTTResult(loss=total, metrics=metrics)
+
+
+LOSSES: dict[str, type[TTTLoss]] = {}
+
+
+def register_loss(name: str):
+    """Class decorator: make a :class:`TTTLoss` subclass selectable as ``drafter.loss=<name>``."""
+
+    def add(cls: type[TTTLoss]) -> type[TTTLoss]:
+        if name in LOSSES and LOSSES[name] is not cls:
+            raise ValueError(f"loss {name!r} is already registered ({LOSSES[name].__qualname__})")
+        cls.name = name
+        LOSSES[name] = cls
+        return cls
+
+    return add
+
+
+def check_loss_name(name: str) -> None:
+    """ValueError unless ``name`` is a registered loss (the config's ``drafter.loss``)."""
+    if name not in LOSSES:
+        raise ValueError(f"drafter.loss={name!r}: expected one of {sorted(LOSSES)} (losses registered in "
+                         "fledge.train.loss)")
+
+
+def build_loss(drafter_cfg) -> TTTLoss:
+    """The loss ``drafter_cfg`` (a ``DrafterConfig``) selects, with its K, w, chunk size and impl."""
+    check_loss_name(drafter_cfg.loss)
+    return LOSSES[drafter_cfg.loss](steps=drafter_cfg.ttt_steps, step_weight=drafter_cfg.step_weight,
+                                    chunk_size=drafter_cfg.loss_chunk_size, impl=drafter_cfg.loss_impl)
+
+
+@register_loss("ttt_ce")
+class SoftCrossEntropy(TTTLoss):
+    """Cross-entropy of the drafter against the teacher's distribution renormalised over the draft vocab,
+    softmax and loss in fp32 (a bf16 KL has been measured 19-31% off in its gradient)."""
+
+    def loss_sum(self, logits, teacher_logits):
+        teacher = F.softmax(teacher_logits, dim=-1)
+        return -(teacher * F.log_softmax(logits, dim=-1)).sum()
+
+    def shared_teacher_sums(self, ys_flat, rows, th_flat, lm_head, teacher_head):
+        # The rewrite below is this class's loss_sum: a subclass that changes the formula runs generic.
+        if type(self).loss_sum is not SoftCrossEntropy.loss_sum:
+            return None
+        impl = "auto" if self.impl == "auto" else "chunked"
+        return _shared_teacher_steps(ys_flat, rows, th_flat, lm_head, teacher_head, impl, self.chunk_size)
+
+
+def ttt_loss(drafter, batch: FeatureBatch, teacher_head: torch.Tensor, *, steps: int, step_weight: float,
+             chunk_size: int, loss_impl: str = "auto") -> TTTResult:
+    """The ``ttt_ce`` loss called once: ``SoftCrossEntropy(...)(drafter, batch, teacher_head)``."""
+    return SoftCrossEntropy(steps=steps, step_weight=step_weight, chunk_size=chunk_size, impl=loss_impl)(
+        drafter, batch, teacher_head)
+
+
+# ---------------------------------------------------------------------------------------- execution
+def _flat(step: alignment.StepRows) -> alignment.StepRows:
+    return alignment.StepRows(step.lead, step.teacher_argmax.reshape(-1), step.counted.reshape(-1))
 
 
 def _partitioned(lm_head) -> bool:
@@ -61,44 +181,43 @@ def _partitioned(lm_head) -> bool:
     return hasattr(lm_head.weight, "ds_id")
 
 
-def _shared_teacher_steps(ys_flat, counted, th_flat, lm_head, teacher_head, impl, chunk_size):
-    """Per step k: (summed soft cross-entropy over its counted rows, those rows, the drafter's argmax).
+def _shared_teacher_steps(ys_flat, rows, th_flat, lm_head, teacher_head, impl, chunk_size):
+    """The soft CE per step k: (summed over its counted rows, those rows, the drafter's argmax there).
 
-    Row t of step k is scored against teacher row t+1+k, so the steps share teacher rows: the teacher's
-    expected head row q (models/kernels/fused_loss.py) is computed once for the union of the rows any
-    step needs, and each step pays only for its drafter logsumexp. No [rows, Vd] tensor outlives a chunk.
+    The teacher's expected head row q (models/kernels/fused_loss.py) is computed once for the union of
+    the teacher rows any step needs, and each step pays only for its drafter logsumexp. No [rows, Vd]
+    tensor outlives a chunk.
     """
     from fledge.models.kernels import draft_logsumexp, gather_dot, teacher_expectation
 
     w = lm_head.weight
-    rows = [c.nonzero().squeeze(1) for c in counted]
-    wanted = torch.unique(torch.cat([r + 1 + k for k, r in enumerate(rows)]))  # counted => in range
-    slot = torch.full((counted[0].numel(),), -1, dtype=torch.long, device=w.device)
+    idx = [s.counted.nonzero().squeeze(1) for s in rows]
+    wanted = torch.unique(torch.cat([r + s.lead for s, r in zip(rows, idx)]))  # counted => in range
+    slot = torch.full((rows[0].counted.numel(),), -1, dtype=torch.long, device=w.device)
     slot[wanted] = torch.arange(wanted.numel(), device=w.device)
     q = teacher_expectation(th_flat[wanted], teacher_head.to(th_flat.dtype), w, chunk_size)
     out = []
-    for k, (y, r) in enumerate(zip(ys_flat, rows)):
+    for y, s, r in zip(ys_flat, rows, idx):
         if r.numel() == 0:  # one weight-0 row keeps lm_head (and y) in every rank's graph
             lse, _ = draft_logsumexp(y[:1], w, impl, chunk_size)
             out.append((0.0 * lse.sum(), r, None))
             continue
         yr = y[r]
         lse, pred = draft_logsumexp(yr, w, impl, chunk_size)
-        out.append(((lse - gather_dot(yr, q, slot[r + 1 + k])).sum(), r, pred))
+        out.append(((lse - gather_dot(yr, q, slot[r + s.lead])).sum(), r, pred))
     return out
 
 
-def _chunk_loss(y, teacher_hidden, lm_head, teacher_head):
-    """Soft cross-entropy summed over rows (fp32) and the drafter's argmax (draft ids) for rows of y."""
+def _chunk_loss(loss_sum, y, teacher_hidden, lm_head, teacher_head):
+    """``loss_sum`` over rows of y (fp32 logits from lm_head's forward) and the drafter's argmax there."""
     logits = lm_head(y).float()
     with torch.no_grad():
-        teacher = F.softmax((teacher_hidden @ teacher_head.T).float(), dim=-1)  # renormalised over Vd
-    loss = -(teacher * F.log_softmax(logits, dim=-1)).sum()
-    return loss, logits.detach().argmax(-1)
+        teacher_logits = (teacher_hidden @ teacher_head.T).float()
+    return loss_sum(logits, teacher_logits), logits.detach().argmax(-1)
 
 
-def _per_step_module_calls(ys_flat, counted, th_flat, lm_head, teacher_head, chunk_size):
-    """The ZeRO-3 path: the same sums through lm_head's own forward, step by step, chunk by chunk.
+def _per_step_module_calls(loss_sum, ys_flat, rows, th_flat, lm_head, teacher_head, chunk_size):
+    """The generic path: ``loss_sum`` through lm_head's own forward, step by step, chunk by chunk.
 
     Chunks tile all B*T positions (only counted rows are computed), so every rank calls lm_head the
     same number of times whatever its mask (ZeRO-3 gathers the weight per call, and every rank needs
@@ -107,82 +226,19 @@ def _per_step_module_calls(ys_flat, counted, th_flat, lm_head, teacher_head, chu
     """
     use_ckpt = torch.is_grad_enabled()
     out = []
-    for k, (y, c) in enumerate(zip(ys_flat, counted)):
-        loss_sum, rows, preds = y.new_zeros((), dtype=torch.float32), [], []
+    for y, s in zip(ys_flat, rows):
+        c = s.counted
+        total, kept, preds = y.new_zeros((), dtype=torch.float32), [], []
         for a in range(0, c.numel(), chunk_size):
             r = a + c[a : a + chunk_size].nonzero().squeeze(1)
             empty = r.numel() == 0
             rr = r.new_tensor([a]) if empty else r
-            args = (y[rr], th_flat[rr if empty else rr + 1 + k], lm_head, teacher_head)
+            args = (loss_sum, y[rr], th_flat[rr if empty else rr + s.lead], lm_head, teacher_head)
             part, pred = checkpoint(_chunk_loss, *args, use_reentrant=False) if use_ckpt else _chunk_loss(*args)
-            loss_sum = loss_sum + (0.0 * part if empty else part)
+            total = total + (0.0 * part if empty else part)
             if not empty:
-                rows.append(r)
+                kept.append(r)
                 preds.append(pred)
-        r = torch.cat(rows) if rows else c.nonzero().squeeze(1)
-        out.append((loss_sum, r, torch.cat(preds) if preds else None))
+        r = torch.cat(kept) if kept else c.nonzero().squeeze(1)
+        out.append((total, r, torch.cat(preds) if preds else None))
     return out
-
-
-def ttt_loss(
-    drafter,
-    batch: FeatureBatch,
-    teacher_head: torch.Tensor,
-    *,
-    steps: int,
-    step_weight: float,
-    chunk_size: int,
-    loss_impl: str = "auto",
-) -> TTTResult:
-    """Unroll ``steps`` TTT steps of ``drafter`` (an ``Eagle3Drafter``) on ``batch`` and score them.
-
-    ``teacher_head`` ``[Vd, Ht]`` holds the draft-vocab rows of the target's ``lm_head`` (frozen), in
-    draft-id order. Returns the weighted loss ``sum_k step_weight**k * L_k`` (L_k: mean over counted
-    rows; 0 when none) and numerator/denominator metrics; ``full_acc_k`` counts rows whose steps 0..k
-    are all counted, and is right when all of them are.
-    """
-    if steps < 1:
-        raise ValueError(f"drafter.ttt_steps={steps}: must be >= 1")
-    if chunk_size < 1:
-        raise ValueError(f"drafter.loss_chunk_size={chunk_size}: must be >= 1")
-    Vd = drafter.spec.draft_vocab_size
-    if teacher_head.shape[0] != Vd:
-        raise ValueError(f"teacher_head has {teacher_head.shape[0]} rows; drafter.draft_vocab_size={Vd}")
-    if loss_impl not in ("auto", "torch"):
-        raise ValueError(f"drafter.loss_impl={loss_impl!r}: expected auto | torch")
-    B, T = batch.input_ids.shape
-    doc = batch.document_ids
-    valid = doc >= 0
-    th_flat = batch.target_hidden.reshape(B * T, -1)
-
-    ys = ttt_states(drafter, batch, steps)
-    teacher_argmax = [_shift(batch.target_argmax, 1 + k, 0).reshape(-1) for k in range(steps)]
-    counted = [
-        (valid & _shift(batch.loss_mask, 2 + k, False) & (_shift(doc, 2 + k, -2) == doc)).reshape(-1)
-        & drafter.t2d[teacher_argmax[k]]
-        for k in range(steps)
-    ]
-    ys_flat = [y.reshape(B * T, -1) for y in ys]
-    if _partitioned(drafter.lm_head):
-        scored = _per_step_module_calls(ys_flat, counted, th_flat, drafter.lm_head, teacher_head, chunk_size)
-    else:
-        impl = "auto" if loss_impl == "auto" else "chunked"
-        scored = _shared_teacher_steps(ys_flat, counted, th_flat, drafter.lm_head, teacher_head, impl, chunk_size)
-
-    total = ys[0].new_zeros((), dtype=torch.float32)
-    metrics: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    chain_counted = chain_right = None
-    for k, (loss_sum, r, pred) in enumerate(scored):
-        right = torch.zeros(B * T, dtype=torch.bool, device=ys[0].device)
-        if pred is not None:
-            right[r] = drafter.draft_to_target(pred) == teacher_argmax[k][r]
-        counted_k = counted[k]
-        n = counted_k.sum()
-        total = total + step_weight**k * loss_sum / n.clamp(min=1)
-        chain_counted = counted_k if chain_counted is None else chain_counted & counted_k
-        chain_right = right if chain_right is None else chain_right & right
-        f64 = lambda x: x.detach().to(torch.float64)  # noqa: E731
-        metrics[f"loss_{k}"] = (f64(loss_sum), f64(n))
-        metrics[f"acc_{k}"] = (f64(right.sum()), f64(n))
-        metrics[f"full_acc_{k}"] = (f64((chain_right & chain_counted).sum()), f64(chain_counted.sum()))
-    return TTTResult(loss=total, metrics=metrics)

@@ -10,12 +10,13 @@ import json
 import logging
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from fledge.conf.schema import Config
+from fledge.conf.schema import LoggingConfig
 from fledge.distributed import all_reduce_sum
 
 log = logging.getLogger(__name__)
@@ -42,24 +43,47 @@ class RatioMeter:
         return {n: (float(num / den) if den > 0 else float("nan")) for n, (num, den) in zip(names, total.tolist())}
 
 
-def al_estimate(values: dict[str, float], steps: int, prefix: str = "") -> float:
-    """Offline chain acceptance-length estimate: 1 + sum_k full_acc_k (SPEC.md section 4)."""
+def step_key(name: str, k: int) -> str:
+    """The logged name of per-step metric ``name`` at TTT step k ("full_acc_2")."""
+    return f"{name}_{k}"
+
+
+@dataclass
+class StepAccuracy:
+    """Teacher-forced accuracy per TTT step k = 0..K-1 (SPEC.md section 4): ``acc[k]`` (drafter argmax =
+    teacher argmax over step k's counted rows) and ``full_acc[k]`` (steps 0..k all right). NaN = no row."""
+
+    acc: list[float]
+    full_acc: list[float]
+
+    @classmethod
+    def from_values(cls, values: dict[str, float], steps: int, prefix: str = "") -> "StepAccuracy":
+        """From reduced metrics (``RatioMeter.reduce``) named by :func:`step_key`, e.g. ``eval/acc_0``."""
+        get = lambda name, k: values.get(prefix + step_key(name, k), float("nan"))  # noqa: E731
+        return cls([get("acc", k) for k in range(steps)], [get("full_acc", k) for k in range(steps)])
+
+
+def al_estimate(accuracy: StepAccuracy) -> float:
+    """Offline chain acceptance-length estimate: 1 + sum_k full_acc_k (SPEC.md section 4), summed up to
+    the first step without a value (NaN or None)."""
     total = 1.0
-    for k in range(steps):
-        v = values.get(f"{prefix}full_acc_{k}")
-        if v is None or v != v:  # missing or NaN
+    for v in accuracy.full_acc:
+        if v is None or v != v:
             break
         total += v
     return total
 
 
 class MetricsLog:
-    """Rank 0 only: appends one JSON object per logged step; mirrors to wandb when configured."""
+    """Rank 0 only: appends one JSON object per logged step; mirrors to wandb when ``logging`` (a
+    ``LoggingConfig``) names a project. ``run_name`` names the wandb run (unless ``wandb_run_name`` is set)
+    and ``run_config`` is what wandb records as the run's config."""
 
-    def __init__(self, cfg: Config, path: Path, resume_step: int) -> None:
+    def __init__(self, path: Path, resume_step: int, logging: LoggingConfig, run_name: str,
+                 run_config: dict[str, Any] | None = None) -> None:
         self.path = path
         self._truncate_after(resume_step)
-        self.wandb = _start_wandb(cfg, path.parent)
+        self.wandb = _start_wandb(logging, run_name, run_config or {}, path.parent)
 
     def _truncate_after(self, step: int) -> None:
         # A resumed run re-logs the steps after its checkpoint: drop the killed run's later lines.
@@ -97,8 +121,7 @@ class MetricsLog:
                 pass
 
 
-def _start_wandb(cfg: Config, run_dir: Path):
-    lc = cfg.logging
+def _start_wandb(lc: LoggingConfig, run_name: str, run_config: dict[str, Any], run_dir: Path):
     if not lc.wandb_project or lc.wandb_mode == "disabled" or os.environ.get("WANDB_MODE") == "disabled":
         return None
     mode = lc.wandb_mode
@@ -109,9 +132,8 @@ def _start_wandb(cfg: Config, run_dir: Path):
         import wandb
 
         return wandb.init(
-            project=lc.wandb_project, name=lc.wandb_run_name or cfg.run.name, tags=list(lc.wandb_tags),
-            mode=mode, dir=str(run_dir), resume="allow", id=f"{cfg.run.name}-train",
-            config={"recipe": cfg.recipe, "drafter": vars(cfg.drafter), "train": vars(cfg.train)},
+            project=lc.wandb_project, name=lc.wandb_run_name or run_name, tags=list(lc.wandb_tags),
+            mode=mode, dir=str(run_dir), resume="allow", id=f"{run_name}-train", config=run_config,
         )
     except Exception as e:
         log.warning("wandb could not start (%s); training continues with the local metrics log only", e)

@@ -23,8 +23,11 @@ def prepare(ctx: StageContext) -> dict:
     """Tokenize the chat data with assistant-only masks and build the draft vocab (rank 0 works)."""
     from fledge.data.prepare import prepare as build
 
+    cfg = ctx.cfg
     try:
-        return build(ctx.cfg, Path(ctx.stage_dir)) if ctx.world.is_main else {}
+        if not ctx.world.is_main:
+            return {}
+        return build(cfg.data, cfg.target, cfg.drafter.draft_vocab_size, cfg.run.seed, Path(ctx.stage_dir))
     finally:
         ctx.world.barrier()
 
@@ -33,11 +36,11 @@ def capture(ctx: StageContext) -> dict:
     """Capture the target's states for every prepared split into the feature store (all ranks)."""
     from fledge.data.capture import capture as run_capture
 
-    prep = ctx.dir_of("prepare")
-    if ctx.cfg.capture.mode == "offline" and not (prep / "train").exists():
+    cfg, prep = ctx.cfg, ctx.dir_of("prepare")
+    if cfg.capture.mode == "offline" and not (prep / "train").exists():
         raise ValueError(f"{prep / 'train'} does not exist: run the prepare stage first (run.stages=[prepare,capture])")
-    return run_capture(ctx.cfg, ctx.world, prep, ctx.stage_dir, ctx.upstream.get("prepare"),
-                       array_script=ctx.run_dir / "slurm" / "capture_array.sbatch")
+    return run_capture(cfg.target, cfg.capture, cfg.aux_layer_ids(), ctx.world, prep, ctx.stage_dir,
+                       ctx.upstream.get("prepare"), array_script=ctx.run_dir / "slurm" / "capture_array.sbatch")
 
 
 def train(ctx: StageContext) -> dict:

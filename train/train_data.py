@@ -20,12 +20,15 @@ def build_loaders(cfg: Config, ctx: StageContext, dtype: torch.dtype) -> tuple[B
     if cfg.capture.mode == "offline":
         from fledge.data.feature_reader import FeatureLoader
 
-        return tuple(FeatureLoader(ctx.run_dir / "capture" / split, w.rank, w.world_size, t.micro_batch_tokens,
-                                   t.micro_batch_size, cfg.run.seed, cfg=cfg, dtype=dtype)
-                     for split in ("train", "eval"))
+        loaders = tuple(FeatureLoader(ctx.run_dir / "capture" / split, w.rank, w.world_size, t.micro_batch_tokens,
+                                      t.micro_batch_size, cfg.run.seed, dtype=dtype) for split in ("train", "eval"))
+        for loader in loaders:
+            loader.store.check_compatible(cfg.target, cfg.aux_layer_ids())
+        return loaders
     from fledge.data.capture import OnlineFeatureSource
     from fledge.models.target import FrozenTarget
 
     target = FrozenTarget.load(cfg.target, w.device, cfg.aux_layer_ids(), cfg.capture.device_map)
-    return tuple(OnlineFeatureSource(cfg, w, target=target, split=split, run_dir=ctx.run_dir)
+    return tuple(OnlineFeatureSource(ctx.run_dir / "prepare" / split, target, w.rank, w.world_size,
+                                     t.micro_batch_tokens, t.micro_batch_size, cfg.run.seed)
                  for split in ("train", "eval"))

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -21,9 +20,9 @@ from fledge.train import checkpoint
 from fledge.conf.schema import Config
 from fledge.distributed import World, all_reduce_sum
 from fledge.train.engine import build_engine, use_bf16
-from fledge.train.metrics import MetricsLog, RatioMeter, al_estimate
+from fledge.train.metrics import MetricsLog, RatioMeter, StepAccuracy, al_estimate
 from fledge.train.runner import StageContext
-from fledge.train.ttt_model import TTTModel, build_ttt_model
+from fledge.train.ttt_model import TTTModel, build_ttt_model, drafter_meta
 from fledge.train.train_data import build_loaders
 
 log = logging.getLogger(__name__)
@@ -75,16 +74,16 @@ def run_training(ctx: StageContext) -> dict:
     step = int(state["step"])
     train_data.seek(step * per_step)
 
-    metrics_log = MetricsLog(cfg, ctx.stage_dir / "metrics.jsonl", step) if world.is_main else None
+    metrics_log = None
+    if world.is_main:
+        metrics_log = MetricsLog(ctx.stage_dir / "metrics.jsonl", step, cfg.logging, cfg.run.name,
+                                 {"recipe": cfg.recipe, "drafter": vars(cfg.drafter), "train": vars(cfg.train)})
     sigterm = _SigtermFlag()
     meter, tokens, nonfinite_run, skipped = RatioMeter(), 0, 0, int(state.get("skipped", 0))
     bar = tqdm(total=total, initial=step, desc="train", disable=not world.is_main, dynamic_ncols=True)
     t_log = time.time()
     last_drafter_dir = None
-
-    def drafter_meta() -> dict:
-        return model.drafter_meta(cfg)
-
+    meta = drafter_meta(cfg, model.drafter.spec)
     try:
         while step < total:
             torch.manual_seed(cfg.run.seed * 1_000_003 + step * world.world_size + world.rank)
@@ -114,7 +113,7 @@ def run_training(ctx: StageContext) -> dict:
                 now = time.time()
                 record = {"step": step, "lr": scheduler.get_last_lr()[0], "grad_norm": _grad_norm(engine),
                           "tokens_per_s": n_tok / max(1e-9, now - t_log), "skipped": skipped, **values,
-                          "al_estimate": al_estimate(values, cfg.drafter.ttt_steps)}
+                          "al_estimate": al_estimate(StepAccuracy.from_values(values, cfg.drafter.ttt_steps))}
                 tokens, t_log = 0, now
                 if metrics_log:
                     metrics_log.write(record)
@@ -132,7 +131,7 @@ def run_training(ctx: StageContext) -> dict:
                 state["skipped"] = skipped
                 last_drafter_dir = checkpoint.save(engine, world, ckpt_dir, step,
                                                    {k: v for k, v in state.items() if k != "best_pending"},
-                                                   drafter_meta(), TTTModel.PREFIX, cfg.train.keep_last)
+                                                   meta, TTTModel.PREFIX, cfg.train.keep_last)
                 if state.pop("best_pending", False) and world.is_main:
                     checkpoint.promote_best(last_drafter_dir, ctx.stage_dir / "best")
                 world.barrier()
@@ -158,7 +157,8 @@ def evaluate(engine, data, cfg: Config, world: World, dtype: torch.dtype) -> dic
     engine.train()
     values = meter.reduce()
     values = {f"eval/{k}": v for k, v in values.items()}
-    values["eval/al_estimate"] = al_estimate(values, cfg.drafter.ttt_steps, prefix="eval/")
+    accuracy = StepAccuracy.from_values(values, cfg.drafter.ttt_steps, prefix="eval/")
+    values["eval/al_estimate"] = al_estimate(accuracy)
     return values
 
 

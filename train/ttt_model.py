@@ -14,45 +14,44 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fledge.data.batch import FeatureBatch
 from fledge.conf.schema import Config
+from fledge.data.batch import FeatureBatch
+from fledge.train.loss import TTTLoss, TTTResult, build_loss
 
 log = logging.getLogger(__name__)
 
 
 class TTTModel(nn.Module):
+    """``forward(batch)`` = ``loss(drafter, batch, teacher_head)``: a ``TTTResult`` (train/loss.py)."""
+
     PREFIX = "drafter."
 
-    def __init__(self, drafter: nn.Module, teacher_head: torch.Tensor, cfg: Config) -> None:
+    def __init__(self, drafter: nn.Module, teacher_head: torch.Tensor, loss: TTTLoss) -> None:
         super().__init__()
         self.drafter = drafter
         self.register_buffer("teacher_head", teacher_head, persistent=False)
-        self.steps = cfg.drafter.ttt_steps
-        self.step_weight = cfg.drafter.step_weight
-        self.chunk_size = cfg.drafter.loss_chunk_size
-        self.loss_impl = cfg.drafter.loss_impl
+        self.loss = loss
 
-    def forward(self, batch: FeatureBatch):
-        from fledge.train.loss import ttt_loss
-
-        return ttt_loss(self.drafter, batch, self.teacher_head, steps=self.steps,
-                        step_weight=self.step_weight, chunk_size=self.chunk_size, loss_impl=self.loss_impl)
+    def forward(self, batch: FeatureBatch) -> TTTResult:
+        return self.loss(self.drafter, batch, self.teacher_head)
 
     def cast_teacher(self, dtype: torch.dtype) -> None:
         """DeepSpeed's bf16 mode casts parameters, not buffers: match the teacher head to the compute
         dtype once (its logits are upcast to fp32 before the softmax in the loss)."""
         self.teacher_head = self.teacher_head.to(dtype)
 
-    def drafter_meta(self, cfg: Config) -> dict:
-        """What export needs besides the weights: the spec and how the drafter was trained."""
-        return {
-            "spec": self.drafter.spec.to_dict(),
-            "target": {"name_or_path": cfg.target.name_or_path, "revision": cfg.target.revision},
-            "training": {"recipe": cfg.recipe, "ttt_steps": cfg.drafter.ttt_steps,
-                         "step_weight": cfg.drafter.step_weight, "fc_norm": cfg.drafter.fc_norm,
-                         "norm_output": cfg.drafter.norm_output, "norm_before_fc": cfg.drafter.norm_before_fc,
-                         "train": dataclasses.asdict(cfg.train)},
-        }
+
+def drafter_meta(cfg: Config, spec) -> dict:
+    """What export needs besides the weights of a drafter with ``spec``: the spec, the target and how the
+    drafter was trained."""
+    d = cfg.drafter
+    return {
+        "spec": spec.to_dict(),
+        "target": {"name_or_path": cfg.target.name_or_path, "revision": cfg.target.revision},
+        "training": {"recipe": cfg.recipe, "loss": d.loss, "ttt_steps": d.ttt_steps, "step_weight": d.step_weight,
+                     "fc_norm": d.fc_norm, "norm_output": d.norm_output, "norm_before_fc": d.norm_before_fc,
+                     "train": dataclasses.asdict(cfg.train)},
+    }
 
 
 def build_ttt_model(cfg: Config, run_dir: Path, device: torch.device) -> TTTModel:
@@ -67,6 +66,7 @@ def build_ttt_model(cfg: Config, run_dir: Path, device: torch.device) -> TTTMode
     if cfg.drafter.norm_impl == "triton" and device.type != "cuda":
         raise ValueError(f"drafter.norm_impl=triton runs a CUDA kernel but training runs on {device.type}; "
                          "use drafter.norm_impl=torch")
+    loss = build_loss(cfg.drafter)  # an unknown drafter.loss fails before any weight is read
     t = cfg.target
     hf_config = AutoConfig.from_pretrained(t.name_or_path, revision=t.revision, trust_remote_code=t.trust_remote_code)
     vocab = DraftVocab.load(run_dir / "prepare" / "vocab.safetensors")
@@ -90,4 +90,4 @@ def build_ttt_model(cfg: Config, run_dir: Path, device: torch.device) -> TTTMode
         loaded = load_drafter(cfg.drafter.init_from, embed_weight=embedding)
         drafter.load_state_dict(loaded.state_dict())
         log.info("initialised the drafter from %s", cfg.drafter.init_from)
-    return TTTModel(drafter, teacher_head, cfg).to(device)
+    return TTTModel(drafter, teacher_head, loss).to(device)

@@ -51,7 +51,7 @@ def _inputs(target_cfg: dict, n_aux: int, T: int = 24, seed: int = 0) -> dict[st
 def _fledge_logits(drafter_dir: Path, x: dict) -> list[torch.Tensor]:
     from fledge.data.batch import FeatureBatch
     from fledge.models.export import load_drafter
-    from fledge.train.loss import ttt_states
+    from fledge.train.alignment import ttt_states
 
     d = load_drafter(drafter_dir).eval()
     T = x["input_ids"].shape[1]
@@ -132,7 +132,8 @@ def test_speculators_training_loss_has_fledges_gradients(random_tiny_target, tmp
     from fledge.data.batch import FeatureBatch
     from fledge.models.export import load_drafter
     from fledge.models.target import load_lm_head_rows
-    from fledge.train.loss import _shift, ttt_loss
+    from fledge.train.alignment import shift as _shift
+    from fledge.train.loss import ttt_loss
 
     target = Path(random_tiny_target)
     flags, w = dict(fc_norm=True, norm_output=True), 0.8

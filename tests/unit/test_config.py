@@ -28,6 +28,22 @@ def test_recipe_composes_and_validates(recipe):
         assert overrides["vocab_size"] == cfg.target.vocab_size
 
 
+@pytest.mark.parametrize("target", sorted(p.stem for p in Path(CONF_DIR, "target").glob("*.yaml")))
+def test_target_sizes_are_written_once(target):
+    """Where a target file carries config_overrides, its top-level sizes interpolate them (never a second copy)."""
+    from omegaconf import OmegaConf
+
+    raw = OmegaConf.to_container(OmegaConf.load(Path(CONF_DIR, "target", f"{target}.yaml")), resolve=False)
+    for key in ("num_hidden_layers", "hidden_size", "vocab_size"):
+        if key in raw.get("config_overrides", {}):
+            assert raw[key] == f"${{.config_overrides.{key}}}", (target, key, raw[key])
+
+
+def test_one_size_override_moves_both_places():
+    cfg = compose(["recipe=llama3", "target.config_overrides.num_hidden_layers=40"])
+    assert cfg.target.num_hidden_layers == 40 and cfg.aux_layer_ids() == [2, 20, 37]
+
+
 def test_llama3_aux_ids_are_boundary_convention():
     cfg = compose(["recipe=llama3"])
     assert cfg.aux_layer_ids() == [2, 16, 29]
@@ -59,6 +75,7 @@ def test_unknown_key_and_bad_type_name_the_key():
         ("drafter.norm_before_fc=true", "drafter.fc_norm"),
         ("drafter.aux_layer_ids=[1,4,5]", "drafter.aux_layer_ids"),
         ("drafter.aux_layer_ids=[2,4,40]", "drafter.aux_layer_ids"),
+        ("drafter.aux_layer_ids=[4,2,5]", "drafter.aux_layer_ids"),
         ("drafter.draft_vocab_size=999999", "drafter.draft_vocab_size"),
         ("capture.dtype=int4", "capture.dtype"),
         ("drafter.loss_impl=fast", "drafter.loss_impl"),
@@ -70,6 +87,15 @@ def test_unknown_key_and_bad_type_name_the_key():
 def test_bad_values_are_value_errors_naming_the_key(override, key):
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         compose(["recipe=tiny", override])
+
+
+def test_unsorted_aux_ids_are_refused_with_the_reason():
+    """vLLM and SGLang collect aux states in layer order: [16, 2, 29] would feed fc's first block layer 2."""
+    with pytest.raises(ValueError, match=r"drafter\.aux_layer_ids=\[16, 2, 29\]: must be distinct and ascending "
+                                         r"\(\[2, 16, 29\]\); engines collect the aux states in layer order"):
+        compose(["recipe=llama3", "drafter.aux_layer_ids=[16,2,29]"])
+    with pytest.raises(ValueError, match="distinct and ascending"):
+        compose(["recipe=llama3", "drafter.aux_layer_ids=[2,16,16]"])
 
 
 def test_run_dir_does_not_depend_on_the_clock():

@@ -12,7 +12,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from fledge.data.batch import FeatureBatch
 from fledge.models.drafter import DraftCache, DrafterSpec, Eagle3Drafter
 from fledge.conf.schema import DrafterConfig
-from fledge.train.loss import ttt_states
+from fledge.train.alignment import ttt_states
 
 from conftest import FLAGS, make_drafter, packed_batch, target_config
 
@@ -211,6 +211,7 @@ def test_draft_to_target_and_vocab_map():
     [
         (dict(aux=[0, 3, 4]), "aux_layer_ids"),
         (dict(aux=[2, 3, 6]), "aux_layer_ids"),
+        (dict(aux=[3, 2, 4]), "distinct and ascending"),
         (dict(draft_vocab_size=51), "draft_vocab_size"),
         (dict(ttt_steps=0), "ttt_steps"),
         (dict(fc_norm=True, norm_before_fc=True), "norm_before_fc"),

@@ -161,19 +161,18 @@ def test_flipped_byte_names_the_shard(bf16_store, tmp_path):
 
 def test_manifest_mismatch_refused(root, bf16_store):
     store = FeatureStore(bf16_store / "train")
-    store.check_compatible(make_cfg(root, "bf16"))
     cfg = make_cfg(root, "bf16")
-    cfg.drafter.aux_layer_ids = [2, 3, 5]
+    store.check_compatible(cfg.target, cfg.aux_layer_ids())
     with pytest.raises(ValueError, match="drafter.aux_layer_ids"):
-        store.check_compatible(cfg)
+        store.check_compatible(cfg.target, [2, 3, 5])
     cfg = make_cfg(root, "bf16")
     cfg.target.name_or_path = "meta-llama/Llama-3.1-8B-Instruct"
     with pytest.raises(ValueError, match="target.name_or_path"):
-        FeatureLoader(bf16_store / "train", 0, 1, 64, 2, 0, cfg=cfg)
+        FeatureLoader(bf16_store / "train", 0, 1, 64, 2, 0).store.check_compatible(cfg.target, IDS)
     cfg = make_cfg(root, "bf16")
     cfg.target.hidden_size = 2 * H
     with pytest.raises(ValueError, match="target.hidden_size"):
-        store.check_compatible(cfg)
+        store.check_compatible(cfg.target, IDS)
 
 
 def test_loader_ranks_and_exact_resume(bf16_store):
@@ -197,10 +196,9 @@ def test_loader_ranks_and_exact_resume(bf16_store):
     ld = FeatureLoader(bf16_store / "train", 0, 2, 64, 2, seed=3)
     it = iter(ld)
     first = [ids_of(next(it))]
-    state = ld.state_dict()
-    assert state == {"position": 2} and all(type(v) is int for v in state.values())
+    assert ld.position == 2 and type(ld.position) is int  # the loader's whole state: global batches consumed
     resumed = FeatureLoader(bf16_store / "train", 0, 2, 64, 2, seed=3)
-    resumed.load_state_dict(state)
+    resumed.seek(ld.position)
     rest = [ids_of(resumed.next_batch()[1]) for _ in range(len(full) - 1)]
     assert first + rest == full
     b = next(iter(FeatureLoader(bf16_store / "train", 0, 1, 64, 2, seed=0)))
@@ -211,8 +209,8 @@ def test_online_source_yields_the_offline_batches(root, bf16_store):
     from fledge.data.capture import OnlineFeatureSource
 
     cfg = make_cfg(root, "bf16")
-    cfg.train.micro_batch_tokens, cfg.train.micro_batch_size, cfg.run.seed = 64, 2, 5
-    online = OnlineFeatureSource(cfg, World(0, 1, 0, torch.device("cpu")))
+    target = FrozenTarget.load(cfg.target, torch.device("cpu"), cfg.aux_layer_ids())
+    online = OnlineFeatureSource(root / "bf16" / "prepare" / "train", target, 0, 1, 64, 2, seed=5)
     offline = FeatureLoader(bf16_store / "train", 0, 1, 64, 2, seed=5, dtype=torch.float32)
     assert len(online) == len(offline)
     for a, b in zip(online, offline):
@@ -220,7 +218,7 @@ def test_online_source_yields_the_offline_batches(root, bf16_store):
         assert torch.equal(a.document_ids, b.document_ids) and torch.equal(a.target_argmax, b.target_argmax)
         torch.testing.assert_close(a.aux_hidden.float(), b.aux_hidden, rtol=8e-3, atol=1e-4)  # b: bf16 store
         torch.testing.assert_close(a.target_hidden.float(), b.target_hidden, rtol=8e-3, atol=1e-4)
-    assert online.state_dict() == {"position": len(offline)}
+    assert online.position == len(offline)
 
 
 def test_array_slices_merge_into_one_store(root, bf16_store):

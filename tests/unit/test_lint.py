@@ -78,6 +78,8 @@ FAULTS = {
     "aux-ids-trained": lambda d: _edit_config(d, lambda c: c["eagle_config"].update(
         eagle_aux_hidden_state_layer_ids=[2, 4, 6])),
     "aux-ids-missing": lambda d: _edit_config(d, lambda c: c.pop("eagle_config")),
+    "aux-ids-order": lambda d: _edit_config(d, lambda c: c["eagle_config"].update(
+        eagle_aux_hidden_state_layer_ids=[4, 2, 5])),
     # RoPE / max positions not copied from the target
     "max-positions": lambda d: _edit_config(d, lambda c: c.update(max_position_embeddings=2048)),
     "rope-scaling": lambda d: _edit_config(d, lambda c: c.update(rope_scaling=None, rope_parameters=None)),

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from conftest import FLAGS, make_drafter, packed_batch
-from fledge.train.loss import ttt_loss, ttt_states
+from fledge.train.alignment import ttt_states
+from fledge.train.loss import ttt_loss
 
 K, W = 3, 0.8
 
@@ -163,3 +164,91 @@ def test_zero3_path_equals_the_shared_teacher_path(monkeypatch):
     assert ga.keys() == gb.keys()
     for name in ga:
         torch.testing.assert_close(ga[name], gb[name], atol=1e-6, rtol=1e-5)
+
+
+# ---- the loss registry: a new loss is one class, selected by drafter.loss -------------------------------------
+
+
+@pytest.fixture
+def double_ce():
+    """A toy loss registered as ``double_ce``: twice the soft CE, written once as loss_sum (so it runs through
+    the generic path on every ZeRO stage), unregistered afterwards."""
+    import torch.nn.functional as F
+
+    from fledge.train.loss import LOSSES, TTTLoss, register_loss
+
+    @register_loss("double_ce")
+    class DoubleCE(TTTLoss):
+        def loss_sum(self, logits, teacher_logits):
+            return -2 * (F.softmax(teacher_logits, -1) * F.log_softmax(logits, -1)).sum()
+
+    yield DoubleCE
+    LOSSES.pop("double_ce")
+
+
+def _batch_for(spec, T=24, seed=5):
+    """A one-row FeatureBatch (two packed documents) shaped for a drafter with ``spec``."""
+    from fledge.data.batch import FeatureBatch
+
+    g = torch.Generator().manual_seed(seed)
+    doc = torch.tensor([[0] * (T // 2) + [1] * (T // 2)], dtype=torch.int32)
+    pos = torch.cat([torch.arange(T // 2), torch.arange(T // 2)])[None]
+    Ht, n = spec.target_hidden_size, len(spec.aux_layer_ids)
+    return FeatureBatch(input_ids=torch.randint(0, spec.vocab_size, (1, T), generator=g),
+                        loss_mask=torch.ones(1, T, dtype=torch.bool), aux_hidden=torch.randn(1, T, n * Ht, generator=g),
+                        target_hidden=torch.randn(1, T, Ht, generator=g),
+                        target_argmax=torch.randint(0, spec.vocab_size, (1, T), generator=g),
+                        position_ids=pos, document_ids=doc)
+
+
+def test_a_registered_loss_is_what_the_trainer_builds_and_runs(double_ce, random_tiny_target, tmp_path):
+    """drafter.loss=double_ce through build_ttt_model (what run_training calls): the model holds the toy loss,
+    and its loss and every gradient are twice those of the default ttt_ce."""
+    from fledge.conf import compose
+    from fledge.data.vocab import DraftVocab
+    from fledge.train.ttt_model import build_ttt_model
+
+    counts = torch.randint(0, 100, (4096,), generator=torch.Generator().manual_seed(0))
+    DraftVocab.build(counts, 64).save(tmp_path / "prepare" / "vocab.safetensors")
+    base = ["recipe=tiny", f"target.name_or_path={random_tiny_target}", "drafter.draft_vocab_size=64",
+            "drafter.loss_chunk_size=7"]
+    out = {}
+    for name in ("ttt_ce", "double_ce"):
+        model = build_ttt_model(compose([*base, f"drafter.loss={name}"]), tmp_path, torch.device("cpu"))
+        assert model.loss.name == name
+        res = model(_batch_for(model.drafter.spec))
+        res.loss.backward()
+        out[name] = (res, {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    (ce, g_ce), (dbl, g_dbl) = out["ttt_ce"], out["double_ce"]
+    assert isinstance(model.loss, double_ce) and float(ce.metrics["loss_0"][1]) > 0
+    torch.testing.assert_close(dbl.loss, 2 * ce.loss)
+    assert g_ce.keys() == g_dbl.keys() and len(g_ce) > 5
+    for n in g_ce:
+        torch.testing.assert_close(g_dbl[n], 2 * g_ce[n], atol=1e-6, rtol=1e-4)
+
+
+def test_the_shared_teacher_path_is_only_for_the_formula_it_rewrites():
+    """A subclass of the soft CE that changes loss_sum must not inherit the CE-only fast path."""
+    from fledge.train.loss import SoftCrossEntropy
+
+    class Scaled(SoftCrossEntropy):
+        def loss_sum(self, logits, teacher_logits):
+            return 3 * super().loss_sum(logits, teacher_logits)
+
+    d, b, head = make_drafter(), packed_batch(), torch.randn(40, 32)
+    with torch.no_grad():
+        ce = SoftCrossEntropy(steps=K, step_weight=W, chunk_size=8)(d, b, head)
+        scaled = Scaled(steps=K, step_weight=W, chunk_size=8)(d, b, head)
+    torch.testing.assert_close(scaled.loss, 3 * ce.loss)
+
+
+def test_unknown_loss_names_the_key_and_the_choices():
+    from fledge.conf import compose
+    from fledge.train.loss import build_loss, check_loss_name
+
+    with pytest.raises(ValueError, match=r"drafter\.loss='nope': expected one of \[.*'ttt_ce'"):
+        check_loss_name("nope")
+    cfg = compose(["recipe=tiny", "drafter.loss=nope"])  # the schema cannot see the registry ...
+    with pytest.raises(ValueError, match=r"drafter\.loss='nope'"):
+        build_loss(cfg.drafter)  # ... the pipeline refuses it before any work (train/main.py, build_ttt_model)
+    assert build_loss(compose(["recipe=tiny"]).drafter).name == "ttt_ce"

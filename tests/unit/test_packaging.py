@@ -86,6 +86,20 @@ def test_a_wrong_way_import_breaks_the_contracts(installed, tmp_path):
     assert res.returncode != 0 and "fledge.models.drafter -> fledge.train.runner" in res.stdout, res.stdout
 
 
+def test_libraries_never_take_the_root_config():
+    """data/ and models/ take sub-configs (TargetConfig, CaptureConfig, ...) or plain values: the stages pick
+    the slices, so a library's signature says what it reads."""
+    import ast
+
+    offenders = []
+    for path in [*REPO.joinpath("data").rglob("*.py"), *REPO.joinpath("models").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fledge.conf"):
+                if any(a.name == "Config" for a in node.names):
+                    offenders.append(str(path.relative_to(REPO)))
+    assert not offenders, f"{offenders} import the root Config"
+
+
 @pytest.fixture(scope="module")
 def fresh_venv(wheel, tmp_path_factory) -> Path:
     """A new venv outside the repo with the wheel installed; its dependencies come from the test's own

@@ -1,0 +1,84 @@
+"""The TTT alignment (SPEC.md section 4), written once for the loss, held-out accuracy and the AL estimate.
+
+A ``FeatureBatch`` is unshifted: index t is token x_t and the target's state after reading x_0..x_t.
+Step k of the unroll (k = 0..K-1) treats row t as a draft made ``lead(k) = 1 + k`` tokens after t:
+
+- its input is token x_{t+lead} at RoPE position ``position_ids[t] + k`` (teacher forcing), with the
+  feature ``A_t`` at step 0 and the state step k-1 fed back at row t after that;
+- it is scored against teacher row t+lead: the target's distribution of x_{t+lead+1}, from
+  ``target_hidden[t+lead]``, whose argmax is ``target_argmax[t+lead]``;
+- it counts when x_{t+lead+1} is a loss-masked token of row t's document (so padding, a document's end
+  and the row's end never count) and that argmax lies in the draft vocab (``t2d``): a token the drafter
+  cannot emit says nothing about its quality.
+
+Every consumer goes through :func:`step_inputs` and :func:`step_rows`, so the shift is defined here only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def lead(k: int) -> int:
+    """How far step ``k`` reads ahead of its row: its input token and its teacher row are t + lead(k)."""
+    return 1 + k
+
+
+def shift(x: torch.Tensor, s: int, fill) -> torch.Tensor:
+    """``out[:, t] = x[:, t + s]``, ``fill`` past the end (dim 1 is time)."""
+    out = torch.full_like(x, fill)
+    if s < x.shape[1]:
+        out[:, : x.shape[1] - s] = x[:, s:]
+    return out
+
+
+def step_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``k``'s (token ids, RoPE positions) ``[B, T]``: x_{t+lead(k)} at ``position_ids[t] + k``."""
+    return shift(input_ids, lead(k), 0), position_ids + k
+
+
+@dataclass
+class StepRows:
+    """What step ``k`` is scored against, per row ``[B, T]``.
+
+    ``teacher_argmax[t]`` is the target's argmax at row t + ``lead`` (a target-vocab id); ``counted[t]``
+    says whether row t enters the loss and the accuracies. A counted row's teacher row t + lead lies in
+    the same sequence, so flat indices ``r + lead`` over ``B*T`` rows are safe for counted rows only.
+    """
+
+    lead: int
+    teacher_argmax: torch.Tensor
+    counted: torch.Tensor
+
+
+def step_rows(loss_mask: torch.Tensor, document_ids: torch.Tensor, target_argmax: torch.Tensor,
+              t2d: torch.Tensor, k: int) -> StepRows:
+    """Step ``k``'s teacher argmax and counted rows (module docstring); all inputs ``[B, T]`` but ``t2d``
+    (bool ``[V]``, true at draft-vocab ids). ``document_ids`` is -1 on padding."""
+    s = lead(k)
+    teacher = shift(target_argmax, s, 0)
+    # -2 past the end: never a document id, never the padding id.
+    same_doc = (document_ids >= 0) & (shift(document_ids, s + 1, -2) == document_ids)
+    counted = shift(loss_mask, s + 1, False) & same_doc & t2d[teacher]
+    return StepRows(lead=s, teacher_argmax=teacher, counted=counted)
+
+
+def unroll(drafter, aux_hidden: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
+           document_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """Unroll ``steps`` TTT steps of ``drafter`` (teacher forcing); returns y_k = norm(h2) ``[B, T, H]``
+    per step, whose ``drafter.lm_head(y_k)`` are the step's logits over the draft vocab."""
+    g = drafter.fuse(aux_hidden)
+    kv: list = []
+    ys = []
+    for k in range(steps):
+        tokens, positions = step_inputs(input_ids, position_ids, k)
+        y, g = drafter.ttt_step(tokens, g, positions, document_ids, kv)
+        ys.append(y)
+    return ys
+
+
+def ttt_states(drafter, batch, steps: int) -> list[torch.Tensor]:
+    """:func:`unroll` over a ``FeatureBatch``."""
+    return unroll(drafter, batch.aux_hidden, batch.input_ids, batch.position_ids, batch.document_ids, steps)
