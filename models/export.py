@@ -23,7 +23,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from fledge.atomic import atomic_path, read_json, write_json_atomic
-from fledge.models.serving_config import dialect_of, layer_config, serving_config, target_config_dict
+from fledge.models.families import read_target, text_config_dict
+from fledge.models.serving_config import dialect_of, layer_config, serving_config
 
 log = logging.getLogger(__name__)
 RECORD = "fledge_training.json"
@@ -167,13 +168,11 @@ def spec_from_export(drafter_dir: str | Path, target_num_hidden_layers: int | No
     if not ids:
         raise ValueError(f"{d}/config.json has no eagle_aux_hidden_state_layer_ids; add the boundary ids the "
                          "drafter was trained with (default (2, L//2, L-3) of the target)")
-    from transformers import LlamaConfig
-
     # The serving config says num_hidden_layers=1 (the drafter's); the spec wants the target's L, which only
-    # bounds the aux ids: without the target, the smallest L that admits them.
+    # bounds the aux ids: without the target, the smallest L that admits them. The layer settings are read
+    # back through the family of the layer's own model_type (llama), as a target config would be.
     hf["num_hidden_layers"] = int(target_num_hidden_layers or max(ids) + 1)
-    hf_config = LlamaConfig(**{k: v for k, v in hf.items() if k not in ("architectures", "eagle_config")})
-    spec = DrafterSpec.from_target_config(hf_config, flags, list(ids))
+    spec = DrafterSpec.from_target_config(hf, flags, list(ids))
     if int(c["hidden_size"]) != hf["hidden_size"]:  # a drafter narrower than its target
         spec = dataclasses.replace(spec, hidden_size=int(c["hidden_size"]),
                                    intermediate_size=int(c["intermediate_size"]))
@@ -202,7 +201,7 @@ def load_drafter(drafter_dir: str | Path, embed_weight: torch.Tensor | None = No
     d = Path(drafter_dir)
     L = None
     if target is not None and (Path(target) / "config.json").exists():
-        L = read_json(Path(target) / "config.json").get("num_hidden_layers")
+        L = read_target(read_json(Path(target) / "config.json"))[1].num_hidden_layers
     spec = spec_from_export(d, L)
     sd = from_serving_state_dict(read_tensors(d), dtype)
     V, Vd = spec.vocab_size, spec.draft_vocab_size
@@ -250,12 +249,12 @@ def load_target_config(target_cfg) -> dict:
     write it so export works offline), else ``AutoConfig.from_pretrained`` (hub)."""
     p = Path(target_cfg.name_or_path)
     if (p / "config.json").exists():
-        return target_config_dict(json.loads((p / "config.json").read_text()))
+        return text_config_dict(json.loads((p / "config.json").read_text()))
     if target_cfg.config_overrides:
-        return target_config_dict(dict(target_cfg.config_overrides))
+        return text_config_dict(dict(target_cfg.config_overrides))
     from transformers import AutoConfig
 
-    return target_config_dict(AutoConfig.from_pretrained(
+    return text_config_dict(AutoConfig.from_pretrained(
         target_cfg.name_or_path, revision=target_cfg.revision, trust_remote_code=target_cfg.trust_remote_code))
 
 

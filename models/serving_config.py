@@ -1,6 +1,7 @@
 """The serving layout of a drafter, computed from the target's config alone (SPEC.md section 6).
 
-Two dialects:
+The target's family (models/families.py) gives the drafter layer's settings; this module wraps them with
+the Eagle-3 fields in one of two dialects:
 - ``hf``: the HF/EAGLE layout vLLM and SGLang load with ``--speculative-config '{"method": "eagle3", ...}'``
   / ``--speculative-algorithm EAGLE3``: ``LlamaForCausalLMEagle3``, tensors ``midlayer.*``, aux ids in
   ``eagle_config``.
@@ -12,8 +13,7 @@ Decisions (documented in the export's README section of the model card too):
   so writing ``false`` is equivalent for them, and an explicit value lets the linter tell "EAGLE-3 on
   purpose" from "flags lost". ``norm_before_fc`` is written only when true (older option).
 - RoPE is written the way both engines (and transformers 4 and 5) read it: ``rope_theta`` and
-  ``rope_scaling`` (``null`` for plain RoPE) at the top level, plus the transformers-5 ``rope_parameters``
-  holding the same values.
+  ``rope_scaling`` (``null`` for plain RoPE) at the top level, plus ``rope_parameters`` with the same values.
 - The speculators dialect sets ``norm_before_residual: false`` explicitly: vLLM's speculators adapter
   defaults that key to *true*, which is not the EAGLE-3 layer this project trains (``u = hidden_norm(g)``,
   residual = raw ``g``).
@@ -25,41 +25,11 @@ from typing import Any, Mapping
 
 import torch
 
+from fledge.models.families import read_target
+
 HF_ARCH = "LlamaForCausalLMEagle3"
 SPECULATORS_ARCH = "Eagle3Speculator"
 DIALECTS = ("hf", "speculators")
-# Llama-layer keys copied from the target (SPEC.md section 6).
-_COPIED = ("num_attention_heads", "num_key_value_heads", "hidden_act", "rms_norm_eps", "max_position_embeddings")
-
-
-def target_config_dict(target_config: Any) -> dict:
-    """A target config (dict, PretrainedConfig, or the text sub-config of a multimodal one) as a plain dict."""
-    if hasattr(target_config, "to_dict"):
-        target_config = target_config.to_dict()
-    d = dict(target_config)
-    if "text_config" in d and "hidden_size" not in d:  # multimodal wrappers keep the LM's fields nested
-        d = dict(d["text_config"])
-    return d
-
-
-def rope_of(target: Mapping) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling or None) of a target config dict, from either the legacy top-level keys
-    (transformers 4, the recipes' ``config_overrides``) or transformers 5's ``rope_parameters``."""
-    params = target.get("rope_parameters")
-    if params:
-        if "rope_theta" not in params:  # nested per layer type (e.g. sliding/full): not a Llama-style target
-            raise ValueError(f"target rope_parameters={params}: per-layer-type RoPE is not supported by the drafter")
-        theta = float(params["rope_theta"])
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    else:  # transformers 5 may have copied rope_theta into rope_scaling: the dict's own value wins
-        scaling = dict(target["rope_scaling"]) if target.get("rope_scaling") else {}
-        theta = float(scaling.pop("rope_theta", target.get("rope_theta", 10000.0)))
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type == "default":
-        return theta, None
-    scaling["rope_type"] = rope_type
-    scaling.pop("type", None)
-    return theta, scaling
 
 
 def _flag(drafter: Any, name: str) -> bool:
@@ -89,12 +59,8 @@ def serving_config(
     """
     if fmt not in DIALECTS:
         raise ValueError(f"export.format={fmt!r}: expected one of {list(DIALECTS)}")
-    t = target_config_dict(target_config)
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
-        if not t.get(key):
-            raise ValueError(f"target config lacks {key!r}: give the target's config.json (or target.config_overrides)")
-    Ht, V, L = int(t["hidden_size"]), int(t["vocab_size"]), int(t["num_hidden_layers"])
-    H = int(_opt(drafter, "hidden_size") or Ht)
+    family, shape = read_target(target_config)
+    Ht, V, L = shape.hidden_size, shape.vocab_size, shape.num_hidden_layers
     ids = [int(i) for i in aux_layer_ids]
     if ids and ids[0] == 1:
         raise ValueError(f"aux_layer_ids={ids} starts with 1: SGLang would add 1 to every id; use boundary ids")
@@ -105,28 +71,11 @@ def serving_config(
     fc_norm, norm_output, nbf = (_flag(drafter, k) for k in ("fc_norm", "norm_output", "norm_before_fc"))
     if fc_norm and nbf:
         raise ValueError("fc_norm and norm_before_fc are both true: the drafter uses one or the other, never both")
-    heads = int(t["num_attention_heads"])
-    theta, scaling = rope_of(t)
-    layer = {
-        "model_type": "llama",
-        "hidden_size": H,
-        "intermediate_size": int(_opt(drafter, "intermediate_size") or t["intermediate_size"]),
-        "num_hidden_layers": 1,
-        **{k: t[k] for k in _COPIED if k in t},
-        "num_key_value_heads": int(t.get("num_key_value_heads") or heads),
-        "head_dim": int(t.get("head_dim") or Ht // heads),
-        "rope_theta": theta,
-        "rope_scaling": scaling,
-        "rope_parameters": {**(scaling or {"rope_type": "default"}), "rope_theta": theta},
-        "vocab_size": V,
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "torch_dtype": "bfloat16",
-    }
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        if t.get(key) is not None:
-            layer[key] = t[key]
+    layer = family.drafter_layer(shape)
+    for key in ("hidden_size", "intermediate_size"):  # a drafter narrower than its target keeps its own widths
+        if _opt(drafter, key):
+            layer[key] = int(_opt(drafter, key))
+    H = layer["hidden_size"]
     flags = {"fc_norm": fc_norm, "norm_output": norm_output, **({"norm_before_fc": True} if nbf else {})}
     if fmt == "hf":
         cfg = {"architectures": [HF_ARCH], **layer, "draft_vocab_size": int(draft_vocab_size), **flags,
@@ -144,7 +93,7 @@ def serving_config(
             "default_proposal_method": "greedy",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens),
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "verifier": {"name_or_path": target_name, "architectures": list(t.get("architectures") or [])},
+            "verifier": {"name_or_path": target_name, "architectures": list(shape.architectures)},
         },
         # Flags duplicated inside: vLLM's adapter forwards only transformer_layer_config's keys to the model.
         "transformer_layer_config": {**layer, **flags},

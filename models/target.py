@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from fledge.conf.schema import TargetConfig
+from fledge.models.families import read_target
 
 LOGITS_CHUNK_BYTES = 1 << 28  # ~256 MiB of logits per lm_head chunk
 _EMBED_SUFFIX = "embed_tokens.weight"
@@ -32,10 +33,11 @@ def _torch_dtype(name: str):
 
 
 def check_target_config(hf_config, tcfg: TargetConfig) -> None:
-    """Raise ValueError when the real config disagrees with what the recipe wrote in ``target.*``."""
-    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    """Raise ValueError when the real config disagrees with what the recipe wrote in ``target.*`` (or when
+    the target's family is not registered: the drafter could not be shaped for it)."""
+    shape = read_target(hf_config)[1]
     for key in ("num_hidden_layers", "hidden_size", "vocab_size"):
-        want, got = getattr(tcfg, key), getattr(text, key, None)
+        want, got = getattr(tcfg, key), getattr(shape, key)
         if want and got != want:
             raise ValueError(
                 f"target.{key}={want} but {tcfg.name_or_path} has {key}={got}; "
