@@ -3,7 +3,8 @@
 The drafter's state_dict already uses the HF/EAGLE serving names (SPEC.md section 6), so the adapters are
 small: the speculators dialect renames ``midlayer.`` <-> ``layers.0.``; floats go to bf16 while ``d2t``
 (int64) and ``t2d`` (bool) keep their dtypes; ``embed_tokens.weight`` (a frozen copy of the target's) is
-left out unless asked for, since both engines share the target's embedding.
+left out unless asked for, since both engines share the target's embedding. Weights are read through
+models/weights.py.
 
 Next to config.json the export writes ``fledge_training.json``: the DrafterSpec and the flags the drafter
 was *trained* with (``trained_with``), the step, metrics and target. The linter compares config.json with
@@ -19,12 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file
 
 from fledge.atomic import atomic_path, read_json, write_json_atomic
 from fledge.models.families import read_target, text_config_dict
 from fledge.models.serving_config import dialect_of, layer_config, serving_config
+from fledge.models.weights import load_input_embeddings, read_tensors
 
 log = logging.getLogger(__name__)
 RECORD = "fledge_training.json"
@@ -61,33 +61,6 @@ def from_serving_state_dict(tensors: dict[str, torch.Tensor], dtype: torch.dtype
         if name.startswith("model."):  # some public checkpoints keep the module prefix
             name = name[len("model."):]
         out[name] = t.to(dtype) if t.is_floating_point() and name not in _KEEP_DTYPE else t
-    return out
-
-
-def read_tensors(drafter_dir: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of an exported dir: ``model.safetensors`` or the shards its index names."""
-    d = Path(drafter_dir)
-    index = read_json(d / "model.safetensors.index.json")
-    files = sorted(set(index["weight_map"].values())) if index else ["model.safetensors"]
-    if not (d / files[0]).exists():
-        raise ValueError(f"{d}: no model.safetensors (or index); is this an exported drafter directory?")
-    out: dict[str, torch.Tensor] = {}
-    for f in files:
-        out.update(load_file(str(d / f)))
-    return out
-
-
-def tensor_headers(drafter_dir: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
-    """{name: (shape, safetensors dtype)} without reading the weights (for the linter on big exports)."""
-    d = Path(drafter_dir)
-    index = read_json(d / "model.safetensors.index.json")
-    files = sorted(set(index["weight_map"].values())) if index else ["model.safetensors"]
-    out = {}
-    for f in files:
-        with safe_open(str(d / f), framework="pt") as sf:
-            for name in sf.keys():
-                sl = sf.get_slice(name)
-                out[name] = (tuple(sl.get_shape()), sl.get_dtype())
     return out
 
 
@@ -138,7 +111,7 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, target_co
     config = serving_config(target_config, spec, spec["aux_layer_ids"], spec["draft_vocab_size"], fmt=fmt,
                             target_name=target_name or meta.get("target", {}).get("name_or_path"),
                             speculative_tokens=speculative_tokens)
-    write_drafter(out_dir, load_file(str(ckpt / "model.safetensors")), config, training_record(spec, meta),
+    write_drafter(out_dir, read_tensors(ckpt), config, training_record(spec, meta),
                   max_shard_size, include_embed)
     return config
 
@@ -207,7 +180,7 @@ def load_drafter(drafter_dir: str | Path, embed_weight: torch.Tensor | None = No
     V, Vd = spec.vocab_size, spec.draft_vocab_size
     if "embed_tokens.weight" not in sd:
         if embed_weight is None and target is not None:
-            embed_weight = target_embedding(target)
+            embed_weight = load_input_embeddings(target)
         if embed_weight is None:
             raise ValueError(f"{d} has no embed_tokens.weight: pass the target (embed_weight= or target=)")
         sd["embed_tokens.weight"] = embed_weight.to(dtype)
@@ -225,20 +198,6 @@ def load_drafter(drafter_dir: str | Path, embed_weight: torch.Tensor | None = No
         raise ValueError(f"{d}: tensors do not match the drafter (missing {sorted(missing)}, unexpected "
                          f"{sorted(unexpected)}); run `fledge lint` on it")
     return model.to(device)
-
-
-def target_embedding(target: str | Path) -> torch.Tensor:
-    """The input embedding of a local target dir, read from its safetensors without loading the model."""
-    d = Path(target)
-    index = read_json(d / "model.safetensors.index.json")
-    names = index["weight_map"] if index else None
-    files = sorted(set(names.values())) if names else ["model.safetensors"]
-    for f in files:
-        with safe_open(str(d / f), framework="pt") as sf:
-            for key in sf.keys():
-                if key.endswith("embed_tokens.weight"):
-                    return sf.get_tensor(key)
-    raise ValueError(f"{d}: no tensor ending in embed_tokens.weight in its safetensors")
 
 
 # ------------------------------------------------------------------------------------------ the stage

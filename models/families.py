@@ -17,7 +17,8 @@ and a test to tests/unit/test_families.py. What the shared reader already handle
   ``rope_type``), yarn included; llama3 / yarn / longrope get ``original_max_position_embeddings`` filled in
   the way transformers does (the drafter is trained with transformers' RoPE, and vLLM needs the key).
 - MTP layers (DeepSeek-V3's ``num_nextn_predict_layers``): config.json's ``num_hidden_layers`` (61) already
-  excludes them though the weights hold them as ``model.layers.61.*``; aux ids range over the 61 only.
+  excludes them though the weights hold them as ``model.layers.61.*``; aux ids range over the 61 only, and
+  models/weights.py never takes the MTP module's embedding or head copies.
 
 DeepSeek-V2/V3 (MLA attention) need a drafter layer of their own (vLLM's deepseek_eagle3.py): a family
 with ``layer_kind="mla"`` and its own ``drafter_layer`` hook, once models/drafter.py builds that kind.

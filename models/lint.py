@@ -18,9 +18,10 @@ from typing import Any
 import torch
 
 from fledge.atomic import read_json
-from fledge.models.export import RECORD, read_tensors, tensor_headers
+from fledge.models.export import RECORD
 from fledge.models.families import TargetShape, read_target, rope_of, text_config_dict
 from fledge.models.serving_config import HF_ARCH, SPECULATORS_ARCH, dialect_of, expected_tensors, layer_config
+from fledge.models.weights import read_tensors, tensor_headers
 
 _ST_DTYPE = {torch.bfloat16: "BF16", torch.int64: "I64", torch.bool: "BOOL"}
 
@@ -232,7 +233,7 @@ def _check_tensors(d: Path, config: dict, c: dict, add) -> None:
 
 def _check_vocab_maps(d: Path, V: int, Vd: int, headers: dict, add) -> None:
     """d2t are offsets: target_id = i + d2t[i], strictly ascending, inside [0, V); t2d marks the same ids."""
-    tensors = read_tensors(d)
+    tensors = read_tensors(d, [n for n in ("d2t", "t2d") if n in headers])
     d2t = tensors["d2t"].to(torch.int64)
     if d2t.numel() != Vd:
         return  # reported as a shape error

@@ -125,7 +125,7 @@ def test_speculators_training_loss_has_fledges_gradients(random_tiny_target, tmp
 
     from fledge.data.batch import FeatureBatch
     from fledge.models.export import load_drafter
-    from fledge.models.target import load_lm_head_rows
+    from fledge.models.weights import load_lm_head_rows
     from fledge.train.loss import _shift, ttt_loss
 
     target = Path(random_tiny_target)

@@ -1,10 +1,12 @@
 """FrozenTarget: hook-captured states equal output_hidden_states at the boundary ids; padding invariance;
-lm_head rows / embeddings read from safetensors (tied and untied); config mismatch refused."""
+loading from safetensors matches the tensors read without the model (tied and untied); config mismatch
+refused. Reading single tensors is tested in test_weights.py."""
 
 import pytest
 import torch
 
-from fledge.models.target import FrozenTarget, check_target_config, load_input_embeddings, load_lm_head_rows
+from fledge.models.target import FrozenTarget, check_target_config
+from fledge.models.weights import load_input_embeddings, load_lm_head_rows
 from fledge.conf.schema import TargetConfig
 
 L, H, V = 4, 64, 160
