@@ -1,10 +1,10 @@
 """Export a trained drafter to a serving directory, and load one (ours or a public EAGLE-3) back.
 
 The drafter's state_dict already uses the HF/EAGLE serving names (SPEC.md section 6), so the adapters are
-small: the speculators dialect renames ``midlayer.`` <-> ``layers.0.``; floats go to bf16 while ``d2t``
-(int64) and ``t2d`` (bool) keep their dtypes; ``embed_tokens.weight`` (a frozen copy of the target's) is
-left out unless asked for, since both engines share the target's embedding. Weights are read through
-models/weights.py.
+small: a dialect (models/dialects.py) renames the layer prefix (``midlayer.`` <-> ``layers.0.`` for
+speculators); floats go to bf16 while ``d2t`` (int64) and ``t2d`` (bool) keep their dtypes;
+``embed_tokens.weight`` (a frozen copy of the target's) is left out unless asked for, since both engines
+share the target's embedding. Weights are read through models/weights.py.
 
 Next to config.json the export writes ``fledge_training.json``: the DrafterSpec and the flags the drafter
 was *trained* with (``trained_with``), the step, metrics and target. The linter compares config.json with
@@ -22,8 +22,9 @@ from typing import Any
 import torch
 
 from fledge.atomic import atomic_path, read_json, write_json_atomic
+from fledge.models.dialects import DIALECTS, dialect_of, get_dialect
 from fledge.models.families import read_target, text_config_dict
-from fledge.models.serving_config import dialect_of, layer_config, serving_config
+from fledge.models.serving_config import layer_config, serving_config
 from fledge.models.weights import load_input_embeddings, read_tensors
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,8 @@ _KEEP_DTYPE = ("d2t", "t2d")
 
 def to_serving_state_dict(state_dict: dict[str, torch.Tensor], fmt: str = "hf",
                           include_embed: bool = False) -> dict[str, torch.Tensor]:
-    """Drafter state_dict -> serving tensors: bf16 floats, maps as int64/bool, dialect names."""
+    """Drafter state_dict -> serving tensors: bf16 floats, maps as int64/bool, dialect ``fmt``'s names."""
+    dialect = get_dialect(fmt)
     out = {}
     for name, t in state_dict.items():
         if name == "embed_tokens.weight" and not include_embed:
@@ -45,21 +47,24 @@ def to_serving_state_dict(state_dict: dict[str, torch.Tensor], fmt: str = "hf",
             t = t.to(torch.bool)
         elif t.is_floating_point():
             t = t.to(torch.bfloat16)
-        if fmt == "speculators" and name.startswith("midlayer."):
-            name = "layers.0." + name[len("midlayer."):]
-        out[name] = t.detach().cpu().contiguous()
+        out[dialect.to_serving_name(name)] = t.detach().cpu().contiguous()
     return out
 
 
-def from_serving_state_dict(tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32
-                            ) -> dict[str, torch.Tensor]:
-    """Serving tensors (either dialect) -> drafter state_dict names, floats cast to ``dtype``."""
+def from_serving_state_dict(tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
+                            fmt: str | None = None) -> dict[str, torch.Tensor]:
+    """Serving tensors -> drafter state_dict names, floats cast to ``dtype``. ``fmt`` names the dialect;
+    None accepts the layer prefix of any registered dialect."""
+    dialects = [get_dialect(fmt)] if fmt else list(DIALECTS.values())
     out = {}
     for name, t in tensors.items():
-        if name.startswith("layers.0."):
-            name = "midlayer." + name[len("layers.0."):]
         if name.startswith("model."):  # some public checkpoints keep the module prefix
             name = name[len("model."):]
+        for d in dialects:
+            back = d.from_serving_name(name)
+            if back != name:
+                name = back
+                break
         out[name] = t.to(dtype) if t.is_floating_point() and name not in _KEEP_DTYPE else t
     return out
 
@@ -71,7 +76,7 @@ def write_drafter(out_dir: str | Path, state_dict: dict[str, torch.Tensor], conf
     ``model.safetensors.index.json`` above ``max_shard_size``), and the training record."""
     from huggingface_hub import save_torch_state_dict
 
-    tensors = to_serving_state_dict(state_dict, dialect_of(config), include_embed)
+    tensors = to_serving_state_dict(state_dict, dialect_of(config).name, include_embed)
     out = Path(out_dir)
     with atomic_path(out) as tmp:
         tmp.mkdir(parents=True)
@@ -166,7 +171,7 @@ class _Flags:
 def load_drafter(drafter_dir: str | Path, embed_weight: torch.Tensor | None = None,
                  target: str | Path | None = None, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu"):
-    """Read an exported dir (either dialect, or a public EAGLE-3 checkpoint in the HF layout) into an
+    """Read an exported dir (any dialect, or a public EAGLE-3 checkpoint in the HF layout) into an
     ``Eagle3Drafter``. When the export has no ``embed_tokens.weight``, it comes from ``embed_weight`` or
     from the target's safetensors (``target`` = a local dir); a missing ``t2d`` is rebuilt from ``d2t``."""
     from fledge.models.drafter import Eagle3Drafter
@@ -176,7 +181,7 @@ def load_drafter(drafter_dir: str | Path, embed_weight: torch.Tensor | None = No
     if target is not None and (Path(target) / "config.json").exists():
         L = read_target(read_json(Path(target) / "config.json"))[1].num_hidden_layers
     spec = spec_from_export(d, L)
-    sd = from_serving_state_dict(read_tensors(d), dtype)
+    sd = from_serving_state_dict(read_tensors(d), dtype, dialect_of(read_json(d / "config.json") or {}).name)
     V, Vd = spec.vocab_size, spec.draft_vocab_size
     if "embed_tokens.weight" not in sd:
         if embed_weight is None and target is not None:

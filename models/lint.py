@@ -18,9 +18,10 @@ from typing import Any
 import torch
 
 from fledge.atomic import read_json
+from fledge.models.dialects import dialect_of
 from fledge.models.export import RECORD
 from fledge.models.families import TargetShape, read_target, rope_of, text_config_dict
-from fledge.models.serving_config import HF_ARCH, SPECULATORS_ARCH, dialect_of, expected_tensors, layer_config
+from fledge.models.serving_config import expected_tensors, layer_config
 from fledge.models.weights import read_tensors, tensor_headers
 
 _ST_DTYPE = {torch.bfloat16: "BF16", torch.int64: "I64", torch.bool: "BOOL"}
@@ -75,13 +76,13 @@ def lint_drafter(drafter_dir: str | Path, target_config: Any = None) -> list[Fin
 
 
 def _check_header(config: dict, c: dict, add) -> None:
+    dialect = dialect_of(config)
     archs = config.get("architectures") or []
-    want = SPECULATORS_ARCH if dialect_of(config) == "speculators" else HF_ARCH
-    if want not in archs:
-        add("error", "architecture", f"architectures={archs}, expected [{want!r}]",
-            f'set "architectures": ["{want}"] in config.json')
-    if dialect_of(config) == "hf" and c.get("model_type") != "llama":
-        add("error", "model-type", f"model_type={c.get('model_type')!r}", 'set "model_type": "llama"')
+    if dialect.architecture not in archs:
+        add("error", "architecture", f"architectures={archs}, expected [{dialect.architecture!r}]",
+            f'set "architectures": ["{dialect.architecture}"] in config.json')
+    for finding in dialect.header_checks(config):  # what only this dialect's loaders care about
+        add(*finding)
     if int(c.get("num_hidden_layers") or 0) != 1:
         add("error", "num-layers", f"num_hidden_layers={c.get('num_hidden_layers')}, the drafter has one layer",
             'set "num_hidden_layers": 1')
@@ -92,11 +93,6 @@ def _check_header(config: dict, c: dict, add) -> None:
     if dtype != "bfloat16":
         add("warning", "config-dtype", f"torch_dtype={dtype!r}; the drafter is trained for bf16 serving",
             'set "torch_dtype": "bfloat16"')
-    if dialect_of(config) == "speculators" and config.get("norm_before_residual") is not False:
-        add("error", "norm-before-residual",
-            f"norm_before_residual={config.get('norm_before_residual')!r}: vLLM's speculators adapter reads a "
-            "missing key as true, which is not the layer Fledge trains",
-            'set "norm_before_residual": false')
 
 
 def _check_aux_ids(c: dict, t: TargetShape | None, record: dict | None, add) -> None:

@@ -47,6 +47,9 @@ def run(cfg: Config) -> dict:
 def main(dcfg: DictConfig) -> None:
     try:
         cfg = to_config(dcfg)
+        from fledge.models.dialects import get_dialect
+
+        get_dialect(cfg.export.format)  # the dialect registry lives in models, above conf's own checks
     except ValueError as e:
         print(f"fledge: config error: {e}", file=sys.stderr)
         sys.exit(2)
