@@ -220,23 +220,3 @@ def load_target_config(target_cfg) -> dict:
 
     return text_config_dict(AutoConfig.from_pretrained(
         target_cfg.name_or_path, revision=target_cfg.revision, trust_remote_code=target_cfg.trust_remote_code))
-
-
-def random_state_dict(config: dict, seed: int = 0, include_embed: bool = True) -> dict[str, torch.Tensor]:
-    """A random fp32 drafter state_dict matching a serving config (either dialect's config, drafter names),
-    with a valid random draft vocab: for tests and dry runs of the export path without a trained drafter."""
-    from fledge.models.serving_config import expected_tensors
-
-    g = torch.Generator().manual_seed(seed)
-    c = layer_config(config)
-    V, Vd = int(c["vocab_size"]), int(c.get("draft_vocab_size") or c["vocab_size"])
-    sd = {}
-    for name, (shape, dtype) in expected_tensors(config, include_embed=include_embed).items():
-        if dtype.is_floating_point:
-            sd[from_serving_state_dict({name: torch.empty(0)}).popitem()[0]] = torch.randn(shape, generator=g) * 0.05
-    sel = torch.randperm(V, generator=g)[:Vd].sort().values
-    sd["d2t"] = sel - torch.arange(Vd)
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[sel] = True
-    sd["t2d"] = t2d
-    return sd

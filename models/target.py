@@ -146,11 +146,6 @@ class FrozenTarget:
         out[keep] = got
         return out.view(B, T)
 
-    def lm_head_rows(self, selected_ids: torch.Tensor) -> torch.Tensor:
-        """The draft-vocab rows of the target's lm_head: [Vd, Ht] (a copy, detached)."""
-        w = self.lm_head.weight
-        return w.detach()[selected_ids.to(w.device)].clone()
-
     def input_embeddings(self) -> torch.Tensor:
         """The target's input embedding matrix [V, H] (detached; shared storage, do not modify)."""
         return self.model.get_input_embeddings().weight.detach()

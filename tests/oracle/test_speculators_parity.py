@@ -76,7 +76,8 @@ def _run_speculators(drafter_dir: Path, x: dict, tmp: Path, decay: float | None 
 
 def _export(target: Path, flags: dict, draft_vocab: int, out: Path, seed: int = 3) -> tuple[Path, dict, list[int]]:
     """A random drafter (norm weights near 1) for the target, exported in the speculators dialect."""
-    from fledge.models.export import random_state_dict, write_drafter
+    from conftest import random_state_dict
+    from fledge.models.export import write_drafter
     from fledge.models.serving_config import serving_config
 
     tcfg = json.loads((target / "config.json").read_text())

@@ -10,11 +10,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from conftest import random_state_dict
 from fledge.conf.schema import DrafterConfig
 from fledge.models import dialects
 from fledge.models.dialects import Dialect, ServingFields, dialect_of, get_dialect, register_dialect
 from fledge.models.drafter import DrafterSpec, Eagle3Drafter
-from fledge.models.export import export_checkpoint, load_drafter, random_state_dict, training_record, write_drafter
+from fledge.models.export import export_checkpoint, load_drafter, training_record, write_drafter
 from fledge.models.hub import build_model_card
 from fledge.models.lint import format_findings, has_errors, lint_drafter
 from fledge.models.serving_config import expected_tensors, layer_config, serving_config

@@ -9,10 +9,11 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from conftest import random_state_dict
 from fledge.conf.schema import DrafterConfig
 from fledge.models import families
 from fledge.models.drafter import DrafterSpec, Eagle3Drafter
-from fledge.models.export import export_checkpoint, load_drafter, random_state_dict
+from fledge.models.export import export_checkpoint, load_drafter
 from fledge.models.families import TargetFamily, read_decoder_config, read_target, register_family
 from fledge.models.lint import compose_recipe, format_findings, has_errors, lint_drafter
 from fledge.models.serving_config import layer_config, serving_config

@@ -8,7 +8,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from fledge.models.export import load_drafter, random_state_dict, write_drafter
+from conftest import random_state_dict
+from fledge.models.export import load_drafter, write_drafter
 from fledge.models.lint import lint_drafter
 from fledge.models.serving_config import serving_config
 from fledge.models.weights import (INDEX, load_input_embeddings, load_lm_head_rows, read_tensors, tensor_headers,
