@@ -153,7 +153,7 @@ class LoggingConfig:
 @dataclass
 class ExportConfig:
     checkpoint: str = "best"  # best | last | a path
-    format: str = "hf"  # hf (LlamaForCausalLMEagle3) | speculators
+    format: str = "hf"  # an export dialect of fledge/models/dialects.py: hf (LlamaForCausalLMEagle3) | speculators
     max_shard_size: str = "5GB"
     push_to_hub: bool = False
     repo_id: Optional[str] = None
@@ -204,7 +204,8 @@ class Config:
         _check_capture_slices(self)
         _one_of("deepspeed.zero_stage", self.deepspeed.zero_stage, (0, 1, 2, 3))
         _one_of("train.optim.schedule", self.train.optim.schedule, ("cosine", "linear", "constant"))
-        _one_of("export.format", self.export.format, ("hf", "speculators"))
+        # export.format names a dialect registered in fledge.models.dialects, which conf (the bottom layer)
+        # cannot import: train/main.py checks it before any stage runs, and export again when it uses it.
         _one_of("logging.wandb_mode", self.logging.wandb_mode, ("auto", "online", "offline", "disabled"))
         if not 0.0 <= self.data.eval_fraction < 1.0:
             raise ValueError(f"data.eval_fraction={self.data.eval_fraction}: must be in [0, 1)")

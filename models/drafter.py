@@ -33,7 +33,11 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRotaryEmbedd
 
 from fledge.conf.drafter_rules import drafter_problems, raise_problems
 from fledge.models.attention import cached_attention, resolve_attention, ttt_attention
+from fledge.models.families import read_target, rope_of
 from fledge.models.kernels.rmsnorm import RMSNorm
+
+# Drafter layer kinds this module builds (a family's ``layer_kind`` must be one): the Llama decoder layer.
+LAYER_KINDS = ("llama",)
 
 
 @dataclass
@@ -66,34 +70,33 @@ class DrafterSpec:
     def from_target_config(cls, hf_config, drafter_cfg, aux_layer_ids) -> "DrafterSpec":
         """Spec for a drafter of the target whose HF config is ``hf_config`` (a PretrainedConfig or dict).
 
-        ``drafter_cfg`` is a ``train.config.DrafterConfig``; ``aux_layer_ids`` are boundary ids.
+        The target's family (models/families.py) reads the config and gives the drafter layer's settings,
+        the same ones the serving config writes. ``drafter_cfg`` is a ``DrafterConfig`` (or anything with
+        its flags and ``draft_vocab_size``); ``aux_layer_ids`` are boundary ids.
         """
-        if isinstance(hf_config, Mapping):
-            hf_config = LlamaConfig(**hf_config)
         if getattr(drafter_cfg, "ttt_steps", 1) < 1:
             raise ValueError(f"drafter.ttt_steps={drafter_cfg.ttt_steps}: must be >= 1")
-        if hasattr(hf_config, "standardize_rope_params"):
-            hf_config.standardize_rope_params()  # legacy rope_theta / rope_scaling -> rope_parameters
-        rope = dict(getattr(hf_config, "rope_parameters", None) or {})
-        rope.setdefault("rope_type", "default")
-        rope.setdefault("rope_theta", float(getattr(hf_config, "rope_theta", 10000.0)))
-        heads = hf_config.num_attention_heads
-        H = hf_config.hidden_size
+        family, shape = read_target(hf_config)
+        if family.layer_kind not in LAYER_KINDS:
+            raise ValueError(f"target family {family.name!r} needs drafter layer kind {family.layer_kind!r}, which "
+                             f"models/drafter.py does not build (it builds {list(LAYER_KINDS)})")
+        layer = family.drafter_layer(shape)
+        theta, scaling = rope_of(layer)
         return cls(
-            hidden_size=H,
-            target_hidden_size=H,
-            intermediate_size=hf_config.intermediate_size,
-            num_attention_heads=heads,
-            num_key_value_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
-            head_dim=getattr(hf_config, "head_dim", None) or H // heads,
-            rms_norm_eps=float(hf_config.rms_norm_eps),
-            hidden_act=getattr(hf_config, "hidden_act", "silu"),
-            vocab_size=hf_config.vocab_size,
+            hidden_size=int(layer["hidden_size"]),
+            target_hidden_size=shape.hidden_size,
+            intermediate_size=int(layer["intermediate_size"]),
+            num_attention_heads=int(layer["num_attention_heads"]),
+            num_key_value_heads=int(layer["num_key_value_heads"]),
+            head_dim=int(layer["head_dim"]),
+            rms_norm_eps=float(layer["rms_norm_eps"]),
+            hidden_act=layer["hidden_act"],
+            vocab_size=shape.vocab_size,
             draft_vocab_size=drafter_cfg.draft_vocab_size,
             aux_layer_ids=list(aux_layer_ids),
-            target_num_hidden_layers=hf_config.num_hidden_layers,
-            max_position_embeddings=hf_config.max_position_embeddings,
-            rope=_json_safe(rope),
+            target_num_hidden_layers=shape.num_hidden_layers,
+            max_position_embeddings=int(layer["max_position_embeddings"]),
+            rope=_json_safe({**(scaling or {"rope_type": "default"}), "rope_theta": theta}),
             fc_norm=drafter_cfg.fc_norm,
             norm_output=drafter_cfg.norm_output,
             norm_before_fc=drafter_cfg.norm_before_fc,

@@ -1,9 +1,10 @@
 """Export a trained drafter to a serving directory, and load one (ours or a public EAGLE-3) back.
 
 The drafter's state_dict already uses the HF/EAGLE serving names (SPEC.md section 6), so the adapters are
-small: the speculators dialect renames ``midlayer.`` <-> ``layers.0.``; floats go to bf16 while ``d2t``
-(int64) and ``t2d`` (bool) keep their dtypes; ``embed_tokens.weight`` (a frozen copy of the target's) is
-left out unless asked for, since both engines share the target's embedding.
+small: a dialect (models/dialects.py) renames the layer prefix (``midlayer.`` <-> ``layers.0.`` for
+speculators); floats go to bf16 while ``d2t`` (int64) and ``t2d`` (bool) keep their dtypes;
+``embed_tokens.weight`` (a frozen copy of the target's) is left out unless asked for, since both engines
+share the target's embedding. Weights are read through models/weights.py.
 
 Next to config.json the export writes ``fledge_training.json``: the DrafterSpec and the flags the drafter
 was *trained* with (``trained_with``), the step, metrics and target. The linter compares config.json with
@@ -19,11 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file
 
 from fledge.atomic import atomic_path, read_json, write_json_atomic
-from fledge.models.serving_config import dialect_of, layer_config, serving_config, target_config_dict
+from fledge.models.dialects import DIALECTS, dialect_of, get_dialect
+from fledge.models.families import read_target, text_config_dict
+from fledge.models.serving_config import layer_config, serving_config
+from fledge.models.weights import load_input_embeddings, read_tensors
 
 log = logging.getLogger(__name__)
 RECORD = "fledge_training.json"
@@ -33,7 +35,8 @@ _KEEP_DTYPE = ("d2t", "t2d")
 
 def to_serving_state_dict(state_dict: dict[str, torch.Tensor], fmt: str = "hf",
                           include_embed: bool = False) -> dict[str, torch.Tensor]:
-    """Drafter state_dict -> serving tensors: bf16 floats, maps as int64/bool, dialect names."""
+    """Drafter state_dict -> serving tensors: bf16 floats, maps as int64/bool, dialect ``fmt``'s names."""
+    dialect = get_dialect(fmt)
     out = {}
     for name, t in state_dict.items():
         if name == "embed_tokens.weight" and not include_embed:
@@ -44,49 +47,25 @@ def to_serving_state_dict(state_dict: dict[str, torch.Tensor], fmt: str = "hf",
             t = t.to(torch.bool)
         elif t.is_floating_point():
             t = t.to(torch.bfloat16)
-        if fmt == "speculators" and name.startswith("midlayer."):
-            name = "layers.0." + name[len("midlayer."):]
-        out[name] = t.detach().cpu().contiguous()
+        out[dialect.to_serving_name(name)] = t.detach().cpu().contiguous()
     return out
 
 
-def from_serving_state_dict(tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32
-                            ) -> dict[str, torch.Tensor]:
-    """Serving tensors (either dialect) -> drafter state_dict names, floats cast to ``dtype``."""
+def from_serving_state_dict(tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
+                            fmt: str | None = None) -> dict[str, torch.Tensor]:
+    """Serving tensors -> drafter state_dict names, floats cast to ``dtype``. ``fmt`` names the dialect;
+    None accepts the layer prefix of any registered dialect."""
+    dialects = [get_dialect(fmt)] if fmt else list(DIALECTS.values())
     out = {}
     for name, t in tensors.items():
-        if name.startswith("layers.0."):
-            name = "midlayer." + name[len("layers.0."):]
         if name.startswith("model."):  # some public checkpoints keep the module prefix
             name = name[len("model."):]
+        for d in dialects:
+            back = d.from_serving_name(name)
+            if back != name:
+                name = back
+                break
         out[name] = t.to(dtype) if t.is_floating_point() and name not in _KEEP_DTYPE else t
-    return out
-
-
-def read_tensors(drafter_dir: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of an exported dir: ``model.safetensors`` or the shards its index names."""
-    d = Path(drafter_dir)
-    index = read_json(d / "model.safetensors.index.json")
-    files = sorted(set(index["weight_map"].values())) if index else ["model.safetensors"]
-    if not (d / files[0]).exists():
-        raise ValueError(f"{d}: no model.safetensors (or index); is this an exported drafter directory?")
-    out: dict[str, torch.Tensor] = {}
-    for f in files:
-        out.update(load_file(str(d / f)))
-    return out
-
-
-def tensor_headers(drafter_dir: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
-    """{name: (shape, safetensors dtype)} without reading the weights (for the linter on big exports)."""
-    d = Path(drafter_dir)
-    index = read_json(d / "model.safetensors.index.json")
-    files = sorted(set(index["weight_map"].values())) if index else ["model.safetensors"]
-    out = {}
-    for f in files:
-        with safe_open(str(d / f), framework="pt") as sf:
-            for name in sf.keys():
-                sl = sf.get_slice(name)
-                out[name] = (tuple(sl.get_shape()), sl.get_dtype())
     return out
 
 
@@ -97,7 +76,7 @@ def write_drafter(out_dir: str | Path, state_dict: dict[str, torch.Tensor], conf
     ``model.safetensors.index.json`` above ``max_shard_size``), and the training record."""
     from huggingface_hub import save_torch_state_dict
 
-    tensors = to_serving_state_dict(state_dict, dialect_of(config), include_embed)
+    tensors = to_serving_state_dict(state_dict, dialect_of(config).name, include_embed)
     out = Path(out_dir)
     with atomic_path(out) as tmp:
         tmp.mkdir(parents=True)
@@ -137,7 +116,7 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, target_co
     config = serving_config(target_config, spec, spec["aux_layer_ids"], spec["draft_vocab_size"], fmt=fmt,
                             target_name=target_name or meta.get("target", {}).get("name_or_path"),
                             speculative_tokens=speculative_tokens)
-    write_drafter(out_dir, load_file(str(ckpt / "model.safetensors")), config, training_record(spec, meta),
+    write_drafter(out_dir, read_tensors(ckpt), config, training_record(spec, meta),
                   max_shard_size, include_embed)
     return config
 
@@ -167,13 +146,11 @@ def spec_from_export(drafter_dir: str | Path, target_num_hidden_layers: int | No
     if not ids:
         raise ValueError(f"{d}/config.json has no eagle_aux_hidden_state_layer_ids; add the boundary ids the "
                          "drafter was trained with (default (2, L//2, L-3) of the target)")
-    from transformers import LlamaConfig
-
     # The serving config says num_hidden_layers=1 (the drafter's); the spec wants the target's L, which only
-    # bounds the aux ids: without the target, the smallest L that admits them.
+    # bounds the aux ids: without the target, the smallest L that admits them. The layer settings are read
+    # back through the family of the layer's own model_type (llama), as a target config would be.
     hf["num_hidden_layers"] = int(target_num_hidden_layers or max(ids) + 1)
-    hf_config = LlamaConfig(**{k: v for k, v in hf.items() if k not in ("architectures", "eagle_config")})
-    spec = DrafterSpec.from_target_config(hf_config, flags, list(ids))
+    spec = DrafterSpec.from_target_config(hf, flags, list(ids))
     if int(c["hidden_size"]) != hf["hidden_size"]:  # a drafter narrower than its target
         spec = dataclasses.replace(spec, hidden_size=int(c["hidden_size"]),
                                    intermediate_size=int(c["intermediate_size"]))
@@ -194,7 +171,7 @@ class _Flags:
 def load_drafter(drafter_dir: str | Path, embed_weight: torch.Tensor | None = None,
                  target: str | Path | None = None, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu"):
-    """Read an exported dir (either dialect, or a public EAGLE-3 checkpoint in the HF layout) into an
+    """Read an exported dir (any dialect, or a public EAGLE-3 checkpoint in the HF layout) into an
     ``Eagle3Drafter``. When the export has no ``embed_tokens.weight``, it comes from ``embed_weight`` or
     from the target's safetensors (``target`` = a local dir); a missing ``t2d`` is rebuilt from ``d2t``."""
     from fledge.models.drafter import Eagle3Drafter
@@ -202,13 +179,13 @@ def load_drafter(drafter_dir: str | Path, embed_weight: torch.Tensor | None = No
     d = Path(drafter_dir)
     L = None
     if target is not None and (Path(target) / "config.json").exists():
-        L = read_json(Path(target) / "config.json").get("num_hidden_layers")
+        L = read_target(read_json(Path(target) / "config.json"))[1].num_hidden_layers
     spec = spec_from_export(d, L)
-    sd = from_serving_state_dict(read_tensors(d), dtype)
+    sd = from_serving_state_dict(read_tensors(d), dtype, dialect_of(read_json(d / "config.json") or {}).name)
     V, Vd = spec.vocab_size, spec.draft_vocab_size
     if "embed_tokens.weight" not in sd:
         if embed_weight is None and target is not None:
-            embed_weight = target_embedding(target)
+            embed_weight = load_input_embeddings(target)
         if embed_weight is None:
             raise ValueError(f"{d} has no embed_tokens.weight: pass the target (embed_weight= or target=)")
         sd["embed_tokens.weight"] = embed_weight.to(dtype)
@@ -228,20 +205,6 @@ def load_drafter(drafter_dir: str | Path, embed_weight: torch.Tensor | None = No
     return model.to(device)
 
 
-def target_embedding(target: str | Path) -> torch.Tensor:
-    """The input embedding of a local target dir, read from its safetensors without loading the model."""
-    d = Path(target)
-    index = read_json(d / "model.safetensors.index.json")
-    names = index["weight_map"] if index else None
-    files = sorted(set(names.values())) if names else ["model.safetensors"]
-    for f in files:
-        with safe_open(str(d / f), framework="pt") as sf:
-            for key in sf.keys():
-                if key.endswith("embed_tokens.weight"):
-                    return sf.get_tensor(key)
-    raise ValueError(f"{d}: no tensor ending in embed_tokens.weight in its safetensors")
-
-
 # ------------------------------------------------------------------------------------------ the stage
 
 
@@ -250,30 +213,10 @@ def load_target_config(target_cfg) -> dict:
     write it so export works offline), else ``AutoConfig.from_pretrained`` (hub)."""
     p = Path(target_cfg.name_or_path)
     if (p / "config.json").exists():
-        return target_config_dict(json.loads((p / "config.json").read_text()))
+        return text_config_dict(json.loads((p / "config.json").read_text()))
     if target_cfg.config_overrides:
-        return target_config_dict(dict(target_cfg.config_overrides))
+        return text_config_dict(dict(target_cfg.config_overrides))
     from transformers import AutoConfig
 
-    return target_config_dict(AutoConfig.from_pretrained(
+    return text_config_dict(AutoConfig.from_pretrained(
         target_cfg.name_or_path, revision=target_cfg.revision, trust_remote_code=target_cfg.trust_remote_code))
-
-
-def random_state_dict(config: dict, seed: int = 0, include_embed: bool = True) -> dict[str, torch.Tensor]:
-    """A random fp32 drafter state_dict matching a serving config (either dialect's config, drafter names),
-    with a valid random draft vocab: for tests and dry runs of the export path without a trained drafter."""
-    from fledge.models.serving_config import expected_tensors
-
-    g = torch.Generator().manual_seed(seed)
-    c = layer_config(config)
-    V, Vd = int(c["vocab_size"]), int(c.get("draft_vocab_size") or c["vocab_size"])
-    sd = {}
-    for name, (shape, dtype) in expected_tensors(config, include_embed=include_embed).items():
-        if dtype.is_floating_point:
-            sd[from_serving_state_dict({name: torch.empty(0)}).popitem()[0]] = torch.randn(shape, generator=g) * 0.05
-    sel = torch.randperm(V, generator=g)[:Vd].sort().values
-    sd["d2t"] = sel - torch.arange(Vd)
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[sel] = True
-    sd["t2d"] = t2d
-    return sd

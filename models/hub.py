@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from fledge.atomic import read_json
-from fledge.models.serving_config import dialect_of, layer_config
+from fledge.models.dialects import dialect_of, serving_commands
+from fledge.models.serving_config import layer_config
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -83,30 +84,18 @@ def _al_table(outputs: dict) -> str:
     return "\n".join(lines)
 
 
-def serving_commands(repo_or_dir: str, target_name: str, k: int = 5) -> str:
-    """The vLLM and SGLang command lines that serve ``target_name`` with this drafter."""
-    spec_cfg = '{"method": "eagle3", "model": "%s", "num_speculative_tokens": %d}' % (repo_or_dir, k)
-    return (
-        "```bash\n# vLLM\n"
-        f"vllm serve {target_name} --speculative-config '{spec_cfg}'\n\n# SGLang\n"
-        f"python -m sglang.launch_server --model-path {target_name} --speculative-algorithm EAGLE3 \\\n"
-        f"    --speculative-draft-model-path {repo_or_dir} --speculative-num-steps {k} \\\n"
-        f"    --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}\n```"
-    )
-
-
 def build_model_card(drafter_dir: str | Path, repo_id: str, run_dir: str | Path | None = None,
                      speculative_tokens: int = 5, plot_prefix: str = "eval"):
     """A ``huggingface_hub.ModelCard`` for an exported drafter: target, data, training config, the eval
-    stage's AL table and plots when the run has them, and the serving commands."""
+    stage's AL table and plots when the run has them, and the serving commands of its dialect."""
     from huggingface_hub import ModelCard, ModelCardData
 
     d = Path(drafter_dir)
     config = read_json(d / "config.json") or {}
     record = read_json(d / "fledge_training.json") or {}
     c = layer_config(config)
-    target = (record.get("target") or {}).get("name_or_path") or \
-        (config.get("speculators_config") or {}).get("verifier", {}).get("name_or_path") or "<target>"
+    dialect = dialect_of(config)
+    target = (record.get("target") or {}).get("name_or_path") or c.get("target_name") or "<target>"
     run_cfg = _run_config_text(run_dir)
     datasets = _datasets(run_dir)
     flavour = "EAGLE-3.1" if c.get("fc_norm") or c.get("norm_output") else "EAGLE-3"
@@ -120,13 +109,13 @@ def build_model_card(drafter_dir: str | Path, repo_id: str, run_dir: str | Path 
         f"An {flavour} speculative-decoding drafter for **{target}**, trained with Fledge. It proposes "
         "tokens that the target verifies, so outputs are the target's own.\n",
         "## Drafter\n",
-        f"- format: `{dialect_of(config)}` ({', '.join(config.get('architectures') or [])})",
+        f"- format: `{dialect.name}` ({', '.join(config.get('architectures') or [])})",
         f"- aux layers (boundary convention): `{c.get('aux_layer_ids')}`",
         f"- flags: fc_norm={bool(c.get('fc_norm'))}, norm_output={bool(c.get('norm_output'))}",
         f"- draft vocab: {c.get('draft_vocab_size')} of {c.get('vocab_size')} target tokens",
         f"- trained steps: {record.get('step')}\n",
         "## Serving\n",
-        serving_commands(repo_id, target, speculative_tokens) + "\n",
+        serving_commands(dialect, repo_id, target, speculative_tokens) + "\n",
         "## Measured acceptance\n",
     ]
     table = _al_table(outputs) if outputs else ""

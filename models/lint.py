@@ -10,7 +10,6 @@ is merely unusual.
 from __future__ import annotations
 
 import argparse
-
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,9 +19,11 @@ import torch
 
 from fledge.atomic import read_json
 from fledge.conf.drafter_rules import drafter_problems
-from fledge.models.export import RECORD, read_tensors, tensor_headers
-from fledge.models.serving_config import (HF_ARCH, SPECULATORS_ARCH, dialect_of, expected_tensors, layer_config,
-                                   rope_of, target_config_dict)
+from fledge.models.dialects import dialect_of
+from fledge.models.export import RECORD
+from fledge.models.families import TargetShape, read_target, rope_of, text_config_dict
+from fledge.models.serving_config import expected_tensors, layer_config
+from fledge.models.weights import read_tensors, tensor_headers
 
 _ST_DTYPE = {torch.bfloat16: "BF16", torch.int64: "I64", torch.bool: "BOOL"}
 
@@ -45,7 +46,8 @@ def has_errors(findings: list[Finding]) -> bool:
 
 def lint_drafter(drafter_dir: str | Path, target_config: Any = None) -> list[Finding]:
     """Every finding for the drafter in ``drafter_dir``; ``target_config`` (dict / PretrainedConfig) enables
-    the checks against the target (RoPE, max positions, eps, vocab, aux-id range)."""
+    the checks against the target (RoPE, max positions, eps, vocab, aux-id range), read through the
+    target's family (models/families.py)."""
     d = Path(drafter_dir)
     out: list[Finding] = []
 
@@ -56,7 +58,13 @@ def lint_drafter(drafter_dir: str | Path, target_config: Any = None) -> list[Fin
     if config is None:
         add("error", "no-config", f"{d}/config.json is missing", "export the drafter with Fledge's export stage")
         return out
-    t = target_config_dict(target_config) if target_config is not None else None
+    t = None
+    if target_config is not None:
+        try:
+            t = read_target(target_config)[1]
+        except ValueError as e:
+            add("error", "target-config", f"cannot read the target's config: {e}",
+                "give the target's config.json (--target), or register its family in fledge/models/families.py")
     record = read_json(d / RECORD)
     c = layer_config(config)
     _check_header(config, c, add)
@@ -69,13 +77,13 @@ def lint_drafter(drafter_dir: str | Path, target_config: Any = None) -> list[Fin
 
 
 def _check_header(config: dict, c: dict, add) -> None:
+    dialect = dialect_of(config)
     archs = config.get("architectures") or []
-    want = SPECULATORS_ARCH if dialect_of(config) == "speculators" else HF_ARCH
-    if want not in archs:
-        add("error", "architecture", f"architectures={archs}, expected [{want!r}]",
-            f'set "architectures": ["{want}"] in config.json')
-    if dialect_of(config) == "hf" and c.get("model_type") != "llama":
-        add("error", "model-type", f"model_type={c.get('model_type')!r}", 'set "model_type": "llama"')
+    if dialect.architecture not in archs:
+        add("error", "architecture", f"architectures={archs}, expected [{dialect.architecture!r}]",
+            f'set "architectures": ["{dialect.architecture}"] in config.json')
+    for finding in dialect.header_checks(config):  # what only this dialect's loaders care about
+        add(*finding)
     if int(c.get("num_hidden_layers") or 0) != 1:
         add("error", "num-layers", f"num_hidden_layers={c.get('num_hidden_layers')}, the drafter has one layer",
             'set "num_hidden_layers": 1')
@@ -86,11 +94,6 @@ def _check_header(config: dict, c: dict, add) -> None:
     if dtype != "bfloat16":
         add("warning", "config-dtype", f"torch_dtype={dtype!r}; the drafter is trained for bf16 serving",
             'set "torch_dtype": "bfloat16"')
-    if dialect_of(config) == "speculators" and config.get("norm_before_residual") is not False:
-        add("error", "norm-before-residual",
-            f"norm_before_residual={config.get('norm_before_residual')!r}: vLLM's speculators adapter reads a "
-            "missing key as true, which is not the layer Fledge trains",
-            'set "norm_before_residual": false')
 
 
 # How to fix each broken aux-id / flag rule of fledge.conf.drafter_rules, in a serving config.json.
@@ -104,9 +107,9 @@ _FIXES = {
 }
 
 
-def _check_aux_ids(c: dict, t: dict | None, record: dict | None, add) -> None:
+def _check_aux_ids(c: dict, t: TargetShape | None, record: dict | None, add) -> None:
     ids = c.get("aux_layer_ids")
-    L = int(t["num_hidden_layers"]) if t is not None else None
+    L = t.num_hidden_layers if t is not None else None  # MTP layers excluded (families.py)
     for p in drafter_problems(list(ids or []), L, prefix=""):
         add("error", p.code, p.message, _FIXES[p.code])
     if not ids:
@@ -117,34 +120,38 @@ def _check_aux_ids(c: dict, t: dict | None, record: dict | None, add) -> None:
             f"write {trained} in eagle_config.eagle_aux_hidden_state_layer_ids")
 
 
-def _check_against_target(c: dict, t: dict, add) -> None:
+def _check_against_target(c: dict, t: TargetShape, add) -> None:
     theta, scaling = rope_of(c)
-    t_theta, t_scaling = rope_of(t)
-    if not math.isclose(theta, t_theta, rel_tol=1e-6):
-        add("error", "rope-theta", f"rope_theta={theta} but the target uses {t_theta}",
-            f"set rope_theta={t_theta} (copy the target's RoPE)")
-    if (scaling or {}) != (t_scaling or {}):
-        add("error", "rope-scaling", f"rope_scaling={scaling} but the target uses {t_scaling}",
-            f"set rope_scaling={t_scaling} (and rope_parameters) from the target's config")
-    mp, t_mp = c.get("max_position_embeddings"), t.get("max_position_embeddings")
-    if t_mp is not None and mp != t_mp:
-        add("error", "max-positions", f"max_position_embeddings={mp} but the target has {t_mp}: engines cap or "
-            "rescale the drafter's positions and long-context acceptance collapses",
-            f"set max_position_embeddings={t_mp}")
-    eps, t_eps = c.get("rms_norm_eps"), t.get("rms_norm_eps")
-    if t_eps is not None and (eps is None or not math.isclose(float(eps), float(t_eps), rel_tol=1e-6)):
-        add("error", "rms-eps", f"rms_norm_eps={eps} but the target uses {t_eps}", f"set rms_norm_eps={t_eps}")
-    for key in ("num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act"):
-        if t.get(key) is not None and c.get(key) != t.get(key):
-            add("warning", f"{key.replace('_', '-')}", f"{key}={c.get(key)} differs from the target's {t[key]}",
+    if not math.isclose(theta, t.rope_theta, rel_tol=1e-6):
+        add("error", "rope-theta", f"rope_theta={theta} but the target uses {t.rope_theta}",
+            f"set rope_theta={t.rope_theta} (copy the target's RoPE)")
+    if (scaling or {}) != (t.rope_scaling or {}):
+        add("error", "rope-scaling", f"rope_scaling={scaling} but the target uses {t.rope_scaling}",
+            f"set rope_scaling={t.rope_scaling} (and rope_parameters) from the target's config")
+    mp = c.get("max_position_embeddings")
+    if mp != t.max_position_embeddings:
+        add("error", "max-positions", f"max_position_embeddings={mp} but the target has {t.max_position_embeddings}: "
+            "engines cap or rescale the drafter's positions and long-context acceptance collapses",
+            f"set max_position_embeddings={t.max_position_embeddings}")
+    eps = c.get("rms_norm_eps")
+    if eps is None or not math.isclose(float(eps), t.rms_norm_eps, rel_tol=1e-6):
+        add("error", "rms-eps", f"rms_norm_eps={eps} but the target uses {t.rms_norm_eps}",
+            f"set rms_norm_eps={t.rms_norm_eps}")
+    heads = c.get("num_attention_heads")
+    mine = {"num_attention_heads": heads, "num_key_value_heads": c.get("num_key_value_heads") or heads,
+            "head_dim": c.get("head_dim") or (int(c["hidden_size"]) // int(heads) if heads else None),
+            "hidden_act": c.get("hidden_act") or "silu"}
+    for key, value in mine.items():  # missing keys read as the engines read them (kv = heads, hidden // heads)
+        if value != getattr(t, key):
+            add("warning", f"{key.replace('_', '-')}", f"{key}={value} differs from the target's {getattr(t, key)}",
                 f"the drafter normally copies {key} from the target")
-    if int(c.get("vocab_size") or 0) != int(t["vocab_size"]):
-        add("error", "vocab-size", f"vocab_size={c.get('vocab_size')} but the target's vocab is {t['vocab_size']}",
-            f"set vocab_size={t['vocab_size']} (the target's V; the draft vocab goes in draft_vocab_size)")
+    if int(c.get("vocab_size") or 0) != t.vocab_size:
+        add("error", "vocab-size", f"vocab_size={c.get('vocab_size')} but the target's vocab is {t.vocab_size}",
+            f"set vocab_size={t.vocab_size} (the target's V; the draft vocab goes in draft_vocab_size)")
     Ht = int(c.get("target_hidden_size") or c["hidden_size"])
-    if Ht != int(t["hidden_size"]):
+    if Ht != t.hidden_size:
         add("error", "target-hidden", f"target hidden size {Ht} (target_hidden_size or hidden_size) but the "
-            f"target's is {t['hidden_size']}", f"set target_hidden_size={t['hidden_size']}")
+            f"target's is {t.hidden_size}", f"set target_hidden_size={t.hidden_size}")
 
 
 def _check_flags(c: dict, record: dict | None, add) -> None:
@@ -157,7 +164,8 @@ def _check_flags(c: dict, record: dict | None, add) -> None:
         return
     spec = (record or {}).get("spec") or {}
     if spec.get("rope"):
-        theta, scaling = rope_of({"rope_parameters": spec["rope"]})
+        theta, scaling = rope_of({"rope_parameters": spec["rope"],
+                                  "max_position_embeddings": spec.get("max_position_embeddings")})
         if (theta, scaling or {}) != (rope_of(c)[0], rope_of(c)[1] or {}):
             add("error", "rope-trained", f"config RoPE {rope_of(c)} differs from the RoPE the drafter was trained "
                 f"with {(theta, scaling)}", "write the training RoPE (the target's) into config.json")
@@ -218,7 +226,7 @@ def _check_tensors(d: Path, config: dict, c: dict, add) -> None:
 
 def _check_vocab_maps(d: Path, V: int, Vd: int, headers: dict, add) -> None:
     """d2t are offsets: target_id = i + d2t[i], strictly ascending, inside [0, V); t2d marks the same ids."""
-    tensors = read_tensors(d)
+    tensors = read_tensors(d, [n for n in ("d2t", "t2d") if n in headers])
     d2t = tensors["d2t"].to(torch.int64)
     if d2t.numel() != Vd:
         return  # reported as a shape error
@@ -264,12 +272,12 @@ def resolve_target_config(target: str | None = None, recipe: str | None = None,
         return None
     p = Path(target)
     if p.is_file():
-        return target_config_dict(json.loads(p.read_text()))
+        return text_config_dict(json.loads(p.read_text()))
     if (p / "config.json").exists():
-        return target_config_dict(json.loads((p / "config.json").read_text()))
+        return text_config_dict(json.loads((p / "config.json").read_text()))
     from transformers import AutoConfig
 
-    return target_config_dict(AutoConfig.from_pretrained(target))
+    return text_config_dict(AutoConfig.from_pretrained(target))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,22 +1,14 @@
 """The serving layout of a drafter, computed from the target's config alone (SPEC.md section 6).
 
-Two dialects:
-- ``hf``: the HF/EAGLE layout vLLM and SGLang load with ``--speculative-config '{"method": "eagle3", ...}'``
-  / ``--speculative-algorithm EAGLE3``: ``LlamaForCausalLMEagle3``, tensors ``midlayer.*``, aux ids in
-  ``eagle_config``.
-- ``speculators``: vLLM's speculators format (``vllm serve <dir>`` alone): the Llama layer settings nested in
-  ``transformer_layer_config``, the Eagle-3 fields at the top level, tensors ``layers.0.*``.
+The target's family (models/families.py) gives the drafter layer's settings; the export dialect
+(models/dialects.py) wraps them with the Eagle-3 fields into config.json and names the tensors.
 
-Decisions (documented in the export's README section of the model card too):
+Decisions (the model card and the linter rely on them):
 - ``fc_norm`` and ``norm_output`` are always written, true or false. Engines read an absent key as false,
   so writing ``false`` is equivalent for them, and an explicit value lets the linter tell "EAGLE-3 on
   purpose" from "flags lost". ``norm_before_fc`` is written only when true (older option).
 - RoPE is written the way both engines (and transformers 4 and 5) read it: ``rope_theta`` and
-  ``rope_scaling`` (``null`` for plain RoPE) at the top level, plus the transformers-5 ``rope_parameters``
-  holding the same values.
-- The speculators dialect sets ``norm_before_residual: false`` explicitly: vLLM's speculators adapter
-  defaults that key to *true*, which is not the EAGLE-3 layer this project trains (``u = hidden_norm(g)``,
-  residual = raw ``g``).
+  ``rope_scaling`` (``null`` for plain RoPE) at the top level, plus ``rope_parameters`` with the same values.
 """
 
 from __future__ import annotations
@@ -26,42 +18,8 @@ from typing import Any, Mapping
 import torch
 
 from fledge.conf.drafter_rules import drafter_problems, raise_problems
-
-HF_ARCH = "LlamaForCausalLMEagle3"
-SPECULATORS_ARCH = "Eagle3Speculator"
-DIALECTS = ("hf", "speculators")
-# Llama-layer keys copied from the target (SPEC.md section 6).
-_COPIED = ("num_attention_heads", "num_key_value_heads", "hidden_act", "rms_norm_eps", "max_position_embeddings")
-
-
-def target_config_dict(target_config: Any) -> dict:
-    """A target config (dict, PretrainedConfig, or the text sub-config of a multimodal one) as a plain dict."""
-    if hasattr(target_config, "to_dict"):
-        target_config = target_config.to_dict()
-    d = dict(target_config)
-    if "text_config" in d and "hidden_size" not in d:  # multimodal wrappers keep the LM's fields nested
-        d = dict(d["text_config"])
-    return d
-
-
-def rope_of(target: Mapping) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling or None) of a target config dict, from either the legacy top-level keys
-    (transformers 4, the recipes' ``config_overrides``) or transformers 5's ``rope_parameters``."""
-    params = target.get("rope_parameters")
-    if params:
-        if "rope_theta" not in params:  # nested per layer type (e.g. sliding/full): not a Llama-style target
-            raise ValueError(f"target rope_parameters={params}: per-layer-type RoPE is not supported by the drafter")
-        theta = float(params["rope_theta"])
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    else:  # transformers 5 may have copied rope_theta into rope_scaling: the dict's own value wins
-        scaling = dict(target["rope_scaling"]) if target.get("rope_scaling") else {}
-        theta = float(scaling.pop("rope_theta", target.get("rope_theta", 10000.0)))
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type == "default":
-        return theta, None
-    scaling["rope_type"] = rope_type
-    scaling.pop("type", None)
-    return theta, scaling
+from fledge.models.dialects import ServingFields, dialect_of, get_dialect
+from fledge.models.families import read_target
 
 
 def _flag(drafter: Any, name: str) -> bool:
@@ -82,103 +40,40 @@ def serving_config(
     target_name: str | None = None,
     speculative_tokens: int = 5,
 ) -> dict:
-    """The drafter's config.json for ``fmt`` ("hf" | "speculators").
+    """The drafter's config.json in dialect ``fmt`` (a name in models/dialects.py's DIALECTS).
 
     ``drafter`` is anything carrying the flags ``fc_norm``, ``norm_output``, ``norm_before_fc`` (a
     ``DrafterConfig``, a ``DrafterSpec`` or its dict); when it also carries ``hidden_size`` /
     ``intermediate_size`` those win over the target's (a drafter narrower than its target).
     ``target_name`` (hub id or path) is required by the speculators dialect (``verifier.name_or_path``).
     """
-    if fmt not in DIALECTS:
-        raise ValueError(f"export.format={fmt!r}: expected one of {list(DIALECTS)}")
-    t = target_config_dict(target_config)
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
-        if not t.get(key):
-            raise ValueError(f"target config lacks {key!r}: give the target's config.json (or target.config_overrides)")
-    Ht, V, L = int(t["hidden_size"]), int(t["vocab_size"]), int(t["num_hidden_layers"])
-    H = int(_opt(drafter, "hidden_size") or Ht)
+    dialect = get_dialect(fmt)
+    family, shape = read_target(target_config)
+    Ht, V, L = shape.hidden_size, shape.vocab_size, shape.num_hidden_layers
     ids = [int(i) for i in aux_layer_ids]
     fc_norm, norm_output, nbf = (_flag(drafter, k) for k in ("fc_norm", "norm_output", "norm_before_fc"))
     raise_problems(drafter_problems(ids, L, fc_norm=fc_norm, norm_before_fc=nbf, draft_vocab_size=draft_vocab_size,
                                     vocab_size=V, prefix=""))
-    heads = int(t["num_attention_heads"])
-    theta, scaling = rope_of(t)
-    layer = {
-        "model_type": "llama",
-        "hidden_size": H,
-        "intermediate_size": int(_opt(drafter, "intermediate_size") or t["intermediate_size"]),
-        "num_hidden_layers": 1,
-        **{k: t[k] for k in _COPIED if k in t},
-        "num_key_value_heads": int(t.get("num_key_value_heads") or heads),
-        "head_dim": int(t.get("head_dim") or Ht // heads),
-        "rope_theta": theta,
-        "rope_scaling": scaling,
-        "rope_parameters": {**(scaling or {"rope_type": "default"}), "rope_theta": theta},
-        "vocab_size": V,
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "torch_dtype": "bfloat16",
-    }
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        if t.get(key) is not None:
-            layer[key] = t[key]
+    layer = family.drafter_layer(shape)
+    for key in ("hidden_size", "intermediate_size"):  # a drafter narrower than its target keeps its own widths
+        if _opt(drafter, key):
+            layer[key] = int(_opt(drafter, key))
+    H = layer["hidden_size"]
     flags = {"fc_norm": fc_norm, "norm_output": norm_output, **({"norm_before_fc": True} if nbf else {})}
-    if fmt == "hf":
-        cfg = {"architectures": [HF_ARCH], **layer, "draft_vocab_size": int(draft_vocab_size), **flags,
-               "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}}
-        if H != Ht:
-            cfg["target_hidden_size"] = Ht
-        return cfg
-    if not target_name:
-        raise ValueError("the speculators dialect needs the target's name_or_path (speculators_config.verifier)")
-    return {
-        "architectures": [SPECULATORS_ARCH],
-        "speculators_model_type": "eagle3",
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens),
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "verifier": {"name_or_path": target_name, "architectures": list(t.get("architectures") or [])},
-        },
-        # Flags duplicated inside: vLLM's adapter forwards only transformer_layer_config's keys to the model.
-        "transformer_layer_config": {**layer, **flags},
-        "draft_vocab_size": int(draft_vocab_size),
-        "target_hidden_size": Ht if H != Ht else None,
-        "norm_before_residual": False,
-        "eagle_aux_hidden_state_layer_ids": ids,
-        **flags,
-        "torch_dtype": "bfloat16",
-    }
-
-
-def dialect_of(config: Mapping) -> str:
-    """"speculators" or "hf" for an exported config.json."""
-    return "speculators" if config.get("speculators_model_type") else "hf"
+    return dialect.build(ServingFields(
+        layer=layer, flags=flags, aux_layer_ids=ids, draft_vocab_size=int(draft_vocab_size),
+        target_hidden_size=Ht if H != Ht else None, target_name=target_name,
+        target_architectures=list(shape.architectures), speculative_tokens=int(speculative_tokens)))
 
 
 def layer_config(config: Mapping) -> dict:
-    """The Llama-layer settings of an exported config of either dialect, with the Eagle-3 fields merged in
-    (flags, aux ids, draft vocab, target hidden size) under the HF dialect's key names."""
-    if dialect_of(config) == "hf":
-        out = dict(config)
-        out["aux_layer_ids"] = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        return out
-    out = {**config["transformer_layer_config"]}
-    for key in ("draft_vocab_size", "target_hidden_size", "fc_norm", "norm_output", "norm_before_fc"):
-        if config.get(key) is not None:
-            out[key] = config[key]
-    out["aux_layer_ids"] = config.get("eagle_aux_hidden_state_layer_ids")
-    return out
-
-
-def layer_prefix(fmt: str) -> str:
-    return "layers.0." if fmt == "speculators" else "midlayer."
+    """The drafter layer's settings of an exported config of any dialect, with the Eagle-3 fields merged
+    in under the HF dialect's key names (flags, ``aux_layer_ids``, draft vocab, target hidden size)."""
+    return dialect_of(config).read(config)
 
 
 def expected_tensors(config: Mapping, include_embed: bool = False) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """{name: (shape, dtype)} an exported config.json (either dialect) implies, per SPEC.md section 6.
+    """{name: (shape, dtype)} an exported config.json (any dialect) implies, per SPEC.md section 6.
 
     ``d2t``/``t2d`` are listed even when Vd = V (the export always writes them; a public checkpoint may omit
     them then); ``embed_tokens.weight`` only with ``include_embed``.
@@ -191,7 +86,7 @@ def expected_tensors(config: Mapping, include_embed: bool = False) -> dict[str, 
     kv = int(c.get("num_key_value_heads") or heads)
     hd = int(c.get("head_dim") or H // heads)
     n = len(c.get("aux_layer_ids") or [0, 0, 0])
-    p, bf = layer_prefix(dialect_of(config)), torch.bfloat16
+    p, bf = dialect_of(config).layer_prefix, torch.bfloat16
     out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {"fc.weight": ((H, n * Ht), bf)}
     if c.get("fc_norm"):
         out.update({f"fc_norm.{i}.weight": ((Ht,), bf) for i in range(n)})

@@ -7,14 +7,13 @@ L+1 of them. The teacher's state is the base model's output (after the final nor
 and the full-vocab argmax is computed from lm_head in row chunks so a long row's [T, V] logits never exist
 at once.
 
-The lm_head / embedding helpers read single tensors from the safetensors files (via the index), so the
-trainer gets the teacher's draft-vocab rows without instantiating the target.
+The target's config is read through its family (models/families.py); single tensors (the embedding, the
+teacher's draft-vocab lm_head rows) are read without instantiating the target by models/weights.py.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 from typing import Optional
 
@@ -22,9 +21,10 @@ import torch
 from torch import nn
 
 from fledge.conf.schema import TargetConfig
+from fledge.models.families import read_target
+# train/ttt_model.py imports these two from here; they live in models/weights.py (drop this line once it
 
 LOGITS_CHUNK_BYTES = 1 << 28  # ~256 MiB of logits per lm_head chunk
-_EMBED_SUFFIX = "embed_tokens.weight"
 
 
 def _torch_dtype(name: str):
@@ -32,10 +32,11 @@ def _torch_dtype(name: str):
 
 
 def check_target_config(hf_config, tcfg: TargetConfig) -> None:
-    """Raise ValueError when the real config disagrees with what the recipe wrote in ``target.*``."""
-    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    """Raise ValueError when the real config disagrees with what the recipe wrote in ``target.*`` (or when
+    the target's family is not registered: the drafter could not be shaped for it)."""
+    shape = read_target(hf_config)[1]
     for key in ("num_hidden_layers", "hidden_size", "vocab_size"):
-        want, got = getattr(tcfg, key), getattr(text, key, None)
+        want, got = getattr(tcfg, key), getattr(shape, key)
         if want and got != want:
             raise ValueError(
                 f"target.{key}={want} but {tcfg.name_or_path} has {key}={got}; "
@@ -143,93 +144,6 @@ class FrozenTarget:
         out[keep] = got
         return out.view(B, T)
 
-    def lm_head_rows(self, selected_ids: torch.Tensor) -> torch.Tensor:
-        """The draft-vocab rows of the target's lm_head: [Vd, Ht] (a copy, detached)."""
-        w = self.lm_head.weight
-        return w.detach()[selected_ids.to(w.device)].clone()
-
     def input_embeddings(self) -> torch.Tensor:
         """The target's input embedding matrix [V, H] (detached; shared storage, do not modify)."""
         return self.model.get_input_embeddings().weight.detach()
-
-
-# ---- reading single tensors without instantiating the model ------------------------------------------
-
-def _resolve_file(name_or_path: str, revision: Optional[str], filename: str) -> Optional[Path]:
-    p = Path(name_or_path)
-    if p.is_dir():
-        f = p / filename
-        return f if f.exists() else None
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError
-
-    try:
-        return Path(hf_hub_download(name_or_path, filename, revision=revision))
-    except EntryNotFoundError:
-        return None
-
-
-def load_target_tensors(name_or_path: str, revision: Optional[str], names: list[str]) -> dict[str, torch.Tensor]:
-    """Read the named tensors from the target's safetensors files (single file or sharded with an index),
-    opening only the shards that hold them."""
-    from safetensors import safe_open
-
-    index = _resolve_file(name_or_path, revision, "model.safetensors.index.json")
-    if index is not None:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    else:
-        single = _resolve_file(name_or_path, revision, "model.safetensors")
-        if single is None:
-            raise ValueError(f"{name_or_path}: no model.safetensors(.index.json); only safetensors targets "
-                             "support reading single tensors")
-        with safe_open(str(single), framework="pt") as f:
-            weight_map = {k: "model.safetensors" for k in f.keys()}
-    missing = [n for n in names if n not in weight_map]
-    if missing:
-        raise KeyError(f"{name_or_path}: tensors {missing} not in its safetensors files")
-    out: dict[str, torch.Tensor] = {}
-    for shard in sorted({weight_map[n] for n in names}):
-        path = _resolve_file(name_or_path, revision, shard)
-        with safe_open(str(path), framework="pt") as f:
-            for n in names:
-                if weight_map[n] == shard:
-                    out[n] = f.get_tensor(n)
-    return out
-
-
-def _tensor_names(name_or_path: str, revision: Optional[str]) -> list[str]:
-    from safetensors import safe_open
-
-    index = _resolve_file(name_or_path, revision, "model.safetensors.index.json")
-    if index is not None:
-        return list(json.loads(index.read_text())["weight_map"])
-    single = _resolve_file(name_or_path, revision, "model.safetensors")
-    if single is None:
-        raise ValueError(f"{name_or_path}: no safetensors weights found")
-    with safe_open(str(single), framework="pt") as f:
-        return list(f.keys())
-
-
-def _embedding_name(names: list[str]) -> str:
-    cands = sorted((n for n in names if n.endswith(_EMBED_SUFFIX)), key=len)
-    if not cands:
-        raise KeyError(f"no tensor named *{_EMBED_SUFFIX} among the target's weights")
-    return cands[0]
-
-
-def load_input_embeddings(name_or_path: str, revision: Optional[str] = None) -> torch.Tensor:
-    """The target's input embedding [V, H], read from its safetensors files."""
-    name = _embedding_name(_tensor_names(name_or_path, revision))
-    return load_target_tensors(name_or_path, revision, [name])[name]
-
-
-def load_lm_head_rows(name_or_path: str, revision: Optional[str], selected_ids: torch.Tensor) -> torch.Tensor:
-    """Rows ``selected_ids`` of the target's lm_head [Vd, Ht], read from its safetensors files. With tied
-    embeddings (config ``tie_word_embeddings``, or no ``lm_head.weight`` stored) they are the embedding's."""
-    names = _tensor_names(name_or_path, revision)
-    cfg_file = _resolve_file(name_or_path, revision, "config.json")
-    cfg = json.loads(cfg_file.read_text()) if cfg_file else {}
-    tied = cfg.get("tie_word_embeddings", cfg.get("text_config", {}).get("tie_word_embeddings", False))
-    name = "lm_head.weight" if ("lm_head.weight" in names and not tied) else _embedding_name(names)
-    w = load_target_tensors(name_or_path, revision, [name])[name]
-    return w[selected_ids.to(torch.long)].clone()

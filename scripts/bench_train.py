@@ -58,14 +58,14 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "lo
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 # shape: a transformers LlamaConfig-shaped dict of the target; recipe: the conf/recipe the config composes from.
 CONFIGS = {
-    "tiny": dict(recipe="tiny", vd=2048, K=3, T=1024, chunk=512, shape=dict(
+    "tiny": dict(recipe="tiny", vd=2048, K=3, T=1024, chunk=512, shape=dict(model_type="llama",
         vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
-    "mid": dict(recipe="llama3", vd=8000, K=7, T=2048, chunk=1024, shape=dict(
+    "mid": dict(recipe="llama3", vd=8000, K=7, T=2048, chunk=1024, shape=dict(model_type="llama",
         vocab_size=16000, hidden_size=1024, intermediate_size=3584, num_hidden_layers=32, num_attention_heads=8,
         num_key_value_heads=2, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_parameters=LLAMA3_ROPE)),
-    "llama8b": dict(recipe="llama3", vd=32000, K=7, T=4096, chunk=1024, shape=dict(
+    "llama8b": dict(recipe="llama3", vd=32000, K=7, T=4096, chunk=1024, shape=dict(model_type="llama",
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5,
         rope_parameters=LLAMA3_ROPE)),

@@ -129,3 +129,24 @@ def random_drafter(target, norm_output=True, seed=1, vd=64):
     d.set_vocab(sel - torch.arange(vd), t2d)
     d.load_target_embedding(target.get_input_embeddings().weight.detach())
     return d.eval()
+
+
+def random_state_dict(config: dict, seed: int = 0, include_embed: bool = True) -> dict[str, torch.Tensor]:
+    """A random fp32 drafter state_dict (drafter names) matching an exported config.json of any dialect,
+    with a valid random draft vocab: exercises export, lint and load without a trained drafter."""
+    from fledge.models.export import from_serving_state_dict
+    from fledge.models.serving_config import expected_tensors, layer_config
+
+    g = torch.Generator().manual_seed(seed)
+    c = layer_config(config)
+    V, Vd = int(c["vocab_size"]), int(c.get("draft_vocab_size") or c["vocab_size"])
+    floats = {name: torch.randn(shape, generator=g) * 0.05
+              for name, (shape, dtype) in expected_tensors(config, include_embed=include_embed).items()
+              if dtype.is_floating_point}
+    sd = from_serving_state_dict(floats)
+    sel = torch.randperm(V, generator=g)[:Vd].sort().values
+    sd["d2t"] = sel - torch.arange(Vd)
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[sel] = True
+    sd["t2d"] = t2d
+    return sd

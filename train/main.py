@@ -67,12 +67,15 @@ def user_error(e: BaseException, all_ranks_agree: bool = False) -> None:
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
 def main(dcfg: DictConfig) -> None:
+    from fledge.models.dialects import get_dialect
     from fledge.train.loss import check_loss_name
     from fledge.train.trainer import PREEMPTED_EXIT_CODE, Preempted
 
     try:
         cfg = to_config(dcfg)
-        check_loss_name(cfg.drafter.loss)  # the registry is the pipeline's: the schema cannot see it
+        # The registries live above conf (the schema cannot import them): check their keys here, before any stage.
+        check_loss_name(cfg.drafter.loss)
+        get_dialect(cfg.export.format)
     except ValueError as e:
         if debugging():
             raise

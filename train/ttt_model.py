@@ -61,7 +61,7 @@ def build_ttt_model(cfg: Config, run_dir: Path, device: torch.device) -> TTTMode
 
     from fledge.data.vocab import DraftVocab
     from fledge.models.drafter import DrafterSpec, Eagle3Drafter
-    from fledge.models.target import load_input_embeddings, load_lm_head_rows
+    from fledge.models.weights import load_input_embeddings, load_lm_head_rows
 
     if cfg.drafter.norm_impl == "triton" and device.type != "cuda":
         raise ValueError(f"drafter.norm_impl=triton runs a CUDA kernel but training runs on {device.type}; "

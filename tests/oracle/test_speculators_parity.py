@@ -82,7 +82,8 @@ def _run_speculators(drafter_dir: Path, x: dict, tmp: Path, decay: float | None 
 
 def _export(target: Path, flags: dict, draft_vocab: int, out: Path, seed: int = 3) -> tuple[Path, dict, list[int]]:
     """A random drafter (norm weights near 1) for the target, exported in the speculators dialect."""
-    from fledge.models.export import random_state_dict, write_drafter
+    from conftest import random_state_dict
+    from fledge.models.export import write_drafter
     from fledge.models.serving_config import serving_config
 
     tcfg = json.loads((target / "config.json").read_text())
@@ -131,7 +132,7 @@ def test_speculators_training_loss_has_fledges_gradients(random_tiny_target, tmp
 
     from fledge.data.batch import FeatureBatch
     from fledge.models.export import load_drafter
-    from fledge.models.target import load_lm_head_rows
+    from fledge.models.weights import load_lm_head_rows
     from fledge.train.alignment import shift as _shift
     from fledge.train.loss import ttt_loss
 

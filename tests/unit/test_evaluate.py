@@ -46,7 +46,8 @@ def run(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from fledge.models.export import training_record, write_drafter
-    from fledge.models.serving_config import serving_config, target_config_dict
+    from fledge.models.families import text_config_dict
+    from fledge.models.serving_config import serving_config
     from conftest import random_drafter
 
     root = tmp_path_factory.mktemp("evalrun")
@@ -61,7 +62,7 @@ def run(tmp_path_factory):
     tok.save_pretrained(root / "target")
     drafter = random_drafter(target, vd=200)
     spec = drafter.spec.to_dict()
-    config = serving_config(target_config_dict(target.config), spec, spec["aux_layer_ids"], spec["draft_vocab_size"])
+    config = serving_config(text_config_dict(target.config), spec, spec["aux_layer_ids"], spec["draft_vocab_size"])
     write_drafter(root / "run/export/drafter", drafter.state_dict(), config, training_record(spec))
     prep = root / "run/prepare"
     prep.mkdir(parents=True)

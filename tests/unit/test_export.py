@@ -9,10 +9,12 @@ import torch
 from safetensors.torch import save_file
 
 from fledge.train.stages import export as run_stage
-from fledge.models.export import (from_serving_state_dict, random_state_dict, read_tensors,
-                           to_serving_state_dict, write_drafter)
+from conftest import random_state_dict
+from fledge.models.export import from_serving_state_dict, to_serving_state_dict, write_drafter
+from fledge.models.families import rope_of
 from fledge.models.lint import compose_recipe, has_errors, lint_drafter
-from fledge.models.serving_config import expected_tensors, rope_of, serving_config
+from fledge.models.serving_config import expected_tensors, serving_config
+from fledge.models.weights import read_tensors
 
 TINY_TARGET = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from fledge.models.export import random_state_dict, training_record, write_drafter
+from conftest import random_state_dict
+from fledge.models.export import training_record, write_drafter
 from fledge.models.hub import build_model_card, push_to_hub
 from fledge.models.serving_config import serving_config
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fledge.models.export import random_state_dict, training_record, write_drafter
+from conftest import random_state_dict
+from fledge.models.export import training_record, write_drafter
 from fledge.models.lint import format_findings, has_errors, lint_drafter
 from fledge.models.serving_config import serving_config
 

@@ -1,10 +1,12 @@
 """FrozenTarget: hook-captured states equal output_hidden_states at the boundary ids; padding invariance;
-lm_head rows / embeddings read from safetensors (tied and untied); config mismatch refused."""
+loading from safetensors matches the tensors read without the model (tied and untied); config mismatch
+refused. Reading single tensors is tested in test_weights.py."""
 
 import pytest
 import torch
 
-from fledge.models.target import FrozenTarget, check_target_config, load_input_embeddings, load_lm_head_rows
+from fledge.models.target import FrozenTarget, check_target_config
+from fledge.models.weights import load_input_embeddings, load_lm_head_rows
 from fledge.conf.schema import TargetConfig
 
 L, H, V = 4, 64, 160
@@ -92,7 +94,7 @@ def test_tensors_from_safetensors(tmp_path, kind, shard):
     tcfg = TargetConfig(name_or_path=str(tmp_path), dtype="float32", num_hidden_layers=L, hidden_size=H, vocab_size=V)
     target = FrozenTarget.load(tcfg, torch.device("cpu"), [1, 2])
     assert not any(p.requires_grad for p in target.model.parameters()) and not target.model.training
-    torch.testing.assert_close(target.lm_head_rows(sel), rows, rtol=0, atol=0)
+    torch.testing.assert_close(target.lm_head.weight.detach()[sel], rows, rtol=0, atol=0)
     torch.testing.assert_close(target.input_embeddings(), emb, rtol=0, atol=0)
 
 

@@ -1,0 +1,212 @@
+"""Export dialects: how a serving directory spells a drafter for an engine (an extension point).
+
+The drafter's state_dict already uses the HF/EAGLE names (``fc.weight``, ``midlayer.*``, ``lm_head.weight``,
+``d2t``, ...). A dialect says how one serving format differs: its ``architectures`` name, how config.json is
+built from the drafter layer's settings plus the Eagle-3 fields (and read back), the prefix of the decoder
+layer's tensors, the header checks the linter adds, and the command lines that serve it. Export, load,
+lint, the Hub model card and the pipeline's ``export.format`` check all read ``DIALECTS``; adding a dialect
+is one ``register_dialect`` here plus its test (tests/unit/test_dialects.py).
+
+- ``hf``: the HF/EAGLE layout vLLM and SGLang load as a draft model (``LlamaForCausalLMEagle3``,
+  ``midlayer.*``, aux ids in ``eagle_config``). Also what a config no dialect recognises is read as
+  (public EAGLE-3 checkpoints), so the linter reports what is off instead of failing to read it.
+- ``speculators``: vLLM's speculators format, which ``vllm serve <dir>`` runs alone (``Eagle3Speculator``,
+  the layer settings nested in ``transformer_layer_config``, ``layers.0.*``). It sets
+  ``norm_before_residual: false`` explicitly: vLLM's adapter reads a missing key as true, which is not the
+  EAGLE-3 layer Fledge trains (``u = hidden_norm(g)``, residual = raw ``g``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional
+
+TRAINING_PREFIX = "midlayer."  # the decoder layer's prefix in the drafter's own state_dict
+# Keys read back under the HF dialect's names, whatever the dialect (layer keys come along unnamed).
+EAGLE_KEYS = ("draft_vocab_size", "target_hidden_size", "fc_norm", "norm_output", "norm_before_fc")
+
+
+@dataclass(frozen=True)
+class ServingFields:
+    """What every dialect writes: the drafter layer's settings and the Eagle-3 fields."""
+
+    layer: dict  # the drafter layer's config keys (families.py's drafter_layer, with the drafter's widths)
+    flags: dict  # fc_norm and norm_output always, norm_before_fc only when true
+    aux_layer_ids: list[int]  # boundary convention (SPEC.md section 2)
+    draft_vocab_size: int
+    target_hidden_size: Optional[int]  # set only when the drafter is narrower than its target
+    target_name: Optional[str]  # hub id or path of the target
+    target_architectures: list[str]
+    speculative_tokens: int
+
+
+Finding = tuple[str, str, str, str]  # (level, code, message, fix), as models/lint.py reports them
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """One serving format. ``read`` returns the layer keys with the Eagle-3 fields merged in under
+    EAGLE_KEYS' names plus ``aux_layer_ids`` (and ``target_name`` when the format records the target);
+    ``commands(drafter, target, k)`` returns {engine: command line or a note}; ``header_checks(config)``
+    returns findings beyond the architecture name."""
+
+    name: str
+    architecture: str
+    layer_prefix: str
+    build: Callable[[ServingFields], dict]
+    read: Callable[[Mapping], dict]
+    detect: Callable[[Mapping], bool]
+    commands: Callable[[str, str, int], dict[str, str]]
+    header_checks: Callable[[Mapping], list[Finding]] = lambda config: []
+
+    def to_serving_name(self, name: str) -> str:
+        """A drafter state_dict name -> this dialect's tensor name."""
+        if name.startswith(TRAINING_PREFIX):
+            return self.layer_prefix + name[len(TRAINING_PREFIX):]
+        return name
+
+    def from_serving_name(self, name: str) -> str:
+        """This dialect's tensor name -> the drafter state_dict name."""
+        if name.startswith(self.layer_prefix):
+            return TRAINING_PREFIX + name[len(self.layer_prefix):]
+        return name
+
+
+DIALECTS: dict[str, Dialect] = {}
+FALLBACK = "hf"
+
+
+def register_dialect(dialect: Dialect, replace: bool = False) -> Dialect:
+    """Add ``dialect`` under its name (an existing one is kept unless ``replace``)."""
+    if dialect.name in DIALECTS and not replace:
+        raise ValueError(f"export dialect {dialect.name!r} is already registered (fledge/models/dialects.py)")
+    DIALECTS[dialect.name] = dialect
+    return dialect
+
+
+def get_dialect(name: str) -> Dialect:
+    """The dialect ``export.format`` names; ValueError listing the registered ones otherwise."""
+    if name not in DIALECTS:
+        raise ValueError(f"export.format={name!r}: expected one of {sorted(DIALECTS)} (a new serving format is "
+                         "a register_dialect entry in fledge/models/dialects.py)")
+    return DIALECTS[name]
+
+
+def dialect_of(config: Mapping) -> Dialect:
+    """The dialect of an exported config.json: the first other than the fallback that recognises it, else
+    ``hf`` (public EAGLE-3 checkpoints carry assorted architecture names)."""
+    for d in DIALECTS.values():
+        if d.name != FALLBACK and d.detect(config):
+            return d
+    return DIALECTS[FALLBACK]
+
+
+def names() -> list[str]:
+    """Registered dialect names (the values ``export.format`` accepts)."""
+    return sorted(DIALECTS)
+
+
+def serving_commands(dialect: Dialect, drafter: str, target: str, k: int = 5) -> str:
+    """A markdown bash block with the dialect's command line per engine (hub model card)."""
+    lines = []
+    for engine, cmd in dialect.commands(drafter, target, k).items():
+        lines += [f"# {engine}", cmd, ""]
+    return "```bash\n" + "\n".join(lines).rstrip() + "\n```"
+
+
+# ---------------------------------------------------------------------------------------------- hf
+
+
+def _hf_build(f: ServingFields) -> dict:
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], **f.layer, "draft_vocab_size": int(f.draft_vocab_size),
+           **f.flags, "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(f.aux_layer_ids),
+                                       "use_aux_hidden_state": True}}
+    if f.target_hidden_size is not None:
+        cfg["target_hidden_size"] = f.target_hidden_size
+    return cfg
+
+
+def _hf_read(config: Mapping) -> dict:
+    out = dict(config)
+    out["aux_layer_ids"] = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    return out
+
+
+def _hf_checks(config: Mapping) -> list[Finding]:
+    if config.get("model_type") != "llama":  # vLLM and SGLang build the layer through a LlamaConfig
+        return [("error", "model-type", f"model_type={config.get('model_type')!r}", 'set "model_type": "llama"')]
+    return []
+
+
+def _hf_commands(drafter: str, target: str, k: int) -> dict[str, str]:
+    spec_cfg = json.dumps({"method": "eagle3", "model": drafter, "num_speculative_tokens": k})
+    return {
+        "vLLM": f"vllm serve {target} --speculative-config '{spec_cfg}'",
+        "SGLang": (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 \\\n"
+                   f"    --speculative-draft-model-path {drafter} --speculative-num-steps {k} \\\n"
+                   f"    --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"),
+    }
+
+
+# ------------------------------------------------------------------------------------- speculators
+
+
+def _speculators_build(f: ServingFields) -> dict:
+    if not f.target_name:
+        raise ValueError("the speculators dialect needs the target's name_or_path (speculators_config.verifier): "
+                         "set target.name_or_path")
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(f.speculative_tokens),
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "verifier": {"name_or_path": f.target_name, "architectures": list(f.target_architectures)},
+        },
+        # Flags duplicated inside: vLLM's adapter forwards only transformer_layer_config's keys to the model.
+        "transformer_layer_config": {**f.layer, **f.flags},
+        "draft_vocab_size": int(f.draft_vocab_size),
+        "target_hidden_size": f.target_hidden_size,
+        "norm_before_residual": False,
+        "eagle_aux_hidden_state_layer_ids": list(f.aux_layer_ids),
+        **f.flags,
+        "torch_dtype": "bfloat16",
+    }
+
+
+def _speculators_read(config: Mapping) -> dict:
+    out = dict(config.get("transformer_layer_config") or {})
+    for key in EAGLE_KEYS:
+        if config.get(key) is not None:
+            out[key] = config[key]
+    out["aux_layer_ids"] = config.get("eagle_aux_hidden_state_layer_ids")
+    verifier = (config.get("speculators_config") or {}).get("verifier") or {}
+    if verifier.get("name_or_path"):
+        out["target_name"] = verifier["name_or_path"]
+    return out
+
+
+def _speculators_checks(config: Mapping) -> list[Finding]:
+    if config.get("norm_before_residual") is not False:
+        return [("error", "norm-before-residual",
+                 f"norm_before_residual={config.get('norm_before_residual')!r}: vLLM's speculators adapter reads a "
+                 "missing key as true, which is not the layer Fledge trains", 'set "norm_before_residual": false')]
+    return []
+
+
+def _speculators_commands(drafter: str, target: str, k: int) -> dict[str, str]:
+    return {
+        "vLLM (the target comes from speculators_config.verifier)": f"vllm serve {drafter}",
+        "SGLang": "# export with export.format=hf: the layout SGLang's LlamaForCausalLMEagle3 loads",
+    }
+
+
+register_dialect(Dialect("hf", "LlamaForCausalLMEagle3", "midlayer.", _hf_build, _hf_read,
+                         detect=lambda c: "LlamaForCausalLMEagle3" in (c.get("architectures") or []),
+                         commands=_hf_commands, header_checks=_hf_checks))
+register_dialect(Dialect("speculators", "Eagle3Speculator", "layers.0.", _speculators_build, _speculators_read,
+                         detect=lambda c: bool(c.get("speculators_model_type")),
+                         commands=_speculators_commands, header_checks=_speculators_checks))

@@ -1,0 +1,166 @@
+"""Reading safetensors weights, for the target and for exported drafters alike.
+
+A *source* is a local directory or a Hugging Face Hub repo id (read through the Hub cache, so the target's
+embedding and lm_head rows come without instantiating the target). ``weight_map`` is the one place that
+reads ``model.safetensors.index.json``; everything else (headers, named tensors, the embedding, lm_head
+rows) goes through it, opening only the shard files that hold what was asked for.
+
+An index whose ``weight_map`` names a file outside its own directory (``../x.safetensors``, an absolute
+path) is refused: a downloaded or hand-edited index must not make Fledge read (or, through the Hub cache,
+fetch) files it was never pointed at.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import Iterable, Optional
+
+import torch
+
+from fledge.models.families import text_config_dict
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+# A tensor inside a numbered decoder layer: DeepSeek-V3's MTP module keeps its own copies of the embedding
+# (model.layers.61.embed_tokens.weight) and of the output head there, which are never the target's own.
+_IN_LAYER = re.compile(r"(^|\.)layers\.\d+\.")
+
+
+def resolve_file(source: str | Path, filename: str, revision: Optional[str] = None) -> Optional[Path]:
+    """``filename`` of a local directory or a Hub repo (downloaded into the Hub cache); None if absent."""
+    p = Path(source)
+    if p.is_dir():
+        f = p / filename
+        return f if f.exists() else None
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    try:
+        return Path(hf_hub_download(str(source), filename, revision=revision))
+    except EntryNotFoundError:
+        return None
+
+
+def _check_contained(index: Path, shard: object) -> None:
+    # Index entries are relative POSIX names by the safetensors/HF convention. The check is lexical on
+    # purpose: Hub-cache snapshots are symlinks into ../../blobs, so resolving links would refuse them.
+    ok = isinstance(shard, str) and shard and "\\" not in shard and not PureWindowsPath(shard).drive
+    if ok:
+        p = PurePosixPath(shard)
+        ok = not p.is_absolute() and ".." not in p.parts
+    if not ok:
+        raise ValueError(f"{index}: weight_map entry {shard!r} points outside the index's directory; an index "
+                         "may only name shard files next to it (re-save the checkpoint, or fix that entry)")
+
+
+def weight_map(source: str | Path, revision: Optional[str] = None) -> dict[str, str]:
+    """{tensor name: shard file name} of a source: from its index when it has one, else every tensor of its
+    single ``model.safetensors``. Raises ValueError when neither exists or the index is malformed."""
+    index = resolve_file(source, INDEX, revision)
+    if index is not None:
+        try:
+            wm = json.loads(index.read_text()).get("weight_map")
+        except (json.JSONDecodeError, AttributeError) as e:
+            raise ValueError(f"{index}: not a safetensors index ({e}); re-save the checkpoint") from None
+        if not isinstance(wm, dict):
+            raise ValueError(f"{index}: no weight_map object; re-save the checkpoint")
+        for shard in set(wm.values()):
+            _check_contained(index, shard)
+        return dict(wm)
+    single = resolve_file(source, SINGLE, revision)
+    if single is None:
+        raise ValueError(f"{source}: no {SINGLE} and no {INDEX}; Fledge reads safetensors weights only "
+                         "(re-save the model with safe_serialization, or point at the exported directory)")
+    from safetensors import safe_open
+
+    with safe_open(str(single), framework="pt") as f:
+        return {name: SINGLE for name in f.keys()}
+
+
+def _by_shard(source, revision, names: Iterable[str] | None) -> dict[Path, list[str]]:
+    """The shard files to open for ``names`` (all tensors when None), each with the names it holds."""
+    wm = weight_map(source, revision)
+    names = list(wm) if names is None else list(names)
+    missing = [n for n in names if n not in wm]
+    if missing:
+        raise ValueError(f"{source}: tensors {missing} are not in its safetensors files")
+    groups: dict[str, list[str]] = defaultdict(list)
+    for n in names:
+        groups[wm[n]].append(n)
+    out = {}
+    for shard in sorted(groups):
+        path = resolve_file(source, shard, revision)
+        if path is None:
+            raise ValueError(f"{source}: its {INDEX} names {shard}, which is missing; re-download or re-export")
+        out[path] = groups[shard]
+    return out
+
+
+def tensor_headers(source: str | Path, revision: Optional[str] = None) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{name: (shape, safetensors dtype such as "BF16")} without reading any tensor data."""
+    from safetensors import safe_open
+
+    out = {}
+    for path, names in _by_shard(source, revision, None).items():
+        with safe_open(str(path), framework="pt") as f:
+            for n in names:
+                sl = f.get_slice(n)
+                out[n] = (tuple(sl.get_shape()), sl.get_dtype())
+    return out
+
+
+def read_tensors(source: str | Path, names: Iterable[str] | None = None,
+                 revision: Optional[str] = None) -> dict[str, torch.Tensor]:
+    """The named tensors (all when ``names`` is None), opening only the shards that hold them."""
+    from safetensors import safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    for path, group in _by_shard(source, revision, names).items():
+        with safe_open(str(path), framework="pt") as f:
+            for n in group:
+                out[n] = f.get_tensor(n)
+    return out
+
+
+def _top_level(names: Iterable[str], suffix: str) -> Optional[str]:
+    """The shortest name ending in ``suffix`` outside the decoder layers (see _IN_LAYER), or None."""
+    cands = sorted((n for n in names if n.endswith(suffix) and not _IN_LAYER.search(n)), key=len)
+    return cands[0] if cands else None
+
+
+def input_embedding_name(names: Iterable[str]) -> str:
+    """The target's input embedding among its tensor names (``model.embed_tokens.weight`` and the like)."""
+    name = _top_level(names, "embed_tokens.weight")
+    if name is None:
+        raise ValueError("no tensor named *embed_tokens.weight (outside the decoder layers) among the target's "
+                         "weights; Fledge needs the target's input embedding")
+    return name
+
+
+def load_input_embeddings(source: str | Path, revision: Optional[str] = None) -> torch.Tensor:
+    """The target's input embedding ``[V, H]``, read from its safetensors files."""
+    name = input_embedding_name(weight_map(source, revision))
+    return read_tensors(source, [name], revision)[name]
+
+
+def _tied(source, revision) -> bool:
+    """Whether the target ties lm_head to its input embedding (its config.json, the text part of a
+    multimodal config when the outer config does not say)."""
+    cfg_file = resolve_file(source, "config.json", revision)
+    cfg = json.loads(cfg_file.read_text()) if cfg_file else {}
+    if "tie_word_embeddings" in cfg:
+        return bool(cfg["tie_word_embeddings"])
+    return bool(text_config_dict(cfg).get("tie_word_embeddings", False)) if cfg else False
+
+
+def load_lm_head_rows(source: str | Path, revision: Optional[str], selected_ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``selected_ids`` of the target's lm_head ``[Vd, Ht]`` (a copy). With tied embeddings (config
+    ``tie_word_embeddings``, or no lm_head stored) they are the input embedding's rows."""
+    names = weight_map(source, revision)
+    head = _top_level(names, "lm_head.weight")
+    name = head if head is not None and not _tied(source, revision) else input_embedding_name(names)
+    w = read_tensors(source, [name], revision)[name]
+    return w[selected_ids.to(torch.long)].clone()

@@ -1,0 +1,145 @@
+"""Export dialects (models/dialects.py): every registered dialect round-trips through export, lint and
+load; a dialect registered in a test is picked up by all of them; export.format is checked against the
+registry before a run starts."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from conftest import random_state_dict
+from fledge.conf.schema import DrafterConfig
+from fledge.models import dialects
+from fledge.models.dialects import Dialect, ServingFields, dialect_of, get_dialect, register_dialect
+from fledge.models.drafter import DrafterSpec, Eagle3Drafter
+from fledge.models.export import export_checkpoint, load_drafter, training_record, write_drafter
+from fledge.models.hub import build_model_card
+from fledge.models.lint import format_findings, has_errors, lint_drafter
+from fledge.models.serving_config import expected_tensors, layer_config, serving_config
+from fledge.models.weights import read_tensors, tensor_headers
+
+TARGET = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+          "intermediate_size": 128, "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "head_dim": 16, "hidden_act": "silu", "rms_norm_eps": 1e-5, "max_position_embeddings": 4096,
+          "vocab_size": 512, "rope_theta": 10000.0}
+IDS = [2, 4, 5]
+
+
+def test_registry_and_format_errors():
+    assert dialects.names() == ["hf", "speculators"]
+    with pytest.raises(ValueError, match=r"export.format='gguf'.*\['hf', 'speculators'\].*dialects\.py"):
+        get_dialect("gguf")
+    with pytest.raises(ValueError, match="export.format='gguf'"):
+        serving_config(TARGET, DrafterConfig(draft_vocab_size=128), IDS, 128, fmt="gguf")
+    with pytest.raises(ValueError, match="already registered"):
+        register_dialect(get_dialect("hf"))
+
+
+@pytest.mark.parametrize("fmt", ["hf", "speculators"])
+def test_each_dialect_reads_back_what_it_builds(fmt):
+    config = serving_config(TARGET, DrafterConfig(draft_vocab_size=128), IDS, 128, fmt=fmt, target_name="org/t")
+    d = dialect_of(config)
+    assert d.name == fmt and config["architectures"] == [d.architecture]
+    c = layer_config(config)
+    assert c["aux_layer_ids"] == IDS and c["draft_vocab_size"] == 128 and c["fc_norm"] and c["norm_output"]
+    assert c["hidden_size"] == 64 and c["num_hidden_layers"] == 1
+    layer_names = [n for n in expected_tensors(config) if "self_attn" in n or "mlp" in n]
+    assert layer_names and all(n.startswith(d.layer_prefix) for n in layer_names)
+
+
+def test_format_is_checked_before_a_run_starts():
+    """conf cannot import the registry (it is the bottom layer); the entry point checks it first."""
+    res = subprocess.run([sys.executable, "-m", "fledge", "run", "recipe=tiny", "export.format=gguf",
+                          "run.output_root=/nonexistent/never-written"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "export.format='gguf'" in res.stderr and "dialects.py" in res.stderr
+
+
+# ---- a registered dialect is used end to end -------------------------------------------------------
+
+TEST_ARCH = "FledgeTestEagle3"
+
+
+def _build(f: ServingFields) -> dict:
+    # Another layout: the layer nested under "layer", the Eagle-3 fields under "eagle".
+    return {"architectures": [TEST_ARCH], "layer": {**f.layer, **f.flags},
+            "eagle": {"aux_ids": f.aux_layer_ids, "draft_vocab_size": f.draft_vocab_size, **f.flags}}
+
+
+def _read(config):
+    e = config.get("eagle") or {}
+    out = {**config.get("layer", {}), **{k: v for k, v in e.items() if k != "aux_ids"}}
+    out["aux_layer_ids"] = e.get("aux_ids")
+    return out
+
+
+def _checks(config):
+    if "eagle" not in config:
+        return [("error", "test-eagle-block", "no eagle block", "write the eagle block")]
+    return []
+
+
+def _commands(drafter, target, k):
+    return {"TestEngine": f"serve {target} --draft {drafter}"}
+
+
+@pytest.fixture
+def test_dialect():
+    d = register_dialect(Dialect("testfmt", TEST_ARCH, "blocks.0.", _build, _read,
+                                 detect=lambda c: TEST_ARCH in (c.get("architectures") or []),
+                                 commands=_commands,
+                                 header_checks=_checks))
+    yield d
+    dialects.DIALECTS.pop("testfmt")
+
+
+def test_registered_dialect_exports_lints_and_loads(test_dialect, tmp_path):
+    spec = DrafterSpec.from_target_config(TARGET, DrafterConfig(draft_vocab_size=128), IDS)
+    model = Eagle3Drafter(spec)
+    model.load_state_dict(random_state_dict(serving_config(TARGET, spec, IDS, 128)))
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    save_file(model.state_dict(), str(ckpt / "model.safetensors"))
+    (ckpt / "fledge.json").write_text(json.dumps({"spec": spec.to_dict(), "step": 2,
+                                                  "target": {"name_or_path": "org/target"}}))
+    out = tmp_path / "out"
+    config = export_checkpoint(ckpt, out, TARGET, fmt="testfmt", max_shard_size="40KB")
+    assert config["architectures"] == [TEST_ARCH] and json.loads((out / "config.json").read_text()) == config
+
+    names = set(tensor_headers(out))
+    assert "blocks.0.self_attn.q_proj.weight" in names and not any(n.startswith("midlayer.") for n in names)
+    assert names == set(expected_tensors(config))
+
+    findings = lint_drafter(out, TARGET)
+    assert not has_errors(findings), format_findings(findings)
+    broken = tmp_path / "broken"
+    write_drafter(broken, model.state_dict(), {k: v for k, v in config.items() if k != "eagle"})
+    codes = {f.code for f in lint_drafter(broken, TARGET)}
+    assert "test-eagle-block" in codes and "aux-ids-missing" in codes  # its own header check, its own reader
+
+    loaded = load_drafter(out, embed_weight=model.embed_tokens.weight.detach())
+    assert loaded.spec == spec
+    exported = read_tensors(out)
+    for name, t in loaded.state_dict().items():
+        if name != "embed_tokens.weight":
+            served = exported[test_dialect.to_serving_name(name)]
+            assert torch.equal(t.to(served.dtype), served), name
+
+    card = str(build_model_card(out, "org/drafter")[0])
+    assert "format: `testfmt`" in card and "serve org/target --draft org/drafter" in card
+
+
+def test_model_card_commands_follow_the_dialect(tmp_path):
+    spec = {"fc_norm": True, "norm_output": True, "aux_layer_ids": IDS, "draft_vocab_size": 128}
+    for fmt in ("hf", "speculators"):
+        config = serving_config(TARGET, spec, IDS, 128, fmt=fmt, target_name="org/target")
+        record = training_record(spec, {"target": {"name_or_path": "org/target"}})
+        write_drafter(tmp_path / fmt, random_state_dict(config), config, record)
+        card = str(build_model_card(tmp_path / fmt, "org/drafter")[0])
+        if fmt == "hf":
+            assert "vllm serve org/target --speculative-config" in card and "--speculative-algorithm EAGLE3" in card
+        else:
+            assert "vllm serve org/drafter\n" in card and "export.format=hf" in card

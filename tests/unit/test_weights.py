@@ -1,0 +1,90 @@
+"""Weights I/O (models/weights.py): the one reader of safetensors indexes. Containment of index entries,
+headers without data, only the needed shards opened, and the target's own embedding / lm_head chosen
+over an MTP module's copies."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from conftest import random_state_dict
+from fledge.models.export import load_drafter, write_drafter
+from fledge.models.lint import lint_drafter
+from fledge.models.serving_config import serving_config
+from fledge.models.weights import (INDEX, load_input_embeddings, load_lm_head_rows, read_tensors, tensor_headers,
+                                   weight_map)
+
+
+def _sharded(tmp_path, tensors_by_shard: dict[str, dict[str, torch.Tensor]]):
+    wm = {}
+    for shard, tensors in tensors_by_shard.items():
+        save_file(tensors, str(tmp_path / shard))
+        wm.update({name: shard for name in tensors})
+    (tmp_path / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+    return tmp_path
+
+
+@pytest.mark.parametrize("entry", ["../outside.safetensors", "/etc/outside.safetensors", "sub/../../x.safetensors",
+                                   "C:\\x.safetensors", "..\\x.safetensors", ""])
+def test_index_pointing_outside_its_directory_is_refused(tmp_path, entry):
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    save_file({"a": torch.zeros(2)}, str(d / "model-00001.safetensors"))
+    (tmp_path / "outside.safetensors").write_bytes((d / "model-00001.safetensors").read_bytes())
+    (d / INDEX).write_text(json.dumps({"weight_map": {"a": "model-00001.safetensors", "b": entry}}))
+    for read in (weight_map, tensor_headers, read_tensors, load_input_embeddings):
+        with pytest.raises(ValueError, match=rf"{INDEX}: weight_map entry .* points outside") as e:
+            read(d)
+        assert str(d / INDEX) in str(e.value)
+
+
+def test_lint_and_load_refuse_an_export_with_a_bad_index(tmp_path):
+    target = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 6,
+              "num_attention_heads": 2, "rms_norm_eps": 1e-5, "max_position_embeddings": 1024, "vocab_size": 256}
+    spec = {"fc_norm": True, "norm_output": True, "aux_layer_ids": [2, 3, 4], "draft_vocab_size": 64}
+    config = serving_config(target, spec, [2, 3, 4], 64)
+    d = write_drafter(tmp_path / "drafter", random_state_dict(config), config, max_shard_size="20KB")
+    index = json.loads((d / INDEX).read_text())
+    index["weight_map"]["fc.weight"] = "../elsewhere.safetensors"
+    (d / INDEX).write_text(json.dumps(index))
+    found = {f.code: f.message for f in lint_drafter(d, target)}
+    assert "points outside" in found["no-weights"]
+    with pytest.raises(ValueError, match="points outside"):
+        load_drafter(d, embed_weight=torch.zeros(256, 32))
+
+
+def test_headers_and_named_reads_open_only_what_they_need(tmp_path):
+    x = torch.arange(6.).view(2, 3)
+    d = _sharded(tmp_path, {"a.safetensors": {"x": x, "y": torch.ones(4, dtype=torch.bfloat16)},
+                            "b.safetensors": {"z": torch.tensor([1, 2], dtype=torch.int64)}})
+    assert weight_map(d) == {"x": "a.safetensors", "y": "a.safetensors", "z": "b.safetensors"}
+    assert tensor_headers(d) == {"x": ((2, 3), "F32"), "y": ((4,), "BF16"), "z": ((2,), "I64")}
+    (d / "b.safetensors").write_bytes(b"not a safetensors file")  # never opened for x
+    assert torch.equal(read_tensors(d, ["x"])["x"], x)
+    (d / "b.safetensors").unlink()
+    with pytest.raises(ValueError, match="names b.safetensors, which is missing"):
+        read_tensors(d, ["z"])
+    with pytest.raises(ValueError, match=r"tensors \['w'\] are not in"):
+        read_tensors(d, ["w"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no model.safetensors and no model.safetensors.index.json"):
+        weight_map(tmp_path / "empty")
+
+
+def test_mtp_copies_are_never_the_targets_embedding_or_head(tmp_path):
+    """DeepSeek-V3 stores its MTP module as layer L (model.layers.61.*) with its own embedding and head
+    copies; Fledge must take the main model's (a shorter-name rule alone would be an accident)."""
+    emb, head = torch.randn(16, 4), torch.randn(16, 4)
+    d = _sharded(tmp_path, {
+        "a.safetensors": {"model.layers.1.embed_tokens.weight": torch.randn(16, 4),  # MTP layer (L = 1 here)
+                          "model.layers.1.shared_head.head.weight": torch.randn(16, 4),
+                          "model.layers.1.lm_head.weight": torch.randn(16, 4)},
+        "b.safetensors": {"model.embed_tokens.weight": emb, "lm_head.weight": head}})
+    (d / "config.json").write_text(json.dumps({"tie_word_embeddings": False, "num_nextn_predict_layers": 1}))
+    assert torch.equal(load_input_embeddings(d), emb)
+    sel = torch.tensor([0, 3, 15])
+    assert torch.equal(load_lm_head_rows(d, None, sel), head[sel])
+    # tied (here through a multimodal config's text part): the embedding's rows
+    (d / "config.json").write_text(json.dumps({"text_config": {"tie_word_embeddings": True}}))
+    assert torch.equal(load_lm_head_rows(d, None, sel), emb[sel])
