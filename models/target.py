@@ -22,7 +22,6 @@ from torch import nn
 
 from fledge.conf.schema import TargetConfig
 from fledge.models.families import read_target
-# train/ttt_model.py imports these two from here; they live in models/weights.py (drop this line once it
 
 LOGITS_CHUNK_BYTES = 1 << 28  # ~256 MiB of logits per lm_head chunk
 
