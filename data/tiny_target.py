@@ -11,7 +11,7 @@ re-running returns at once. Each is written to a temporary sibling and renamed, 
 half-written. Seeded and deterministic by step count (bitwise only for the same thread count).
 
 The model is trained and evaluated in fp32 on every CPU and saved in bf16: bf16 compute would be fast only
-on CPUs with native bf16 (models/precision.py) and ~18x slower on AVX2-only ones, and it would make the
+on CPUs with native bf16 (models/precision.py) and ~18x slower per step on AVX2-only ones, and it would make the
 target (and every golden number downstream) depend on which CPU built it.
 """
 
