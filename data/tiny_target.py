@@ -9,6 +9,10 @@ Writes, under ``--out`` (default: the repo's .cache/tiny_target, gitignored):
 Every artifact carries a build.json holding a hash of its settings; a matching one means "done", so
 re-running returns at once. Each is written to a temporary sibling and renamed, so a kill leaves nothing
 half-written. Seeded and deterministic by step count (bitwise only for the same thread count).
+
+The model is trained and evaluated in fp32 on every CPU and saved in bf16: bf16 compute would be fast only
+on CPUs with native bf16 (models/precision.py) and ~18x slower per step on AVX2-only ones, and it would make the
+target (and every golden number downstream) depend on which CPU built it.
 """
 
 from __future__ import annotations
@@ -34,9 +38,13 @@ import torch
 import torch.nn.functional as F
 
 from fledge.data import tiny_corpus
+from fledge.models.precision import describe_cpu
 from fledge.atomic import atomic_path, read_json, write_json_atomic
 
 SCRIPT_VERSION = 1
+# Part of the target's cache key only (data and tokenizer builds are unchanged by it): 1 was trained under
+# bf16 autocast, 2 in fp32; a build of the other kind is rebuilt, never reused.
+TARGET_VERSION = 2
 SEED = 0
 N_TRAIN, N_EVAL = 2000, 100
 N_PROMPTS, GEN_TOKENS = 16, 64  # greedy continuations scored for distinct-3-grams
@@ -46,8 +54,8 @@ MODEL = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
              rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
 
-# Step counts (not wall time) fix each budget, so builds are deterministic; see the README /
-# report for the calibration on 2 idle cores (quick ~2 min, testbed ~15 min).
+# Step counts (not wall time) fix each budget, so builds are deterministic; see recipes/tiny/README.md
+# for the time on 2 cores (fp32 on every CPU, so about the same on AVX2-only and native-bf16 CPUs).
 BUDGETS = {
     "quick": dict(steps=120, seq_len=512, batch_size=4, lr=2e-3, warmup=12),
     "testbed": dict(steps=560, seq_len=512, batch_size=8, lr=2e-3, warmup=40),
@@ -192,7 +200,8 @@ def _lr_lambda(warmup: int, steps: int):
 
 def train_target(tok, files, steps: int, seq_len: int, batch_size: int, lr: float, warmup: int,
                  seed: int = SEED, log_every: int = 50):
-    """Train the tiny Llama from scratch on chat-rendered conversations (bf16 autocast on CPU)."""
+    """Train the tiny Llama from scratch on chat-rendered conversations, in fp32 on every CPU (no autocast:
+    see the module docstring)."""
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -207,9 +216,8 @@ def train_target(tok, files, steps: int, seq_len: int, batch_size: int, lr: floa
     t0, loss_sum, n = time.time(), 0.0, 0
     for step in range(1, steps + 1):
         x = next(batches)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = model(input_ids=x[:, :-1]).logits
-        loss = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
+        logits = model(input_ids=x[:, :-1]).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -227,11 +235,12 @@ def train_target(tok, files, steps: int, seq_len: int, batch_size: int, lr: floa
 @torch.no_grad()
 def evaluate_target(path: Path, eval_jsonl: Path) -> dict:
     """Held-out loss / top-1 over assistant tokens of eval conversations, and distinct-3-gram ratio
-    of greedy continuations of the first N_PROMPTS eval prompts (cut from the middle of files)."""
+    of greedy continuations of the first N_PROMPTS eval prompts (cut from the middle of files). Computed in
+    fp32 from the bf16 weights, so the figures do not depend on the CPU."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     convs = [json.loads(line) for line in eval_jsonl.read_text().splitlines()]
     nll, correct, count = 0.0, 0, 0
     for i in range(0, len(convs), 10):
@@ -267,7 +276,7 @@ def build_tiny_target(budget: str = "quick", root: Path | None = None, steps: in
     root = Path(root or default_root())
     data_dir, tok_dir = build_data(root), build_tokenizer(root)
     out = root / budget
-    key = _key(kind="target", budget=settings, model=MODEL, seed=SEED,
+    key = _key(kind="target", version=TARGET_VERSION, budget=settings, model=MODEL, seed=SEED,
                data=read_json(data_dir / "build.json")["key"], tok=read_json(tok_dir / "build.json")["key"])
 
     def build(tmp: Path) -> None:
@@ -283,6 +292,7 @@ def build_tiny_target(budget: str = "quick", root: Path | None = None, steps: in
         metrics.update(budget=budget, **settings, train_seconds=round(train_s, 1),
                        train_cpu_seconds=round(train_cpu, 1),
                        wall_seconds=round(time.time() - t0, 1), torch_threads=torch.get_num_threads(),
+                       compute_dtype="float32", cpu=describe_cpu(),
                        parameters=sum(p.numel() for p in model.parameters()))
         write_json_atomic(tmp / "metrics.json", metrics)
 

@@ -22,6 +22,7 @@ from torch import nn
 
 from fledge.conf.schema import TargetConfig
 from fledge.models.families import read_target
+from fledge.models.precision import cast_for_compute
 
 LOGITS_CHUNK_BYTES = 1 << 28  # ~256 MiB of logits per lm_head chunk
 
@@ -79,7 +80,10 @@ class FrozenTarget:
     def load(cls, tcfg: TargetConfig, device: torch.device, aux_layer_ids: list[int],
              device_map: Optional[str] = None) -> "FrozenTarget":
         """from_pretrained(tcfg.name_or_path, revision, dtype) on ``device`` (or spread by ``device_map``),
-        after checking the real config against ``target.{num_hidden_layers,hidden_size,vocab_size}``."""
+        after checking the real config against ``target.{num_hidden_layers,hidden_size,vocab_size}``.
+
+        On a CPU without native bf16, a bf16 target (``target.dtype=bfloat16``, or ``auto`` with bf16
+        weights) is computed in fp32 (models/precision.py); capture still stores what it always stored."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         kw = dict(revision=tcfg.revision, trust_remote_code=tcfg.trust_remote_code)
@@ -88,6 +92,8 @@ class FrozenTarget:
             tcfg.name_or_path, dtype=_torch_dtype(tcfg.dtype), device_map=device_map, **kw)
         if device_map is None:
             model.to(device)
+            # "auto" is only known to mean bf16 once loaded, so the rule is applied to the loaded model
+            cast_for_compute(model, device, f"target.dtype={tcfg.dtype}")
         return cls(model, aux_layer_ids)
 
     @staticmethod

@@ -1,7 +1,8 @@
 """DeepSpeed engine from the typed config: ZeRO stage, offload, precision, AdamW, lr schedule.
 
 Batch sizes come from ``cfg.train`` only (each value lives once; no "auto", which only the
-Hugging Face integration resolves). bf16 on CUDA, fp32 on CPU unless ``deepspeed.bf16`` says otherwise.
+Hugging Face integration resolves). bf16 on CUDA, fp32 on CPU unless ``deepspeed.bf16=true`` asks for it
+on a CPU with native bf16 (models/precision.py decides; elsewhere it falls back to fp32 with a warning).
 """
 
 from __future__ import annotations
@@ -14,16 +15,22 @@ import torch
 
 from fledge.conf.schema import Config
 from fledge.distributed import World
+from fledge.models.precision import compute_dtype
 
 log = logging.getLogger(__name__)
 
 
 def use_bf16(cfg: Config, world: World) -> bool:
+    """Whether DeepSpeed trains in bf16 (and the batches are cast to it): ``deepspeed.bf16=auto`` means on
+    CUDA only; ``true`` on a CPU without native bf16 means fp32, with a warning naming the key (emulated
+    bf16 there is an order of magnitude slower than fp32)."""
     mode = str(cfg.deepspeed.bf16).lower()
     if mode == "auto":
         return world.device.type == "cuda"
-    if mode in ("true", "false"):
-        return mode == "true"
+    if mode == "true":
+        return compute_dtype(torch.bfloat16, world.device, "deepspeed.bf16=true") == torch.bfloat16
+    if mode == "false":
+        return False
     raise ValueError(f"deepspeed.bf16={cfg.deepspeed.bf16!r}: expected auto | true | false")
 
 

@@ -206,13 +206,27 @@ def heldout_accuracy(drafter, frozen, samples: Sequence[tuple[list[int], list[in
 
 
 # ------------------------------------------------------------------------------------------ the stage
+def load_eval_models(cfg, drafter_dir: Path, device: torch.device, aux_layer_ids: list[int]):
+    """(FrozenTarget, drafter) as eval runs them. The drafter is fp32 everywhere. On CPU the target is fp32
+    too, whatever the CPU: greedy tie gaps (TIE_GAP) and the golden AL then do not depend on whether the CPU
+    has native bf16 (where it does not, FrozenTarget.load has already made it fp32). On CUDA the target
+    keeps ``target.dtype``."""
+    from fledge.models.export import load_drafter
+    from fledge.models.target import FrozenTarget
+
+    frozen = FrozenTarget.load(cfg.target, device, aux_layer_ids)
+    if device.type == "cpu":
+        frozen.model.float()
+    drafter = load_drafter(drafter_dir, embed_weight=frozen.input_embeddings().float().cpu(),
+                           dtype=torch.float32, device=device).eval()
+    return frozen, drafter
+
+
 def evaluate_run(cfg, run_dir: Path, out_dir: Path, drafter_dir: Path, device: torch.device) -> dict:
     """Everything the eval stage measures, for an exported drafter in ``drafter_dir``."""
     from fledge.data.chat import ChatRenderer, eot_ids_from_target
     from fledge.data.prepare import load_tokenizer
     from fledge.models.drift import drift_curves
-    from fledge.models.export import load_drafter
-    from fledge.models.target import FrozenTarget
     from fledge.train.report import write_report
 
     ev, K = cfg.eval, cfg.drafter.ttt_steps
@@ -221,10 +235,8 @@ def evaluate_run(cfg, run_dir: Path, out_dir: Path, drafter_dir: Path, device: t
     eos = sorted(renderer.eot_ids)
     record = read_json(drafter_dir / "fledge_training.json") or {}
     spec_ids = (record.get("spec") or {}).get("aux_layer_ids") or cfg.aux_layer_ids()
-    frozen = FrozenTarget.load(cfg.target, device, spec_ids)
-    drafter = load_drafter(drafter_dir, embed_weight=frozen.input_embeddings().float().cpu(),
-                           dtype=torch.float32, device=device).eval()
-    target_model = frozen.model.float() if device.type == "cpu" else frozen.model
+    frozen, drafter = load_eval_models(cfg, drafter_dir, device, spec_ids)
+    target_model = frozen.model
     max_pos = int(getattr(target_model.config, "max_position_embeddings", 1 << 30))
     prepare_dir = run_dir / "prepare"
     sets = build_prompt_sets(ev, renderer, prepare_dir, max_pos - ev.max_new_tokens - ev.draft_tokens - 2)
