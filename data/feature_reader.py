@@ -109,11 +109,14 @@ class BatchIterator:
     """A global batch plan that does not depend on the world size, and an exactly resumable position.
 
     Epoch e packs all samples into rows (data.packing.plan_rows, seed + e), groups rows
-    ``rows_per_batch`` at a time and shuffles the batches (seed + e). Global batch g of an epoch goes to
-    rank g % world; the last ``n % world`` batches of an epoch are dropped so every rank runs the same
-    number of collectives. The position is the number of global batches consumed by all ranks together,
-    so 2 ranks x 1 batch and 1 rank x 2 batches (gradient accumulation) see the same data, and a resume
-    on another world size continues where the run stopped. Subclasses implement ``fetch``."""
+    ``rows_per_batch`` at a time and shuffles the batches (seed + e). The global sequence is epoch 0's
+    batches, then epoch 1's, ... with nothing dropped: packing depends only on the lengths, so every epoch
+    has the same ``global_batches_per_epoch``, and global batch g is batch g % N of epoch g // N whatever
+    the world size. Ranks take it in rounds: round i gives rank r global batch i * world + r (a round may
+    straddle two epochs), so every rank runs the same number of steps and collectives. The position is
+    the number of global batches consumed by all ranks together, so 2 ranks x 1 batch and 1 rank x 2
+    batches (gradient accumulation) see the same sequence in every epoch, and a resume on another world
+    size continues where the run stopped. Subclasses implement ``fetch``."""
 
     def __init__(self, lengths: list[int], rank: int, world: int, row_tokens: int, rows_per_batch: int, seed: int):
         self.lengths, self.rank, self.world = list(lengths), rank, world
@@ -139,16 +142,18 @@ class BatchIterator:
         return self._plan_cache[1]
 
     @property
-    def rounds_per_epoch(self) -> int:
-        n = len(self.global_plan(0)) // self.world
-        if n == 0:
-            raise ValueError(f"{len(self.global_plan(0))} batches per epoch cannot feed {self.world} ranks; "
-                             "lower train.micro_batch_tokens / micro_batch_size or add data")
-        return n
+    def global_batches_per_epoch(self) -> int:
+        """Batches in every epoch's plan (the same for any world size and any epoch)."""
+        return len(self.global_plan(0))
 
     @property
-    def global_batches_per_epoch(self) -> int:
-        return self.rounds_per_epoch * self.world
+    def rounds_per_epoch(self) -> int:
+        """Whole rounds of ``world`` batches in one epoch: this rank's batches per epoch (``len``)."""
+        n = self.global_batches_per_epoch // self.world
+        if n == 0:
+            raise ValueError(f"{self.global_batches_per_epoch} batches per epoch cannot feed {self.world} ranks; "
+                             "lower train.micro_batch_tokens / micro_batch_size or add data")
+        return n
 
     def __len__(self) -> int:
         """This rank's batches per epoch."""
@@ -173,9 +178,8 @@ class BatchIterator:
         self.position = int(position)
 
     def __iter__(self) -> Iterator[FeatureBatch]:
-        """The rest of the current epoch for this rank."""
-        end = (self.position // self.global_batches_per_epoch + 1) * self.global_batches_per_epoch
-        while self.position < end:
+        """This rank's next ``len(self)`` batches: one epoch's worth of rounds from the current position."""
+        for _ in range(len(self)):
             yield self.next_batch()[1]
 
     def eval_batches(self, n: int) -> Iterator[FeatureBatch]:
