@@ -2,7 +2,9 @@
 
 ``FeatureStore`` is a read-only view of one split's store (data/features.py): the manifest, the sample
 table from the ranks' indexes, and shards opened on demand with safetensors' mmap (a sample read touches
-only its own byte ranges). A shard's sha256 is checked the first time it is opened.
+only its own byte ranges). A shard's sha256 is checked the first time it is opened. Every path the
+manifest and the indexes name is relative to the store and must stay inside it (no ``..``, not absolute):
+a copied or hand-edited store must not make training read files it was never pointed at.
 ``FeatureLoader`` turns the store into FeatureBatch objects with data.packing.plan_rows/collate; the online
 source (data/capture.py) shares its batching through ``BatchIterator``.
 """
@@ -19,6 +21,7 @@ from fledge.atomic import read_json, sha256_file
 from fledge.conf.schema import TargetConfig
 from fledge.data.batch import FeatureBatch
 from fledge.data.features import INDEX, SCHEMA_VERSION, STORE_MANIFEST, decode_aux, rank_dir
+from fledge.models.weights import is_contained
 
 
 class FeatureStore:
@@ -36,12 +39,18 @@ class FeatureStore:
         self.manifest = m
         self.dtype = dtype
         self.num_aux = len(m["aux_layer_ids"])
+        manifest = self.dir / STORE_MANIFEST
+        for sh in m["shards"]:
+            _check_contained(manifest, "shards[].path", sh["path"])
         self._sha = {sh["path"]: sh["sha256"] for sh in m["shards"]}
         rows = []  # (sample_id, shard path, offset, length)
         # Older manifests have no "indexes": one rank directory per rank of the capture.
         parts = m.get("indexes") or [rank_dir("", r).name for r in range(m["world_size"])]
         for part in parts:
-            for sh in read_json(self.dir / part / INDEX)["shards"]:
+            _check_contained(manifest, "indexes", part)
+            index = self.dir / part / INDEX
+            for sh in read_json(index)["shards"]:
+                _check_contained(index, "shards[].name", sh["name"])
                 rows += [(sid, f"{part}/{sh['name']}", off, n) for sid, off, n in sh["samples"]]
         rows.sort()  # global sample order, whatever ranks or slices wrote the samples
         self.sample_ids = [r[0] for r in rows]
@@ -79,6 +88,9 @@ class FeatureStore:
             return self._open[path]
         full = self.dir / path
         if path not in self._verified:
+            if path not in self._sha:
+                raise ValueError(f"feature shard {full} is in an index but not in {self.dir / STORE_MANIFEST}; "
+                                 "capture again (run.force=[capture])")
             if not full.exists():
                 raise ValueError(f"feature shard {full} is missing; capture again (run.force=[capture])")
             if sha256_file(full) != self._sha[path]:
@@ -103,6 +115,13 @@ class FeatureStore:
             "target_hidden": get("target_hidden").to(self.dtype),
             "target_argmax": get("target_argmax").long(),
         }
+
+
+def _check_contained(listing: Path, key: str, entry: object) -> None:
+    if not is_contained(entry):
+        raise ValueError(f"{listing}: {key} entry {entry!r} points outside {listing.parent}; a feature store "
+                         "names only files inside its own directories (capture again with run.force=[capture], "
+                         "or fix that entry)")
 
 
 class BatchIterator:

@@ -7,9 +7,15 @@ exact); a manifest or index must not make the reader open files outside the stor
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import pytest
 import torch
 
-from fledge.data.feature_reader import BatchIterator
+from fledge.atomic import sha256_file
+from fledge.data.feature_reader import BatchIterator, FeatureStore
+from fledge.data.features import INDEX, SCHEMA_VERSION, STORE_MANIFEST
 
 ROW = 8
 
@@ -64,3 +70,50 @@ def test_a_resume_on_another_world_size_continues_the_sequence():
     resumed = _loaders(1)
     resumed[0].seek(30 * 2 * 2)  # what trainer.py does: step * grad_accum * world
     assert first + _run(resumed, steps=30, accum=4) == full
+
+
+# ---- containment: a store names only files inside itself ------------------------------------------------
+
+ESCAPES = ["../outside", "/etc/passwd", "rank00000/../../outside", "..", "C:/x", "a\\..\\..\\x", ""]
+
+
+def _store(root: Path, indexes=("rank00000",), shard="shard-00000.safetensors", manifest_path=None) -> Path:
+    """A complete one-shard store written by hand (a real capture cannot write an escaping entry)."""
+    from safetensors.torch import save_file
+
+    store = root / "store"
+    (store / "rank00000").mkdir(parents=True)
+    T = 4
+    save_file({"input_ids": torch.arange(T, dtype=torch.int32), "loss_mask": torch.ones(T, dtype=torch.uint8),
+               "aux_hidden": torch.zeros(T, 3, dtype=torch.bfloat16),
+               "target_hidden": torch.zeros(T, 1, dtype=torch.bfloat16),
+               "target_argmax": torch.zeros(T, dtype=torch.int32)}, str(store / "rank00000" / "shard-00000.safetensors"))
+    sha = sha256_file(store / "rank00000" / "shard-00000.safetensors")
+    (store / "rank00000" / INDEX).write_text(json.dumps(
+        {"complete": True, "shards": [{"name": shard, "sha256": sha, "bytes": 0, "tokens": T, "samples": [[0, 0, T]]}]}))
+    (store / STORE_MANIFEST).write_text(json.dumps(
+        {"complete": True, "schema_version": SCHEMA_VERSION, "aux_layer_ids": [1, 2, 3], "indexes": list(indexes),
+         "shards": [{"path": manifest_path or f"rank00000/{shard}", "sha256": sha}]}))
+    return store
+
+
+def test_a_well_formed_hand_written_store_reads(tmp_path):
+    store = FeatureStore(_store(tmp_path))
+    assert len(store) == 1 and store[0]["input_ids"].tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("entry", ESCAPES)
+def test_an_index_entry_outside_the_store_is_refused(tmp_path, entry):
+    with pytest.raises(ValueError, match=rf"store\.json: indexes entry .* points outside"):
+        FeatureStore(_store(tmp_path, indexes=("rank00000", entry)))
+
+
+@pytest.mark.parametrize("entry", ESCAPES)
+def test_a_shard_name_outside_its_rank_directory_is_refused(tmp_path, entry):
+    with pytest.raises(ValueError, match=rf"rank00000/index\.json: shards\[\]\.name entry .* points outside"):
+        FeatureStore(_store(tmp_path, shard=entry, manifest_path="rank00000/shard-00000.safetensors"))
+
+
+def test_a_manifest_shard_path_outside_the_store_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"store\.json: shards\[\]\.path entry '\.\./x' points outside"):
+        FeatureStore(_store(tmp_path, manifest_path="../x"))
