@@ -138,7 +138,7 @@ class TrainConfig:
     eval_every: int = 500
     eval_batches: int = 50
     log_every: int = 10
-    max_nonfinite: int = 5  # consecutive non-finite losses before aborting
+    max_nonfinite: int = 5  # consecutive optimizer steps skipped for a non-finite loss before aborting
     optim: OptimConfig = field(default_factory=OptimConfig)
 
 

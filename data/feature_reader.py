@@ -2,7 +2,9 @@
 
 ``FeatureStore`` is a read-only view of one split's store (data/features.py): the manifest, the sample
 table from the ranks' indexes, and shards opened on demand with safetensors' mmap (a sample read touches
-only its own byte ranges). A shard's sha256 is checked the first time it is opened.
+only its own byte ranges). A shard's sha256 is checked the first time it is opened. Every path the
+manifest and the indexes name is relative to the store and must stay inside it (no ``..``, not absolute):
+a copied or hand-edited store must not make training read files it was never pointed at.
 ``FeatureLoader`` turns the store into FeatureBatch objects with data.packing.plan_rows/collate; the online
 source (data/capture.py) shares its batching through ``BatchIterator``.
 """
@@ -19,6 +21,7 @@ from fledge.atomic import read_json, sha256_file
 from fledge.conf.schema import TargetConfig
 from fledge.data.batch import FeatureBatch
 from fledge.data.features import INDEX, SCHEMA_VERSION, STORE_MANIFEST, decode_aux, rank_dir
+from fledge.models.weights import is_contained
 
 
 class FeatureStore:
@@ -36,12 +39,18 @@ class FeatureStore:
         self.manifest = m
         self.dtype = dtype
         self.num_aux = len(m["aux_layer_ids"])
+        manifest = self.dir / STORE_MANIFEST
+        for sh in m["shards"]:
+            _check_contained(manifest, "shards[].path", sh["path"])
         self._sha = {sh["path"]: sh["sha256"] for sh in m["shards"]}
         rows = []  # (sample_id, shard path, offset, length)
         # Older manifests have no "indexes": one rank directory per rank of the capture.
         parts = m.get("indexes") or [rank_dir("", r).name for r in range(m["world_size"])]
         for part in parts:
-            for sh in read_json(self.dir / part / INDEX)["shards"]:
+            _check_contained(manifest, "indexes", part)
+            index = self.dir / part / INDEX
+            for sh in read_json(index)["shards"]:
+                _check_contained(index, "shards[].name", sh["name"])
                 rows += [(sid, f"{part}/{sh['name']}", off, n) for sid, off, n in sh["samples"]]
         rows.sort()  # global sample order, whatever ranks or slices wrote the samples
         self.sample_ids = [r[0] for r in rows]
@@ -79,6 +88,9 @@ class FeatureStore:
             return self._open[path]
         full = self.dir / path
         if path not in self._verified:
+            if path not in self._sha:
+                raise ValueError(f"feature shard {full} is in an index but not in {self.dir / STORE_MANIFEST}; "
+                                 "capture again (run.force=[capture])")
             if not full.exists():
                 raise ValueError(f"feature shard {full} is missing; capture again (run.force=[capture])")
             if sha256_file(full) != self._sha[path]:
@@ -105,15 +117,25 @@ class FeatureStore:
         }
 
 
+def _check_contained(listing: Path, key: str, entry: object) -> None:
+    if not is_contained(entry):
+        raise ValueError(f"{listing}: {key} entry {entry!r} points outside {listing.parent}; a feature store "
+                         "names only files inside its own directories (capture again with run.force=[capture], "
+                         "or fix that entry)")
+
+
 class BatchIterator:
     """A global batch plan that does not depend on the world size, and an exactly resumable position.
 
     Epoch e packs all samples into rows (data.packing.plan_rows, seed + e), groups rows
-    ``rows_per_batch`` at a time and shuffles the batches (seed + e). Global batch g of an epoch goes to
-    rank g % world; the last ``n % world`` batches of an epoch are dropped so every rank runs the same
-    number of collectives. The position is the number of global batches consumed by all ranks together,
-    so 2 ranks x 1 batch and 1 rank x 2 batches (gradient accumulation) see the same data, and a resume
-    on another world size continues where the run stopped. Subclasses implement ``fetch``."""
+    ``rows_per_batch`` at a time and shuffles the batches (seed + e). The global sequence is epoch 0's
+    batches, then epoch 1's, ... with nothing dropped: packing depends only on the lengths, so every epoch
+    has the same ``global_batches_per_epoch``, and global batch g is batch g % N of epoch g // N whatever
+    the world size. Ranks take it in rounds: round i gives rank r global batch i * world + r (a round may
+    straddle two epochs), so every rank runs the same number of steps and collectives. The position is
+    the number of global batches consumed by all ranks together, so 2 ranks x 1 batch and 1 rank x 2
+    batches (gradient accumulation) see the same sequence in every epoch, and a resume on another world
+    size continues where the run stopped. Subclasses implement ``fetch``."""
 
     def __init__(self, lengths: list[int], rank: int, world: int, row_tokens: int, rows_per_batch: int, seed: int):
         self.lengths, self.rank, self.world = list(lengths), rank, world
@@ -139,16 +161,18 @@ class BatchIterator:
         return self._plan_cache[1]
 
     @property
-    def rounds_per_epoch(self) -> int:
-        n = len(self.global_plan(0)) // self.world
-        if n == 0:
-            raise ValueError(f"{len(self.global_plan(0))} batches per epoch cannot feed {self.world} ranks; "
-                             "lower train.micro_batch_tokens / micro_batch_size or add data")
-        return n
+    def global_batches_per_epoch(self) -> int:
+        """Batches in every epoch's plan (the same for any world size and any epoch)."""
+        return len(self.global_plan(0))
 
     @property
-    def global_batches_per_epoch(self) -> int:
-        return self.rounds_per_epoch * self.world
+    def rounds_per_epoch(self) -> int:
+        """Whole rounds of ``world`` batches in one epoch: this rank's batches per epoch (``len``)."""
+        n = self.global_batches_per_epoch // self.world
+        if n == 0:
+            raise ValueError(f"{self.global_batches_per_epoch} batches per epoch cannot feed {self.world} ranks; "
+                             "lower train.micro_batch_tokens / micro_batch_size or add data")
+        return n
 
     def __len__(self) -> int:
         """This rank's batches per epoch."""
@@ -173,9 +197,8 @@ class BatchIterator:
         self.position = int(position)
 
     def __iter__(self) -> Iterator[FeatureBatch]:
-        """The rest of the current epoch for this rank."""
-        end = (self.position // self.global_batches_per_epoch + 1) * self.global_batches_per_epoch
-        while self.position < end:
+        """This rank's next ``len(self)`` batches: one epoch's worth of rounds from the current position."""
+        for _ in range(len(self)):
             yield self.next_batch()[1]
 
     def eval_batches(self, n: int) -> Iterator[FeatureBatch]:

@@ -4,6 +4,11 @@ The world comes from the environment torchrun (or ``srun torchrun``) sets: RANK,
 LOCAL_RANK, MASTER_ADDR/PORT. A plain ``python train/main.py`` becomes a world of one, so the stages
 and DeepSpeed see the same kind of process group everywhere. The device is chosen here, never in
 library code: CUDA ``LOCAL_RANK`` when present, else the CPU (gloo).
+
+Every collective of Fledge's own goes through this module (DeepSpeed runs its own on the device). NCCL
+accepts CUDA tensors only, so the helpers below move what callers hand them to :func:`collective_device`
+and back: a caller may build its flags and sums on the CPU (or anywhere) without knowing the backend.
+tests/unit/test_distributed.py holds the helpers and the metrics reduction to this with a stand-in device.
 """
 
 from __future__ import annotations
@@ -32,8 +37,14 @@ class World:
         return self.rank == 0
 
     def barrier(self) -> None:
+        """Wait for every rank (no-op for a world of one)."""
         if dist.is_initialized() and self.world_size > 1:
-            dist.barrier()
+            device = collective_device()
+            # NCCL's barrier is an all-reduce on a device: name ours rather than let torch guess one.
+            if device.type == "cuda":
+                dist.barrier(device_ids=[device.index])
+            else:
+                dist.barrier()
 
 
 def _free_port() -> int:
@@ -72,20 +83,39 @@ def setup_logging(world: World) -> None:
     logging.basicConfig(level=level, format=fmt, datefmt="%H:%M:%S", force=True)
 
 
+def _multi_rank() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def collective_device() -> torch.device:
+    """The device the process group's collectives take tensors on: the current CUDA device under NCCL
+    (init_world set it to LOCAL_RANK's), the CPU under gloo."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
-    """Sum a tensor over ranks (no-op for a world of one); used for exact metric reduction."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        values = values.clone()
-        dist.all_reduce(values, op=dist.ReduceOp.SUM)
-    return values
+    """Sum a tensor over ranks (no-op for a world of one); used for exact metric reduction. ``values`` may
+    live on any device: the sum runs on :func:`collective_device` and comes back on ``values``' device."""
+    if not _multi_rank():
+        return values
+    buf = values.detach().to(collective_device(), copy=True)  # a copy: the caller's tensor stays as it was
+    dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+    return buf.to(values.device)
+
+
+def any_rank(flag: bool | torch.Tensor) -> bool:
+    """True on every rank when ``flag`` is true on at least one (a bool, or a tensor on any device)."""
+    return bool(all_reduce_sum(torch.as_tensor(flag).reshape(-1).to(torch.float32)).sum() > 0)
 
 
 def broadcast_object(obj, src: int = 0):
     """Send a picklable object from ``src`` to every rank (only our own in-memory objects)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+    if not _multi_rank():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, device=collective_device())  # pickled bytes travel as a tensor
     return box[0]
 
 

@@ -44,14 +44,21 @@ def resolve_file(source: str | Path, filename: str, revision: Optional[str] = No
         return None
 
 
-def _check_contained(index: Path, shard: object) -> None:
-    # Index entries are relative POSIX names by the safetensors/HF convention. The check is lexical on
-    # purpose: Hub-cache snapshots are symlinks into ../../blobs, so resolving links would refuse them.
-    ok = isinstance(shard, str) and shard and "\\" not in shard and not PureWindowsPath(shard).drive
+def is_contained(entry: object) -> bool:
+    """True when ``entry``, a path a file lists relative to its own directory, stays inside it: a non-empty
+    relative POSIX path with no ``..`` part, no drive and no backslash."""
+    # Such entries are relative POSIX names by convention (safetensors/HF indexes, the feature store's
+    # manifests). The check is lexical on purpose: Hub-cache snapshots are symlinks into ../../blobs, so
+    # resolving links would refuse them.
+    ok = isinstance(entry, str) and entry and "\\" not in entry and not PureWindowsPath(entry).drive
     if ok:
-        p = PurePosixPath(shard)
+        p = PurePosixPath(entry)
         ok = not p.is_absolute() and ".." not in p.parts
-    if not ok:
+    return bool(ok)
+
+
+def _check_contained(index: Path, shard: object) -> None:
+    if not is_contained(shard):
         raise ValueError(f"{index}: weight_map entry {shard!r} points outside the index's directory; an index "
                          "may only name shard files next to it (re-save the checkpoint, or fix that entry)")
 

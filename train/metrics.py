@@ -30,7 +30,10 @@ class RatioMeter:
 
     def add(self, metrics: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         for name, (num, den) in metrics.items():
-            pair = torch.stack([num.detach().double().sum(), torch.as_tensor(den).detach().double().sum()]).cpu()
+            # The sums stay on the metrics' device (no host sync per micro-batch); reduce() hands them to
+            # all_reduce_sum, which runs the collective on the process group's device.
+            den = torch.as_tensor(den, device=num.device)
+            pair = torch.stack([num.detach().double().sum(), den.detach().double().sum()])
             self.sums[name] = self.sums[name] + pair if name in self.sums else pair
 
     def reduce(self) -> dict[str, float]:

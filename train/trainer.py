@@ -5,6 +5,11 @@ global plan that does not depend on the world size (rank r takes global batches 
 2 ranks x 1 micro-batch and 1 rank x 2 micro-batches see the same data, and a run resumed on
 another world size continues at the same global position. Randomness is re-seeded from
 (seed, step, rank) every step, so a resumed run replays the uninterrupted one.
+
+A non-finite loss skips its whole optimizer step, on every rank: every micro-batch still runs its
+backward and DeepSpeed step (so DeepSpeed's accumulation boundary never moves), the non-finite one with
+a NaN scale, and DeepSpeed's own check of the step's gradient norm, global over ranks, discards the
+step's gradients and leaves the weights, optimizer state and lr schedule as they were.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from tqdm import tqdm
 
 from fledge.train import checkpoint
 from fledge.conf.schema import Config
-from fledge.distributed import World, all_reduce_sum
+from fledge.distributed import World, all_reduce_sum, any_rank
 from fledge.train.engine import build_engine, use_bf16
 from fledge.train.metrics import MetricsLog, RatioMeter, StepAccuracy, al_estimate
 from fledge.train.runner import StageContext
@@ -54,6 +59,12 @@ def run_training(ctx: StageContext) -> dict:
     cfg, world = ctx.cfg, ctx.world
     model = build_ttt_model(cfg, ctx.run_dir, world.device)
     dtype = torch.bfloat16 if use_bf16(cfg, world) else torch.float32
+    if cfg.deepspeed.zero_stage == 0 and dtype == torch.float32:
+        # Measured (DeepSpeed 0.19.8): ZeRO 1-3, and bf16 at stage 0, skip a step whose gradient norm is
+        # not finite; fp32 at stage 0 hands the gradients to the optimizer as they are.
+        raise ValueError("deepspeed.zero_stage=0 in fp32 steps the optimizer on non-finite gradients, so a "
+                         "NaN batch would corrupt the drafter instead of being skipped; use "
+                         "deepspeed.zero_stage=1 (or deepspeed.bf16=true)")
     train_data, eval_data = build_loaders(cfg, ctx, dtype)
     per_step = cfg.train.grad_accum * world.world_size
     total = cfg.train.max_steps or max(1, cfg.train.epochs * train_data.global_batches_per_epoch // per_step)
@@ -87,24 +98,39 @@ def run_training(ctx: StageContext) -> dict:
     try:
         while step < total:
             torch.manual_seed(cfg.run.seed * 1_000_003 + step * world.world_size + world.rank)
+            step_meter, step_tokens, positions, nonfinite = RatioMeter(), 0, [], []
             for _ in range(cfg.train.grad_accum):
                 position, batch = train_data.next_batch()
                 out = engine(batch.to(world.device, dtype))
-                flags = all_reduce_sum(torch.tensor([float(not torch.isfinite(out.loss)), 0.0]))
-                if flags[0] > 0:  # every rank skips together: backward would all-reduce
-                    nonfinite_run += 1
-                    skipped += 1
-                    log.warning("non-finite loss at step %d (global batch %d); skipped", step, position)
-                    if nonfinite_run >= cfg.train.max_nonfinite:
-                        raise RuntimeError(
-                            f"{nonfinite_run} non-finite losses in a row, the last at global batch {position} "
-                            f"(step {step}); lower train.optim.lr or check the features of that batch")
-                    continue
-                nonfinite_run = 0
-                engine.backward(out.loss)
+                bad = ~torch.isfinite(out.loss.detach())
+                # Skipping this backward would move DeepSpeed's accumulation boundary (the next micro-batch
+                # would close this step); a NaN scale instead makes sure the step's gradient is non-finite
+                # even where this loss's would not be, so DeepSpeed discards the whole step. x1 is exact.
+                engine.backward(out.loss * torch.where(bad, float("nan"), 1.0))
                 engine.step()
-                meter.add(out.metrics)
-                tokens += batch.num_tokens
+                step_meter.add(out.metrics)  # kept apart until the step is known to count
+                step_tokens += batch.num_tokens
+                positions.append(position)
+                nonfinite.append(bad)
+            applied = engine.was_step_applied()  # the same on every rank: the gradient norm is global
+            if any_rank(torch.stack(nonfinite)) and applied:
+                raise RuntimeError(f"DeepSpeed applied step {step} although a loss was non-finite; this trainer "
+                                   "relies on DeepSpeed skipping steps whose gradient norm is not finite")
+            if applied:
+                nonfinite_run = 0
+                meter.add(step_meter.sums)
+                tokens += step_tokens
+            else:
+                nonfinite_run += 1
+                skipped += 1
+                here = [g for g, b in zip(positions, nonfinite) if bool(b)]
+                log.warning("step %d skipped (no update): %s", step,
+                            f"non-finite loss at global batch {here}" if here else "non-finite loss or gradient")
+                if nonfinite_run >= cfg.train.max_nonfinite:
+                    raise RuntimeError(
+                        f"{nonfinite_run} optimizer steps in a row skipped for non-finite losses or gradients, the "
+                        f"last at step {step} (global batches {positions} on rank {world.rank}); lower "
+                        "train.optim.lr or check the features of those batches")
             step += 1
             bar.update(1)
             if step % cfg.train.log_every == 0 or step == total:
@@ -126,7 +152,7 @@ def run_training(ctx: StageContext) -> dict:
                     metrics_log.write({"step": step, **ev})
                 if state["best_al"] is None or ev["eval/al_estimate"] > state["best_al"]:
                     state.update(best_al=ev["eval/al_estimate"], best_step=step, best_pending=True)
-            preempt = bool(all_reduce_sum(torch.tensor([float(sigterm.raised)]))[0] > 0)
+            preempt = any_rank(sigterm.raised)
             if step % cfg.train.save_every == 0 or step == total or preempt or state.get("best_pending"):
                 state["skipped"] = skipped
                 last_drafter_dir = checkpoint.save(engine, world, ckpt_dir, step,

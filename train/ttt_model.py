@@ -85,9 +85,53 @@ def build_ttt_model(cfg: Config, run_dir: Path, device: torch.device) -> TTTMode
             # Warm start: the drafter's y plays the role of the target's final normed state.
             drafter.lm_head.weight.copy_(teacher_head)
     if cfg.drafter.init_from:
-        from fledge.models.export import load_drafter
-
-        loaded = load_drafter(cfg.drafter.init_from, embed_weight=embedding)
-        drafter.load_state_dict(loaded.state_dict())
-        log.info("initialised the drafter from %s", cfg.drafter.init_from)
+        init_from(drafter, cfg.drafter.init_from, embedding)
     return TTTModel(drafter, teacher_head, loss).to(device)
+
+
+# What a drafter to fine-tune must share with this run, as (config key, DrafterSpec field). The layer's
+# shapes come from the target's config, so a mismatch there means another target too.
+_SAME = (("drafter.aux_layer_ids", "aux_layer_ids"), ("drafter.fc_norm", "fc_norm"),
+         ("drafter.norm_output", "norm_output"), ("drafter.norm_before_fc", "norm_before_fc"),
+         ("target.vocab_size", "vocab_size"), ("target.hidden_size", "target_hidden_size"),
+         ("the target's hidden_size (drafter width)", "hidden_size"),
+         ("the target's intermediate_size", "intermediate_size"),
+         ("the target's num_attention_heads", "num_attention_heads"),
+         ("the target's num_key_value_heads", "num_key_value_heads"), ("the target's head_dim", "head_dim"))
+
+
+@torch.no_grad()
+def init_from(drafter: nn.Module, source: str | Path, embedding: torch.Tensor) -> None:
+    """Start ``drafter`` (built for this run: its draft vocab installed, ``lm_head`` at its initial rows)
+    from the exported drafter at ``source`` (``drafter.init_from``).
+
+    The run's vocab maps stay: the loaded ``lm_head`` rows move to the draft ids of the same target ids,
+    and a target id the loaded drafter did not draft keeps this run's initial row (the teacher's row when
+    the drafter is as wide as the target, as for a fresh drafter: the drafter's output plays the target's
+    final normed state, so the target's own output row is the one prior that fits; else the default
+    init). The embedding stays the target's. A drafter whose aux ids, norm flags or target sizes differ
+    from the run's is refused (ValueError naming the key): its weights would be silently wrong here."""
+    from fledge.models.export import load_drafter
+
+    loaded = load_drafter(source, embed_weight=embedding)
+    for key, field in _SAME:
+        have, want = getattr(loaded.spec, field), getattr(drafter.spec, field)
+        if have != want:
+            raise ValueError(f"drafter.init_from={source}: that drafter has {key}={have!r} but this run has "
+                             f"{key}={want!r}; fine-tune only from a drafter of the same target and layout")
+    V = drafter.spec.vocab_size
+    old_ids = loaded.d2t + torch.arange(len(loaded.d2t))  # target id of each loaded draft id
+    new_ids = drafter.d2t.cpu() + torch.arange(len(drafter.d2t))
+    old_row = torch.full((V,), -1, dtype=torch.int64)
+    old_row[old_ids] = torch.arange(len(old_ids))
+    src = old_row[new_ids]  # the loaded row of each of this run's draft ids, -1 where it has none
+    kept = src >= 0
+    head = drafter.lm_head.weight.detach().cpu().clone()
+    head[kept] = loaded.lm_head.weight[src[kept]].to(head.dtype)
+    state = {k: v for k, v in loaded.state_dict().items() if k not in ("d2t", "t2d", "embed_tokens.weight")}
+    state["lm_head.weight"] = head
+    missing, unexpected = drafter.load_state_dict(state, strict=False)
+    assert set(missing) == {"d2t", "t2d", "embed_tokens.weight"} and not unexpected, (missing, unexpected)
+    log.info("initialised the drafter from %s: %d of %d draft ids carry its lm_head rows, %d start from %s",
+             source, int(kept.sum()), len(new_ids), int((~kept).sum()),
+             "the teacher's rows" if drafter.spec.hidden_size == drafter.spec.target_hidden_size else "the default init")

@@ -132,3 +132,73 @@ def test_bf16_engine_trains(base):
                                                "train.eval_every=2"])
     got = losses(base, "bf16")
     assert len(got) == 2 and all(x == x and x > 0 for step in got for x in step if x == x)
+
+
+def _poison(run_dir: Path, g: int, cfg) -> None:
+    """Write NaN into the captured states of every sample of global batch ``g`` of the run's feature store
+    (a corrupt capture), re-hashing the shards so the store still verifies. The drafter's input goes NaN
+    too, not only the teacher's: with the untrained target few rows count, and only counted rows read the
+    teacher."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from fledge.atomic import sha256_file
+    from fledge.data.feature_reader import FeatureLoader
+
+    store_dir = run_dir / "capture" / "train"
+    loader = FeatureLoader(store_dir, 0, 1, cfg.train.micro_batch_tokens, cfg.train.micro_batch_size, cfg.run.seed)
+    by_shard: dict[str, list[tuple[int, int]]] = {}
+    for i in (i for row in loader.global_plan(0)[g] for i in row):
+        path, off, n = loader.store._loc[i]
+        by_shard.setdefault(path, []).append((off, n))
+    manifest = json.loads((store_dir / "store.json").read_text())
+    for path, spans in by_shard.items():
+        tensors = load_file(str(store_dir / path))
+        for off, n in spans:
+            tensors["target_hidden"][off:off + n] = float("nan")
+            tensors["aux_scale" if "aux_scale" in tensors else "aux_hidden"][off:off + n] = float("nan")
+        save_file(tensors, str(store_dir / path))
+        for sh in manifest["shards"]:
+            if sh["path"] == path:
+                sh["sha256"], sh["bytes"] = sha256_file(store_dir / path), (store_dir / path).stat().st_size
+        index_file = store_dir / path.rsplit("/", 1)[0] / "index.json"
+        index = json.loads(index_file.read_text())
+        for sh in index["shards"]:
+            if sh["name"] == path.rsplit("/", 1)[1]:
+                sh["sha256"], sh["bytes"] = sha256_file(store_dir / path), (store_dir / path).stat().st_size
+        index_file.write_text(json.dumps(index))
+    (store_dir / "store.json").write_text(json.dumps(manifest))
+
+
+def test_a_skipped_step_with_accumulation_resumes_exactly(base):
+    """A NaN batch in step 2 of 6 (1 rank x 2 micro-batches): the whole optimizer step is skipped, and a run
+    resumed from the checkpoint after it continues the uninterrupted curve. The old trainer skipped only
+    the NaN micro-batch, so DeepSpeed's accumulation boundary moved by one: every later update mixed two
+    steps' batches, and a checkpoint held half an accumulation that a resume silently lost."""
+    from safetensors.torch import load_file
+
+    from fledge.conf import compose
+
+    args = new_run(base, "nan_ref") + ["deepspeed=zero2", "train.grad_accum=2", "train.save_every=1",
+                                        "train.keep_last=10"]
+    run_dir, ckpts = base[0] / "nan_ref", base[0] / "nan_ref" / "train" / "checkpoints"
+    _poison(run_dir, 2, compose(args))  # step 2 runs global batches 2 and 3
+    run(main_cmd(1) + args)
+    resumed = new_run(base, "nan_resumed")  # fresh copies of prepare/capture: poison them the same way
+    _poison(base[0] / "nan_resumed", 2, compose(args))
+    shutil.copytree(ckpts / "step_00000002", base[0] / "nan_resumed" / "train" / "checkpoints" / "step_00000002")
+    (base[0] / "nan_resumed" / "train" / "checkpoints" / "latest").write_text("step_00000002")
+    run(main_cmd(1) + resumed + ["deepspeed=zero2", "train.grad_accum=2", "train.save_every=1",
+                                 "train.keep_last=10"])
+
+    records = {r["step"]: r for r in read_metrics(run_dir / "train" / "metrics.jsonl") if "skipped" in r}
+    got = losses(base, "nan_resumed")
+    assert len(got) == STEPS - 2
+    want = [records[s][k] for s in range(3, STEPS + 1) for k in ("loss_0", "loss_1")]
+    assert [x for step in got for x in step] == pytest.approx(want, rel=1e-6, abs=1e-7, nan_ok=True)
+    assert records[1]["skipped"] == 0 and records[2]["skipped"] == 1
+    assert "loss_0" not in records[2]  # nothing of the skipped step is averaged into the logged metrics
+    w1, w2, w3 = (load_file(str(ckpts / f"step_{s:08d}" / "drafter" / "model.safetensors")) for s in (1, 2, 3))
+    assert all(w1[k].equal(w2[k]) for k in w1)  # the skipped step left the weights as they were
+    assert not all(w2[k].equal(w3[k]) for k in w2)  # and the next one trained

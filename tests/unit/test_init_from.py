@@ -1,0 +1,103 @@
+"""drafter.init_from: fine-tuning an exported drafter on a run whose draft vocab differs from its own.
+
+The run's vocab maps must survive the load (the teacher head and the loss use them), the loaded lm_head
+rows must follow their target ids to their new draft ids, and a drafter built for other aux ids, norm
+flags or another target must be refused, not loaded into the wrong places.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from fledge.conf import compose
+from fledge.data.vocab import DraftVocab
+from fledge.models.export import export_checkpoint, load_target_config
+from fledge.train.ttt_model import TTTModel, build_ttt_model, drafter_meta
+
+VD = 64
+
+
+def _overrides(target: Path, vd: int = VD, *extra: str) -> list[str]:
+    return ["recipe=tiny", f"target.name_or_path={target}", f"drafter.draft_vocab_size={vd}", *extra]
+
+
+def _vocab(run: Path, counts: torch.Tensor, vd: int) -> DraftVocab:
+    vocab = DraftVocab.build(counts, vd)
+    vocab.save(run / "prepare" / "vocab.safetensors")
+    return vocab
+
+
+@pytest.fixture(scope="module")
+def exported(random_tiny_target, tmp_path_factory):
+    """A drafter trained (here: randomised) on vocab A, exported in the serving layout."""
+    root = tmp_path_factory.mktemp("init_from")
+    V = json.loads((Path(random_tiny_target) / "config.json").read_text())["vocab_size"]
+    counts = torch.randint(1, 1000, (V,), generator=torch.Generator().manual_seed(0))
+    vocab = _vocab(root / "a", counts, VD)
+    cfg = compose(_overrides(random_tiny_target))
+    model = build_ttt_model(cfg, root / "a", torch.device("cpu"))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.drafter.parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.5)  # unlike any initial value, so every carried tensor is recognisable
+    ckpt = root / "ckpt"
+    ckpt.mkdir()
+    save_file({k: v.contiguous() for k, v in model.drafter.state_dict().items()}, str(ckpt / "model.safetensors"))
+    (ckpt / "fledge.json").write_text(json.dumps({**drafter_meta(cfg, model.drafter.spec), "step": 10}))
+    export_checkpoint(ckpt, root / "export", load_target_config(cfg.target))
+    return root, counts, vocab, model.drafter
+
+
+def _other_vocab(counts: torch.Tensor, vocab: DraftVocab, vd: int, swap: int = 8) -> torch.Tensor:
+    """Counts whose top ``vd`` share all but ``swap`` of ``vocab``'s ids: drop its 8 rarest, boost 8 others."""
+    counts = counts.clone()
+    sel = vocab.selected
+    counts[sel[torch.argsort(counts[sel])[:swap]]] = 0
+    outside = torch.nonzero(~vocab.t2d).flatten()[:swap]
+    counts[outside] = 10_000
+    return counts
+
+
+@pytest.mark.parametrize("vd", [VD, 96])
+def test_fine_tuning_keeps_the_runs_vocab_and_moves_the_rows(random_tiny_target, exported, tmp_path, vd):
+    root, counts, old_vocab, old = exported
+    new_vocab = _vocab(tmp_path, _other_vocab(counts, old_vocab, vd), vd)
+    assert not torch.equal(new_vocab.t2d, old_vocab.t2d)
+    cfg = compose(_overrides(random_tiny_target, vd, f"drafter.init_from={root / 'export'}"))
+    model: TTTModel = build_ttt_model(cfg, tmp_path, torch.device("cpu"))
+    d = model.drafter
+    # The old code loaded the export's d2t/t2d over the run's: the teacher head (new vocab) and the
+    # drafter's own map disagreed from the first step.
+    assert torch.equal(d.d2t, new_vocab.d2t) and torch.equal(d.t2d, new_vocab.t2d)
+    bf16 = lambda t: t.to(torch.bfloat16).float()  # noqa: E731  (the export is bf16)
+    old_index = {int(t): i for i, t in enumerate(old_vocab.selected)}
+    carried = fresh = 0
+    for i, t in enumerate(new_vocab.selected.tolist()):
+        if t in old_index:
+            torch.testing.assert_close(d.lm_head.weight[i], bf16(old.lm_head.weight[old_index[t]]), rtol=0, atol=0)
+            carried += 1
+        else:  # a token the old drafter never drafted starts from the target's own row, like a fresh drafter
+            torch.testing.assert_close(d.lm_head.weight[i], model.teacher_head[i], rtol=0, atol=0)
+            fresh += 1
+    assert carried == VD - 8 and fresh == vd - carried
+    torch.testing.assert_close(d.fc.weight, bf16(old.fc.weight), rtol=0, atol=0)
+    torch.testing.assert_close(d.midlayer.self_attn.q_proj.weight, bf16(old.midlayer.self_attn.q_proj.weight),
+                               rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("override, key", [
+    ("drafter.norm_output=false", "drafter.norm_output"),
+    ("drafter.aux_layer_ids=[2,3,5]", "drafter.aux_layer_ids"),
+])
+def test_a_drafter_of_another_layout_is_refused_naming_the_key(random_tiny_target, exported, tmp_path, override, key):
+    root, counts, _, _ = exported
+    _vocab(tmp_path, counts, VD)
+    cfg = compose(_overrides(random_tiny_target, VD, f"drafter.init_from={root / 'export'}", override))
+    with pytest.raises(ValueError, match=rf"init_from=.* has {key}=.* but this run has {key}="):
+        build_ttt_model(cfg, tmp_path, torch.device("cpu"))
