@@ -157,7 +157,8 @@ def test_eval_computes_fp32_on_cpu(force, native, random_tiny_target, tmp_path):
 
     from conftest import random_drafter
     from fledge.models.export import training_record, write_drafter
-    from fledge.models.serving_config import serving_config, target_config_dict
+    from fledge.models.families import text_config_dict as target_config_dict
+    from fledge.models.serving_config import serving_config
     from fledge.models.speculative import DrafterProposer, TargetRunner, speculative_decode
     from fledge.train.evaluate import load_eval_models
 
