@@ -187,3 +187,64 @@ def test_greedy_mismatch_is_an_error(monkeypatch):
     monkeypatch.setattr(ev, "speculative_decode", corrupt)
     with pytest.raises(AssertionError, match="differs from plain greedy"):
         ev.evaluate_set("default", prompts, target, drafter, cfg, [], 0)
+
+
+class _FeatureTarget:
+    """A stand-in frozen target for held-out accuracy: aux states and argmax are fixed functions of the ids
+    (what the drafter reads; the real target's forward is not what these tests are about)."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, width, vocab=50, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.table = torch.randn(vocab, width, generator=g)
+
+    def capture(self, x):
+        return self.table[x], None, (x * 7 + 3) % 40
+
+
+def _per_sample_heldout(drafter, frozen, samples, steps):
+    """held-out accuracy as it was written before rows were packed: one unpadded row per sample."""
+    from fledge.train import alignment
+
+    hit, full, rows = torch.zeros(steps), torch.zeros(steps), torch.zeros(steps)
+    for ids, mask in samples:
+        x = torch.tensor([ids])
+        aux, _, argmax = frozen.capture(x)
+        T = x.shape[1]
+        doc, pos, m = torch.zeros(1, T, dtype=torch.int32), torch.arange(T)[None], torch.tensor([mask])
+        all_ok = torch.ones(1, T, dtype=torch.bool)
+        for j, y in enumerate(alignment.unroll(drafter, aux, x, pos, doc, steps)):
+            step = alignment.step_rows(m, doc, argmax, drafter.t2d, j)
+            ok = drafter.draft_to_target(drafter.lm_head(y).argmax(-1)) == step.teacher_argmax
+            all_ok &= ok
+            hit[j] += float((ok & step.counted).sum())
+            full[j] += float((all_ok & step.counted).sum())
+            rows[j] += float(step.counted.sum())
+    return (hit / rows.clamp_min(1)).tolist(), (full / rows.clamp_min(1)).tolist(), rows.tolist()
+
+
+def test_heldout_accuracy_shows_flex_a_bounded_set_of_lengths(monkeypatch):
+    """50 held-out samples of 50 different lengths: flex (compiled with static shapes on GPU, one compile per
+    key length) sees one row length, not one per sample; the numbers equal one unpadded row per sample."""
+    import fledge.models.attention as A
+    from conftest import make_drafter
+    from fledge.train.evaluate import heldout_accuracy
+
+    g = torch.Generator().manual_seed(0)
+    lengths = [4 + 3 * i for i in range(50)]
+    samples = [(torch.randint(0, 50, (n,), generator=g).tolist(), (torch.rand(n, generator=g) > 0.2).tolist())
+               for n in lengths]
+    drafter = make_drafter(attention="flex")
+    frozen = _FeatureTarget(drafter.spec.fc_in_features)
+    seen = set()
+    real = A._flex
+    monkeypatch.setattr(A, "_flex", lambda q, *a: seen.add(q.shape[2]) or real(q, *a))
+    steps = 3
+    got = heldout_accuracy(drafter, frozen, samples, steps)
+    assert len(seen) <= 3, f"flex saw {len(seen)} row lengths for {len(set(lengths))} sample lengths"
+    monkeypatch.setattr(A, "_flex", real)
+    with torch.inference_mode():
+        acc, full_acc, rows = _per_sample_heldout(make_drafter(attention="sdpa"), frozen, samples, steps)
+    assert got["rows"] == rows and min(rows) > 100
+    assert got["acc"] == pytest.approx(acc, abs=1e-6) and got["full_acc"] == pytest.approx(full_acc, abs=1e-6)
