@@ -256,7 +256,7 @@ def evaluate_run(cfg, run_dir: Path, out_dir: Path, drafter_dir: Path, device: t
     from fledge.data.chat import ChatRenderer, eot_ids_from_target
     from fledge.data.prepare import load_tokenizer
     from fledge.models.drift import drift_curves
-    from fledge.models.export import load_drafter
+    from fledge.models.export import load_drafter, spec_from_export
     from fledge.models.target import FrozenTarget
     from fledge.train.report import write_report
 
@@ -264,11 +264,12 @@ def evaluate_run(cfg, run_dir: Path, out_dir: Path, drafter_dir: Path, device: t
     renderer = ChatRenderer(load_tokenizer(cfg.target, cfg.data.chat_template), extra_eot_ids=eot_ids_from_target(cfg.target.name_or_path,
                                                                                    cfg.target.revision))
     eos = sorted(renderer.eot_ids)
-    record = read_json(drafter_dir / "fledge_training.json") or {}
-    spec_ids = (record.get("spec") or {}).get("aux_layer_ids") or cfg.aux_layer_ids()
-    frozen = FrozenTarget.load(cfg.target, device, spec_ids)
+    # Measure what an engine serves: the drafter config.json and the weights describe (its aux ids, layer
+    # settings, flags), not the training record: a config.json that disagrees with training shows in the AL.
+    served = spec_from_export(drafter_dir, serving=True)
+    frozen = FrozenTarget.load(cfg.target, device, served.aux_layer_ids)
     drafter = load_drafter(drafter_dir, embed_weight=frozen.input_embeddings().float().cpu(),
-                           dtype=torch.float32, device=device).eval()
+                           dtype=torch.float32, device=device, serving=True).eval()
     target_model = frozen.model.float() if device.type == "cpu" else frozen.model
     max_pos = int(getattr(target_model.config, "max_position_embeddings", 1 << 30))
     prepare_dir = run_dir / "prepare"

@@ -78,11 +78,8 @@ def run(tmp_path_factory):
     return root
 
 
-def test_eval_stage_writes_report(run):
+def _eval_cfg(run):
     from fledge.conf.schema import Config
-    from fledge.distributed import World
-    from fledge.train.stages import evaluate as run_stage
-    from fledge.train.stages import StageContext
 
     cfg = Config()
     cfg.target.name_or_path = str(run / "target")
@@ -94,6 +91,15 @@ def test_eval_stage_writes_report(run):
     cfg.eval.max_new_tokens = 12
     cfg.eval.long_prompt_tokens = 120
     cfg.eval.temperature = 0.8
+    return cfg
+
+
+def test_eval_stage_writes_report(run):
+    from fledge.distributed import World
+    from fledge.train.stages import evaluate as run_stage
+    from fledge.train.stages import StageContext
+
+    cfg = _eval_cfg(run)
     stage_dir = run / "run/eval"
     stage_dir.mkdir()
     ctx = StageContext(cfg, World(0, 1, 0, torch.device("cpu")), run / "run", stage_dir,
@@ -122,6 +128,44 @@ def test_eval_stage_writes_report(run):
     assert (stage_dir / "acceptance.png").read_bytes()[:4] == b"\x89PNG"
     md = (stage_dir / "report.md").read_text()
     assert "| default |" in md and "lookup" in md and "Attention drift" in md
+
+
+def test_eval_measures_the_drafter_config_json_describes(run, tmp_path, monkeypatch):
+    """An export whose config.json differs from its training record (eps, activation, norm_output): eval
+    measures the drafter an engine would build from config.json + weights, not the record's."""
+    import shutil
+
+    import fledge.train.evaluate as E
+    from fledge.models.export import load_drafter
+
+    drafter_dir = tmp_path / "drafter"
+    shutil.copytree(run / "run/export/drafter", drafter_dir)
+    config = json.loads((drafter_dir / "config.json").read_text())
+    record = json.loads((drafter_dir / "fledge_training.json").read_text())["spec"]
+    planted = {"rms_norm_eps": 0.25, "hidden_act": "gelu", "norm_output": not record["norm_output"]}
+    (drafter_dir / "config.json").write_text(json.dumps({**config, **planted}))
+
+    class Measured(Exception):
+        pass
+
+    def first_set(name, prompts, target_model, drafter, *args):
+        raise Measured(drafter)
+
+    monkeypatch.setattr(E, "evaluate_set", first_set)
+    with pytest.raises(Measured) as seen:
+        E.evaluate_run(_eval_cfg(run), run / "run", tmp_path / "eval", drafter_dir, torch.device("cpu"))
+    measured = seen.value.args[0]
+    assert {k: getattr(measured.spec, k) for k in planted} == planted
+    trained = load_drafter(drafter_dir, embed_weight=measured.embed_tokens.weight)  # the record's drafter
+    assert {k: getattr(trained.spec, k) for k in planted} == {k: record[k] for k in planted}
+    assert all(torch.equal(p, measured.state_dict()[n]) for n, p in trained.state_dict().items())
+    aux = torch.randn(1, 5, measured.spec.fc_in_features, generator=torch.Generator().manual_seed(0))
+    ids, pos = torch.tensor([[3, 9, 4, 7, 1]]), torch.arange(5)[None]
+    with torch.no_grad():
+        from fledge.models.drafter import DraftCache
+
+        out = [d.decode_step(ids, d.fuse(aux), pos, DraftCache())[0] for d in (measured, trained)]
+    assert (out[0] - out[1]).abs().max() > 1e-3  # the planted settings change what is served
 
 
 def test_distinct_ngram_ratio():
