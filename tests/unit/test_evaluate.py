@@ -94,17 +94,22 @@ def _eval_cfg(run):
     return cfg
 
 
-def test_eval_stage_writes_report(run):
+@pytest.fixture(scope="module")
+def evaluated(run):
+    """The eval stage run once on ``run``: (its stage dir, the stage's summary)."""
     from fledge.distributed import World
     from fledge.train.stages import evaluate as run_stage
     from fledge.train.stages import StageContext
 
-    cfg = _eval_cfg(run)
     stage_dir = run / "run/eval"
     stage_dir.mkdir()
-    ctx = StageContext(cfg, World(0, 1, 0, torch.device("cpu")), run / "run", stage_dir,
+    ctx = StageContext(_eval_cfg(run), World(0, 1, 0, torch.device("cpu")), run / "run", stage_dir,
                        {"export": {"outputs": {"drafter": str(run / "run/export/drafter")}}})
-    summary = run_stage(ctx)
+    return stage_dir, run_stage(ctx)
+
+
+def test_eval_stage_writes_report(evaluated):
+    stage_dir, summary = evaluated
     report = json.loads((stage_dir / "report.json").read_text())
     assert set(report["sets"]) == {"default", "perturbed", "long"}
     for name, s in report["sets"].items():
@@ -184,14 +189,11 @@ def test_acceptance_stats_skips_budget_limited_rounds():
     assert s["accept_cond"] == pytest.approx([2 / 3, 1 / 2, 1.0])
 
 
-def test_compare_script(run, tmp_path):
-    """``fledge compare`` on two runs' reports (the stage test's report, flags set per kind)."""
+def test_compare_script(evaluated, tmp_path):
+    """``fledge compare`` on two runs' reports (the eval stage's report, flags set per kind)."""
     import fledge.train.compare as cmp
 
-    src = run / "run/eval/report.json"
-    if not src.exists():
-        pytest.skip("needs test_eval_stage_writes_report's output")
-    base = json.loads(src.read_text())
+    base = json.loads((evaluated[0] / "report.json").read_text())
     for name, flag, scale in (("r31", True, 1.0), ("r3", False, 0.5)):
         rep = json.loads(json.dumps(base))
         rep["flags"] = {"fc_norm": flag, "norm_output": flag}
