@@ -14,6 +14,12 @@ j = 1..k, only the key that step produced at row t. With keys concatenated over 
   sum_j exp(s_j - L) v_j``. Memory is linear in T and nothing above the diagonal is computed.
 - ``flex``: ``flex_attention`` with a block mask over the concatenated keys (GPU; compiled).
 
+The mask of a batch is a ``TTTMask``: built from the document ids once per batch and read by every step
+and layer. Its flex block tables are evaluated one query block at a time (memory linear in T; the
+uncompiled ``create_block_mask`` materialises the [B, 1, T, K T] boolean mask, 470 MB at T = 8192, K = 7),
+once for the K-step key layout; step J's block mask is their first key-block columns, since the step-J mask
+is a prefix of the K-step one.
+
 Shapes: q ``[B, Hq, T, D]``; k0, v0 ``[B, Hkv, T, D]`` (step 0); kd, vd ``[B, Hkv, J, T, D]``
 (steps 1..k, J = k, possibly 0); document_ids ``[B, T]`` (-1 = padding). Hq is a multiple of Hkv (GQA).
 """
@@ -40,14 +46,121 @@ def resolve_attention(name: str, device: torch.device) -> str:
     return name
 
 
-def ttt_attention(q, k0, v0, kd, vd, document_ids, impl: str = "sdpa"):
-    """Attention of TTT step J (= kd.shape[2]); returns ``[B, Hq, T, D]``. See the module docstring."""
+def ttt_attention(q, k0, v0, kd, vd, mask, impl: str = "sdpa"):
+    """Attention of TTT step J (= kd.shape[2]); returns ``[B, Hq, T, D]``. See the module docstring.
+
+    ``mask``: the batch's ``TTTMask`` (build it once per batch, so every step reuses it), or its document
+    ids ``[B, T]`` (a mask for this call alone)."""
     impl = resolve_attention(impl, q.device)
+    J = kd.shape[2]
+    if not isinstance(mask, TTTMask):
+        mask = TTTMask(mask, J + 1)
     if impl == "dense":
-        return _dense(q, k0, v0, kd, vd, document_ids)
+        return _dense(q, k0, v0, kd, vd, mask.document_ids)
     if impl == "flex":
-        return _flex(q, k0, v0, kd, vd, document_ids)
-    return _FlashTTTAttention.apply(q, k0, v0, kd, vd, document_segments(document_ids))
+        return _flex(q, k0, v0, kd, vd, mask.block_mask(J))
+    return _FlashTTTAttention.apply(q, k0, v0, kd, vd, mask.segments)
+
+
+class TTTMask:
+    """One batch's TTT attention mask for steps 0..``steps``-1, built once and shared by every step.
+
+    ``document_ids`` ``[B, T]`` (-1 = padding). Each implementation reads its own form, computed on first
+    use and kept: ``segments`` (the sdpa path's document runs) and ``block_mask(J)`` (flex).
+    ``block_size`` is flex's sparse block size (tests shrink it to get many blocks from a short T).
+    """
+
+    def __init__(self, document_ids: torch.Tensor, steps: int, block_size: int = 128) -> None:
+        if steps < 1:
+            raise ValueError(f"TTTMask: steps={steps}; need >= 1")
+        self.document_ids, self.steps, self.block_size = document_ids, steps, block_size
+        self._segments = None
+        self._tables = self._mask_mod = None
+
+    @property
+    def segments(self) -> list[tuple[slice, int, int]]:
+        """``document_segments(document_ids)``, computed once."""
+        if self._segments is None:
+            self._segments = document_segments(self.document_ids)
+        return self._segments
+
+    def block_mask(self, J: int):
+        """flex's BlockMask of step ``J`` (keys of steps 0..J, ``(J + 1) T``): the first key-block columns of
+        the ``steps``-step block tables, which are computed once per mask (``_block_tables``)."""
+        from torch.nn.attention.flex_attention import BlockMask
+
+        if not 0 <= J < self.steps:
+            raise ValueError(f"TTTMask built for {self.steps} steps; step {J} asked")
+        T, bs = self.document_ids.shape[1], self.block_size
+        if self._tables is None:
+            self._tables = _block_tables(self.document_ids, self.steps, bs)
+            self._mask_mod = _ttt_mask_mod(self.document_ids, T)  # one function for every step's BlockMask
+        cols = -(-(J + 1) * T // bs)
+        tables = []
+        for whole, edge in zip(self._tables[:2], self._tables[2:]):
+            x = whole[..., :cols].clone()
+            x[..., -1] = edge[J]  # the last column as cut at (J + 1) T, not as the K-step layout fills it
+            tables.append(_ordered(x))
+        return BlockMask.from_kv_blocks(*tables[0], *tables[1], BLOCK_SIZE=bs, mask_mod=self._mask_mod,
+                                        seq_lengths=(T, (J + 1) * T))
+
+
+def _ttt_mask_mod(doc: torch.Tensor, T: int):
+    """flex's element mask over keys concatenated over steps (key kv_idx: step kv_idx // T, row kv_idx % T)."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        step = kv_idx // T
+        kv = kv_idx - step * T
+        causal = (kv <= q_idx) & (doc[b, kv] == doc[b, q_idx])
+        return ((step == 0) & causal) | ((step > 0) & (kv == q_idx))
+
+    return mask_mod
+
+
+def _block_tables(document_ids: torch.Tensor, steps: int, bs: int) -> tuple[torch.Tensor, ...]:
+    """Block tables of the ``steps``-step mask: (partial, full) bool ``[B, 1, nQ, nK]``, a block being full
+    when every (query, key) in it is allowed, partial when some but not all are (flex applies mask_mod
+    there); then (edge_partial, edge_full) ``[steps, B, 1, nQ]``: step J's last key-block column, the one
+    its key length (J + 1) T cuts (keys past the cut count as masked).
+
+    Evaluated one query block at a time: memory O(B bs steps T), against O(B steps T^2) for the whole
+    boolean mask. Positions past T count as masked, as in create_block_mask's padding.
+    """
+    B, T = document_ids.shape
+    dev = document_ids.device
+    n_q, n_k = -(-T // bs), -(-steps * T // bs)
+    pos = torch.arange(T, device=dev)
+    rows = torch.zeros(B, bs, n_k * bs, dtype=torch.bool, device=dev)  # one query block's mask, reused
+    partial = torch.empty(B, 1, n_q, n_k, dtype=torch.bool, device=dev)
+    full = torch.empty_like(partial)
+    edge_partial = torch.empty(steps, B, 1, n_q, dtype=torch.bool, device=dev)
+    edge_full = torch.empty_like(edge_partial)
+
+    def summarize(tiles):  # [B, bs, n, bs] -> (partial, full) [B, n]
+        all_ = tiles.all(-1).all(1)
+        return tiles.any(-1).any(1) & ~all_, all_
+
+    for i in range(n_q):
+        qs = pos[i * bs:(i + 1) * bs]
+        n = qs.numel()
+        rows[:, :n, :T] = (pos <= qs[:, None]) & (document_ids[:, None, :] == document_ids[:, qs, None])
+        rows[:, :n, T:steps * T].view(B, n, steps - 1, T).copy_((pos == qs[:, None])[None, :, None])
+        rows[:, n:] = False  # the last block's rows past T
+        partial[:, 0, i], full[:, 0, i] = summarize(rows.view(B, bs, n_k, bs))
+        for J in range(steps):
+            end = (J + 1) * T
+            c = (end - 1) // bs
+            tile = rows[..., c * bs:(c + 1) * bs] & (torch.arange(c * bs, (c + 1) * bs, device=dev) < end)
+            p, f = summarize(tile[:, :, None])
+            edge_partial[J, :, 0, i], edge_full[J, :, 0, i] = p[:, 0], f[:, 0]
+    return partial, full, edge_partial, edge_full
+
+
+def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense bool block table ``[B, H, nQ, nK]`` -> (count per row, column indices with the used ones
+    first, ascending), int32: the form ``BlockMask.from_kv_blocks`` takes."""
+    dense = dense.to(torch.int32)
+    return dense.sum(-1, dtype=torch.int32), torch.argsort(dense, dim=-1, descending=True, stable=True).to(torch.int32)
 
 
 def ttt_dense_mask(document_ids: torch.Tensor, steps: int) -> torch.Tensor:
@@ -95,27 +208,16 @@ def _dense(q, k0, v0, kd, vd, document_ids):
 _compiled_flex = None
 
 
-def _flex(q, k0, v0, kd, vd, document_ids):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+def _flex(q, k0, v0, kd, vd, block_mask):
+    from torch.nn.attention.flex_attention import flex_attention
 
     global _compiled_flex
-    B, _, T, _ = q.shape
-    J = kd.shape[2]
-    doc = document_ids
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        step = kv_idx // T
-        kv = kv_idx - step * T
-        causal = (kv <= q_idx) & (doc[b, kv] == doc[b, q_idx])
-        return ((step == 0) & causal) | ((step > 0) & (kv == q_idx))
-
-    block_mask = create_block_mask(mask_mod, B, None, T, (J + 1) * T, device=q.device)
     fn = flex_attention
     if q.device.type == "cuda":
         if _compiled_flex is None:
-            # One compile per key length (J + 1) * T: K steps of training plus the eval lengths pass
-            # dynamo's default limit of 8, past which it would silently run the eager flex_attention,
-            # which materialises the full score matrix.
+            # One compile per key length (J + 1) * T: K steps of training plus the 2K held-out steps (at one
+            # row length per eval run, train/evaluate.py) pass dynamo's default limit of 8, past which it would
+            # silently run the eager flex_attention, which materialises the full score matrix.
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             _compiled_flex = torch.compile(flex_attention, dynamic=False)
         fn = _compiled_flex

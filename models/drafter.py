@@ -331,13 +331,14 @@ class Eagle3Drafter(nn.Module):
         y = self.norm(h2)
         return y, (y if self.spec.norm_output else h2)
 
-    def ttt_step(self, input_ids, hidden, position_ids, document_ids, kv: list):
+    def ttt_step(self, input_ids, hidden, position_ids, mask, kv: list):
         """One training-time-test step over all rows (SPEC.md section 4).
 
         ``input_ids``/``position_ids`` ``[B, T]`` are this step's (already shifted) tokens and RoPE
         positions, ``hidden`` ``[B, T, H]`` is g (``fuse`` at step 0, the fed-back state after),
-        ``kv`` the (k, v) of the earlier steps, to which this step's are appended. Row t attends to
-        step-0 keys 0..t of its document and to its own key of each step >= 1.
+        ``mask`` the batch's ``TTTMask`` (models/attention.py; one per unroll, shared by its steps) or its
+        document ids ``[B, T]``, ``kv`` the (k, v) of the earlier steps, to which this step's are appended.
+        Row t attends to step-0 keys 0..t of its document and to its own key of each step >= 1.
         Returns (y ``[B, T, H]`` for ``lm_head``, the state to feed back).
         """
         impl = resolve_attention(self.attention, hidden.device)
@@ -350,7 +351,7 @@ class Eagle3Drafter(nn.Module):
                 kd, vd = torch.stack([d[0] for d in diag], 2), torch.stack([d[1] for d in diag], 2)
             else:
                 kd, vd = k0[:, :, None][:, :, :0], v0[:, :, None][:, :, :0]  # J = 0
-            return ttt_attention(q, k0, v0, kd, vd, document_ids, impl)
+            return ttt_attention(q, k0, v0, kd, vd, mask, impl)
 
         return self._layer(input_ids, hidden, position_ids, attend)
 

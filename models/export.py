@@ -124,13 +124,14 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, target_co
 # ----------------------------------------------------------------------------------------------- loading
 
 
-def spec_from_export(drafter_dir: str | Path, target_num_hidden_layers: int | None = None):
+def spec_from_export(drafter_dir: str | Path, target_num_hidden_layers: int | None = None, serving: bool = False):
     """The DrafterSpec of an exported dir: from our training record when present, else (public EAGLE-3
-    checkpoints) from config.json, read as the target's layer settings plus the Eagle-3 fields."""
+    checkpoints) from config.json, read as the target's layer settings plus the Eagle-3 fields.
+    ``serving``: from config.json even when the record is there, as vLLM and SGLang build it."""
     from fledge.models.drafter import DrafterSpec
 
     d = Path(drafter_dir)
-    record = read_json(d / RECORD)
+    record = None if serving else read_json(d / RECORD)
     if record and record.get("spec"):
         return DrafterSpec.from_dict(record["spec"])
     config = read_json(d / "config.json")
@@ -170,17 +171,19 @@ class _Flags:
 
 def load_drafter(drafter_dir: str | Path, embed_weight: torch.Tensor | None = None,
                  target: str | Path | None = None, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", serving: bool = False):
     """Read an exported dir (any dialect, or a public EAGLE-3 checkpoint in the HF layout) into an
     ``Eagle3Drafter``. When the export has no ``embed_tokens.weight``, it comes from ``embed_weight`` or
-    from the target's safetensors (``target`` = a local dir); a missing ``t2d`` is rebuilt from ``d2t``."""
+    from the target's safetensors (``target`` = a local dir); a missing ``t2d`` is rebuilt from ``d2t``.
+    ``serving``: the drafter config.json and the weights describe, as an engine loads it (the training
+    record ignored), for measuring what is served; else the record's spec when there is one."""
     from fledge.models.drafter import Eagle3Drafter
 
     d = Path(drafter_dir)
     L = None
     if target is not None and (Path(target) / "config.json").exists():
         L = read_target(read_json(Path(target) / "config.json"))[1].num_hidden_layers
-    spec = spec_from_export(d, L)
+    spec = spec_from_export(d, L, serving=serving)
     sd = from_serving_state_dict(read_tensors(d), dtype, dialect_of(read_json(d / "config.json") or {}).name)
     V, Vd = spec.vocab_size, spec.draft_vocab_size
     if "embed_tokens.weight" not in sd:

@@ -72,6 +72,7 @@ def lint_drafter(drafter_dir: str | Path, target_config: Any = None) -> list[Fin
     if t is not None:
         _check_against_target(c, t, add)
     _check_flags(c, record, add)
+    _check_layer_trained(c, record, add)
     _check_tensors(d, config, c, add)
     return out
 
@@ -179,6 +180,38 @@ def _check_flags(c: dict, record: dict | None, add) -> None:
                 f"config.json says {key}={bool(c.get(key))} but the drafter was trained with {key}="
                 f"{bool(trained[key])}: the engine would run a different forward than training",
                 f'set "{key}": {str(bool(trained[key])).lower()} in config.json')
+
+
+def served_layer(c: dict) -> dict:
+    """The drafter-layer settings an engine builds from config.json (``layer_config`` of any dialect), keys
+    missing read the way vLLM and SGLang read them: kv heads = heads, head_dim = hidden / heads, hidden_act
+    silu, target hidden size = hidden size, draft vocab = vocab. RoPE, max positions and flags are apart."""
+    heads, hidden = c.get("num_attention_heads"), c.get("hidden_size")
+    return {"hidden_size": hidden, "intermediate_size": c.get("intermediate_size"), "num_attention_heads": heads,
+            "num_key_value_heads": c.get("num_key_value_heads") or heads,
+            "head_dim": c.get("head_dim") or (int(hidden) // int(heads) if hidden and heads else None),
+            "hidden_act": c.get("hidden_act") or "silu", "rms_norm_eps": c.get("rms_norm_eps"),
+            "vocab_size": c.get("vocab_size"), "draft_vocab_size": c.get("draft_vocab_size") or c.get("vocab_size"),
+            "target_hidden_size": c.get("target_hidden_size") or hidden}
+
+
+def _check_layer_trained(c: dict, record: dict | None, add) -> None:
+    """Every layer setting the engine reads from config.json against the DrafterSpec it was trained as (the
+    record's ``spec``; RoPE, max positions and flags are _check_flags'). A mismatch runs another layer than
+    training (a wrong rms_norm_eps or hidden_act loads and serves silently) whatever the target says."""
+    spec = (record or {}).get("spec") or {}
+    for key, served in served_layer(c).items():
+        trained = spec.get(key)
+        if trained is None:
+            continue
+        if key == "rms_norm_eps" and served is not None:
+            same = math.isclose(float(served), float(trained), rel_tol=1e-6)
+        else:
+            same = served == trained
+        if not same:
+            add("error", f"{key.replace('_', '-')}-trained", f"config.json gives {key}={served!r} but the drafter "
+                f"was trained with {key}={trained!r}: the engine would run a different layer than training",
+                f"set {key}={trained!r} in config.json (or re-export the drafter)")
 
 
 def _check_tensors(d: Path, config: dict, c: dict, add) -> None:

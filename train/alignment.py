@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fledge.models.attention import TTTMask
+
 
 def lead(k: int) -> int:
     """How far step ``k`` reads ahead of its row: its input token and its teacher row are t + lead(k)."""
@@ -72,9 +74,10 @@ def unroll(drafter, aux_hidden: torch.Tensor, input_ids: torch.Tensor, position_
     g = drafter.fuse(aux_hidden)
     kv: list = []
     ys = []
+    mask = TTTMask(document_ids, steps)  # built once: every step (and its backward) reads the same mask
     for k in range(steps):
         tokens, positions = step_inputs(input_ids, position_ids, k)
-        y, g = drafter.ttt_step(tokens, g, positions, document_ids, kv)
+        y, g = drafter.ttt_step(tokens, g, positions, mask, kv)
         ys.append(y)
     return ys
 

@@ -176,24 +176,69 @@ def evaluate_set(name: str, prompts: list[list[int]], target_model, drafter, eva
     return out
 
 
+# Held-out rows are one length per run (below): flex attention is compiled with static shapes, one compile
+# per key length (J + 1) T, and a row length per sample recompiled it for every sample (silently falling back
+# to the eager kernel, which materialises the scores, past dynamo's limit).
+HELDOUT_MIN_ROW = 128  # flex's sparse block size
+
+
+def heldout_row_length(longest: int) -> int:
+    """The row length of a held-out run: the smallest power of two >= ``longest`` and >= HELDOUT_MIN_ROW, so
+    that runs of similar data share it too (a handful of lengths in all)."""
+    return max(HELDOUT_MIN_ROW, 1 << max(0, longest - 1).bit_length())
+
+
+def pack_heldout(lengths: Sequence[int], row_len: int) -> list[list[int]]:
+    """Sample indices per row, in order, each row holding samples whose lengths add up to <= ``row_len``."""
+    rows: list[list[int]] = []
+    used = row_len
+    for i, n in enumerate(lengths):
+        if n > row_len:
+            raise ValueError(f"held-out sample {i} has {n} tokens; row length {row_len}")
+        if used + n > row_len:
+            rows.append([])
+            used = 0
+        rows[-1].append(i)
+        used += n
+    return rows
+
+
 @torch.inference_mode()
 def heldout_accuracy(drafter, frozen, samples: Sequence[tuple[list[int], list[int]]], steps: int) -> dict:
     """Teacher-forced per-step accuracy on held-out conversations (one document each), unrolled ``steps``
     TTT steps, beyond the trained K too. Step j's inputs and counted rows are training's
     (train/alignment.py). ``full_acc[j]`` counts, among step j's counted rows, those whose steps 0..j were
     all right, where a step whose row did not count (its target outside the draft vocab, say) is a miss,
-    as it is when drafting: this is the offline side of the offline-vs-measured comparison."""
+    as it is when drafting: this is the offline side of the offline-vs-measured comparison.
+
+    The target reads each conversation alone; the drafter reads them packed as documents into rows of one
+    length (``heldout_row_length``; padding is document -1 and never counts), which the TTT mask keeps
+    apart, so the numbers are those of one conversation per row."""
     hit, full, rows = torch.zeros(steps), torch.zeros(steps), torch.zeros(steps)
     dev, dtype = drafter.lm_head.weight.device, drafter.lm_head.weight.dtype
-    for ids, mask in tqdm(samples, desc="held-out accuracy", leave=False):
-        x = torch.tensor([ids], device=frozen.device)
-        aux, _, argmax = frozen.capture(x)
-        x, argmax = x.to(dev), argmax.to(dev)
-        m = torch.tensor([mask], device=dev, dtype=torch.bool)
-        T = x.shape[1]
-        doc, pos = torch.zeros(1, T, dtype=torch.int32, device=dev), torch.arange(T, device=dev)[None]
-        all_ok = torch.ones(1, T, dtype=torch.bool, device=dev)
-        for j, y in enumerate(alignment.unroll(drafter, aux.to(dev, dtype), x, pos, doc, steps)):
+    if not samples:
+        return {"steps": steps, "acc": [0.0] * steps, "full_acc": [0.0] * steps, "rows": rows.tolist()}
+    R = heldout_row_length(max(len(ids) for ids, _ in samples))
+    for members in tqdm(pack_heldout([len(ids) for ids, _ in samples], R), desc="held-out accuracy", leave=False):
+        x = torch.zeros(1, R, dtype=torch.long, device=dev)
+        argmax, aux = torch.zeros_like(x), None
+        m = torch.zeros(1, R, dtype=torch.bool, device=dev)
+        doc = torch.full((1, R), -1, dtype=torch.int32, device=dev)
+        pos = torch.zeros(1, R, dtype=torch.long, device=dev)
+        at = 0
+        for d, i in enumerate(members):
+            ids, mask = samples[i]
+            n = len(ids)
+            a, _, am = frozen.capture(torch.tensor([ids], device=frozen.device))
+            if aux is None:
+                aux = torch.zeros(1, R, a.shape[-1], dtype=dtype, device=dev)
+            sl = slice(at, at + n)
+            x[0, sl], argmax[0, sl], aux[0, sl] = torch.tensor(ids, device=dev), am[0].to(dev), a[0].to(dev, dtype)
+            m[0, sl], doc[0, sl] = torch.tensor(mask, dtype=torch.bool, device=dev), d
+            pos[0, sl] = torch.arange(n, device=dev)
+            at += n
+        all_ok = torch.ones(1, R, dtype=torch.bool, device=dev)
+        for j, y in enumerate(alignment.unroll(drafter, aux, x, pos, doc, steps)):
             step = alignment.step_rows(m, doc, argmax, drafter.t2d, j)
             ok = drafter.draft_to_target(drafter.lm_head(y).argmax(-1)) == step.teacher_argmax
             all_ok &= ok
@@ -218,7 +263,7 @@ def load_eval_models(cfg, drafter_dir: Path, device: torch.device, aux_layer_ids
     if device.type == "cpu":
         frozen.model.float()
     drafter = load_drafter(drafter_dir, embed_weight=frozen.input_embeddings().float().cpu(),
-                           dtype=torch.float32, device=device).eval()
+                           dtype=torch.float32, device=device, serving=True).eval()
     return frozen, drafter
 
 
@@ -227,15 +272,17 @@ def evaluate_run(cfg, run_dir: Path, out_dir: Path, drafter_dir: Path, device: t
     from fledge.data.chat import ChatRenderer, eot_ids_from_target
     from fledge.data.prepare import load_tokenizer
     from fledge.models.drift import drift_curves
+    from fledge.models.export import spec_from_export
     from fledge.train.report import write_report
 
     ev, K = cfg.eval, cfg.drafter.ttt_steps
     renderer = ChatRenderer(load_tokenizer(cfg.target, cfg.data.chat_template), extra_eot_ids=eot_ids_from_target(cfg.target.name_or_path,
                                                                                    cfg.target.revision))
     eos = sorted(renderer.eot_ids)
-    record = read_json(drafter_dir / "fledge_training.json") or {}
-    spec_ids = (record.get("spec") or {}).get("aux_layer_ids") or cfg.aux_layer_ids()
-    frozen, drafter = load_eval_models(cfg, drafter_dir, device, spec_ids)
+    # Measure what an engine serves: the drafter config.json and the weights describe (its aux ids, layer
+    # settings, flags), not the training record: a config.json that disagrees with training shows in the AL.
+    served = spec_from_export(drafter_dir, serving=True)
+    frozen, drafter = load_eval_models(cfg, drafter_dir, device, served.aux_layer_ids)
     target_model = frozen.model
     max_pos = int(getattr(target_model.config, "max_position_embeddings", 1 << 30))
     prepare_dir = run_dir / "prepare"

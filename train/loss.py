@@ -186,25 +186,27 @@ def _shared_teacher_steps(ys_flat, rows, th_flat, lm_head, teacher_head, impl, c
 
     The teacher's expected head row q (models/kernels/fused_loss.py) is computed once for the union of
     the teacher rows any step needs, and each step pays only for its drafter logsumexp. No [rows, Vd]
-    tensor outlives a chunk.
+    tensor outlives a chunk. lm_head's gradient is, per step and for the teacher, a large term of nearly
+    the size of its neighbours' with the opposite sign; they all sum in fp32 through one ``fp32_grad``
+    stand-in and reach the weight rounded once (rounding each term first loses ~4% near convergence).
     """
-    from fledge.models.kernels import draft_logsumexp, gather_dot, teacher_expectation
+    from fledge.models.kernels import draft_cross_entropy, draft_logsumexp, fp32_grad, teacher_expectation
 
     w = lm_head.weight
+    w_grad = fp32_grad(w)
     idx = [s.counted.nonzero().squeeze(1) for s in rows]
     wanted = torch.unique(torch.cat([r + s.lead for s, r in zip(rows, idx)]))  # counted => in range
     slot = torch.full((rows[0].counted.numel(),), -1, dtype=torch.long, device=w.device)
     slot[wanted] = torch.arange(wanted.numel(), device=w.device)
-    q = teacher_expectation(th_flat[wanted], teacher_head.to(th_flat.dtype), w, chunk_size)
+    q = teacher_expectation(th_flat[wanted], teacher_head.to(th_flat.dtype), w, chunk_size, grad_into=w_grad)
     out = []
     for y, s, r in zip(ys_flat, rows, idx):
         if r.numel() == 0:  # one weight-0 row keeps lm_head (and y) in every rank's graph
-            lse, _ = draft_logsumexp(y[:1], w, impl, chunk_size)
+            lse, _ = draft_logsumexp(y[:1], w, impl, chunk_size, grad_into=w_grad)
             out.append((0.0 * lse.sum(), r, None))
             continue
-        yr = y[r]
-        lse, pred = draft_logsumexp(yr, w, impl, chunk_size)
-        out.append(((lse - gather_dot(yr, q, slot[r + s.lead])).sum(), r, pred))
+        loss_rows, pred = draft_cross_entropy(y[r], w, q, slot[r + s.lead], impl, chunk_size, grad_into=w_grad)
+        out.append((loss_rows.sum(), r, pred))
     return out
 
 

@@ -54,7 +54,7 @@ class StageContext:
 def config_slice(cfg: Config, stage: str) -> dict[str, Any]:
     """The config values a stage's output depends on (logging and later stages excluded)."""
     d = dataclasses.asdict
-    target = {k: v for k, v in d(cfg.target).items() if k != "config_overrides"}
+    target = {k: v for k, v in d(cfg.target).items() if k != "config_overrides"}  # prepare/capture load the model
     if stage == "prepare":
         return {"target": target, "data": d(cfg.data), "draft_vocab_size": cfg.drafter.draft_vocab_size,
                 "seed": cfg.run.seed}
@@ -70,7 +70,11 @@ def config_slice(cfg: Config, stage: str) -> dict[str, Any]:
         return {"drafter": d(cfg.drafter), "train": train, "deepspeed": d(cfg.deepspeed),
                 "capture_mode": cfg.capture.mode, "seed": cfg.run.seed}
     if stage == "export":
-        return {"export": {k: v for k, v in d(cfg.export).items() if k not in ("push_to_hub", "private")}}
+        # What export reads besides the checkpoint: the target's config (its local config.json, which the
+        # fingerprint covers, else target.config_overrides, else the hub's: models/export.py
+        # load_target_config), the target's name and the draft length (the speculators dialect writes both).
+        return {"export": {k: v for k, v in d(cfg.export).items() if k not in ("push_to_hub", "private")},
+                "target": d(cfg.target), "speculative_tokens": cfg.eval.draft_tokens}
     if stage == "eval":
         return {"eval": d(cfg.eval)}
     raise AssertionError(stage)
@@ -87,7 +91,7 @@ def inputs_hash(cfg: Config, stage: str, upstream: dict[str, dict]) -> str:
         "upstream": {k: v["inputs_hash"] for k, v in upstream.items()},
         "versions": {"torch": torch.__version__.split("+")[0], "transformers": transformers.__version__},
     }
-    if stage in ("prepare", "capture"):
+    if stage in ("prepare", "capture", "export"):
         payload["target_fingerprint"] = target_fingerprint(cfg.target.name_or_path)
     blob = json.dumps(payload, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:20]

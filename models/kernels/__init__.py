@@ -7,8 +7,9 @@ imported); impl="torch" (or "chunked"/"naive" for the loss) forces a torch path.
 """
 
 from fledge.models.kernels.fp8 import dequantize_e4m3, quantize_e4m3
-from fledge.models.kernels.fused_loss import draft_logsumexp, fused_draft_loss, gather_dot, teacher_expectation
+from fledge.models.kernels.fp32_accum import fp32_grad
+from fledge.models.kernels.fused_loss import draft_cross_entropy, draft_logsumexp, fused_draft_loss, teacher_expectation
 from fledge.models.kernels.rmsnorm import RMSNorm, rms_norm
 
-__all__ = ["RMSNorm", "dequantize_e4m3", "draft_logsumexp", "fused_draft_loss", "gather_dot", "quantize_e4m3",
-           "rms_norm", "teacher_expectation"]
+__all__ = ["RMSNorm", "dequantize_e4m3", "draft_cross_entropy", "draft_logsumexp", "fp32_grad", "fused_draft_loss",
+           "quantize_e4m3", "rms_norm", "teacher_expectation"]

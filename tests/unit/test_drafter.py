@@ -2,7 +2,6 @@
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,8 +14,6 @@ from fledge.conf.schema import DrafterConfig
 from fledge.train.alignment import ttt_states
 
 from conftest import FLAGS, make_drafter, packed_batch, target_config
-
-TINY_TARGET = Path(__file__).resolve().parents[2] / ".cache/tiny_target/quick"
 
 
 def test_state_dict_has_serving_names():
@@ -145,12 +142,11 @@ def test_feedback_rms_random_states():
     _check_feedback(b.aux_hidden[1:], b.input_ids[1:])
 
 
-def test_feedback_rms_tiny_target_states():
-    if not (TINY_TARGET / "config.json").exists():
-        pytest.skip(f"{TINY_TARGET} not built yet (fledge tiny-target); random-state variant covers it")
+def test_feedback_rms_tiny_target_states(tiny_target):
+    """The same on a trained target's states (the tiny target, built once by its fixture if missing)."""
     from transformers import AutoModelForCausalLM
 
-    target = AutoModelForCausalLM.from_pretrained(TINY_TARGET, dtype=torch.float32).eval()
+    target = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
     cfg = target.config
     ids = torch.randint(0, cfg.vocab_size, (1, 48), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

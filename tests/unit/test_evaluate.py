@@ -78,11 +78,8 @@ def run(tmp_path_factory):
     return root
 
 
-def test_eval_stage_writes_report(run):
+def _eval_cfg(run):
     from fledge.conf.schema import Config
-    from fledge.distributed import World
-    from fledge.train.stages import evaluate as run_stage
-    from fledge.train.stages import StageContext
 
     cfg = Config()
     cfg.target.name_or_path = str(run / "target")
@@ -94,11 +91,25 @@ def test_eval_stage_writes_report(run):
     cfg.eval.max_new_tokens = 12
     cfg.eval.long_prompt_tokens = 120
     cfg.eval.temperature = 0.8
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def evaluated(run):
+    """The eval stage run once on ``run``: (its stage dir, the stage's summary)."""
+    from fledge.distributed import World
+    from fledge.train.stages import evaluate as run_stage
+    from fledge.train.stages import StageContext
+
     stage_dir = run / "run/eval"
     stage_dir.mkdir()
-    ctx = StageContext(cfg, World(0, 1, 0, torch.device("cpu")), run / "run", stage_dir,
+    ctx = StageContext(_eval_cfg(run), World(0, 1, 0, torch.device("cpu")), run / "run", stage_dir,
                        {"export": {"outputs": {"drafter": str(run / "run/export/drafter")}}})
-    summary = run_stage(ctx)
+    return stage_dir, run_stage(ctx)
+
+
+def test_eval_stage_writes_report(evaluated):
+    stage_dir, summary = evaluated
     report = json.loads((stage_dir / "report.json").read_text())
     assert set(report["sets"]) == {"default", "perturbed", "long"}
     for name, s in report["sets"].items():
@@ -124,6 +135,44 @@ def test_eval_stage_writes_report(run):
     assert "| default |" in md and "lookup" in md and "Attention drift" in md
 
 
+def test_eval_measures_the_drafter_config_json_describes(run, tmp_path, monkeypatch):
+    """An export whose config.json differs from its training record (eps, activation, norm_output): eval
+    measures the drafter an engine would build from config.json + weights, not the record's."""
+    import shutil
+
+    import fledge.train.evaluate as E
+    from fledge.models.export import load_drafter
+
+    drafter_dir = tmp_path / "drafter"
+    shutil.copytree(run / "run/export/drafter", drafter_dir)
+    config = json.loads((drafter_dir / "config.json").read_text())
+    record = json.loads((drafter_dir / "fledge_training.json").read_text())["spec"]
+    planted = {"rms_norm_eps": 0.25, "hidden_act": "gelu", "norm_output": not record["norm_output"]}
+    (drafter_dir / "config.json").write_text(json.dumps({**config, **planted}))
+
+    class Measured(Exception):
+        pass
+
+    def first_set(name, prompts, target_model, drafter, *args):
+        raise Measured(drafter)
+
+    monkeypatch.setattr(E, "evaluate_set", first_set)
+    with pytest.raises(Measured) as seen:
+        E.evaluate_run(_eval_cfg(run), run / "run", tmp_path / "eval", drafter_dir, torch.device("cpu"))
+    measured = seen.value.args[0]
+    assert {k: getattr(measured.spec, k) for k in planted} == planted
+    trained = load_drafter(drafter_dir, embed_weight=measured.embed_tokens.weight)  # the record's drafter
+    assert {k: getattr(trained.spec, k) for k in planted} == {k: record[k] for k in planted}
+    assert all(torch.equal(p, measured.state_dict()[n]) for n, p in trained.state_dict().items())
+    aux = torch.randn(1, 5, measured.spec.fc_in_features, generator=torch.Generator().manual_seed(0))
+    ids, pos = torch.tensor([[3, 9, 4, 7, 1]]), torch.arange(5)[None]
+    with torch.no_grad():
+        from fledge.models.drafter import DraftCache
+
+        out = [d.decode_step(ids, d.fuse(aux), pos, DraftCache())[0] for d in (measured, trained)]
+    assert (out[0] - out[1]).abs().max() > 1e-3  # the planted settings change what is served
+
+
 def test_distinct_ngram_ratio():
     assert distinct_ngram_ratio([1, 2, 3, 4, 5]) == 1.0
     assert distinct_ngram_ratio([1, 2, 1, 2, 1, 2, 1, 2]) == pytest.approx(2 / 6)
@@ -140,14 +189,11 @@ def test_acceptance_stats_skips_budget_limited_rounds():
     assert s["accept_cond"] == pytest.approx([2 / 3, 1 / 2, 1.0])
 
 
-def test_compare_script(run, tmp_path):
-    """``fledge compare`` on two runs' reports (the stage test's report, flags set per kind)."""
+def test_compare_script(evaluated, tmp_path):
+    """``fledge compare`` on two runs' reports (the eval stage's report, flags set per kind)."""
     import fledge.train.compare as cmp
 
-    src = run / "run/eval/report.json"
-    if not src.exists():
-        pytest.skip("needs test_eval_stage_writes_report's output")
-    base = json.loads(src.read_text())
+    base = json.loads((evaluated[0] / "report.json").read_text())
     for name, flag, scale in (("r31", True, 1.0), ("r3", False, 0.5)):
         rep = json.loads(json.dumps(base))
         rep["flags"] = {"fc_norm": flag, "norm_output": flag}
@@ -187,3 +233,64 @@ def test_greedy_mismatch_is_an_error(monkeypatch):
     monkeypatch.setattr(ev, "speculative_decode", corrupt)
     with pytest.raises(AssertionError, match="differs from plain greedy"):
         ev.evaluate_set("default", prompts, target, drafter, cfg, [], 0)
+
+
+class _FeatureTarget:
+    """A stand-in frozen target for held-out accuracy: aux states and argmax are fixed functions of the ids
+    (what the drafter reads; the real target's forward is not what these tests are about)."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, width, vocab=50, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.table = torch.randn(vocab, width, generator=g)
+
+    def capture(self, x):
+        return self.table[x], None, (x * 7 + 3) % 40
+
+
+def _per_sample_heldout(drafter, frozen, samples, steps):
+    """held-out accuracy as it was written before rows were packed: one unpadded row per sample."""
+    from fledge.train import alignment
+
+    hit, full, rows = torch.zeros(steps), torch.zeros(steps), torch.zeros(steps)
+    for ids, mask in samples:
+        x = torch.tensor([ids])
+        aux, _, argmax = frozen.capture(x)
+        T = x.shape[1]
+        doc, pos, m = torch.zeros(1, T, dtype=torch.int32), torch.arange(T)[None], torch.tensor([mask])
+        all_ok = torch.ones(1, T, dtype=torch.bool)
+        for j, y in enumerate(alignment.unroll(drafter, aux, x, pos, doc, steps)):
+            step = alignment.step_rows(m, doc, argmax, drafter.t2d, j)
+            ok = drafter.draft_to_target(drafter.lm_head(y).argmax(-1)) == step.teacher_argmax
+            all_ok &= ok
+            hit[j] += float((ok & step.counted).sum())
+            full[j] += float((all_ok & step.counted).sum())
+            rows[j] += float(step.counted.sum())
+    return (hit / rows.clamp_min(1)).tolist(), (full / rows.clamp_min(1)).tolist(), rows.tolist()
+
+
+def test_heldout_accuracy_shows_flex_a_bounded_set_of_lengths(monkeypatch):
+    """50 held-out samples of 50 different lengths: flex (compiled with static shapes on GPU, one compile per
+    key length) sees one row length, not one per sample; the numbers equal one unpadded row per sample."""
+    import fledge.models.attention as A
+    from conftest import make_drafter
+    from fledge.train.evaluate import heldout_accuracy
+
+    g = torch.Generator().manual_seed(0)
+    lengths = [4 + 3 * i for i in range(50)]
+    samples = [(torch.randint(0, 50, (n,), generator=g).tolist(), (torch.rand(n, generator=g) > 0.2).tolist())
+               for n in lengths]
+    drafter = make_drafter(attention="flex")
+    frozen = _FeatureTarget(drafter.spec.fc_in_features)
+    seen = set()
+    real = A._flex
+    monkeypatch.setattr(A, "_flex", lambda q, *a: seen.add(q.shape[2]) or real(q, *a))
+    steps = 3
+    got = heldout_accuracy(drafter, frozen, samples, steps)
+    assert len(seen) <= 3, f"flex saw {len(seen)} row lengths for {len(set(lengths))} sample lengths"
+    monkeypatch.setattr(A, "_flex", real)
+    with torch.inference_mode():
+        acc, full_acc, rows = _per_sample_heldout(make_drafter(attention="sdpa"), frozen, samples, steps)
+    assert got["rows"] == rows and min(rows) > 100
+    assert got["acc"] == pytest.approx(acc, abs=1e-6) and got["full_acc"] == pytest.approx(full_acc, abs=1e-6)

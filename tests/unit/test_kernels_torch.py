@@ -90,26 +90,32 @@ def test_the_two_pieces_match_their_formulas(monkeypatch):
         torch.testing.assert_close(wi.grad, d.T @ y)
 
 
-def test_gather_dot_matches_autograd_and_keeps_no_copies():
-    from fledge.models.kernels import gather_dot
+def test_draft_cross_entropy_matches_autograd_and_keeps_no_copies():
+    """lse(y W^T) - y . q[index] with repeated teacher rows: values and gradients in y, W and q equal plain
+    autograd of the formula; backward keeps y, W, q, index and one fp32 lse per row, nothing [N, H]-sized."""
+    from fledge.models.kernels import draft_cross_entropy
 
     g = torch.Generator().manual_seed(1)
-    y = torch.randn(9, 16, generator=g).bfloat16().requires_grad_()
+    y = torch.randn(9, 16, generator=g).requires_grad_()
+    w = torch.randn(30, 16, generator=g).requires_grad_()
     q = torch.randn(5, 16, generator=g).requires_grad_()
     idx = torch.tensor([0, 4, 4, 1, 2, 3, 0, 0, 2])
     up = torch.randn(9, generator=g)
-    got = gather_dot(y, q, idx)
+    got, arg = draft_cross_entropy(y, w, q, idx, impl="chunked", chunk_size=4)
     (got * up).sum().backward()
-    y2, q2 = y.detach().clone().requires_grad_(), q.detach().clone().requires_grad_()
-    want = (y2.float() * q2[idx]).sum(-1)
+    y2, w2, q2 = (x.detach().clone().requires_grad_() for x in (y, w, q))
+    want = torch.logsumexp(y2 @ w2.T, -1) - (y2 * q2[idx]).sum(-1)
     (want * up).sum().backward()
     torch.testing.assert_close(got, want)
-    torch.testing.assert_close(y.grad, y2.grad)
-    torch.testing.assert_close(q.grad, q2.grad)
+    assert torch.equal(arg, (y2 @ w2.T).argmax(-1))
+    for a, b in ((y, y2), (w, w2), (q, q2)):
+        torch.testing.assert_close(a.grad, b.grad)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        gather_dot(y, q, idx)
-    assert {t.untyped_storage().data_ptr() for t in saved} == {x.untyped_storage().data_ptr() for x in (y, q, idx)}
+        draft_cross_entropy(y, w, q, idx, impl="chunked")
+    mine = {x.untyped_storage().data_ptr() for x in (y, w, q, idx)}
+    extra = [t for t in saved if t.untyped_storage().data_ptr() not in mine]
+    assert [(t.shape, t.dtype) for t in extra] == [((9,), torch.float32)]  # the lse
 
 
 def test_masked_rows_do_not_count():
@@ -194,3 +200,30 @@ def test_dtype_mismatch_raises():
     y, w_d, t, w_t, m = _inputs()
     with pytest.raises(ValueError, match="dtype"):
         fused_draft_loss(y.bfloat16(), w_d, t, w_t, m)
+
+
+def test_fp32_products_from_bf16_parts_are_fp32_accurate(monkeypatch):
+    """On CUDA mm_f32 multiplies bf16 hi + lo parts of fp32 operands on tensor cores; run that splitting on
+    CPU with an exact bf16 x bf16 -> fp32 product: hi + lo carry 16 bits (error ~2^-17, where rounding the fp32
+    operand to bf16 alone is ~2^-9: >100x worse), in output-row blocks smaller than the result."""
+    import fledge.models.kernels.fp32_accum as A
+
+    monkeypatch.setattr(A, "BLOCK_ELEMENTS", 3 * 20)  # 3-row blocks
+    g = torch.Generator().manual_seed(0)
+    exact = lambda x, y: x.float() @ y.float()  # noqa: E731  (bf16 products are exact in fp32)
+    p = torch.softmax(torch.randn(37, 50, generator=g) * 3, -1)  # fp32, like the softmax weights
+    w = torch.randn(50, 20, generator=g).bfloat16()  # a bf16 weight
+    gq = torch.randn(37, 20, generator=g)  # fp32, like the teacher's upstream gradient
+    for a, b in ((p, w), (p.t(), gq)):
+        want = a.double() @ b.double()
+        got = A.addmm_parts_(torch.zeros(want.shape), a, b, torch.bfloat16, exact)
+        rounded = exact(a.bfloat16() if a.dtype == torch.float32 else a, b.bfloat16())
+        err, err_bf16 = ((got - want).norm() / want.norm()).item(), ((rounded - want).norm() / want.norm()).item()
+        assert err < 1e-5 and err_bf16 > 100 * err, (err, err_bf16)
+    # and the grad stand-in: every contribution summed in fp32, rounded once
+    x = torch.ones(4, dtype=torch.bfloat16, requires_grad=True)
+    sink = A.fp32_grad(x)
+    assert sink.dtype == torch.float32 and sink.shape == x.shape and sink.untyped_storage().nbytes() == 4
+    terms = [torch.full((4,), 1.0 + 2**-9), torch.full((4,), -1.0)]  # each term alone rounds 1+2^-9 to 1
+    sum(((sink * t).sum() for t in terms), torch.zeros(())).backward()
+    assert x.grad.dtype == torch.bfloat16 and torch.equal(x.grad, torch.full((4,), 2**-9, dtype=torch.bfloat16))

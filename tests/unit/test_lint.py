@@ -23,10 +23,17 @@ TARGET = {
     "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                      "original_max_position_embeddings": 1024},
 }
-SPEC = {"fc_norm": True, "norm_output": True, "norm_before_fc": False, "aux_layer_ids": [2, 4, 5],
-        "draft_vocab_size": 128, "vocab_size": 512, "hidden_size": 64, "max_position_embeddings": 4096,
-        "rope": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                 "high_freq_factor": 4.0, "original_max_position_embeddings": 1024}}
+def _spec():
+    """The DrafterSpec dict training records for a drafter of TARGET (every layer field the record holds)."""
+    from fledge.conf.schema import DrafterConfig
+    from fledge.models.drafter import DrafterSpec
+
+    return DrafterSpec.from_target_config(TARGET, DrafterConfig(draft_vocab_size=128), [2, 4, 5]).to_dict()
+
+
+SPEC = _spec()
+assert SPEC["rope"] == {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                        "high_freq_factor": 4.0, "original_max_position_embeddings": 1024}
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +137,32 @@ def test_training_record_catches_flag_drift_without_target(good, tmp_path):
     _edit_record(bad, lambda r: r.pop("trained_with"))
     warn = {f.code for f in lint_drafter(bad, None)}
     assert "no-training-record" in warn
+
+
+# Each layer setting an engine reads from config.json, planted wrong: only the training record can tell.
+TRAINED_FIELDS = {"rms_norm_eps": 1e-6, "hidden_act": "gelu", "hidden_size": 48, "intermediate_size": 96,
+                  "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 8, "vocab_size": 500,
+                  "draft_vocab_size": 100, "target_hidden_size": 32}
+
+
+@pytest.mark.parametrize("key", sorted(TRAINED_FIELDS))
+def test_every_served_layer_field_is_checked_against_training(good, tmp_path, key):
+    """A wrong rms_norm_eps or hidden_act (or any layer field) in config.json loads and serves silently: an
+    error from the training record alone (no target config), for both dialects."""
+    import shutil
+
+    for fmt, bad in (("hf", tmp_path / "hf"), ("speculators", tmp_path / "spec")):
+        if fmt == "hf":
+            shutil.copytree(good, bad)
+            _edit_config(bad, lambda c: c.update({key: TRAINED_FIELDS[key]}))
+        else:
+            config = serving_config(TARGET, SPEC, SPEC["aux_layer_ids"], 128, fmt=fmt, target_name="t")
+            write_drafter(bad, random_state_dict(config), config, training_record(SPEC))
+            where = "transformer_layer_config" if key not in ("draft_vocab_size", "target_hidden_size") else None
+            _edit_config(bad, lambda c: (c[where] if where else c).update({key: TRAINED_FIELDS[key]}))
+        code = f"{key.replace('_', '-')}-trained"
+        assert code in _codes(bad, target=None), (fmt, format_findings(lint_drafter(bad, None)))
+    assert not {f.code for f in lint_drafter(good, None) if f.code.endswith("-trained")}
 
 
 def test_speculators_export_and_norm_before_residual(tmp_path):

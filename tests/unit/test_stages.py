@@ -130,3 +130,21 @@ def test_capture_slices_share_the_stage_hash(tmp_path, calls, world):
 def test_bad_slice_settings_are_refused(tmp_path, overrides, match):
     with pytest.raises(ValueError, match=match):
         make_cfg(tmp_path, *overrides)
+
+
+def test_export_reruns_when_what_it_reads_changes(tmp_path, calls, world):
+    """Export writes the target's config (target.config_overrides when the target has no local config.json)
+    and the draft length into config.json: changing either re-runs export (and eval), nothing before it."""
+    stages = "run.stages=[prepare,capture,train,export,eval]"
+    runner.run_stages(make_cfg(tmp_path, stages), world, calls.fns)
+    calls.clear()
+    runner.run_stages(make_cfg(tmp_path, stages, "+target.config_overrides.rms_norm_eps=1e-6"), world, calls.fns)
+    assert calls == ["export", "eval"]
+    calls.clear()
+    runner.run_stages(make_cfg(tmp_path, stages, "+target.config_overrides.rms_norm_eps=1e-6", "eval.draft_tokens=4"),
+                      world, calls.fns)
+    assert calls == ["export", "eval"]
+    calls.clear()
+    runner.run_stages(make_cfg(tmp_path, stages, "+target.config_overrides.rms_norm_eps=1e-6", "eval.draft_tokens=4"),
+                      world, calls.fns)
+    assert calls == []
