@@ -84,7 +84,8 @@ def run_driver(engine: str, python: Path, request: dict, workdir: Path, timeout_
     t0 = time.perf_counter()
     with open(log_path, "w", encoding="utf-8") as log:
         try:
-            proc = subprocess.run(cmd, cwd=workdir, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
+            proc = subprocess.run(cmd, cwd=workdir, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
+                                  env=_engine_env())
         except subprocess.TimeoutExpired:
             raise EngineError(f"eval.engine={engine}: the engine did not finish within eval.engine_timeout_s="
                               f"{timeout_s:g} s (log: {log_path}); raise it or lower eval.num_prompts") from None
@@ -101,6 +102,14 @@ def run_driver(engine: str, python: Path, request: dict, workdir: Path, timeout_
                           "DIR --target TARGET` on the export")
     result["wall_s"] = wall
     return result
+
+
+def _engine_env() -> dict:
+    """Our environment minus torchrun's rendezvous variables: the engine is one process of its own, and
+    vLLM's workers would otherwise read RANK / WORLD_SIZE / MASTER_* meant for the eval's process group."""
+    drop = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
+            "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+    return {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("TORCHELASTIC_")}
 
 
 def _tail(path: Path, lines: int = 25) -> str:
