@@ -49,7 +49,9 @@ def build_request(cfg, sets: dict[str, list[list[int]]], drafter_dir: Path, eos:
     longest = max(len(p) for prompts in sets.values() for p in prompts)
     # Room for the longest prompt, the answer and one round of k drafts past it; never beyond the target.
     max_len = min(max_pos, longest + ev.max_new_tokens + ev.draft_tokens + 16)
-    return {"target": cfg.target.name_or_path, "revision": cfg.target.revision,
+    target = cfg.target.name_or_path  # a local dir made absolute: the driver runs in its own work dir
+    target = str(Path(target).resolve()) if Path(target).exists() else target
+    return {"target": target, "revision": cfg.target.revision,
             "trust_remote_code": cfg.target.trust_remote_code, "dtype": engine_dtype(cfg, device_type),
             "max_model_len": max_len, "seed": cfg.run.seed, "max_new_tokens": ev.max_new_tokens,
             "stop_token_ids": list(eos), "batch_size": ev.engine_batch_size,

@@ -107,11 +107,17 @@ def _section(al_engine: float, diffs=()) -> dict:
 
 
 def test_an_al_gap_beyond_tolerance_fails_with_causes_and_lint():
+    from fledge.train.engine_eval import engine_failures
+
     assert _section(3.0)["failures"] == []
     (msg,) = _section(1.25)["failures"]
     for part in ("set 'default'", "AL 1.25", "in-process AL 3.00", "eval.engine_al_tolerance=0.15", "aux layer ids",
                  "fc_norm / norm_output", "RoPE", "d2t", "fledge lint exp --target tgt"):
         assert part in msg, part
+    (msg,) = engine_failures("default", {**_section(1.0)["sets"]["default"], "in_process_al": 1.0, "al_gap": 0.0},
+                             0.15, Path("exp"), "tgt", estimate=3.0)
+    assert "collapsed below the training-time estimate 3.00" in msg and "fledge lint exp" in msg
+    assert engine_failures("default", _section(3.0)["sets"]["default"], 0.15, Path("exp"), "tgt", estimate=3.5) == []
     diff = {"prompt": 1, "position": 7, "spec": [3], "plain": [4], "top2_gap": 2.0, "tie": False}
     (msg,) = _section(3.0, [diff])["failures"]
     assert "prompt 1" in msg and "generated token 7" in msg
@@ -126,3 +132,18 @@ def test_report_shows_engine_next_to_in_process_and_the_failure():
     md = markdown(report)
     assert "| default | 2.50 | 3.00 | 1.25 | -1.75 | 1.50 | 1.50 | -0.25 |" in md
     assert "Engine checks failed" in md and "CPU: test" in md
+
+
+def test_request_names_a_local_target_absolutely_and_a_hub_id_as_is(tmp_path, monkeypatch):
+    from fledge.train.engine_eval import build_request
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tgt").mkdir()
+    cfg = _cfg(engine="vllm")
+    cfg.target.name_or_path = "tgt"
+    req = build_request(cfg, {"default": [[1, 2, 3]]}, tmp_path / "d", [5], 2048, "cpu")
+    assert req["target"] == str(tmp_path / "tgt") and req["dtype"] == "float32"
+    assert req["max_model_len"] == 3 + cfg.eval.max_new_tokens + cfg.eval.draft_tokens + 16
+    assert [e["name"] for e in req["engines"]] == ["plain", "drafter", "lookup"]
+    cfg.target.name_or_path = "org/model"
+    assert build_request(cfg, {"default": [[1]]}, tmp_path / "d", [5], 2048, "cuda")["target"] == "org/model"
