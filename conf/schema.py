@@ -173,6 +173,14 @@ class EvalConfig:
     degenerate_threshold: float = 0.5  # outputs with a distinct-3-gram ratio below this count as degenerate (loops)
     drift_depth: int = 0  # draft depth of the attention-drift diagnostics (0 -> max(draft_tokens, 2K))
     lookup_max_ngram: int = 3  # prompt-lookup baseline: longest n-gram matched in the context
+    # The serving engine in the loop (train/engine_eval.py): hf = Fledge's in-process harness only; vllm also
+    # serves the export with real vLLM (scripts/setup_engine.sh) and holds its AL to the in-process AL;
+    # sglang runs only on CUDA GPUs.
+    engine: str = "hf"  # hf | vllm | sglang
+    engine_al_tolerance: float = 0.15  # max |engine AL - in-process AL| per set before the eval stage fails
+    engine_python: Optional[str] = None  # the engine's python (default $FLEDGE_ENGINE_PYTHON, .engine/venv)
+    engine_batch_size: int = 0  # prompts per engine generate call (0: the whole set at once)
+    engine_timeout_s: int = 1800  # the whole engine run, all three configurations
 
 
 @dataclass
@@ -204,8 +212,9 @@ class Config:
         _check_capture_slices(self)
         _one_of("deepspeed.zero_stage", self.deepspeed.zero_stage, (0, 1, 2, 3))
         _one_of("train.optim.schedule", self.train.optim.schedule, ("cosine", "linear", "constant"))
-        # export.format names a dialect registered in fledge.models.dialects, which conf (the bottom layer)
-        # cannot import: train/main.py checks it before any stage runs, and export again when it uses it.
+        _one_of("eval.engine", self.eval.engine, ("hf", "vllm", "sglang"))
+        if not self.eval.engine_al_tolerance > 0:
+            raise ValueError(f"eval.engine_al_tolerance={self.eval.engine_al_tolerance}: must be > 0 (an AL gap)")
         _one_of("logging.wandb_mode", self.logging.wandb_mode, ("auto", "online", "offline", "disabled"))
         if not 0.0 <= self.data.eval_fraction < 1.0:
             raise ValueError(f"data.eval_fraction={self.data.eval_fraction}: must be in [0, 1)")

@@ -17,6 +17,7 @@ from typing import Any, Callable, TypeVar
 
 from fledge.atomic import read_json
 from fledge.models.dialects import dialect_of, serving_commands
+from fledge.models.engine_card import engine_section, sglang_note
 from fledge.models.serving_config import layer_config
 
 log = logging.getLogger(__name__)
@@ -120,6 +121,8 @@ def build_model_card(drafter_dir: str | Path, repo_id: str, run_dir: str | Path 
     ]
     table = _al_table(outputs) if outputs else ""
     parts.append(table + "\n" if table else "No eval-stage results were found for this export.\n")
+    engine = engine_section(Path(run_dir) if run_dir else None, repo_id)  # eval.engine=vllm: what vLLM measured
+    parts += ["## Measured by the serving engine\n", engine, sglang_note() + "\n"] if engine else []
     parts += [f"![{p.stem}]({plot_prefix}/{p.name})" for p in plots]
     if record.get("metrics"):
         parts += ["\n## Training metrics (held-out, offline)\n",

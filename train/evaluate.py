@@ -25,6 +25,7 @@ import torch
 from tqdm import tqdm
 
 from fledge.atomic import read_json
+from fledge.models.serving_engine import check_engine
 from fledge.models.speculative import (DrafterProposer, LookupProposer, TargetRunner, first_divergence, greedy_decode,
                                 speculative_decode)
 from fledge.train import alignment
@@ -276,6 +277,7 @@ def evaluate_run(cfg, run_dir: Path, out_dir: Path, drafter_dir: Path, device: t
     from fledge.train.report import write_report
 
     ev, K = cfg.eval, cfg.drafter.ttt_steps
+    engine_python = check_engine(ev.engine, device.type, ev.engine_python)  # before any work: fail fast
     renderer = ChatRenderer(load_tokenizer(cfg.target, cfg.data.chat_template), extra_eot_ids=eot_ids_from_target(cfg.target.name_or_path,
                                                                                    cfg.target.revision))
     eos = sorted(renderer.eot_ids)
@@ -313,7 +315,15 @@ def evaluate_run(cfg, run_dir: Path, out_dir: Path, drafter_dir: Path, device: t
                                          "measured_al": report["sets"][first]["drafter"]["al"]}
     train_manifest = read_json(run_dir / "train" / "manifest.json") or {}
     report["train_al_estimate"] = (train_manifest.get("outputs") or {}).get("best_al_estimate")
+    if engine_python is not None:  # eval.engine=vllm: the same prompts served by the engine (train/engine_eval.py)
+        from fledge.train.engine_eval import run_engine_eval
+
+        report["engine"] = run_engine_eval(cfg, sets, report, drafter_dir, out_dir, eos, max_pos, device.type,
+                                           engine_python)
     write_report(report, out_dir, run_dir / "train" / "metrics.jsonl")
-    return {"report": str(out_dir / "report.md"), "json": str(out_dir / "report.json"),
+    if report.get("engine", {}).get("failures"):  # after the report is written, so the numbers can be read
+        raise ValueError("\n".join(report["engine"]["failures"]) + f"\n(report: {out_dir / 'report.md'})")
+    return {**{f"al_engine_{n}": s["drafter"]["al"] for n, s in report.get("engine", {}).get("sets", {}).items()},
+            "report": str(out_dir / "report.md"), "json": str(out_dir / "report.json"),
             **{f"al_{n}": s["drafter"]["al"] for n, s in report["sets"].items()},
             **{f"al_lookup_{n}": s["lookup"]["al"] for n, s in report["sets"].items()}}

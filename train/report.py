@@ -69,6 +69,10 @@ def markdown(report: dict) -> str:
     ties = sum(s["greedy_ties"] for s in report["sets"].values())
     lines += ["", f"Greedy output identical to plain greedy decoding on every prompt"
               + (f" ({ties} divergence(s) at numerical ties of the target's top-2 logits)." if ties else ".")]
+    if report.get("engine"):  # eval.engine=vllm: in-process vs engine side by side (train/engine_eval.py)
+        from fledge.train.engine_eval import engine_markdown
+
+        lines += engine_markdown(report)
     if "heldout" in report:
         h = report["heldout"]
         lines += ["", f"## Held-out teacher-forced accuracy (trained K={report['ttt_steps']})", "",

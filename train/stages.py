@@ -66,13 +66,21 @@ def export(ctx: StageContext) -> dict:
 
 
 def evaluate(ctx: StageContext) -> dict:
-    """Measure the exported drafter: acceptance, baselines, drift (rank 0 works, the others wait)."""
+    """Measure the exported drafter: acceptance, baselines, drift (rank 0 works; its outcome, summary or
+    error, reaches every rank, so a failed check, e.g. the engine's, does not leave the others waiting)."""
     from fledge.train.evaluate import evaluate_run
 
-    summary = evaluate_run(ctx.cfg, ctx.run_dir, ctx.stage_dir, drafter_dir_of(ctx), ctx.world.device) \
-        if ctx.world.is_main else {}
-    ctx.world.barrier()
-    return summary
+    result: dict[str, Any] = {}
+    if ctx.world.is_main:
+        try:
+            result = {"summary": evaluate_run(ctx.cfg, ctx.run_dir, ctx.stage_dir, drafter_dir_of(ctx),
+                                              ctx.world.device)}
+        except ValueError as e:
+            result = {"error": str(e)}
+    result = broadcast_object(result)
+    if "error" in result:
+        raise ValueError(result["error"])
+    return result["summary"]
 
 
 def _export(cfg: Config, run_dir: Path, out: Path, ckpt: Path) -> dict:

