@@ -2,7 +2,8 @@
 
 import json
 
-from fledge.models.export import random_state_dict, training_record, write_drafter
+from conftest import random_state_dict
+from fledge.models.export import training_record, write_drafter
 from fledge.models.hub import build_model_card
 from fledge.models.serving_config import serving_config
 
