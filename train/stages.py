@@ -53,16 +53,7 @@ def train(ctx: StageContext) -> dict:
 def export(ctx: StageContext) -> dict:
     """Checkpoint -> serving directory, linted, optionally pushed (rank 0 works; its outcome, summary or
     error, reaches every rank so none waits on a failed one)."""
-    result: dict[str, Any] = {}
-    if ctx.world.is_main:
-        try:
-            result = {"summary": _export(ctx.cfg, ctx.run_dir, ctx.stage_dir / "drafter", checkpoint_of(ctx))}
-        except ValueError as e:
-            result = {"error": str(e)}
-    result = broadcast_object(result)
-    if "error" in result:
-        raise ValueError(result["error"])
-    return result["summary"]
+    return _on_main(ctx, lambda: _export(ctx.cfg, ctx.run_dir, ctx.stage_dir / "drafter", checkpoint_of(ctx)))
 
 
 def evaluate(ctx: StageContext) -> dict:
@@ -70,11 +61,17 @@ def evaluate(ctx: StageContext) -> dict:
     error, reaches every rank, so a failed check, e.g. the engine's, does not leave the others waiting)."""
     from fledge.train.evaluate import evaluate_run
 
+    return _on_main(ctx, lambda: evaluate_run(ctx.cfg, ctx.run_dir, ctx.stage_dir, drafter_dir_of(ctx),
+                                              ctx.world.device))
+
+
+def _on_main(ctx: StageContext, work: Callable[[], dict]) -> dict:
+    """Run ``work`` on rank 0 and give every rank its outcome: the summary, or its user error re-raised, so
+    no rank waits at a collective for a rank 0 that failed."""
     result: dict[str, Any] = {}
     if ctx.world.is_main:
         try:
-            result = {"summary": evaluate_run(ctx.cfg, ctx.run_dir, ctx.stage_dir, drafter_dir_of(ctx),
-                                              ctx.world.device)}
+            result = {"summary": work()}
         except ValueError as e:
             result = {"error": str(e)}
     result = broadcast_object(result)
