@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 
 from fledge.models.kernels.fused_loss import fused_draft_loss
-from fledge.train.loss import _per_step_module_calls, _shared_teacher_steps
+from fledge.train.alignment import StepRows
+from fledge.train.loss import SoftCrossEntropy, _per_step_module_calls, _shared_teacher_steps
 
 IMPLS = ("shared-triton", "shared-chunked", "per-step", "naive")
 
@@ -54,16 +55,21 @@ def _step(impl, ys, t, head, w_t, counted, chunk_size):
         n = int(counted[0].sum())
         parts = [fused_draft_loss(y[:n], head.weight, t[1 + k:1 + k + n], w_t, torch.ones(n, device=t.device),
                                   impl="naive")[0] for k, y in enumerate(ys)]
-    elif impl == "per-step":
-        parts = [p for p, _, _ in _per_step_module_calls(ys, counted, t, head, w_t, chunk_size)]
     else:
-        lse_impl = impl.removeprefix("shared-")
-        parts = [p for p, _, _ in _shared_teacher_steps(ys, counted, t, head, w_t, lse_impl, chunk_size)]
+        # train/loss.py's execution paths take per-step StepRows: step k scores row r against teacher row r+1+k.
+        rows = [StepRows(lead=1 + k, teacher_argmax=torch.zeros_like(c, dtype=torch.long), counted=c)
+                for k, c in enumerate(counted)]
+        if impl == "per-step":
+            loss_sum = SoftCrossEntropy(steps=len(ys), step_weight=0.8, chunk_size=chunk_size).loss_sum
+            scored = _per_step_module_calls(loss_sum, ys, rows, t, head, w_t, chunk_size)
+        else:
+            scored = _shared_teacher_steps(ys, rows, t, head, w_t, impl.removeprefix("shared-"), chunk_size)
+        parts = [p for p, _, _ in scored]
     total = sum(0.8**k * p / int(c.sum()) for k, (p, c) in enumerate(zip(parts, counted)))
     total.backward()
     for x in ys + [head.weight]:
         x.grad = None
-    return total.item()
+    return float(total)
 
 
 def _sync(device):
