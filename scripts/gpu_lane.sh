@@ -8,8 +8,9 @@
 # (hydra-core, omegaconf, antlr4-python3-runtime, deepspeed, datasets for bench_train.py) can be carried
 # as wheels built here, e.g. `pip wheel --no-deps -w wheels hydra-core==1.3.8 omegaconf==2.3.1
 # antlr4-python3-runtime==4.9.3 deepspeed==0.19.8`, and installed with --wheels. Each step runs even if
-# an earlier one failed; the summary says which did. The step limits add up to 9 minutes, inside one
-# 10-minute device command; outputs are written as they come, so a cut run still returns its files.
+# an earlier one failed; the summary says which did. GPU_LANE_STEPS="a b ..." runs only the steps named
+# (default: all; their limits add up to 15 minutes, so a 10-minute device command names a subset), and
+# outputs are written as they come, so a cut run still returns its files.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-outputs/gpu_lane}
@@ -23,14 +24,19 @@ $PY -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/fl
   || echo "fledge install failed (see install.txt)"
 export PYTHONPATH="/tmp/fledge_site${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 WANDB_MODE=disabled PYTHONUNBUFFERED=1
 : > "$OUT/summary.txt"
-step() {  # step NAME TIMEOUT_S CMD...   (rc 124 = stopped at its limit)
+STEPS=" ${GPU_LANE_STEPS:-nvidia_smi tests_gpu bench_loss bench_rmsnorm bench_train bench_layers bench_long} "
+step() {  # step NAME TIMEOUT_S CMD...   (rc 124 = stopped at its limit); only the steps named in GPU_LANE_STEPS
   local name=$1 limit=$2; shift 2
+  case "$STEPS" in *" $name "*) ;; *) return 0 ;; esac
   local t0=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
   echo "$name rc=$? $((SECONDS - t0))s" | tee -a "$OUT/summary.txt"
 }
 step nvidia_smi 15 nvidia-smi
 step tests_gpu 150 $PY -m pytest tests/gpu -q -p no:cacheprovider
-step bench_loss 180 $PY scripts/bench_loss.py --device cuda
+step bench_loss 180 $PY scripts/bench_loss.py --device cuda ${BENCH_LOSS_ARGS:-}
 step bench_rmsnorm 45 $PY scripts/bench_rmsnorm.py --device cuda
 step bench_train 150 $PY scripts/bench_train.py --device cuda
+[ -f scripts/bench_layers.py ] && step bench_layers 120 $PY scripts/bench_layers.py --device cuda
+[ -f scripts/bench_long.py ] && step bench_long 180 $PY scripts/bench_long.py --device cuda
+true
