@@ -19,10 +19,11 @@ mkdir -p "$OUT"
 if [ "${1:-}" = "--wheels" ] && [ -n "${2:-}" ]; then
   $PY -m pip install -q --no-index --no-deps "$2"/*.whl > "$OUT/wheels.txt" 2>&1 || echo "wheel install failed (see wheels.txt)"
 fi
-# Fledge itself: the wheel's layout (one fledge namespace) installed into a scratch site directory.
-$PY -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/fledge_site . > "$OUT/install.txt" 2>&1 \
-  || echo "fledge install failed (see install.txt)"
-export PYTHONPATH="/tmp/fledge_site${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 WANDB_MODE=disabled PYTHONUNBUFFERED=1
+# Fledge itself, in the wheel's layout (one fledge namespace) without installing: the checkout's own
+# fledge/ would shadow an installed copy for scripts run from here, so link its subpackages in as the
+# editable install maps them (train/ -> fledge.train, ...).
+for d in train data models conf; do [ -e "fledge/$d" ] || ln -s "../$d" "fledge/$d"; done
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 WANDB_MODE=disabled PYTHONUNBUFFERED=1
 : > "$OUT/summary.txt"
 STEPS=" ${GPU_LANE_STEPS:-nvidia_smi tests_gpu bench_loss bench_rmsnorm bench_train bench_layers bench_long} "
 step() {  # step NAME TIMEOUT_S CMD...   (rc 124 = stopped at its limit); only the steps named in GPU_LANE_STEPS
@@ -33,7 +34,7 @@ step() {  # step NAME TIMEOUT_S CMD...   (rc 124 = stopped at its limit); only t
   echo "$name rc=$? $((SECONDS - t0))s" | tee -a "$OUT/summary.txt"
 }
 step nvidia_smi 15 nvidia-smi
-step tests_gpu 150 $PY -m pytest tests/gpu -q -p no:cacheprovider
+step tests_gpu ${TESTS_GPU_LIMIT:-300} $PY -m pytest tests/gpu -v --durations=0 -p no:cacheprovider ${TESTS_GPU_ARGS:-}
 step bench_loss 180 $PY scripts/bench_loss.py --device cuda ${BENCH_LOSS_ARGS:-}
 step bench_rmsnorm 45 $PY scripts/bench_rmsnorm.py --device cuda
 step bench_train 150 $PY scripts/bench_train.py --device cuda
