@@ -68,9 +68,15 @@ def check_set_names(names: Iterable[str], set_paths: dict | None = None) -> None
     for n in names:
         if n not in known:
             raise ValueError(f"eval.sets: unknown set {n!r}; known sets: {', '.join(known)} (data/eval_sets.py)")
-    for n in (set_paths or {}):
+    for n, path in (set_paths or {}).items():
         if n not in EVAL_SETS:
             raise ValueError(f"eval.set_paths.{n}: not a named eval set; named sets: {', '.join(sorted(EVAL_SETS))}")
+        if _is_local(path) and not Path(path).expanduser().exists():  # caught before the pipeline, not after it
+            raise ValueError(f"eval.set_paths.{n}={path}: no such file or directory")
+
+
+def _is_local(path: str) -> bool:
+    return Path(path).expanduser().exists() or path.startswith((".", "/", "~")) or path.endswith(LOCAL_SUFFIXES)
 
 
 # ------------------------------------------------------------------------------------------ row -> turns
@@ -158,8 +164,7 @@ class LoadedSet:
 def _rows(s: EvalSet, override: Optional[str]) -> tuple[Iterable[dict], str]:
     """The rows of ``s`` and a description of where they came from; ValueError with the fix if unreadable."""
     where = override or s.hub_id
-    local = override is not None and (Path(override).expanduser().exists() or override.startswith((".", "/", "~"))
-                                      or override.endswith(LOCAL_SUFFIXES))
+    local = override is not None and _is_local(override)
     try:
         if local:
             p = Path(override).expanduser()
@@ -181,9 +186,13 @@ def _rows(s: EvalSet, override: Optional[str]) -> tuple[Iterable[dict], str]:
                 if isinstance(ds, datasets.DatasetDict):
                     ds = ds[s.split if s.split in ds else next(iter(ds))]
                 return ds, str(p)
-            # A downloaded hub snapshot (huggingface-cli download --repo-type dataset ID --local-dir DIR)
+            # A downloaded hub snapshot (hf download --repo-type dataset ID --local-dir DIR): its README's
+            # configs name the files, as on the Hub; without them, the config's folder if there is one.
+            if s.config and (p / "README.md").exists() and f"config_name: {s.config}" in (p / "README.md").read_text(
+                    encoding="utf-8", errors="replace"):
+                return datasets.load_dataset(str(p), s.config, split=s.split), f"{p} ({s.config}, {s.split})"
             data_dir = s.config if s.config and (p / s.config).is_dir() else None
-            return datasets.load_dataset(str(p), data_dir=data_dir, split=s.split), str(p)
+            return datasets.load_dataset(str(p), data_dir=data_dir, split=s.split), f"{p} ({s.split})"
         import datasets
 
         hub_id, _, rev = where.partition("@")
@@ -200,7 +209,7 @@ def _rows(s: EvalSet, override: Optional[str]) -> tuple[Iterable[dict], str]:
     raise ValueError(
         f"eval set {s.name!r}: cannot load {where if local else what} ({type(problem).__name__}: "
         f"{str(problem).splitlines()[0] if str(problem) else ''}); on a machine without the Hub, download it "
-        f"(huggingface-cli download --repo-type dataset {s.hub_id} --local-dir DIR) and set "
+        f"(hf download --repo-type dataset {s.hub_id} --local-dir DIR) and set "
         f"eval.set_paths.{s.name}=DIR, or point that key at a .jsonl/.json/.parquet file in the dataset's own schema"
     ) from None
 

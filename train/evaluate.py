@@ -1,7 +1,8 @@
 """The ``eval`` stage: measured acceptance of the exported drafter, honest baselines, drift, held-out accuracy.
 
 For every prompt set (``eval.sets``: ``default``, ``perturbed`` = the data stage's perturbed templates,
-``long`` = prompts grown with more held-out context) it runs, on the same prompts:
+``long`` = prompts grown with more held-out context, and the named public benchmarks of data/eval_sets.py,
+such as ``mt_bench`` or ``speed_bench_throughput_16k``) it runs, on the same prompts:
 
 - plain greedy decoding of the target (the reference output and the baseline time);
 - speculative decoding with the drafter (greedy: asserted identical to the reference, token for token;

@@ -77,7 +77,7 @@ def main(dcfg: DictConfig) -> None:
         # The registries live above conf (the schema cannot import them): check their keys here, before any stage.
         check_loss_name(cfg.drafter.loss)
         get_dialect(cfg.export.format)
-        check_set_names(cfg.eval.sets, cfg.eval.set_paths)
+        check_set_names(cfg.eval.sets, cfg.eval.set_paths if "eval" in cfg.run.stages else {})
     except ValueError as e:
         if debugging():
             raise

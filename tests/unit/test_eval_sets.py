@@ -154,12 +154,24 @@ def test_local_hub_snapshot_and_saved_dataset_dirs(tmp_path, monkeypatch):
     pq.write_table(pa.Table.from_pylist(rows[:1]), tmp_path / "snap/main/train-00000-of-00001.parquet")
     snap = load_conversations("gsm8k", str(tmp_path / "snap"))
     assert len(snap.conversations) == 3 and "A baker" in snap.conversations[0][0]  # the test split, not train
+    # As the Hub serves it: the README's configs name each config's files (here the other config is first)
+    (tmp_path / "snap/socratic").mkdir()
+    pq.write_table(pa.Table.from_pylist(rows[2:]), tmp_path / "snap/socratic/test-00000-of-00001.parquet")
+    (tmp_path / "snap/README.md").write_text(
+        "---\nconfigs:\n- config_name: socratic\n  data_files:\n  - split: test\n    path: socratic/test-*\n"
+        "- config_name: main\n  data_files:\n  - split: test\n    path: main/test-*\n  - split: train\n"
+        "    path: main/train-*\n---\n# GSM8K\n")
+    card = load_conversations("gsm8k", str(tmp_path / "snap"))
+    assert card.conversations == snap.conversations and card.source.endswith("(main, test)")
     datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "saved"))
     assert load_conversations("gsm8k", str(tmp_path / "saved")).conversations == snap.conversations
 
 
 def test_unknown_names_are_config_errors():
-    check_set_names(["default", "long", "mt_bench", "speed_bench_throughput_16k"], {"longbench_v2": "/x"})
+    check_set_names(["default", "long", "mt_bench", "speed_bench_throughput_16k"],
+                    {"longbench_v2": str(FIX / FIXTURES["longbench_v2"]), "gsm8k": "openai/gsm8k@main"})
+    with pytest.raises(ValueError, match=r"eval.set_paths.math500=/nonexistent/m.jsonl: no such file"):
+        check_set_names(["math500"], {"math500": "/nonexistent/m.jsonl"})
     with pytest.raises(ValueError, match=r"eval.sets: unknown set 'mtbench'; known sets: default, long, perturbed"):
         check_set_names(["default", "mtbench"])
     with pytest.raises(ValueError, match=r"eval.set_paths.default: not a named eval set"):
@@ -172,6 +184,9 @@ def test_config_keys():
     cfg = compose(["recipe=tiny", "eval.sets=[mt_bench]", f"+eval.set_paths.mt_bench={FIX / FIXTURES['mt_bench']}",
                    "eval.prompt_length_policy=skip", "eval.max_prompt_tokens=300"])
     assert cfg.eval.set_paths == {"mt_bench": str(FIX / FIXTURES["mt_bench"])} and cfg.eval.max_prompt_tokens == 300
+    assert "longbench_v2" in compose(["recipe=llama3", "evalsets=long_context"]).eval.sets
+    assert compose(["recipe=tiny", "evalsets=standard"]).eval.sets[3:] == [
+        "mt_bench", "gsm8k", "humaneval", "alpaca", "cnn_dm", "math500", "speed_bench_qualitative"]
     with pytest.raises(ValueError, match="eval.prompt_length_policy='cut'"):
         compose(["recipe=tiny", "eval.prompt_length_policy=cut"])
 
@@ -201,3 +216,11 @@ def test_eval_stage_reports_named_sets(run, tmp_path, monkeypatch):  # noqa: F81
     assert n["speed_bench_coding"]["placeholder_rows"] == 1 and n["speed_bench_coding"]["hub_id"] == "nvidia/SPEED-Bench"
     md = (out / "report.md").read_text()
     assert "## Named eval sets" in md and "| mt_bench | multi-turn chat" in md
+
+
+def test_entry_point_refuses_an_unknown_set_before_any_stage(tmp_path):
+    from test_user_errors import assert_one_line, fledge_run
+
+    assert_one_line(fledge_run(tmp_path, "eval.sets=[default,mtbench]"), "config: eval.sets: unknown set 'mtbench'",
+                    "mt_bench", "data/eval_sets.py")
+    assert not (tmp_path / "out").exists()
