@@ -205,7 +205,7 @@ def _rows(s: EvalSet, override: Optional[str]) -> tuple[Iterable[dict], str]:
         problem = e
     except Exception as e:  # offline, unknown id, missing split, bad snapshot: all user-fixable
         problem = e
-    what = f"{s.hub_id}" + (f" (config {s.config}, split {s.split})" if s.config else f" (split {s.split})")
+    what = where + (f" (config {s.config}, split {s.split})" if s.config else f" (split {s.split})")
     raise ValueError(
         f"eval set {s.name!r}: cannot load {where if local else what} ({type(problem).__name__}: "
         f"{str(problem).splitlines()[0] if str(problem) else ''}); on a machine without the Hub, download it "
