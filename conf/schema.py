@@ -181,6 +181,12 @@ class EvalConfig:
     engine_python: Optional[str] = None  # the engine's python (default $FLEDGE_ENGINE_PYTHON, .engine/venv)
     engine_batch_size: int = 0  # prompts per engine generate call (0: the whole set at once)
     engine_timeout_s: int = 1800  # the whole engine run, all three configurations
+    # Named eval sets (data/eval_sets.py): eval.sets may also name public benchmarks (mt_bench, gsm8k, humaneval,
+    # alpaca, cnn_dm, math500, speed_bench_<category>, speed_bench_throughput_<n>k, longbench_v2), loaded by hub id
+    # with `datasets` and rendered through the target's chat template; eval.num_prompts bounds each set's prompts.
+    set_paths: dict[str, str] = field(default_factory=dict)  # <set name> -> local file/dir or org/name[@revision]
+    max_prompt_tokens: int = 0  # named sets: longest prompt (0: the target's max positions minus the generation)
+    prompt_length_policy: str = "truncate"  # named sets, a longer prompt: truncate (cut its middle) | skip
 
 
 @dataclass
@@ -213,6 +219,9 @@ class Config:
         _one_of("deepspeed.zero_stage", self.deepspeed.zero_stage, (0, 1, 2, 3))
         _one_of("train.optim.schedule", self.train.optim.schedule, ("cosine", "linear", "constant"))
         _one_of("eval.engine", self.eval.engine, ("hf", "vllm", "sglang"))
+        _one_of("eval.prompt_length_policy", self.eval.prompt_length_policy, ("truncate", "skip"))
+        if self.eval.max_prompt_tokens < 0:
+            raise ValueError(f"eval.max_prompt_tokens={self.eval.max_prompt_tokens}: must be >= 0 (0: the target's limit)")
         if not self.eval.engine_al_tolerance > 0:
             raise ValueError(f"eval.engine_al_tolerance={self.eval.engine_al_tolerance}: must be > 0 (an AL gap)")
         _one_of("logging.wandb_mode", self.logging.wandb_mode, ("auto", "online", "offline", "disabled"))

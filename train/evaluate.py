@@ -1,7 +1,8 @@
 """The ``eval`` stage: measured acceptance of the exported drafter, honest baselines, drift, held-out accuracy.
 
 For every prompt set (``eval.sets``: ``default``, ``perturbed`` = the data stage's perturbed templates,
-``long`` = prompts grown with more held-out context) it runs, on the same prompts:
+``long`` = prompts grown with more held-out context, and the named public benchmarks of data/eval_sets.py,
+such as ``mt_bench`` or ``speed_bench_throughput_16k``) it runs, on the same prompts:
 
 - plain greedy decoding of the target (the reference output and the baseline time);
 - speculative decoding with the drafter (greedy: asserted identical to the reference, token for token;
@@ -80,15 +81,32 @@ def lengthen(conv: dict, others: Sequence[dict], renderer, want_tokens: int) -> 
     return out
 
 
-def build_prompt_sets(eval_cfg, renderer, prepare_dir: Path, max_prompt_tokens: int) -> dict[str, list[list[int]]]:
+def build_prompt_sets(eval_cfg, renderer, prepare_dir: Path, max_prompt_tokens: int, respond=None,
+                      named_info: dict | None = None) -> dict[str, list[list[int]]]:
     """{set name: prompt token ids}; a set whose file is missing is skipped with a warning. Prompts longer
-    than ``max_prompt_tokens`` are cut from the left (the generation prompt at the end is kept)."""
+    than ``max_prompt_tokens`` are cut from the left (the generation prompt at the end is kept). A named set
+    (data/eval_sets.py) is loaded by hub id or from ``eval.set_paths``, its later turns asked after
+    ``respond(prompt_ids)`` (the target's own answer); its counts go to ``named_info[name]``."""
     from fledge.data.chat import prompt_ids
+    from fledge.data.eval_sets import EVAL_SETS, check_set_names, load_conversations, render_prompts
 
+    check_set_names(eval_cfg.sets, eval_cfg.set_paths)
     sets = {}
     for name in eval_cfg.sets:
-        if name not in SET_FILES:
-            raise ValueError(f"eval.sets: unknown set {name!r}; expected some of {sorted(SET_FILES)}")
+        if name in EVAL_SETS:
+            loaded = load_conversations(name, eval_cfg.set_paths.get(name), limit=eval_cfg.num_prompts)
+            limit = min(max_prompt_tokens, eval_cfg.max_prompt_tokens or max_prompt_tokens)
+            sets[name], info = render_prompts(loaded, renderer, limit, eval_cfg.prompt_length_policy,
+                                              eval_cfg.num_prompts, respond)
+            if not sets[name]:
+                raise ValueError(f"eval set {name!r}: every prompt is longer than {limit} tokens and "
+                                 f"eval.prompt_length_policy=skip; raise eval.max_prompt_tokens or use truncate")
+            if named_info is not None:
+                named_info[name] = {**info, "hub_id": EVAL_SETS[name].hub_id, "measures": EVAL_SETS[name].measures}
+            log.info("eval set %s: %d prompt(s) from %s (%d truncated, %d skipped as too long, %d placeholder rows)",
+                     name, len(sets[name]), info["source"], info["truncated"], info["skipped_too_long"],
+                     info["placeholder_rows"])
+            continue
         path = prepare_dir / SET_FILES[name]
         if not path.exists():
             log.warning("eval: no %s, skipping the %r set", path, name)
@@ -288,13 +306,23 @@ def evaluate_run(cfg, run_dir: Path, out_dir: Path, drafter_dir: Path, device: t
     target_model = frozen.model
     max_pos = int(getattr(target_model.config, "max_position_embeddings", 1 << 30))
     prepare_dir = run_dir / "prepare"
-    sets = build_prompt_sets(ev, renderer, prepare_dir, max_pos - ev.max_new_tokens - ev.draft_tokens - 2)
+    plain = TargetRunner(target_model)
+
+    def respond(prompt: list[int]) -> str:  # a multi-turn set's earlier answers: the target's own, greedy
+        out, _ = greedy_decode(plain, prompt, ev.max_new_tokens, eos)
+        return renderer.tok.decode([t for t in out if t not in renderer.eot_ids], skip_special_tokens=True)
+
+    named: dict = {}
+    sets = build_prompt_sets(ev, renderer, prepare_dir, max_pos - ev.max_new_tokens - ev.draft_tokens - 2, respond,
+                             named)
     if not sets:
         raise ValueError(f"eval: no prompt set could be built from {prepare_dir} (eval.sets={ev.sets}); run prepare")
     report: dict = {"drafter": str(drafter_dir), "k": ev.draft_tokens, "ttt_steps": K,
                     "max_new_tokens": ev.max_new_tokens, "temperature": ev.temperature,
                     "degenerate_threshold": ev.degenerate_threshold,
                     "flags": {f: bool(getattr(drafter.spec, f)) for f in ("fc_norm", "norm_output")}, "sets": {}}
+    if named:
+        report["named_sets"] = named
     for name, prompts in sets.items():
         report["sets"][name] = evaluate_set(name, prompts, target_model, drafter, ev, eos, cfg.run.seed)
     depth = ev.drift_depth or max(ev.draft_tokens, 2 * K)
@@ -305,7 +333,7 @@ def evaluate_run(cfg, run_dir: Path, out_dir: Path, drafter_dir: Path, device: t
         samples = [renderer.encode(c, f"{default}:{i + 1}")
                    for i, c in enumerate(read_conversations(default)[:ev.num_prompts])]
         report["heldout"] = heldout_accuracy(drafter, frozen, samples, ev.heldout_steps or 2 * K)
-        first = next(iter(report["sets"]))
+        first = "default" if "default" in report["sets"] else next(iter(report["sets"]))
         measured = report["sets"][first]["drafter"]["accept_at"]
         offline = StepAccuracy(report["heldout"]["acc"][:len(measured)], report["heldout"]["full_acc"][:len(measured)])
         report["offline_vs_measured"] = {"set": first, "offline_full_acc": offline.full_acc,

@@ -67,6 +67,7 @@ def user_error(e: BaseException, all_ranks_agree: bool = False) -> None:
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
 def main(dcfg: DictConfig) -> None:
+    from fledge.data.eval_sets import check_set_names
     from fledge.models.dialects import get_dialect
     from fledge.train.loss import check_loss_name
     from fledge.train.trainer import PREEMPTED_EXIT_CODE, Preempted
@@ -76,6 +77,7 @@ def main(dcfg: DictConfig) -> None:
         # The registries live above conf (the schema cannot import them): check their keys here, before any stage.
         check_loss_name(cfg.drafter.loss)
         get_dialect(cfg.export.format)
+        check_set_names(cfg.eval.sets, cfg.eval.set_paths if "eval" in cfg.run.stages else {})
     except ValueError as e:
         if debugging():
             raise

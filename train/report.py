@@ -69,6 +69,18 @@ def markdown(report: dict) -> str:
     ties = sum(s["greedy_ties"] for s in report["sets"].values())
     lines += ["", f"Greedy output identical to plain greedy decoding on every prompt"
               + (f" ({ties} divergence(s) at numerical ties of the target's top-2 logits)." if ties else ".")]
+    if report.get("named_sets"):  # public benchmarks (data/eval_sets.py): where each set's prompts came from
+        lines += ["", "## Named eval sets", "",
+                  "| set | measures | read from | conversations | prompts | later turns (after the target's own "
+                  "answer) | truncated | skipped (too long) | placeholder rows | other-category rows |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for name, n in report["named_sets"].items():
+            lines.append(f"| {name} | {n['measures']} | `{n['source']}` | {n['conversations']} | "
+                         f"{report['sets'][name]['prompts']} | {n['later_turns']} | {n['truncated']} | "
+                         f"{n['skipped_too_long']} | {n['placeholder_rows']} | {n['filtered_rows']} |")
+        lines += ["", f"Prompts longer than {next(iter(report['named_sets'].values()))['max_prompt_tokens']} tokens: "
+                  f"{next(iter(report['named_sets'].values()))['length_policy']} (truncate keeps the head and the "
+                  "tail, cutting the middle)."]
     if report.get("engine"):  # eval.engine=vllm: in-process vs engine side by side (train/engine_eval.py)
         from fledge.train.engine_eval import engine_markdown
 
