@@ -68,6 +68,7 @@ def user_error(e: BaseException, all_ranks_agree: bool = False) -> None:
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
 def main(dcfg: DictConfig) -> None:
     from fledge.models.dialects import get_dialect
+    from fledge.models.layers import check_layer_format
     from fledge.train.loss import check_loss_name
     from fledge.train.trainer import PREEMPTED_EXIT_CODE, Preempted
 
@@ -76,6 +77,7 @@ def main(dcfg: DictConfig) -> None:
         # The registries live above conf (the schema cannot import them): check their keys here, before any stage.
         check_loss_name(cfg.drafter.loss)
         get_dialect(cfg.export.format)
+        check_layer_format(cfg.drafter.layer, cfg.export.format)
     except ValueError as e:
         if debugging():
             raise
