@@ -96,7 +96,6 @@ def run_engine(req: dict, conf: dict) -> dict:
         kwargs["revision"] = req["revision"]
     if conf.get("speculative_config"):
         kwargs["speculative_config"] = conf["speculative_config"]
-    kwargs.update(conf.get("engine_args") or {})  # e.g. attention_backend for an MLA drafter on CPU
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     load_s = time.perf_counter() - t0

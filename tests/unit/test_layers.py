@@ -262,3 +262,12 @@ def test_old_specs_without_a_layer_load_as_llama():
     old = {k: v for k, v in vars(d).items() if k not in ("layer", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
                                                          "qk_rope_head_dim", "v_head_dim")}
     assert DrafterSpec.from_dict(old).layer == "llama"
+
+
+def test_mla_asks_vllm_for_its_cpu_mla_attention_on_cpu_only(tmp_path):
+    from fledge.models.serving_engine import draft_options
+
+    out, _ = _export(drafter("mla"), tmp_path)
+    assert draft_options(out, "cpu") == {"attention_backend": "CPU_MLA"}
+    assert draft_options(out, "cuda") == {}
+    assert draft_options(_export(drafter("qwen3"), tmp_path)[0], "cpu") == {}
