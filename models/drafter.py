@@ -120,7 +120,7 @@ class DrafterSpec:
                                     vocab_size=self.vocab_size)
         raise_problems(problems, skip=("aux-ids-start-1",))
         kind = get_layer_kind(self.layer)
-        problems = kind.checks(dataclasses.asdict(self))
+        problems = [p for p in kind.checks(dataclasses.asdict(self)) if p[0] == "error"]
         if problems:
             raise ValueError(problems[0][2])
         if self.num_attention_heads % self.num_key_value_heads:

@@ -195,16 +195,20 @@ def _qwen3_keys(layer: dict, target: Mapping) -> dict:
     return {"head_dim": layer["head_dim"]}  # Qwen3's config spells head_dim out (the q/k norms' width)
 
 
+# DeepSeek-V3's MLA widths (Kimi-K2's too): what a non-MLA target's MLA drafter gets. vLLM's MLA attention
+# caches kv_lora_rank + qk_rope_head_dim per token and its backends take only 320 / 512 / 576 of it (its
+# CPU ones, and FlashMLA, 576 alone), so other widths train but do not serve.
+MLA_DEFAULTS = {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                "v_head_dim": 128}
+SERVED_LATENT = (320, 512, 576)
+
+
 def mla_dims(layer: Mapping, target: Mapping) -> dict:
-    """The MLA widths: the target's own when it is an MLA model (DeepSeek-V3, Kimi-K2), else derived from
-    the layer: q_lora_rank H/2, kv_lora_rank H/4, qk_nope_head_dim = v_head_dim = head_dim, qk_rope_head_dim
-    head_dim/2 (even)."""
+    """The MLA widths: the target's own when it is an MLA model (DeepSeek-V3, Kimi-K2), else MLA_DEFAULTS."""
     if target.get("kv_lora_rank"):
         q = target.get("q_lora_rank")
         return {"q_lora_rank": int(q) if q else None, **{k: int(target[k]) for k in MLA_KEYS[1:]}}
-    H, hd = int(layer["hidden_size"]), int(layer["head_dim"])
-    return {"q_lora_rank": H // 2, "kv_lora_rank": H // 4, "qk_nope_head_dim": hd,
-            "qk_rope_head_dim": max(2, hd // 2 // 2 * 2), "v_head_dim": hd}
+    return dict(MLA_DEFAULTS)
 
 
 def _mla_checks(c: Mapping) -> list[Finding]:
@@ -218,6 +222,10 @@ def _mla_checks(c: Mapping) -> list[Finding]:
                     "use an even qk_rope_head_dim"))
     if c.get("q_lora_rank") not in (None, 0) and (not isinstance(c["q_lora_rank"], int) or c["q_lora_rank"] < 0):
         out.append(("error", "mla-dims", f"q_lora_rank={c['q_lora_rank']!r}", "a positive int, or null for q_proj"))
+    if not out and c["kv_lora_rank"] + c["qk_rope_head_dim"] not in SERVED_LATENT:
+        out.append(("warning", "mla-latent", f"kv_lora_rank + qk_rope_head_dim = {c['kv_lora_rank'] + c['qk_rope_head_dim']}"
+                    f": vLLM's MLA attention serves only {list(SERVED_LATENT)} (CPU and FlashMLA: 576)",
+                    "train with kv_lora_rank 512 and qk_rope_head_dim 64 (DeepSeek-V3's) to serve with vLLM"))
     return out
 
 

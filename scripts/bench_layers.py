@@ -3,9 +3,8 @@
 Per kind (models/layers.py: llama, qwen3, mla): tokens/s and peak memory at T = 2048, K = 7, each as a
 ratio to the Llama layer measured in the same run. The drafter is the scaled-down Llama-3-8B shape of
 scripts/bench_drafter.py: H = 1024, 8 heads / 2 kv heads of 128, intermediate 3584, 3 aux states,
-Vd = 8000, V = 16000. The MLA layer takes the widths a Llama target implies (models/layers.py mla_dims:
-q_lora_rank 512, kv_lora_rank 256, qk_nope 128, qk_rope 64, v 128), or DeepSeek-V3's own
-(q_lora_rank 1536, kv_lora_rank 512, qk_nope 128, qk_rope 64, v 128) with ``--mla-dims deepseek``.
+Vd = 8000, V = 16000. The MLA layer takes the widths a Llama target implies (models/layers.py MLA_DEFAULTS,
+DeepSeek-V3's: q_lora_rank 1536, kv_lora_rank 512, qk_nope 128, qk_rope 64, v 128).
 
 - ``--device cpu``: fp32, the memory-linear attention path (``sdpa``); each kind runs in a fresh
   subprocess so its peak RSS is its own, and "activations" subtracts a subprocess that builds the same
@@ -32,7 +31,6 @@ SHAPE = dict(hidden_size=1024, intermediate_size=3584, num_attention_heads=8, nu
              vocab_size=16000, num_hidden_layers=32, max_position_embeddings=131072, rms_norm_eps=1e-5)
 VD = 8000
 KINDS = ("llama", "qwen3", "mla")
-DEEPSEEK_MLA = dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
 
 
 def machine(device: str) -> str:
@@ -49,7 +47,7 @@ def machine(device: str) -> str:
     return f"{model}, {torch.get_num_threads()} threads, torch {torch.__version__}"
 
 
-def _one(kind: str, T: int, steps: int, iters: int, device: str, mla_dims: str, run: bool) -> dict:
+def _one(kind: str, T: int, steps: int, iters: int, device: str, run: bool) -> dict:
     import torch
     from transformers import LlamaConfig
 
@@ -62,8 +60,6 @@ def _one(kind: str, T: int, steps: int, iters: int, device: str, mla_dims: str, 
     torch.manual_seed(0)
     dev = torch.device(device)
     cfg = LlamaConfig(**SHAPE, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}).to_dict()
-    if kind == "mla" and mla_dims == "deepseek":
-        cfg.update(DEEPSEEK_MLA)
     spec = DrafterSpec.from_target_config(cfg, DrafterConfig(draft_vocab_size=VD, layer=kind), [2, 16, 29])
     d = Eagle3Drafter(spec, attention="auto").to(dev)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -115,7 +111,7 @@ def _one(kind: str, T: int, steps: int, iters: int, device: str, mla_dims: str, 
 
 def _run(kind: str, args, run: bool = True) -> dict:
     cmd = [sys.executable, __file__, "--one", kind, "--seq", str(args.seq), "--steps", str(args.steps),
-           "--iters", str(args.iters), "--device", args.device, "--mla-dims", args.mla_dims]
+           "--iters", str(args.iters), "--device", args.device]
     if not run:
         cmd.append("--no-run")
     out = subprocess.run(cmd, capture_output=True, text=True)
@@ -130,14 +126,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=7)
     ap.add_argument("--iters", type=int, default=2)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--mla-dims", choices=("derived", "deepseek"), default="derived")
     ap.add_argument("--kinds", nargs="+", default=list(KINDS))
     ap.add_argument("--one")
     ap.add_argument("--no-run", action="store_true")
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(_one(args.one, args.seq, args.steps, args.iters, args.device, args.mla_dims,
-                              not args.no_run)))
+        print(json.dumps(_one(args.one, args.seq, args.steps, args.iters, args.device, not args.no_run)))
         return
     base = _run("llama", args, run=False)["peak_mib"] if args.device == "cpu" else 0.0
     rows = []
