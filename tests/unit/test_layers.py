@@ -22,7 +22,7 @@ from fledge.conf.schema import DrafterConfig
 from fledge.models.drafter import DraftCache, DrafterSpec, Eagle3Drafter
 from fledge.models.export import load_drafter, write_drafter, training_record
 from fledge.models.families import TargetFamily
-from fledge.models.layers import check_layer_format, mla_softmax_scale, rope_interleaved
+from fledge.models.layers import MLA_DEFAULTS, check_layer_format, mla_softmax_scale, rope_interleaved
 from fledge.models.lint import has_errors, lint_drafter
 from fledge.models.serving_config import expected_tensors, serving_config
 from fledge.models.weights import tensor_headers
@@ -228,6 +228,12 @@ def test_lint_catches_kind_mismatches(tmp_path):
                          ({"kv_lora_rank": 16}, "kv-lora-rank-trained")]:
         (out / "config.json").write_text(json.dumps({**cfg, **change}))
         assert code in {f.code for f in lint_drafter(out, target_config()) if f.level == "error"}, change
+    warnings = {f.code for f in lint_drafter(out, target_config()) if f.level == "warning"}
+    assert "mla-target" in warnings  # vLLM serves MLA drafters only beside MLA targets
+    mla_target = {**target_config().to_dict(), **MLA_DEFAULTS}
+    assert "mla-target" not in {f.code for f in lint_drafter(out, mla_target)}
+    # a latent vLLM's MLA attention cannot cache (kv_lora_rank + qk_rope_head_dim not 320 / 512 / 576)
+    assert "mla-latent" in {f.code for f in lint_drafter(out, target_config()) if f.level == "warning"}
     out, cfg = _export(drafter("qwen3"), tmp_path)
     (out / "config.json").write_text(json.dumps({**cfg, "architectures": ["LlamaForCausalLMEagle3"]}))
     assert {"model-type"} <= {f.code for f in lint_drafter(out, target_config()) if f.level == "error"}
