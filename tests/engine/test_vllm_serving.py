@@ -92,6 +92,15 @@ def layer_exports(served) -> dict[str, Path]:
     return out
 
 
+def _renderer(cfg):
+    """The eval stage's chat renderer (train/evaluate.py): the target's tokenizer and end-of-turn ids."""
+    from fledge.data.chat import ChatRenderer, eot_ids_from_target
+    from fledge.data.prepare import load_tokenizer
+
+    return ChatRenderer(load_tokenizer(cfg.target, cfg.data.chat_template),
+                        extra_eot_ids=eot_ids_from_target(cfg.target.name_or_path, cfg.target.revision))
+
+
 def _report(run: Path) -> dict:
     return json.loads((run / "eval" / "report.json").read_text())
 
@@ -124,8 +133,6 @@ def variants(served, eagle3_export, layer_exports, tmp_path_factory, tiny_target
     from faults import FAULTS, plant
 
     from fledge.conf.compose import compose
-    from fledge.data.chat import ChatRenderer
-    from fledge.data.prepare import load_tokenizer
     from fledge.models.export import export_checkpoint, load_target_config
     from fledge.train.engine_eval import build_request
     from fledge.train.evaluate import build_prompt_sets
@@ -140,7 +147,7 @@ def variants(served, eagle3_export, layer_exports, tmp_path_factory, tiny_target
     dirs["speculators"] = work / "speculators"
     dirs["eagle3"] = eagle3_export
     dirs.update(layer_exports)
-    sets = build_prompt_sets(cfg.eval, ChatRenderer(load_tokenizer(cfg)), run / "prepare", 2048 - 64)
+    sets = build_prompt_sets(cfg.eval, _renderer(cfg), run / "prepare", 2048 - 64)
     req = build_request(cfg, sets, good, [5], 2048, "cpu")
     req["stop_token_ids"] = json.loads((run / "eval" / "engine" / "request.json").read_text())["stop_token_ids"]
     assert sets == json.loads((run / "eval" / "engine" / "request.json").read_text())["sets"]
@@ -170,8 +177,6 @@ def _in_process_al(served, drafter_dir: Path) -> float:
     import torch
 
     from fledge.conf.compose import compose
-    from fledge.data.chat import ChatRenderer
-    from fledge.data.prepare import load_tokenizer
     from fledge.models.export import load_drafter
     from fledge.models.target import FrozenTarget
     from fledge.train.evaluate import build_prompt_sets, evaluate_set
@@ -180,7 +185,7 @@ def _in_process_al(served, drafter_dir: Path) -> float:
     cfg = compose(ov)
     frozen = FrozenTarget.load(cfg.target, torch.device("cpu"), cfg.aux_layer_ids())
     drafter = load_drafter(drafter_dir, embed_weight=frozen.input_embeddings().float()).eval()
-    prompts = build_prompt_sets(cfg.eval, ChatRenderer(load_tokenizer(cfg)), run / "prepare", 2048 - 64)["default"]
+    prompts = build_prompt_sets(cfg.eval, _renderer(cfg), run / "prepare", 2048 - 64)["default"]
     stop = json.loads((run / "eval" / "engine" / "request.json").read_text())["stop_token_ids"]
     return evaluate_set("default", prompts, frozen.model.float(), drafter, cfg.eval, stop, 0)["drafter"]["al"]
 
@@ -208,8 +213,6 @@ def test_eagle3_without_the_31_flags_is_served_with_its_in_process_acceptance(se
     import torch
 
     from fledge.conf.compose import compose
-    from fledge.data.chat import ChatRenderer
-    from fledge.data.prepare import load_tokenizer
     from fledge.models.export import load_drafter
     from fledge.models.target import FrozenTarget
     from fledge.train.evaluate import build_prompt_sets, evaluate_set
@@ -220,7 +223,7 @@ def test_eagle3_without_the_31_flags_is_served_with_its_in_process_acceptance(se
     assert cfg_json["fc_norm"] is False and cfg_json["norm_output"] is False
     frozen = FrozenTarget.load(cfg.target, torch.device("cpu"), cfg.aux_layer_ids())
     drafter = load_drafter(eagle3_export, embed_weight=frozen.input_embeddings().float()).eval()
-    prompts = build_prompt_sets(cfg.eval, ChatRenderer(load_tokenizer(cfg)), run / "prepare", 2048 - 64)["default"]
+    prompts = build_prompt_sets(cfg.eval, _renderer(cfg), run / "prepare", 2048 - 64)["default"]
     stop = json.loads((run / "eval" / "engine" / "request.json").read_text())["stop_token_ids"]
     inproc = evaluate_set("default", prompts, frozen.model.float(), drafter, cfg.eval, stop, 0)["drafter"]["al"]
     assert variants["eagle3"]["drafts"] > 0 and variants["eagle3"]["al"] > 1.5
