@@ -51,6 +51,9 @@ class DrafterConfig:
     # A loss registered in train/loss.py (the schema cannot import it: train/main.py checks the name at start).
     loss: str = "ttt_ce"
     attention: str = "auto"  # auto | flex | sdpa | dense (reference)
+    # Drafter layer kind (models/layers.py): auto (the target family's: llama for Llama/Qwen, mla for
+    # DeepSeek-V3/Kimi-K2) | llama | qwen3 (per-head q/k norms) | mla (DeepSeek multi-head latent attention).
+    layer: str = "auto"
     loss_chunk_size: int = 1024  # rows per chunk of the teacher/draft logits
     loss_impl: str = "auto"  # auto (fused Triton loss on CUDA, torch elsewhere and under ZeRO-3) | torch
     norm_impl: str = "torch"  # torch (F.rms_norm: torch's fused kernel on CUDA) | triton (ours, CUDA only)

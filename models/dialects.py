@@ -22,6 +22,8 @@ import json
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
 
+from fledge.models.layers import LAYER_KINDS, kind_of_architecture, kind_of_config
+
 TRAINING_PREFIX = "midlayer."  # the decoder layer's prefix in the drafter's own state_dict
 # Keys read back under the HF dialect's names, whatever the dialect (layer keys come along unnamed).
 EAGLE_KEYS = ("draft_vocab_size", "target_hidden_size", "fc_norm", "norm_output", "norm_before_fc")
@@ -59,6 +61,11 @@ class Dialect:
     detect: Callable[[Mapping], bool]
     commands: Callable[[str, str, int], dict[str, str]]
     header_checks: Callable[[Mapping], list[Finding]] = lambda config: []
+    architecture_of: Optional[Callable[[Mapping], str]] = None  # per config (the hf dialect: per layer kind)
+
+    def expected_architecture(self, config: Mapping) -> str:
+        """The ``architectures`` entry this dialect writes for ``config``."""
+        return self.architecture_of(config) if self.architecture_of else self.architecture
 
     def to_serving_name(self, name: str) -> str:
         """A drafter state_dict name -> this dialect's tensor name."""
@@ -118,8 +125,14 @@ def serving_commands(dialect: Dialect, drafter: str, target: str, k: int = 5) ->
 # ---------------------------------------------------------------------------------------------- hf
 
 
+def _hf_architecture(config: Mapping) -> str:
+    """The layer kind's architecture (models/layers.py), by the config's model_type; llama's when unknown."""
+    kind = kind_of_config(config) or LAYER_KINDS["llama"]
+    return kind.architecture
+
+
 def _hf_build(f: ServingFields) -> dict:
-    cfg = {"architectures": ["LlamaForCausalLMEagle3"], **f.layer, "draft_vocab_size": int(f.draft_vocab_size),
+    cfg = {"architectures": [_hf_architecture(f.layer)], **f.layer, "draft_vocab_size": int(f.draft_vocab_size),
            **f.flags, "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(f.aux_layer_ids),
                                        "use_aux_hidden_state": True}}
     if f.target_hidden_size is not None:
@@ -134,9 +147,13 @@ def _hf_read(config: Mapping) -> dict:
 
 
 def _hf_checks(config: Mapping) -> list[Finding]:
-    if config.get("model_type") != "llama":  # vLLM and SGLang build the layer through a LlamaConfig
-        return [("error", "model-type", f"model_type={config.get('model_type')!r}", 'set "model_type": "llama"')]
-    return []
+    # vLLM builds the layer through the transformers config of model_type: it must be the kind's
+    kind, by_arch = kind_of_config(config), kind_of_architecture(config.get("architectures") or [])
+    if kind is None or (by_arch is not None and by_arch is not kind):
+        want = (by_arch or LAYER_KINDS["llama"]).model_type
+        return [("error", "model-type", f"model_type={config.get('model_type')!r} does not match architectures="
+                 f"{config.get('architectures')}", f'set "model_type": "{want}"')]
+    return kind.checks(config)
 
 
 def _hf_commands(drafter: str, target: str, k: int) -> dict[str, str]:
@@ -153,6 +170,10 @@ def _hf_commands(drafter: str, target: str, k: int) -> dict[str, str]:
 
 
 def _speculators_build(f: ServingFields) -> dict:
+    kind = kind_of_config(f.layer)
+    if kind is not None and not kind.speculators:
+        raise ValueError(f"export.format=speculators has no {kind.name!r} drafter layer (speculators 0.9.0 and "
+                         "vLLM's adapter of it build only llama and qwen3 layers): use export.format=hf")
     if not f.target_name:
         raise ValueError("the speculators dialect needs the target's name_or_path (speculators_config.verifier): "
                          "set target.name_or_path")
@@ -190,11 +211,16 @@ def _speculators_read(config: Mapping) -> dict:
 
 
 def _speculators_checks(config: Mapping) -> list[Finding]:
+    layer = config.get("transformer_layer_config") or {}
+    kind = kind_of_config(layer)
+    if kind is None or not kind.speculators:
+        return [("error", "model-type", f"transformer_layer_config.model_type={layer.get('model_type')!r}: vLLM's "
+                 "speculators adapter maps only llama and qwen3", "export with export.format=hf")]
     if config.get("norm_before_residual") is not False:
         return [("error", "norm-before-residual",
                  f"norm_before_residual={config.get('norm_before_residual')!r}: vLLM's speculators adapter reads a "
                  "missing key as true, which is not the layer Fledge trains", 'set "norm_before_residual": false')]
-    return []
+    return kind.checks(layer)
 
 
 def _speculators_commands(drafter: str, target: str, k: int) -> dict[str, str]:
@@ -205,8 +231,8 @@ def _speculators_commands(drafter: str, target: str, k: int) -> dict[str, str]:
 
 
 register_dialect(Dialect("hf", "LlamaForCausalLMEagle3", "midlayer.", _hf_build, _hf_read,
-                         detect=lambda c: "LlamaForCausalLMEagle3" in (c.get("architectures") or []),
-                         commands=_hf_commands, header_checks=_hf_checks))
+                         detect=lambda c: kind_of_architecture(c.get("architectures") or []) is not None,
+                         commands=_hf_commands, header_checks=_hf_checks, architecture_of=_hf_architecture))
 register_dialect(Dialect("speculators", "Eagle3Speculator", "layers.0.", _speculators_build, _speculators_read,
                          detect=lambda c: bool(c.get("speculators_model_type")),
                          commands=_speculators_commands, header_checks=_speculators_checks))

@@ -24,20 +24,18 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import torch
 from torch import nn
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRotaryEmbedding, apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRotaryEmbedding
 
 from fledge.conf.drafter_rules import drafter_problems, raise_problems
 from fledge.models.attention import cached_attention, resolve_attention, ttt_attention
-from fledge.models.families import read_target, rope_of
+from fledge.models.families import read_target, rope_of, text_config_dict
 from fledge.models.kernels.rmsnorm import RMSNorm
-
-# Drafter layer kinds this module builds (a family's ``layer_kind`` must be one): the Llama decoder layer.
-LAYER_KINDS = ("llama",)
+from fledge.models.layers import LAYER_KINDS, get_layer_kind, layer_settings, resolve_layer_kind
 
 
 @dataclass
@@ -61,6 +59,13 @@ class DrafterSpec:
     fc_norm: bool = True
     norm_output: bool = True
     norm_before_fc: bool = False
+    layer: str = "llama"  # drafter layer kind (models/layers.py)
+    # MLA widths (layer "mla" only; models/layers.py): null q_lora_rank = a plain q_proj
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     def __post_init__(self) -> None:
         self.aux_layer_ids = [int(i) for i in self.aux_layer_ids]
@@ -79,8 +84,9 @@ class DrafterSpec:
         family, shape = read_target(hf_config)
         if family.layer_kind not in LAYER_KINDS:
             raise ValueError(f"target family {family.name!r} needs drafter layer kind {family.layer_kind!r}, which "
-                             f"models/drafter.py does not build (it builds {list(LAYER_KINDS)})")
-        layer = family.drafter_layer(shape)
+                             f"models/layers.py does not register (it has {sorted(LAYER_KINDS)})")
+        kind = resolve_layer_kind(getattr(drafter_cfg, "layer", "auto"), family.layer_kind)
+        layer = layer_settings(kind, family.drafter_layer(shape), text_config_dict(hf_config))
         theta, scaling = rope_of(layer)
         return cls(
             hidden_size=int(layer["hidden_size"]),
@@ -100,6 +106,8 @@ class DrafterSpec:
             fc_norm=drafter_cfg.fc_norm,
             norm_output=drafter_cfg.norm_output,
             norm_before_fc=drafter_cfg.norm_before_fc,
+            layer=kind.name,
+            **{k: layer[k] for k in kind.spec_keys},
         )
 
     def validate(self) -> None:
@@ -111,6 +119,10 @@ class DrafterSpec:
                                     norm_before_fc=self.norm_before_fc, draft_vocab_size=self.draft_vocab_size,
                                     vocab_size=self.vocab_size)
         raise_problems(problems, skip=("aux-ids-start-1",))
+        kind = get_layer_kind(self.layer)
+        problems = [p for p in kind.checks(dataclasses.asdict(self)) if p[0] == "error"]
+        if problems:
+            raise ValueError(problems[0][2])
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_key_value_heads={self.num_key_value_heads} must divide "
@@ -133,13 +145,14 @@ class DrafterSpec:
         return cls(**dict(d))
 
     def layer_config(self) -> LlamaConfig:
-        """A LlamaConfig carrying the target's RoPE and MLP settings, for transformers' own modules."""
+        """A LlamaConfig carrying the target's RoPE and MLP settings, for transformers' own modules (an MLA
+        layer's RoPE spans its qk_rope_head_dim)."""
         return LlamaConfig(
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
             num_attention_heads=self.num_attention_heads,
             num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.head_dim,
+            head_dim=self.qk_rope_head_dim if self.layer == "mla" else self.head_dim,
             hidden_act=self.hidden_act,
             rms_norm_eps=self.rms_norm_eps,
             max_position_embeddings=self.max_position_embeddings,
@@ -178,28 +191,6 @@ class DraftCache:
             self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
 
 
-class _Attention(nn.Module):
-    """q/k/v over the 2H-wide [embedding, hidden] input; o_proj back to H. Names as in serving."""
-
-    def __init__(self, spec: DrafterSpec) -> None:
-        super().__init__()
-        H, D = spec.hidden_size, spec.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_attention_heads, spec.num_key_value_heads, D
-        self.q_proj = nn.Linear(2 * H, self.num_heads * D, bias=False)
-        self.k_proj = nn.Linear(2 * H, self.num_kv_heads * D, bias=False)
-        self.v_proj = nn.Linear(2 * H, self.num_kv_heads * D, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * D, H, bias=False)
-
-    def project(self, z, cos, sin):
-        """``z [B, T, 2H]`` -> q ``[B, Hq, T, D]``, k, v ``[B, Hkv, T, D]`` with RoPE applied."""
-        B, T, _ = z.shape
-        q = self.q_proj(z).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(z).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(z).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        return q, k, v
-
-
 class _MidLayer(nn.Module):
     """The one decoder layer (SPEC.md section 3), with the attention supplied by the caller."""
 
@@ -208,7 +199,7 @@ class _MidLayer(nn.Module):
         H, eps = spec.hidden_size, spec.rms_norm_eps
         self.input_layernorm = RMSNorm(H, eps=eps)
         self.hidden_norm = RMSNorm(H, eps=eps)
-        self.self_attn = _Attention(spec)
+        self.self_attn = get_layer_kind(spec.layer).attention(spec)
         self.post_attention_layernorm = RMSNorm(H, eps=eps)
         self.mlp = LlamaMLP(config)
 
@@ -216,9 +207,7 @@ class _MidLayer(nn.Module):
         """``attend(q, k, v) -> [B, Hq, T, D]``; returns h2 ``[B, T, H]``."""
         z = torch.cat([self.input_layernorm(emb), self.hidden_norm(g)], dim=-1)  # embedding half first
         q, k, v = self.self_attn.project(z, cos, sin)
-        a = attend(q, k, v)
-        B, _, T, _ = a.shape
-        h1 = g + self.self_attn.o_proj(a.transpose(1, 2).reshape(B, T, -1))  # residual around the raw g
+        h1 = g + self.self_attn.output(attend(q, k, v))  # residual around the raw g
         return h1 + self.mlp(self.post_attention_layernorm(h1))
 
 

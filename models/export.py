@@ -24,6 +24,7 @@ import torch
 from fledge.atomic import atomic_path, read_json, write_json_atomic
 from fledge.models.dialects import DIALECTS, dialect_of, get_dialect
 from fledge.models.families import read_target, text_config_dict
+from fledge.models.layers import get_layer_kind, kind_of_architecture, kind_of_config
 from fledge.models.serving_config import layer_config, serving_config
 from fledge.models.weights import load_input_embeddings, read_tensors
 
@@ -140,17 +141,21 @@ def spec_from_export(drafter_dir: str | Path, target_num_hidden_layers: int | No
     c = layer_config(config)
     hf = dict(c)
     hf["hidden_size"] = int(c.get("target_hidden_size") or c["hidden_size"])
+    kind = kind_of_config(c)
+    if kind is None:  # public checkpoints: LlamaForCausalLMEagle3 with an odd model_type
+        kind = kind_of_architecture(config.get("architectures") or []) or get_layer_kind("llama")
     flags = _Flags(fc_norm=bool(c.get("fc_norm")), norm_output=bool(c.get("norm_output")),
                    norm_before_fc=bool(c.get("norm_before_fc")),
-                   draft_vocab_size=int(c.get("draft_vocab_size") or c["vocab_size"]))
+                   draft_vocab_size=int(c.get("draft_vocab_size") or c["vocab_size"]), layer=kind.name)
     ids = c.get("aux_layer_ids")
     if not ids:
         raise ValueError(f"{d}/config.json has no eagle_aux_hidden_state_layer_ids; add the boundary ids the "
                          "drafter was trained with (default (2, L//2, L-3) of the target)")
     # The serving config says num_hidden_layers=1 (the drafter's); the spec wants the target's L, which only
     # bounds the aux ids: without the target, the smallest L that admits them. The layer settings are read
-    # back through the family of the layer's own model_type (llama), as a target config would be.
+    # back as a Llama-shaped target config would be, the layer kind's own keys (MLA widths) included.
     hf["num_hidden_layers"] = int(target_num_hidden_layers or max(ids) + 1)
+    hf["model_type"] = "llama"
     spec = DrafterSpec.from_target_config(hf, flags, list(ids))
     if int(c["hidden_size"]) != hf["hidden_size"]:  # a drafter narrower than its target
         spec = dataclasses.replace(spec, hidden_size=int(c["hidden_size"]),
@@ -167,6 +172,7 @@ class _Flags:
     norm_before_fc: bool
     draft_vocab_size: int
     aux_layer_ids: list | None = None
+    layer: str = "llama"
 
 
 def load_drafter(drafter_dir: str | Path, embed_weight: torch.Tensor | None = None,

@@ -21,7 +21,7 @@ and a test to tests/unit/test_families.py. What the shared reader already handle
   models/weights.py never takes the MTP module's embedding or head copies.
 
 DeepSeek-V2/V3 (MLA attention) need a drafter layer of their own (vLLM's deepseek_eagle3.py): a family
-with ``layer_kind="mla"`` and its own ``drafter_layer`` hook, once models/drafter.py builds that kind.
+with ``layer_kind="mla"`` (models/layers.py builds it and reads the MLA widths from the target's config).
 
 An unknown model_type is an error, not a fallback to llama: a wrong guess about a config (per-layer RoPE,
 MLA, a head_dim that is not hidden/heads) builds a drafter that trains and exports cleanly and then serves
@@ -176,7 +176,7 @@ def llama_drafter_layer(shape: TargetShape) -> dict:
 class TargetFamily:
     """How drafters are shaped for targets of the listed transformers ``model_type`` values.
 
-    ``layer_kind`` names the drafter layer models/drafter.py builds for them; ``read`` turns the target's
+    ``layer_kind`` names the drafter layer kind (models/layers.py) ``drafter.layer=auto`` builds for them; ``read`` turns the target's
     text config dict into a TargetShape; ``drafter_layer`` turns that into the drafter layer's config keys
     (``model_type``, widths, heads, RoPE, ...), which both the drafter spec and the serving config use.
     """

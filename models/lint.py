@@ -22,6 +22,7 @@ from fledge.conf.drafter_rules import drafter_problems
 from fledge.models.dialects import dialect_of
 from fledge.models.export import RECORD
 from fledge.models.families import TargetShape, read_target, rope_of, text_config_dict
+from fledge.models.layers import kind_of_config
 from fledge.models.serving_config import expected_tensors, layer_config
 from fledge.models.weights import read_tensors, tensor_headers
 
@@ -71,6 +72,11 @@ def lint_drafter(drafter_dir: str | Path, target_config: Any = None) -> list[Fin
     _check_aux_ids(c, t, record, add)
     if t is not None:
         _check_against_target(c, t, add)
+        kind = kind_of_config(c)
+        if kind is not None and kind.name == "mla" and not text_config_dict(target_config).get("kv_lora_rank"):
+            add("warning", "mla-target", "an MLA drafter of a non-MLA target: vLLM 0.32 serves MLA drafters only "
+                "beside MLA targets (its MLA metadata takes the target's head size)",
+                "train drafter.layer=llama (or qwen3) for this target")
     _check_flags(c, record, add)
     _check_layer_trained(c, record, add)
     _check_tensors(d, config, c, add)
@@ -80,9 +86,10 @@ def lint_drafter(drafter_dir: str | Path, target_config: Any = None) -> list[Fin
 def _check_header(config: dict, c: dict, add) -> None:
     dialect = dialect_of(config)
     archs = config.get("architectures") or []
-    if dialect.architecture not in archs:
-        add("error", "architecture", f"architectures={archs}, expected [{dialect.architecture!r}]",
-            f'set "architectures": ["{dialect.architecture}"] in config.json')
+    want = dialect.expected_architecture(c)
+    if want not in archs:
+        add("error", "architecture", f"architectures={archs}, expected [{want!r}]",
+            f'set "architectures": ["{want}"] in config.json')
     for finding in dialect.header_checks(config):  # what only this dialect's loaders care about
         add(*finding)
     if int(c.get("num_hidden_layers") or 0) != 1:
@@ -187,7 +194,9 @@ def served_layer(c: dict) -> dict:
     missing read the way vLLM and SGLang read them: kv heads = heads, head_dim = hidden / heads, hidden_act
     silu, target hidden size = hidden size, draft vocab = vocab. RoPE, max positions and flags are apart."""
     heads, hidden = c.get("num_attention_heads"), c.get("hidden_size")
-    return {"hidden_size": hidden, "intermediate_size": c.get("intermediate_size"), "num_attention_heads": heads,
+    kind = kind_of_config(c)
+    own = {"layer": kind.name if kind else c.get("model_type"), **{k: c.get(k) for k in (kind.spec_keys if kind else ())}}
+    return {**own, "hidden_size": hidden, "intermediate_size": c.get("intermediate_size"), "num_attention_heads": heads,
             "num_key_value_heads": c.get("num_key_value_heads") or heads,
             "head_dim": c.get("head_dim") or (int(hidden) // int(heads) if hidden and heads else None),
             "hidden_act": c.get("hidden_act") or "silu", "rms_norm_eps": c.get("rms_norm_eps"),

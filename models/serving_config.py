@@ -19,7 +19,8 @@ import torch
 
 from fledge.conf.drafter_rules import drafter_problems, raise_problems
 from fledge.models.dialects import ServingFields, dialect_of, get_dialect
-from fledge.models.families import read_target
+from fledge.models.families import read_target, text_config_dict
+from fledge.models.layers import get_layer_kind, kind_of_config, layer_settings, resolve_layer_kind
 
 
 def _flag(drafter: Any, name: str) -> bool:
@@ -54,10 +55,15 @@ def serving_config(
     fc_norm, norm_output, nbf = (_flag(drafter, k) for k in ("fc_norm", "norm_output", "norm_before_fc"))
     raise_problems(drafter_problems(ids, L, fc_norm=fc_norm, norm_before_fc=nbf, draft_vocab_size=draft_vocab_size,
                                     vocab_size=V, prefix=""))
+    kind = resolve_layer_kind(_opt(drafter, "layer"), family.layer_kind)
     layer = family.drafter_layer(shape)
     for key in ("hidden_size", "intermediate_size"):  # a drafter narrower than its target keeps its own widths
         if _opt(drafter, key):
             layer[key] = int(_opt(drafter, key))
+    layer = layer_settings(kind, layer, text_config_dict(target_config))
+    for key in kind.spec_keys:  # a trained spec's own widths win over what the target implies
+        if _opt(drafter, key) is not None and _opt(drafter, key) != 0:
+            layer[key] = _opt(drafter, key)
     H = layer["hidden_size"]
     flags = {"fc_norm": fc_norm, "norm_output": norm_output, **({"norm_before_fc": True} if nbf else {})}
     return dialect.build(ServingFields(
@@ -82,9 +88,7 @@ def expected_tensors(config: Mapping, include_embed: bool = False) -> dict[str, 
     H, V, I = int(c["hidden_size"]), int(c["vocab_size"]), int(c["intermediate_size"])
     Ht = int(c.get("target_hidden_size") or H)
     Vd = int(c.get("draft_vocab_size") or V)
-    heads = int(c["num_attention_heads"])
-    kv = int(c.get("num_key_value_heads") or heads)
-    hd = int(c.get("head_dim") or H // heads)
+    kind = kind_of_config(c) or get_layer_kind("llama")  # an unknown model_type: lint reports it; read as llama
     n = len(c.get("aux_layer_ids") or [0, 0, 0])
     p, bf = dialect_of(config).layer_prefix, torch.bfloat16
     out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {"fc.weight": ((H, n * Ht), bf)}
@@ -94,10 +98,7 @@ def expected_tensors(config: Mapping, include_embed: bool = False) -> dict[str, 
         out["input_norm.weight"] = ((n * Ht,), bf)
     for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
         out[f"{p}{name}.weight"] = ((H,), bf)
-    out[f"{p}self_attn.q_proj.weight"] = ((heads * hd, 2 * H), bf)
-    out[f"{p}self_attn.k_proj.weight"] = ((kv * hd, 2 * H), bf)
-    out[f"{p}self_attn.v_proj.weight"] = ((kv * hd, 2 * H), bf)
-    out[f"{p}self_attn.o_proj.weight"] = ((H, heads * hd), bf)
+    out.update({name: (shape, bf) for name, shape in kind.tensors(c, p, H).items()})
     out[f"{p}mlp.gate_proj.weight"] = ((I, H), bf)
     out[f"{p}mlp.up_proj.weight"] = ((I, H), bf)
     out[f"{p}mlp.down_proj.weight"] = ((H, I), bf)

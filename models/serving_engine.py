@@ -69,6 +69,24 @@ def speculative_config(method: str, k: int, drafter_dir: Optional[Path] = None, 
     raise ValueError(f"speculative method {method!r}: expected eagle3 or ngram")
 
 
+def draft_options(drafter_dir: Path, device_type: str) -> dict:
+    """Keys a drafter needs in vLLM's speculative_config beyond method, model and k. An MLA drafter
+    (models/layers.py) on CPU gets vLLM's reference CPU_MLA attention (``attention_backend``, the draft's
+    own): on a CPU with AMX vLLM otherwise picks AMX_MLA, whose weight packing takes only bf16 / fp16 /
+    int8 weights, and the engine runs in float32 on CPU."""
+    from fledge.models.layers import kind_of_config
+
+    path = Path(drafter_dir) / "config.json"
+    if not path.exists():  # nothing to read: vLLM reports the missing drafter itself
+        return {}
+    config = json.loads(path.read_text())
+    layer = config.get("transformer_layer_config") or config
+    kind = kind_of_config(layer)
+    if device_type != "cuda" and kind is not None and kind.name == "mla":
+        return {"attention_backend": "CPU_MLA"}
+    return {}
+
+
 def run_driver(engine: str, python: Path, request: dict, workdir: Path, timeout_s: float) -> dict:
     """Run the engine's driver on ``request`` in ``workdir`` (request.json, result.json and engine.log stay
     there for inspection); returns the result dict with ``wall_s`` added. Raises EngineError on failure."""

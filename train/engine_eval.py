@@ -20,7 +20,8 @@ import logging
 import math
 from pathlib import Path
 
-from fledge.models.serving_engine import acceptance, greedy_differences, run_driver, speculative_config
+from fledge.models.serving_engine import (acceptance, draft_options, greedy_differences, run_driver,
+                                          speculative_config)
 
 log = logging.getLogger(__name__)
 # Top-2 log-prob gap under which a greedy divergence is a numerical tie (the k+1-token verify forward and
@@ -63,8 +64,9 @@ def build_request(cfg, sets: dict[str, list[list[int]]], drafter_dir: Path, eos:
             # On a GPU the eval process still holds the target it just measured: leave vLLM half the memory.
             "gpu_memory_utilization": 0.5,
             "engines": [{"name": "plain", "logprobs": 2},
-                        {"name": "drafter", "speculative_config": speculative_config("eagle3", ev.draft_tokens,
-                                                                                     drafter_dir)},
+                        {"name": "drafter", "speculative_config": {
+                            **speculative_config("eagle3", ev.draft_tokens, drafter_dir),
+                            **draft_options(drafter_dir, device_type)}},
                         {"name": "lookup", "speculative_config": speculative_config(
                             "ngram", ev.draft_tokens, lookup_max=ev.lookup_max_ngram)}],
             "sets": sets}

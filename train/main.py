@@ -69,6 +69,7 @@ def user_error(e: BaseException, all_ranks_agree: bool = False) -> None:
 def main(dcfg: DictConfig) -> None:
     from fledge.data.eval_sets import check_set_names
     from fledge.models.dialects import get_dialect
+    from fledge.models.layers import check_layer_format
     from fledge.train.loss import check_loss_name
     from fledge.train.trainer import PREEMPTED_EXIT_CODE, Preempted
 
@@ -78,6 +79,7 @@ def main(dcfg: DictConfig) -> None:
         check_loss_name(cfg.drafter.loss)
         get_dialect(cfg.export.format)
         check_set_names(cfg.eval.sets, cfg.eval.set_paths if "eval" in cfg.run.stages else {})
+        check_layer_format(cfg.drafter.layer, cfg.export.format)
     except ValueError as e:
         if debugging():
             raise

