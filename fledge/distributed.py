@@ -95,6 +95,11 @@ def collective_device() -> torch.device:
     return torch.device("cpu")
 
 
+def backend() -> str:
+    """The process group's backend (``gloo``, ``nccl``), for libraries that wrap it (DeepSpeed's comm)."""
+    return dist.get_backend()
+
+
 def all_reduce_sum(values: torch.Tensor, group=None) -> torch.Tensor:
     """Sum a tensor over ranks (no-op for a world of one); used for exact metric reduction. ``values`` may
     live on any device: the sum runs on :func:`collective_device` and comes back on ``values``' device.
@@ -133,13 +138,18 @@ class SequenceGroups:
     dp_size: int
 
 
+def check_sequence_parallel(world_size: int, size: int, key: str = "train.sequence_parallel") -> None:
+    """ValueError naming ``key`` when ``size`` does not divide the world."""
+    if size < 1 or world_size % size:
+        raise ValueError(f"{key}={size} does not divide the world of {world_size} rank(s): launch a multiple "
+                         f"of {size} processes (world = data parallel x {key}) or set {key} to a divisor of "
+                         f"{world_size}")
+
+
 def sequence_groups(world: World, size: int, key: str = "train.sequence_parallel") -> SequenceGroups:
     """Split the world into groups of ``size`` consecutive ranks (every rank must call this, in step).
     ValueError naming ``key`` when ``size`` does not divide the world."""
-    if size < 1 or world.world_size % size:
-        raise ValueError(f"{key}={size} does not divide the world of {world.world_size} rank(s): launch a multiple "
-                         f"of {size} processes (world = data parallel x {key}) or set {key} to a divisor of "
-                         f"{world.world_size}")
+    check_sequence_parallel(world.world_size, size, key)
     group = None
     if size > 1:
         for first in range(0, world.world_size, size):  # new_group is collective: every rank makes every group

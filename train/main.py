@@ -67,6 +67,7 @@ def user_error(e: BaseException, all_ranks_agree: bool = False) -> None:
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
 def main(dcfg: DictConfig) -> None:
+    from fledge.distributed import check_sequence_parallel
     from fledge.models.dialects import get_dialect
     from fledge.train.loss import check_loss_name
     from fledge.train.trainer import PREEMPTED_EXIT_CODE, Preempted
@@ -76,6 +77,8 @@ def main(dcfg: DictConfig) -> None:
         # The registries live above conf (the schema cannot import them): check their keys here, before any stage.
         check_loss_name(cfg.drafter.loss)
         get_dialect(cfg.export.format)
+        if "train" in cfg.run.stages:  # before any stage runs, not after hours of capture
+            check_sequence_parallel(int(os.environ.get("WORLD_SIZE", "1")), cfg.train.sequence_parallel)
     except ValueError as e:
         if debugging():
             raise

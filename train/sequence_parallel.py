@@ -33,10 +33,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 import torch
-import torch.distributed as dist
 
 from fledge.data.batch import FeatureBatch
-from fledge.distributed import SequenceGroups, all_reduce_sum
+from fledge.distributed import SequenceGroups, all_reduce_sum, backend
 
 KEY = "train.sequence_parallel"
 _PAD = {"input_ids": 0, "loss_mask": False, "target_argmax": 0, "position_ids": 0, "document_ids": -1}  # floats: 0
@@ -77,11 +76,7 @@ class SequenceParallel:
     def __init__(self, groups: SequenceGroups, steps: int) -> None:
         self.size, self.rank, self.group = groups.size, groups.rank, groups.group
         self.halo = steps + 1  # alignment: row t reads rows up to t + lead(K-1) + 1 = t + K + 1
-        if self.size > 1:
-            import deepspeed
-
-            # Ulysses' all-to-all runs on deepspeed.comm, over the process group Fledge already made.
-            deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
+        self._ulysses_ready = False
 
     def split(self, batch: FeatureBatch) -> RowShard:
         """This rank's shard of ``batch`` (taken before it moves to the device: only the shard does)."""
@@ -97,8 +92,12 @@ class SequenceParallel:
     def distribute(self, attend):
         """Wrap the drafter's single-rank ``attend(q, k, v)`` (``[B, H, rows, D]`` in and out) in
         DeepSpeed-Ulysses: inside, ``attend`` sees ``[B, H/N, N * rows, D]``."""
+        import deepspeed
         from deepspeed.sequence.layer import DistributedAttention
 
+        if not self._ulysses_ready:  # its all-to-all runs on deepspeed.comm, over Fledge's process group
+            deepspeed.init_distributed(dist_backend=backend(), dist_init_required=False)
+            self._ulysses_ready = True
         def heads(q, k, v):  # [B, N*rows, H/N, D] -> the drafter's layout and back
             t = lambda x: x.transpose(1, 2).contiguous()  # noqa: E731
             return attend(t(q), t(k), t(v)).transpose(1, 2)

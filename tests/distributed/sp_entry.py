@@ -10,8 +10,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: conftest's helpers
-from conftest import FLAGS, make_drafter  # noqa: E402
+from conftest import FLAGS, make_drafter  # noqa: E402  (tests/ is on PYTHONPATH: the test puts it there)
 
 from fledge.data.batch import FeatureBatch  # noqa: E402
 from fledge.distributed import World, all_reduce_sum, sequence_groups  # noqa: E402
