@@ -1,6 +1,8 @@
 """The train stage: TTT training of the drafter under DeepSpeed ZeRO, resumable exactly.
 
-One optimizer step = ``grad_accum`` micro-batches on each of ``world`` ranks. Batches come from a
+One optimizer step = ``grad_accum`` micro-batches on each of ``world`` ranks (with
+``train.sequence_parallel=N``, on each of ``world / N`` groups of N ranks that split every row:
+train/sequence_parallel.py). Batches come from a
 global plan that does not depend on the world size (rank r takes global batches r, r+W, ...), so
 2 ranks x 1 micro-batch and 1 rank x 2 micro-batches see the same data, and a run resumed on
 another world size continues at the same global position. Randomness is re-seeded from

@@ -1,5 +1,6 @@
 """The train stage under DeepSpeed on 2 gloo ranks: ZeRO-2/3 equal one process, exact resume after
-kill -9, and a preempted 2-rank run resumed on 1 rank through the universal checkpoint."""
+kill -9, and a preempted 2-rank run resumed on 1 rank through the universal checkpoint; sequence
+parallelism (train.sequence_parallel=2) on that curve, resumed with and without it."""
 
 from __future__ import annotations
 
