@@ -83,7 +83,8 @@ def _rank(rank: int, size: int, T: int, args, port: int, out) -> None:
     head = (torch.randn(Vd, H) * 0.02).to(device, dtype)
     g = torch.Generator().manual_seed(1)
     batch = FeatureBatch(
-        input_ids=torch.randint(0, shape["vocab_size"], (1, T), generator=g), loss_mask=torch.ones(1, T, dtype=torch.bool),
+        input_ids=torch.randint(0, shape["vocab_size"], (1, T), generator=g),
+        loss_mask=torch.ones(1, T, dtype=torch.bool),
         aux_hidden=torch.randn(1, T, 3 * H, generator=g), target_hidden=torch.randn(1, T, H, generator=g),
         target_argmax=torch.randint(0, Vd, (1, T), generator=g), position_ids=torch.arange(T)[None],
         document_ids=torch.zeros(1, T, dtype=torch.int32))
@@ -93,7 +94,9 @@ def _rank(rank: int, size: int, T: int, args, port: int, out) -> None:
         import torch.distributed as dist
 
         from fledge.distributed import SequenceGroups
-        from fledge.train.sequence_parallel import SequenceParallel
+        from fledge.train.sequence_parallel import SequenceParallel, check_heads
+
+        check_heads(size, spec.num_key_value_heads, spec.num_attention_heads)
 
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(size),
                           LOCAL_RANK=str(rank))
@@ -127,7 +130,11 @@ def _rank(rank: int, size: int, T: int, args, port: int, out) -> None:
 
 
 def _spawned(rank, size, T, args, port, q):
-    _rank(rank, size, T, args, port, q)
+    try:
+        _rank(rank, size, T, args, port, q)
+    except BaseException as e:  # an out-of-memory at this T: say so at once instead of leaving the parent waiting
+        q.put({"rank": rank, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
+        raise
 
 
 def measure(T: int, size: int, args) -> dict:
@@ -145,13 +152,16 @@ def measure(T: int, size: int, args) -> dict:
     try:
         for _ in range(size):
             results.append(q.get(timeout=args.timeout))
+            if "error" in results[-1]:  # the other ranks may wait in a collective for ever
+                break
     finally:
         for p in procs:
             p.join(timeout=60)
             if p.is_alive():
                 p.kill()
-    if any(p.exitcode for p in procs):
-        raise RuntimeError(f"T={T} sp={size}: a rank failed (exit codes {[p.exitcode for p in procs]})")
+    errors = [r["error"] for r in results if "error" in r]
+    if errors or any(p.exitcode for p in procs):
+        raise RuntimeError(f"T={T} sp={size}: {errors[0] if errors else [p.exitcode for p in procs]}")
     sec = max(r["seconds"] for r in results)
     return {"T": T, "sp": size, "seconds": sec, "tokens_per_s": T / sec,
             "cpu_seconds_all_ranks": sum(r["cpu_seconds"] for r in results),
@@ -207,7 +217,8 @@ def main() -> None:
             print(f"sp={size}: {slope * 2**30 / 1024:.1f} KiB per token of the row per rank (T {t1}->{t2}); the step "
                   f"fits {args.budget_gib:g} GiB per rank up to T ~ {fit:,} (linear extrapolation)")
     if args.json:
-        args.json.write_text(json.dumps({"machine": _machine(args.device), "shape": args.shape, "rows": rows}, indent=1))
+        report = {"machine": _machine(args.device), "shape": args.shape, "rows": rows}
+        args.json.write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":
