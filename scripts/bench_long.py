@@ -5,7 +5,8 @@ run, at every T.
 Each (T, sp) runs in a fresh process group of sp processes (``torch.multiprocessing``; gloo on CPU, NCCL on
 CUDA with sp GPUs), so every peak is its own. Memory: on CPU the rise of the process's peak RSS
 (``ru_maxrss``) over the step, above what the model and the row already hold (the largest rank's); on CUDA
-``max_memory_allocated`` above the memory allocated before the step. Neither counts the optimizer, the
+``max_memory_allocated`` above the memory allocated before the step; and, exactly and on both, the bytes
+of the tensors autograd keeps for backward (``saved GiB``: storages counted once, weights excluded). Neither counts the optimizer, the
 gradients' ZeRO buckets or the feature row itself (recipes/llama3/README.md adds them up). tokens/s = T /
 the slowest rank's step time (a group works on one row); ``CPU s`` is the process time of all ranks together
 (on a shared CPU the wall time is noisy, the work is not). The row is one document of T tokens (full causal
@@ -107,9 +108,18 @@ def _rank(rank: int, size: int, T: int, args, port: int, out) -> None:
     else:
         batch = batch.to(device, dtype)
 
+    saved: dict[int, int] = {}  # storage -> bytes of every tensor autograd keeps for backward (exact, no RSS noise)
+
+    def pack(t):
+        if t.device.type != "meta":
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
     def step():
         drafter.zero_grad(set_to_none=True)
-        res = loss(drafter, batch, head, shard=shard)
+        saved.clear()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            res = loss(drafter, batch, head, shard=shard)
         res.loss.backward()
         if cuda:
             torch.cuda.synchronize()
@@ -122,7 +132,10 @@ def _rank(rank: int, size: int, T: int, args, port: int, out) -> None:
     step()
     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    out.put({"rank": rank, "seconds": dt, "cpu_seconds": cpu, "step_bytes": peak - base, "total_bytes": peak})
+    params = {p.untyped_storage().data_ptr() for p in drafter.parameters()} | {head.untyped_storage().data_ptr()}
+    kept = sum(n for ptr, n in saved.items() if ptr not in params)  # activations, not the weights
+    out.put({"rank": rank, "seconds": dt, "cpu_seconds": cpu, "step_bytes": peak - base, "total_bytes": peak,
+             "saved_bytes": kept})
     if size > 1:
         import torch.distributed as dist
 
@@ -166,7 +179,8 @@ def measure(T: int, size: int, args) -> dict:
     return {"T": T, "sp": size, "seconds": sec, "tokens_per_s": T / sec,
             "cpu_seconds_all_ranks": sum(r["cpu_seconds"] for r in results),
             "step_gib_per_rank": max(r["step_bytes"] for r in results) / 2**30,
-            "total_gib_per_rank": max(r["total_bytes"] for r in results) / 2**30}
+            "total_gib_per_rank": max(r["total_bytes"] for r in results) / 2**30,
+            "saved_gib_per_rank": max(r["saved_bytes"] for r in results) / 2**30}
 
 
 def main() -> None:
@@ -192,7 +206,7 @@ def main() -> None:
           f"{'bf16' if args.device == 'cuda' else 'fp32'}, {args.threads} threads", flush=True)
     rows = []
     print(f"{'T':>7} {'sp':>3} {'s/step':>8} {'tok/s':>8} {'CPU s':>8} {'step GiB/rank':>14} {'x sp=1 mem':>11} "
-          f"{'x sp=1 tok/s':>13}")
+          f"{'x sp=1 tok/s':>13} {'saved GiB/rank':>15} {'x sp=1':>7}")
     for T in args.seqs:
         base = None
         for size in args.sp:
@@ -207,7 +221,8 @@ def main() -> None:
             rows.append({**r, "mem_vs_sp1": mem_x, "tokens_per_s_vs_sp1": tok_x})
             print(f"{T:>7} {size:>3} {r['seconds']:>8.2f} {r['tokens_per_s']:>8.0f} {r['cpu_seconds_all_ranks']:>8.1f} "
                   f"{r['step_gib_per_rank']:>14.3f} "
-                  f"{mem_x:>11.2f} {tok_x:>13.2f}", flush=True)
+                  f"{mem_x:>11.2f} {tok_x:>13.2f} {r['saved_gib_per_rank']:>15.3f} "
+                  f"{r['saved_gib_per_rank'] / base['saved_gib_per_rank'] if base else float('nan'):>7.2f}", flush=True)
     for size in args.sp:  # memory is linear in T: the per-token slope of the two largest T that ran
         pts = sorted((r["T"], r["step_gib_per_rank"]) for r in rows if r["sp"] == size)
         if len(pts) >= 2:
