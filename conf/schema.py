@@ -142,6 +142,9 @@ class TrainConfig:
     eval_batches: int = 50
     log_every: int = 10
     max_nonfinite: int = 5  # consecutive optimizer steps skipped for a non-finite loss before aborting
+    # Ranks that split each packed row (DeepSpeed-Ulysses; train/sequence_parallel.py): world = data parallel x
+    # this; must divide the world and the drafter's num_key_value_heads. 1 = off.
+    sequence_parallel: int = 1
     optim: OptimConfig = field(default_factory=OptimConfig)
 
 
@@ -228,6 +231,8 @@ class Config:
         if not self.eval.engine_al_tolerance > 0:
             raise ValueError(f"eval.engine_al_tolerance={self.eval.engine_al_tolerance}: must be > 0 (an AL gap)")
         _one_of("logging.wandb_mode", self.logging.wandb_mode, ("auto", "online", "offline", "disabled"))
+        if self.train.sequence_parallel < 1:
+            raise ValueError(f"train.sequence_parallel={self.train.sequence_parallel}: must be >= 1 (1 = off)")
         if not 0.0 <= self.data.eval_fraction < 1.0:
             raise ValueError(f"data.eval_fraction={self.data.eval_fraction}: must be in [0, 1)")
         if not 0.0 <= self.data.perturb.fraction <= 1.0:

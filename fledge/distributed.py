@@ -95,13 +95,19 @@ def collective_device() -> torch.device:
     return torch.device("cpu")
 
 
-def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
+def backend() -> str:
+    """The process group's backend (``gloo``, ``nccl``), for libraries that wrap it (DeepSpeed's comm)."""
+    return dist.get_backend()
+
+
+def all_reduce_sum(values: torch.Tensor, group=None) -> torch.Tensor:
     """Sum a tensor over ranks (no-op for a world of one); used for exact metric reduction. ``values`` may
-    live on any device: the sum runs on :func:`collective_device` and comes back on ``values``' device."""
+    live on any device: the sum runs on :func:`collective_device` and comes back on ``values``' device.
+    ``group``: a process group (e.g. a :class:`SequenceGroups` group) instead of the whole world."""
     if not _multi_rank():
         return values
     buf = values.detach().to(collective_device(), copy=True)  # a copy: the caller's tensor stays as it was
-    dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+    dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
     return buf.to(values.device)
 
 
@@ -117,6 +123,41 @@ def broadcast_object(obj, src: int = 0):
     box = [obj]
     dist.broadcast_object_list(box, src=src, device=collective_device())  # pickled bytes travel as a tensor
     return box[0]
+
+
+@dataclass(frozen=True)
+class SequenceGroups:
+    """The world as data parallel x sequence parallel: ``size`` consecutive ranks (one node's, when a node
+    holds a multiple of ``size``) share each packed row; ``group`` is this rank's group of them, ``rank`` its
+    place there; ``dp_rank`` / ``dp_size`` index the groups, which is what the data loader sees."""
+
+    size: int
+    rank: int
+    group: object  # a torch ProcessGroup, None when size == 1
+    dp_rank: int
+    dp_size: int
+
+
+def check_sequence_parallel(world_size: int, size: int, key: str = "train.sequence_parallel") -> None:
+    """ValueError naming ``key`` when ``size`` does not divide the world."""
+    if size < 1 or world_size % size:
+        raise ValueError(f"{key}={size} does not divide the world of {world_size} rank(s): launch a multiple "
+                         f"of {size} processes (world = data parallel x {key}) or set {key} to a divisor of "
+                         f"{world_size}")
+
+
+def sequence_groups(world: World, size: int, key: str = "train.sequence_parallel") -> SequenceGroups:
+    """Split the world into groups of ``size`` consecutive ranks (every rank must call this, in step).
+    ValueError naming ``key`` when ``size`` does not divide the world."""
+    check_sequence_parallel(world.world_size, size, key)
+    group = None
+    if size > 1:
+        for first in range(0, world.world_size, size):  # new_group is collective: every rank makes every group
+            g = dist.new_group(list(range(first, first + size)))
+            if first <= world.rank < first + size:
+                group = g
+    return SequenceGroups(size=size, rank=world.rank % size, group=group, dp_rank=world.rank // size,
+                          dp_size=world.world_size // size)
 
 
 def destroy_world() -> None:

@@ -320,7 +320,7 @@ class Eagle3Drafter(nn.Module):
         y = self.norm(h2)
         return y, (y if self.spec.norm_output else h2)
 
-    def ttt_step(self, input_ids, hidden, position_ids, mask, kv: list):
+    def ttt_step(self, input_ids, hidden, position_ids, mask, kv: list, distribute=None):
         """One training-time-test step over all rows (SPEC.md section 4).
 
         ``input_ids``/``position_ids`` ``[B, T]`` are this step's (already shifted) tokens and RoPE
@@ -329,6 +329,11 @@ class Eagle3Drafter(nn.Module):
         document ids ``[B, T]``, ``kv`` the (k, v) of the earlier steps, to which this step's are appended.
         Row t attends to step-0 keys 0..t of its document and to its own key of each step >= 1.
         Returns (y ``[B, T, H]`` for ``lm_head``, the state to feed back).
+
+        ``distribute`` (sequence parallelism; None on one rank): ``distribute(attend) -> attend'``, where
+        ``attend(q, k, v)`` is this single-rank attention over ``[B, heads, T, D]`` tensors; the caller's
+        wrapper may hand it other shapes (e.g. all rows of a head shard, with ``mask`` built for those rows),
+        and ``kv`` then holds what the wrapper handed in. The drafter knows nothing else of it.
         """
         impl = resolve_attention(self.attention, hidden.device)
 
@@ -342,7 +347,7 @@ class Eagle3Drafter(nn.Module):
                 kd, vd = k0[:, :, None][:, :, :0], v0[:, :, None][:, :, :0]  # J = 0
             return ttt_attention(q, k0, v0, kd, vd, mask, impl)
 
-        return self._layer(input_ids, hidden, position_ids, attend)
+        return self._layer(input_ids, hidden, position_ids, attend if distribute is None else distribute(attend))
 
     def decode_step(self, input_ids, hidden, position_ids, cache: DraftCache):
         """Engine-style step: ``[B, S]`` ids, ``[B, S, H]`` states, ``[B, S]`` positions.

@@ -68,20 +68,29 @@ def step_rows(loss_mask: torch.Tensor, document_ids: torch.Tensor, target_argmax
 
 
 def unroll(drafter, aux_hidden: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
-           document_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
+           document_ids: torch.Tensor, steps: int, shard=None) -> list[torch.Tensor]:
     """Unroll ``steps`` TTT steps of ``drafter`` (teacher forcing); returns y_k = norm(h2) ``[B, T, H]``
-    per step, whose ``drafter.lm_head(y_k)`` are the step's logits over the draft vocab."""
-    g = drafter.fuse(aux_hidden)
+    per step, whose ``drafter.lm_head(y_k)`` are the step's logits over the draft vocab.
+
+    ``shard`` (a train/sequence_parallel.py ``RowShard``; None on one rank): the inputs are a shard's rows
+    plus its halo; the drafter runs on the first ``shard.rows`` of them, attends over the whole row through
+    ``shard.sp.distribute``, and the halo's y are zeros (those rows never count: :func:`step_rows` callers
+    cut them)."""
+    T = input_ids.shape[1]
+    own = T if shard is None else shard.rows
+    g = drafter.fuse(aux_hidden[:, :own])
     kv: list = []
     ys = []
-    mask = TTTMask(document_ids, steps)  # built once: every step (and its backward) reads the same mask
+    # built once: every step (and its backward) reads the same mask
+    mask = TTTMask(document_ids if shard is None else shard.document_ids, steps)
+    distribute = None if shard is None else shard.sp.distribute
     for k in range(steps):
         tokens, positions = step_inputs(input_ids, position_ids, k)
-        y, g = drafter.ttt_step(tokens, g, positions, mask, kv)
-        ys.append(y)
+        y, g = drafter.ttt_step(tokens[:, :own], g, positions[:, :own], mask, kv, distribute=distribute)
+        ys.append(y if own == T else torch.nn.functional.pad(y, (0, 0, 0, T - own)))
     return ys
 
 
-def ttt_states(drafter, batch, steps: int) -> list[torch.Tensor]:
-    """:func:`unroll` over a ``FeatureBatch``."""
-    return unroll(drafter, batch.aux_hidden, batch.input_ids, batch.position_ids, batch.document_ids, steps)
+def ttt_states(drafter, batch, steps: int, shard=None) -> list[torch.Tensor]:
+    """:func:`unroll` over a ``FeatureBatch`` (``shard``: see :func:`unroll`)."""
+    return unroll(drafter, batch.aux_hidden, batch.input_ids, batch.position_ids, batch.document_ids, steps, shard)

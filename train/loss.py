@@ -77,18 +77,26 @@ class TTTLoss(ABC):
         over its counted rows, those flat row indices, the drafter's argmax at them); None = no such path."""
         return None
 
-    def __call__(self, drafter, batch: FeatureBatch, teacher_head: torch.Tensor) -> TTTResult:
+    def __call__(self, drafter, batch: FeatureBatch, teacher_head: torch.Tensor, shard=None) -> TTTResult:
         """Unroll ``self.steps`` TTT steps of ``drafter`` on ``batch`` and score them: returns the weighted
         loss (L_k is 0 when step k counts no row) and numerator/denominator metrics; ``full_acc_k`` counts
-        rows whose steps 0..k are all counted, and is right when all of them are."""
+        rows whose steps 0..k are all counted, and is right when all of them are.
+
+        ``shard`` (sequence parallelism, train/sequence_parallel.py; None on one rank): ``batch`` is one
+        rank's shard plus halo; only its own rows count, L_k is normalised by the rows the whole group
+        counts, and the loss is scaled by the group size (DeepSpeed averages gradients over every rank)."""
         Vd = drafter.spec.draft_vocab_size
         if teacher_head.shape[0] != Vd:
             raise ValueError(f"teacher_head has {teacher_head.shape[0]} rows; drafter.draft_vocab_size={Vd}")
         B, T = batch.input_ids.shape
         th_flat = batch.target_hidden.reshape(B * T, -1)
-        ys = alignment.ttt_states(drafter, batch, self.steps)
-        rows = [_flat(alignment.step_rows(batch.loss_mask, batch.document_ids, batch.target_argmax, drafter.t2d, k))
+        ys = alignment.ttt_states(drafter, batch, self.steps, shard)
+        rows = [alignment.step_rows(batch.loss_mask, batch.document_ids, batch.target_argmax, drafter.t2d, k)
                 for k in range(self.steps)]
+        if shard is not None:
+            for s in rows:
+                s.counted[:, shard.rows:] = False  # the halo: the next shard's rows
+        rows = [_flat(s) for s in rows]
         ys_flat = [y.reshape(B * T, -1) for y in ys]
         scored = None
         if not _partitioned(drafter.lm_head):  # under ZeRO-3 only lm_head's own forward sees its weight
@@ -96,19 +104,25 @@ class TTTLoss(ABC):
         if scored is None:
             scored = _per_step_module_calls(self.loss_sum, ys_flat, rows, th_flat, drafter.lm_head, teacher_head,
                                             self.chunk_size)
-        return self._weigh(drafter, rows, scored, ys[0].device)
+        return self._weigh(drafter, rows, scored, ys[0].device, shard)
 
-    def _weigh(self, drafter, rows, scored, device) -> TTTResult:
+    def _weigh(self, drafter, rows, scored, device, shard=None) -> TTTResult:
         total = torch.zeros((), dtype=torch.float32, device=device)
         metrics: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         chain_counted = chain_right = None
         f64 = lambda x: x.detach().to(torch.float64)  # noqa: E731
+        counts = torch.stack([s.counted.sum() for s in rows])
+        # one rank: L_k = S_k / n_k; a group of N: rank r's share N S_k^r / n_k(group) (gradients are averaged)
+        if shard is None:
+            denominators = counts.clamp(min=1)
+        else:
+            denominators = shard.sp.group_sum(counts).clamp(min=1) / shard.sp.size
         for k, (step, (loss_sum, r, pred)) in enumerate(zip(rows, scored)):
             right = torch.zeros_like(step.counted)
             if pred is not None:
                 right[r] = drafter.draft_to_target(pred) == step.teacher_argmax[r]
-            n = step.counted.sum()
-            total = total + self.step_weight**k * loss_sum / n.clamp(min=1)
+            n = counts[k]
+            total = total + self.step_weight**k * loss_sum / denominators[k]
             chain_counted = step.counted if chain_counted is None else chain_counted & step.counted
             chain_right = right if chain_right is None else chain_right & right
             metrics[step_key("loss", k)] = (f64(loss_sum), f64(n))

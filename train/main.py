@@ -68,6 +68,7 @@ def user_error(e: BaseException, all_ranks_agree: bool = False) -> None:
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
 def main(dcfg: DictConfig) -> None:
     from fledge.data.eval_sets import check_set_names
+    from fledge.distributed import check_sequence_parallel
     from fledge.models.dialects import get_dialect
     from fledge.models.layers import check_layer_format
     from fledge.train.loss import check_loss_name
@@ -80,6 +81,8 @@ def main(dcfg: DictConfig) -> None:
         get_dialect(cfg.export.format)
         check_set_names(cfg.eval.sets, cfg.eval.set_paths if "eval" in cfg.run.stages else {})
         check_layer_format(cfg.drafter.layer, cfg.export.format)
+        if "train" in cfg.run.stages:  # before any stage runs, not after hours of capture
+            check_sequence_parallel(int(os.environ.get("WORLD_SIZE", "1")), cfg.train.sequence_parallel)
     except ValueError as e:
         if debugging():
             raise

@@ -14,13 +14,18 @@ from fledge.conf.schema import Config
 from fledge.train.runner import StageContext
 
 
-def build_loaders(cfg: Config, ctx: StageContext, dtype: torch.dtype) -> tuple[BatchIterator, BatchIterator]:
-    """This rank's (train, eval) loaders; online mode shares one frozen target between them."""
+def build_loaders(cfg: Config, ctx: StageContext, dtype: torch.dtype, rank: int | None = None,
+                  world_size: int | None = None) -> tuple[BatchIterator, BatchIterator]:
+    """This rank's (train, eval) loaders; online mode shares one frozen target between them. ``rank`` /
+    ``world_size``: the data-parallel ones when they differ from the world's (sequence parallelism: every
+    rank of a group reads the group's batches)."""
     t, w = cfg.train, ctx.world
+    rank = w.rank if rank is None else rank
+    world_size = w.world_size if world_size is None else world_size
     if cfg.capture.mode == "offline":
         from fledge.data.feature_reader import FeatureLoader
 
-        loaders = tuple(FeatureLoader(ctx.run_dir / "capture" / split, w.rank, w.world_size, t.micro_batch_tokens,
+        loaders = tuple(FeatureLoader(ctx.run_dir / "capture" / split, rank, world_size, t.micro_batch_tokens,
                                       t.micro_batch_size, cfg.run.seed, dtype=dtype) for split in ("train", "eval"))
         for loader in loaders:
             loader.store.check_compatible(cfg.target, cfg.aux_layer_ids())
@@ -29,6 +34,6 @@ def build_loaders(cfg: Config, ctx: StageContext, dtype: torch.dtype) -> tuple[B
     from fledge.models.target import FrozenTarget
 
     target = FrozenTarget.load(cfg.target, w.device, cfg.aux_layer_ids(), cfg.capture.device_map)
-    return tuple(OnlineFeatureSource(ctx.run_dir / "prepare" / split, target, w.rank, w.world_size,
+    return tuple(OnlineFeatureSource(ctx.run_dir / "prepare" / split, target, rank, world_size,
                                      t.micro_batch_tokens, t.micro_batch_size, cfg.run.seed)
                  for split in ("train", "eval"))

@@ -1,6 +1,8 @@
 """The train stage: TTT training of the drafter under DeepSpeed ZeRO, resumable exactly.
 
-One optimizer step = ``grad_accum`` micro-batches on each of ``world`` ranks. Batches come from a
+One optimizer step = ``grad_accum`` micro-batches on each of ``world`` ranks (with
+``train.sequence_parallel=N``, on each of ``world / N`` groups of N ranks that split every row:
+train/sequence_parallel.py). Batches come from a
 global plan that does not depend on the world size (rank r takes global batches r, r+W, ...), so
 2 ranks x 1 micro-batch and 1 rank x 2 micro-batches see the same data, and a run resumed on
 another world size continues at the same global position. Randomness is re-seeded from
@@ -23,10 +25,11 @@ from tqdm import tqdm
 
 from fledge.train import checkpoint
 from fledge.conf.schema import Config
-from fledge.distributed import World, all_reduce_sum, any_rank
+from fledge.distributed import World, all_reduce_sum, any_rank, sequence_groups
 from fledge.train.engine import build_engine, use_bf16
 from fledge.train.metrics import MetricsLog, RatioMeter, StepAccuracy, al_estimate
 from fledge.train.runner import StageContext
+from fledge.train.sequence_parallel import SequenceParallel, check_heads
 from fledge.train.ttt_model import TTTModel, build_ttt_model, drafter_meta
 from fledge.train.train_data import build_loaders
 
@@ -57,7 +60,11 @@ class _SigtermFlag:
 def run_training(ctx: StageContext) -> dict:
     """The train stage: build the TTT model and DeepSpeed engine, resume, train, checkpoint, evaluate."""
     cfg, world = ctx.cfg, ctx.world
+    groups = sequence_groups(world, cfg.train.sequence_parallel)  # a bad size fails before any weight is read
     model = build_ttt_model(cfg, ctx.run_dir, world.device)
+    spec = model.drafter.spec
+    check_heads(groups.size, spec.num_key_value_heads, spec.num_attention_heads)
+    seq = SequenceParallel(groups, cfg.drafter.ttt_steps) if groups.size > 1 else None
     dtype = torch.bfloat16 if use_bf16(cfg, world) else torch.float32
     if cfg.deepspeed.zero_stage == 0 and dtype == torch.float32:
         # Measured (DeepSpeed 0.19.8): ZeRO 1-3, and bf16 at stage 0, skip a step whose gradient norm is
@@ -65,8 +72,9 @@ def run_training(ctx: StageContext) -> dict:
         raise ValueError("deepspeed.zero_stage=0 in fp32 steps the optimizer on non-finite gradients, so a "
                          "NaN batch would corrupt the drafter instead of being skipped; use "
                          "deepspeed.zero_stage=1 (or deepspeed.bf16=true)")
-    train_data, eval_data = build_loaders(cfg, ctx, dtype)
-    per_step = cfg.train.grad_accum * world.world_size
+    # a sequence-parallel group is one data-parallel rank: the global batch plan is the same as without it
+    train_data, eval_data = build_loaders(cfg, ctx, dtype, groups.dp_rank, groups.dp_size)
+    per_step = cfg.train.grad_accum * groups.dp_size
     total = cfg.train.max_steps or max(1, cfg.train.epochs * train_data.global_batches_per_epoch // per_step)
 
     ckpt_dir = ctx.stage_dir / "checkpoints"
@@ -101,6 +109,7 @@ def run_training(ctx: StageContext) -> dict:
             step_meter, step_tokens, positions, nonfinite = RatioMeter(), 0, [], []
             for _ in range(cfg.train.grad_accum):
                 position, batch = train_data.next_batch()
+                batch = seq.split(batch) if seq else batch  # this rank's rows of it, before the device
                 out = engine(batch.to(world.device, dtype))
                 bad = ~torch.isfinite(out.loss.detach())
                 # Skipping this backward would move DeepSpeed's accumulation boundary (the next micro-batch
@@ -147,7 +156,7 @@ def run_training(ctx: StageContext) -> dict:
                                     al=f"{record['al_estimate']:.2f}")
             is_eval = step % cfg.train.eval_every == 0 or step == total
             if is_eval:
-                ev = evaluate(engine, eval_data, cfg, world, dtype)
+                ev = evaluate(engine, eval_data, cfg, world, dtype, seq)
                 if metrics_log:
                     metrics_log.write({"step": step, **ev})
                 if state["best_al"] is None or ev["eval/al_estimate"] > state["best_al"]:
@@ -174,12 +183,13 @@ def run_training(ctx: StageContext) -> dict:
 
 
 @torch.no_grad()
-def evaluate(engine, data, cfg: Config, world: World, dtype: torch.dtype) -> dict[str, float]:
-    """Teacher-forced held-out metrics over ``train.eval_batches`` batches per rank."""
+def evaluate(engine, data, cfg: Config, world: World, dtype: torch.dtype, seq=None) -> dict[str, float]:
+    """Teacher-forced held-out metrics over ``train.eval_batches`` batches per data-parallel rank (``seq``:
+    the rank's ``SequenceParallel``, which splits each batch over its group)."""
     meter = RatioMeter()
     engine.eval()
     for batch in data.eval_batches(cfg.train.eval_batches):
-        meter.add(engine(batch.to(world.device, dtype)).metrics)
+        meter.add(engine((seq.split(batch) if seq else batch).to(world.device, dtype)).metrics)
     engine.train()
     values = meter.reduce()
     values = {f"eval/{k}": v for k, v in values.items()}

@@ -17,6 +17,7 @@ from torch import nn
 from fledge.conf.schema import Config
 from fledge.data.batch import FeatureBatch
 from fledge.train.loss import TTTLoss, TTTResult, build_loss
+from fledge.train.sequence_parallel import RowShard
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,10 @@ class TTTModel(nn.Module):
         self.register_buffer("teacher_head", teacher_head, persistent=False)
         self.loss = loss
 
-    def forward(self, batch: FeatureBatch) -> TTTResult:
+    def forward(self, batch: FeatureBatch | RowShard) -> TTTResult:
+        """A ``RowShard`` (train/sequence_parallel.py) is one rank's part of a row split over its group."""
+        if isinstance(batch, RowShard):
+            return self.loss(self.drafter, batch.batch, self.teacher_head, shard=batch)
         return self.loss(self.drafter, batch, self.teacher_head)
 
     def cast_teacher(self, dtype: torch.dtype) -> None:

@@ -1,5 +1,6 @@
 """The train stage under DeepSpeed on 2 gloo ranks: ZeRO-2/3 equal one process, exact resume after
-kill -9, and a preempted 2-rank run resumed on 1 rank through the universal checkpoint."""
+kill -9, and a preempted 2-rank run resumed on 1 rank through the universal checkpoint; sequence
+parallelism (train.sequence_parallel=2) on that curve, resumed with and without it."""
 
 from __future__ import annotations
 
@@ -215,3 +216,26 @@ def test_a_skipped_step_with_accumulation_resumes_exactly(base):
     w1, w2, w3 = (load_file(str(ckpts / f"step_{s:08d}" / "drafter" / "model.safetensors")) for s in (1, 2, 3))
     assert all(w1[k].equal(w2[k]) for k in w1)  # the skipped step left the weights as they were
     assert not all(w2[k].equal(w3[k]) for k in w2)  # and the next one trained
+
+
+def test_sequence_parallel_trains_like_data_parallel_and_resumes(base, reference):
+    """train.sequence_parallel=2 on 2 ranks (one data-parallel rank of two sequence shards, rows of 256
+    tokens with documents across the split) with 2 micro-batches per step runs the reference's global
+    batches and follows its curve; preempted at a checkpoint, it resumes on the same 2 ranks, and (universal
+    checkpoint) on 1 rank without sequence parallelism, both continuing that curve."""
+    args = new_run(base, "sp2") + ["deepspeed=zero2", "train.sequence_parallel=2", "train.grad_accum=2"]
+    proc = _start(main_cmd(2) + args)
+    _wait_for_checkpoint(proc, base[0] / "sp2" / "train" / "checkpoints")
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and "preempted" in out, out[-3000:]
+    assert len(losses(base, "sp2")) < STEPS
+    moved = new_run(base, "sp_moved") + ["deepspeed=zero2", "train.grad_accum=2"]
+    shutil.copytree(base[0] / "sp2" / "train", base[0] / "sp_moved" / "train")
+    run(main_cmd(2) + args)  # same world, sp=2
+    run(main_cmd(1) + moved)  # universal checkpoint, sp=1
+    for name in ("sp2", "sp_moved"):
+        got = losses(base, name)
+        assert len(got) == STEPS, name
+        for a, b in zip(got, reference):
+            assert a == pytest.approx(b, rel=2e-4, abs=2e-5, nan_ok=True), name
