@@ -98,6 +98,9 @@ class CaptureConfig:
     dtype: str = "bf16"  # bf16 | fp8 (e4m3 with per-token scales; aux states only)
     shard_size_mb: float = 1024  # per shard file (tests use fractions of a MiB)
     batch_tokens: int = 16384  # tokens per target forward
+    # Rows longer than this are read in pieces of this many tokens through the target's own KV cache (states
+    # equal to one forward; attention memory [chunk, T] instead of [T, T]); 0 = one forward per row.
+    chunk_tokens: int = 8192
     device_map: Optional[str] = None  # e.g. "auto" to spread a big target over a node's GPUs
     # Array-job capture (train/slurm/capture_array.sbatch, `fledge submit capture --array N`): task i runs with slice_index=i and captures
     # samples [i*n/N, (i+1)*n/N) of each split; a later run with num_slices=N and no slice_index merges
