@@ -128,7 +128,7 @@ def acceptance_stats(results, k: int) -> dict:
 def _greedy_tie(runner: TargetRunner, prompt: list[int], ref: list[int], at: int) -> bool:
     """Whether the target's top-2 logits at generated position ``at`` are within the tie gap."""
     runner.reset()
-    logits, _ = runner.forward(list(prompt) + ref[:at])
+    logits, _ = runner.prefill(list(prompt) + ref[:at])
     top = logits[-1].topk(2).values
     dtype = next(runner.model.parameters()).dtype
     return float(top[0] - top[1]) < TIE_GAP.get(dtype, HALF_TIE_GAP)
@@ -205,7 +205,8 @@ def pack_heldout(lengths: Sequence[int], row_len: int) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def heldout_accuracy(drafter, frozen, samples: Sequence[tuple[list[int], list[int]]], steps: int) -> dict:
+def heldout_accuracy(drafter, frozen, samples: Sequence[tuple[list[int], list[int]]], steps: int,
+                     chunk_tokens: int = 0) -> dict:
     """Teacher-forced per-step accuracy on held-out conversations (one document each), unrolled ``steps``
     TTT steps, beyond the trained K too. Step j's inputs and counted rows are training's
     (train/alignment.py). ``full_acc[j]`` counts, among step j's counted rows, those whose steps 0..j were
@@ -230,7 +231,7 @@ def heldout_accuracy(drafter, frozen, samples: Sequence[tuple[list[int], list[in
         for d, i in enumerate(members):
             ids, mask = samples[i]
             n = len(ids)
-            a, _, am = frozen.capture(torch.tensor([ids], device=frozen.device))
+            a, _, am = frozen.capture(torch.tensor([ids], device=frozen.device), chunk_tokens=chunk_tokens)
             if aux is None:
                 aux = torch.zeros(1, R, a.shape[-1], dtype=dtype, device=dev)
             sl = slice(at, at + n)
@@ -304,7 +305,8 @@ def evaluate_run(cfg, run_dir: Path, out_dir: Path, drafter_dir: Path, device: t
     if default.exists():
         samples = [renderer.encode(c, f"{default}:{i + 1}")
                    for i, c in enumerate(read_conversations(default)[:ev.num_prompts])]
-        report["heldout"] = heldout_accuracy(drafter, frozen, samples, ev.heldout_steps or 2 * K)
+        report["heldout"] = heldout_accuracy(drafter, frozen, samples, ev.heldout_steps or 2 * K,
+                                             cfg.capture.chunk_tokens)
         first = next(iter(report["sets"]))
         measured = report["sets"][first]["drafter"]["accept_at"]
         offline = StepAccuracy(report["heldout"]["acc"][:len(measured)], report["heldout"]["full_acc"][:len(measured)])

@@ -30,5 +30,6 @@ def build_loaders(cfg: Config, ctx: StageContext, dtype: torch.dtype) -> tuple[B
 
     target = FrozenTarget.load(cfg.target, w.device, cfg.aux_layer_ids(), cfg.capture.device_map)
     return tuple(OnlineFeatureSource(ctx.run_dir / "prepare" / split, target, w.rank, w.world_size,
-                                     t.micro_batch_tokens, t.micro_batch_size, cfg.run.seed)
+                                     t.micro_batch_tokens, t.micro_batch_size, cfg.run.seed,
+                                     chunk_tokens=cfg.capture.chunk_tokens)
                  for split in ("train", "eval"))

@@ -70,3 +70,27 @@ def test_chunked_capture_scores_are_chunk_by_T(eager):
             h.remove()
     assert single == 96 * 96  # the control: one forward scores [T, T]
     assert chunked == 32 * 96 and len(seen) == 3 * L  # the last piece: 32 queries over all 96 keys
+
+
+def test_prefill_in_pieces_keeps_only_the_last_logits():
+    from fledge.models.speculative import TargetRunner
+
+    model = _llama()
+    prompt = torch.randint(0, V, (50,), generator=torch.Generator().manual_seed(3)).tolist()
+    rows = []
+    handle = model.lm_head.register_forward_hook(lambda _m, inp, _out: rows.append(inp[0].shape[-2]))
+    try:
+        whole = TargetRunner(model, [1, 3])
+        ref_logits, ref_aux = whole.forward(prompt)
+        assert rows == [50]  # the control: a plain forward makes [S, V] logits
+        rows.clear()
+        runner = TargetRunner(model, [1, 3], prefill_chunk=16)
+        logits, aux = runner.prefill(prompt)
+    finally:
+        handle.remove()
+    assert rows == [1, 1, 1, 1] and len(runner) == 50  # 4 pieces, one logits row each
+    torch.testing.assert_close(logits, ref_logits[-1:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(aux, ref_aux, rtol=1e-5, atol=1e-5)
+    # decoding continues from the cache as after one forward
+    nxt = [int(logits[-1].argmax())]
+    torch.testing.assert_close(runner.forward(nxt)[0], whole.forward(nxt)[0], rtol=1e-5, atol=1e-5)
