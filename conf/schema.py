@@ -176,6 +176,12 @@ class EvalConfig:
     degenerate_threshold: float = 0.5  # outputs with a distinct-3-gram ratio below this count as degenerate (loops)
     drift_depth: int = 0  # draft depth of the attention-drift diagnostics (0 -> max(draft_tokens, 2K))
     lookup_max_ngram: int = 3  # prompt-lookup baseline: longest n-gram matched in the context
+    # Acceptance vs context length (train/long_eval.py): prompt lengths in tokens, ascending (empty: off); the
+    # same conversations cut to each, bucket_prompts of them, from long_context_source (a jsonl of
+    # conversations with a long first user turn) or else the eval conversations grown with held-out context.
+    context_buckets: list[int] = field(default_factory=list)
+    bucket_prompts: int = 8
+    long_context_source: Optional[str] = None
     # The serving engine in the loop (train/engine_eval.py): hf = Fledge's in-process harness only; vllm also
     # serves the export with real vLLM (scripts/setup_engine.sh) and holds its AL to the in-process AL;
     # sglang runs only on CUDA GPUs.
@@ -218,6 +224,7 @@ class Config:
         _one_of("eval.engine", self.eval.engine, ("hf", "vllm", "sglang"))
         if not self.eval.engine_al_tolerance > 0:
             raise ValueError(f"eval.engine_al_tolerance={self.eval.engine_al_tolerance}: must be > 0 (an AL gap)")
+        _check_context_buckets(self.eval)
         _one_of("logging.wandb_mode", self.logging.wandb_mode, ("auto", "online", "offline", "disabled"))
         if not 0.0 <= self.data.eval_fraction < 1.0:
             raise ValueError(f"data.eval_fraction={self.data.eval_fraction}: must be in [0, 1)")
@@ -263,6 +270,15 @@ def _check_capture_slices(cfg: Config) -> None:
                          "array, later stages after the merge (capture.num_slices=N without slice_index)")
     if c.mode != "offline":
         raise ValueError(f"capture.slice_index with capture.mode={c.mode}: slices exist only for the offline store")
+
+
+def _check_context_buckets(ev: EvalConfig) -> None:
+    b = list(ev.context_buckets)
+    if any(x < 16 for x in b) or b != sorted(set(b)):
+        raise ValueError(f"eval.context_buckets={b}: prompt lengths in tokens, ascending, distinct, each >= 16 "
+                         "(e.g. [512,2048,8192,32768])")
+    if b and ev.bucket_prompts < 1:
+        raise ValueError(f"eval.bucket_prompts={ev.bucket_prompts}: must be >= 1 with eval.context_buckets set")
 
 
 def _one_of(key: str, value: Any, allowed: tuple, many: bool = False) -> None:

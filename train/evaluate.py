@@ -177,6 +177,40 @@ def evaluate_set(name: str, prompts: list[list[int]], target_model, drafter, eva
     return out
 
 
+def evaluate_buckets(cfg, renderer, prepare_dir: Path, target_model, drafter, eos, max_pos: int) -> list[dict]:
+    """The set harness and the drift probe on each of ``eval.context_buckets`` (train/long_eval.py)."""
+    from fledge.data.chat import prompt_ids
+    from fledge.models.drift import drift_curves
+    from fledge.train import long_eval
+
+    ev, K = cfg.eval, cfg.drafter.ttt_steps
+    room = max_pos - ev.max_new_tokens - ev.draft_tokens - 2
+    if max(ev.context_buckets) > room:
+        raise ValueError(f"eval.context_buckets={list(ev.context_buckets)}: the target holds {max_pos} positions, so "
+                         f"prompts can have at most {room} tokens (with eval.max_new_tokens={ev.max_new_tokens}); "
+                         f"lower the largest bucket")
+    if ev.long_context_source:
+        convs = long_eval.read_long_source(ev.long_context_source)
+    else:
+        base = read_conversations(prepare_dir / SET_FILES["default"])
+        convs = [lengthen(c, base[i + 1:] + base[:i], renderer, max(ev.context_buckets) + 64)
+                 for i, c in enumerate(base[:ev.bucket_prompts])]
+    prompts = long_eval.bucket_prompts(convs, prompt_upto, lambda c, upto: prompt_ids(renderer, c, upto),
+                                       ev.context_buckets, ev.bucket_prompts)
+    if not prompts[ev.context_buckets[0]]:
+        src = ev.long_context_source or "the eval conversations with held-out context"
+        raise ValueError(f"eval.context_buckets: no conversation of {src} reaches {max(ev.context_buckets)} prompt "
+                         "tokens; lower the largest bucket or set eval.long_context_source to longer conversations")
+    out = []
+    depth = ev.drift_depth or max(ev.draft_tokens, 2 * K)
+    for b, ps in prompts.items():
+        res = evaluate_set(f"context {b}", ps, target_model, drafter, ev, eos, cfg.run.seed)
+        drift = drift_curves(drafter, TargetRunner(target_model, drafter.spec.aux_layer_ids), ps, depth,
+                             desc=f"drift context {b}")
+        out.append(long_eval.summarize(b, res, drift))
+    return out
+
+
 # Held-out rows are one length per run (below): flex attention is compiled with static shapes, one compile
 # per key length (J + 1) T, and a row length per sample recompiled it for every sample (silently falling back
 # to the eager kernel, which materialises the scores, past dynamo's limit).
@@ -315,6 +349,8 @@ def evaluate_run(cfg, run_dir: Path, out_dir: Path, drafter_dir: Path, device: t
                                          "gap": [m - o for m, o in zip(measured, offline.full_acc)],
                                          "offline_al": al_estimate(offline),
                                          "measured_al": report["sets"][first]["drafter"]["al"]}
+    if ev.context_buckets:  # AL and drift vs context length (train/long_eval.py)
+        report["context_buckets"] = evaluate_buckets(cfg, renderer, prepare_dir, target_model, drafter, eos, max_pos)
     train_manifest = read_json(run_dir / "train" / "manifest.json") or {}
     report["train_al_estimate"] = (train_manifest.get("outputs") or {}).get("best_al_estimate")
     if engine_python is not None:  # eval.engine=vllm: the same prompts served by the engine (train/engine_eval.py)
