@@ -104,7 +104,7 @@ def evaluated(run):
     stage_dir = run / "run/eval"
     stage_dir.mkdir()
     cfg = _eval_cfg(run)
-    cfg.eval.context_buckets, cfg.eval.bucket_prompts = [32, 64], 2  # AL vs context length (train/long_eval.py)
+    cfg.eval.context_buckets, cfg.eval.bucket_prompts = [32, 64], 1  # AL vs context length (train/long_eval.py)
     ctx = StageContext(cfg, World(0, 1, 0, torch.device("cpu")), run / "run", stage_dir,
                        {"export": {"outputs": {"drafter": str(run / "run/export/drafter")}}})
     return stage_dir, run_stage(ctx)
@@ -196,10 +196,10 @@ def test_eval_reports_al_vs_context_length(evaluated):
     buckets = json.loads((stage_dir / "report.json").read_text())["context_buckets"]
     assert [b["bucket"] for b in buckets] == [32, 64]
     for b in buckets:
-        assert b["prompts"] == 2 and b["bucket"] - 24 < b["prompt_tokens_mean"] <= b["bucket"]
+        assert b["prompts"] == 1 and b["bucket"] - 24 < b["prompt_tokens_mean"] <= b["bucket"]
         assert 1.0 <= b["al"] <= 4.0 and b["drift"]["depth"] == [0, 1, 2, 3]
     md = (stage_dir / "report.md").read_text()
-    assert "## Acceptance vs context length" in md and "| 32 | 2 |" in md and "| 64 | 2 |" in md
+    assert "## Acceptance vs context length" in md and "| 32 | 1 |" in md and "| 64 | 1 |" in md
 
 
 def test_compare_script(evaluated, tmp_path):
@@ -220,7 +220,7 @@ def test_compare_script(evaluated, tmp_path):
     md = (tmp_path / "out/compare.md").read_text()
     assert "AL(3.1)/AL(3)" in md and "| default |" in md and "Held-out" in md
     assert [r["al_ratio"] for r in c["context"]] == pytest.approx([1.0, 2.0])  # AL vs context length
-    assert "Acceptance vs context length" in md and "| 64 | 2 |" in md
+    assert "Acceptance vs context length" in md and "| 64 | 1 |" in md
     for f in ("compare_acceptance.png", "compare_drift.png", "compare_heldout.png", "compare_gap.png",
               "compare_al_vs_length.png"):
         assert (tmp_path / "out" / f).read_bytes()[:4] == b"\x89PNG"

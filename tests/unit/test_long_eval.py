@@ -73,3 +73,17 @@ def test_context_buckets_are_validated():
         cfg.validate()
     cfg.eval.context_buckets = [256, 512]
     cfg.validate()
+
+
+def test_position_loss_buckets_every_predicted_token(random_tiny_target):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fledge.data import tiny_long
+
+    tok = AutoTokenizer.from_pretrained(random_tiny_target)
+    model = AutoModelForCausalLM.from_pretrained(random_tiny_target, dtype=torch.float32).eval()
+    convs = [_conv(40), _conv(60, tag="y")]
+    out = tiny_long.position_loss(model, tok, convs, [0, 16, 32, 64], max_tokens=64)
+    assert out["tokens"] == [2 * 15, 2 * 16, 2 * 32]  # positions 1..63 of two 64-token rows
+    assert all(v is not None and 0 < v < 20 for v in out["loss"])
