@@ -138,9 +138,13 @@ def plot_context(series: dict[str, list[dict]], path: Path, styles: Optional[dic
         for ax, key in zip(axes[1:], ("drafted", "state_rms")):
             ax.plot(xs, [sum(s["drift"][key][1:]) / max(1, len(s["drift"][key]) - 1) for s in buckets], ls=ls,
                     marker="o", color=line.get_color(), label=label)
+    ticks = sorted({s["bucket"] for buckets in series.values() for s in buckets})
     for ax, title in zip(axes, ("acceptance length", "attention on own drafts (fed-back depths)",
                                 "fed-back state RMS")):
-        ax.set(xscale="log", xlabel="context tokens", title=title)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.minorticks_off()
+        ax.set(xlabel="context tokens", title=title)
     axes[0].legend(fontsize=7)
     _save(fig, path)
     plt.close(fig)
