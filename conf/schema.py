@@ -101,6 +101,9 @@ class CaptureConfig:
     dtype: str = "bf16"  # bf16 | fp8 (e4m3 with per-token scales; aux states only)
     shard_size_mb: float = 1024  # per shard file (tests use fractions of a MiB)
     batch_tokens: int = 16384  # tokens per target forward
+    # Rows longer than this are read in pieces of this many tokens through the target's own KV cache (states
+    # equal to one forward; attention memory [chunk, T] instead of [T, T]); 0 = one forward per row.
+    chunk_tokens: int = 8192
     device_map: Optional[str] = None  # e.g. "auto" to spread a big target over a node's GPUs
     # Array-job capture (train/slurm/capture_array.sbatch, `fledge submit capture --array N`): task i runs with slice_index=i and captures
     # samples [i*n/N, (i+1)*n/N) of each split; a later run with num_slices=N and no slice_index merges
@@ -179,6 +182,12 @@ class EvalConfig:
     degenerate_threshold: float = 0.5  # outputs with a distinct-3-gram ratio below this count as degenerate (loops)
     drift_depth: int = 0  # draft depth of the attention-drift diagnostics (0 -> max(draft_tokens, 2K))
     lookup_max_ngram: int = 3  # prompt-lookup baseline: longest n-gram matched in the context
+    # Acceptance vs context length (train/long_eval.py): prompt lengths in tokens, ascending (empty: off); the
+    # same conversations cut to each, bucket_prompts of them, from long_context_source (a jsonl of
+    # conversations with a long first user turn) or else the eval conversations grown with held-out context.
+    context_buckets: list[int] = field(default_factory=list)
+    bucket_prompts: int = 8
+    long_context_source: Optional[str] = None
     # The serving engine in the loop (train/engine_eval.py): hf = Fledge's in-process harness only; vllm also
     # serves the export with real vLLM (scripts/setup_engine.sh) and holds its AL to the in-process AL;
     # sglang runs only on CUDA GPUs.
@@ -230,6 +239,7 @@ class Config:
             raise ValueError(f"eval.max_prompt_tokens={self.eval.max_prompt_tokens}: must be >= 0 (0: the target's limit)")
         if not self.eval.engine_al_tolerance > 0:
             raise ValueError(f"eval.engine_al_tolerance={self.eval.engine_al_tolerance}: must be > 0 (an AL gap)")
+        _check_context_buckets(self.eval)
         _one_of("logging.wandb_mode", self.logging.wandb_mode, ("auto", "online", "offline", "disabled"))
         if self.train.sequence_parallel < 1:
             raise ValueError(f"train.sequence_parallel={self.train.sequence_parallel}: must be >= 1 (1 = off)")
@@ -277,6 +287,15 @@ def _check_capture_slices(cfg: Config) -> None:
                          "array, later stages after the merge (capture.num_slices=N without slice_index)")
     if c.mode != "offline":
         raise ValueError(f"capture.slice_index with capture.mode={c.mode}: slices exist only for the offline store")
+
+
+def _check_context_buckets(ev: EvalConfig) -> None:
+    b = list(ev.context_buckets)
+    if any(x < 16 for x in b) or b != sorted(set(b)):
+        raise ValueError(f"eval.context_buckets={b}: prompt lengths in tokens, ascending, distinct, each >= 16 "
+                         "(e.g. [512,2048,8192,32768])")
+    if b and ev.bucket_prompts < 1:
+        raise ValueError(f"eval.bucket_prompts={ev.bucket_prompts}: must be >= 1 with eval.context_buckets set")
 
 
 def _one_of(key: str, value: Any, allowed: tuple, many: bool = False) -> None:

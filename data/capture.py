@@ -75,10 +75,11 @@ def pad_batch(rows: list[list[int]], device) -> tuple[torch.Tensor, Optional[tor
     return ids.to(device), (mask.to(device) if padded else None)
 
 
-def capture_rows(target: FrozenTarget, rows: list[list[int]]):
-    """Run the target on token lists; yield (aux [T, n*Ht], final [T, Ht], argmax [T]) per row, unpadded."""
+def capture_rows(target: FrozenTarget, rows: list[list[int]], chunk_tokens: int = 0):
+    """Run the target on token lists; yield (aux [T, n*Ht], final [T, Ht], argmax [T]) per row, unpadded.
+    Rows longer than ``chunk_tokens`` (> 0) are read in pieces through the target's KV cache."""
     ids, mask = pad_batch(rows, target.device)
-    aux, final, argmax = target.capture(ids, attention_mask=mask)
+    aux, final, argmax = target.capture(ids, attention_mask=mask, chunk_tokens=chunk_tokens)
     for b, r in enumerate(rows):
         n = len(r)
         yield aux[b, :n], final[b, :n], argmax[b, :n]
@@ -122,7 +123,7 @@ def capture_split(target: FrozenTarget, dataset_dir: Path, store_dir: Path, cap:
         if not todo:
             continue
         rows = ds.select(batch)  # the whole planned batch, so the forward is the uninterrupted one
-        outs = capture_rows(target, [r["input_ids"] for r in rows])
+        outs = capture_rows(target, [r["input_ids"] for r in rows], cap.chunk_tokens)
         for i, row, (aux, final, argmax) in zip(batch, rows, outs):
             if i in writer.done_ids:
                 continue
@@ -286,17 +287,18 @@ class OnlineFeatureSource(BatchIterator):
     collate. ``rank``, ``world``, ``row_tokens``, ``rows_per_batch`` and ``seed`` as for FeatureLoader."""
 
     def __init__(self, dataset_dir: str | Path, target: FrozenTarget, rank: int, world: int, row_tokens: int,
-                 rows_per_batch: int, seed: int):
+                 rows_per_batch: int, seed: int, chunk_tokens: int = 0):
         from datasets import load_from_disk
 
         self.ds = load_from_disk(str(dataset_dir))
-        self.target = target
+        self.target, self.chunk_tokens = target, chunk_tokens
         super().__init__(dataset_lengths(self.ds), rank, world, row_tokens, rows_per_batch, seed)
 
     def fetch(self, indices: list[int]) -> list[dict]:
         rows = self.ds.select(indices)
         out = []  # one target forward (padded) for all samples of the batch
-        for row, (aux, final, argmax) in zip(rows, capture_rows(self.target, [x["input_ids"] for x in rows])):
+        for row, (aux, final, argmax) in zip(rows, capture_rows(self.target, [x["input_ids"] for x in rows],
+                                                                      self.chunk_tokens)):
             dev = aux.device
             out.append({"input_ids": torch.as_tensor(row["input_ids"], dtype=torch.long, device=dev),
                         "loss_mask": torch.as_tensor(row["loss_mask"], device=dev).bool(),

@@ -1,9 +1,11 @@
 """Build the tiny real target: a small Llama and a BPE chat tokenizer trained on the stdlib's source.
 
-    fledge tiny-target --budget quick|testbed [--out .cache/tiny_target]
+    fledge tiny-target --budget quick|testbed|long [--out .cache/tiny_target] [--device cpu|cuda]
 
 Writes, under ``--out`` (default: the repo's .cache/tiny_target, gitignored):
     data/{train,eval}.jsonl   the tiny recipe's conversations (OpenAI ``messages`` form)
+    long_eval/long_eval.jsonl continuations from deep inside long held-out files (data/tiny_long.py): the
+                              prompts of the AL-vs-context-length eval (eval.long_context_source)
     tokenizer/                the BPE tokenizer with its chat template (cached apart: seconds to build)
     <budget>/                 a Hugging Face LlamaForCausalLM directory + metrics.json
 Every artifact carries a build.json holding a hash of its settings; a matching one means "done", so
@@ -59,7 +61,13 @@ MODEL = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden
 BUDGETS = {
     "quick": dict(steps=120, seq_len=512, batch_size=4, lr=2e-3, warmup=12),
     "testbed": dict(steps=560, seq_len=512, batch_size=8, lr=2e-3, warmup=40),
+    # Long context (issue 20, data/tiny_long.py): 2,048-token rows, half of the conversations whole files,
+    # positions to 4,096. Fewer tokens than testbed (1.0M vs 2.3M) since a 2K row costs more per token.
+    "long": dict(steps=240, seq_len=2048, batch_size=2, lr=2e-3, warmup=24, long_share=0.5),
 }
+# Per-budget changes to MODEL (part of that budget's cache key only).
+MODEL_FOR = {"long": dict(max_position_embeddings=4096)}
+LONG_EVAL_SEED = 7
 
 
 def default_root() -> Path:
@@ -144,10 +152,10 @@ def build_tokenizer(root: Path | None = None) -> Path:
     return _cached(out, key, build)
 
 
-def _llama_config(tok):
+def _llama_config(tok, **overrides):
     from transformers import LlamaConfig
 
-    m = dict(MODEL)
+    m = dict(MODEL, **overrides)
     rope = {"rope_type": "default", "rope_theta": m.pop("rope_theta")}
     return LlamaConfig(**m, rope_parameters=rope, bos_token_id=tok.bos_token_id,
                        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
@@ -172,9 +180,13 @@ def save_random_target(out: Path, root: Path | None = None, seed: int = SEED) ->
     return Path(out)
 
 
-def _batches(tok, files, seed: int, seq_len: int, batch_size: int) -> Iterator[torch.Tensor]:
-    """(batch, seq_len + 1) windows of chat-rendered conversations packed end to end."""
-    stream = tiny_corpus.conversation_stream(files, seed)
+def _batches(tok, files, seed: int, seq_len: int, batch_size: int, long_share: float = 0.0) -> Iterator[torch.Tensor]:
+    """(batch, seq_len + 1) windows of chat-rendered conversations packed end to end (with ``long_share``
+    of them whole files: data/tiny_long.py)."""
+    from fledge.data import tiny_long
+
+    stream = (tiny_long.mixed_stream(files, seed, long_share) if long_share
+              else tiny_corpus.conversation_stream(files, seed))
     buf: list[int] = []
     rows: list[list[int]] = []
     while True:
@@ -199,23 +211,26 @@ def _lr_lambda(warmup: int, steps: int):
 
 
 def train_target(tok, files, steps: int, seq_len: int, batch_size: int, lr: float, warmup: int,
-                 seed: int = SEED, log_every: int = 50):
+                 seed: int = SEED, log_every: int = 50, long_share: float = 0.0, model_overrides: dict | None = None,
+                 device: str = "cpu"):
     """Train the tiny Llama from scratch on chat-rendered conversations, in fp32 on every CPU (no autocast:
-    see the module docstring)."""
+    see the module docstring). ``device="cuda"`` trains the same steps on a GPU (fp32, TF32 off): same
+    data and initialisation, not bitwise the CPU build; the model is returned on the CPU."""
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(_llama_config(tok))
+    model = LlamaForCausalLM(_llama_config(tok, **(model_overrides or {}))).to(device)
+    torch.backends.cuda.matmul.allow_tf32 = False
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=lr, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(warmup, steps))
-    batches = _batches(tok, files, seed + 1, seq_len, batch_size)
+    batches = _batches(tok, files, seed + 1, seq_len, batch_size, long_share)
     model.train()
     t0, loss_sum, n = time.time(), 0.0, 0
     for step in range(1, steps + 1):
-        x = next(batches)
+        x = next(batches).to(device)
         logits = model(input_ids=x[:, :-1]).logits
         loss = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
         loss.backward()
@@ -229,7 +244,7 @@ def train_target(tok, files, steps: int, seq_len: int, batch_size: int, lr: floa
             print(f"step {step}/{steps} loss {loss_sum / n:.3f} lr {sched.get_last_lr()[0]:.2e} "
                   f"{el / step:.3f}s/step eta {el / step * (steps - step):.0f}s", flush=True)
             loss_sum, n = 0.0, 0
-    return model
+    return model.cpu()
 
 
 @torch.no_grad()
@@ -267,16 +282,19 @@ def evaluate_target(path: Path, eval_jsonl: Path) -> dict:
             "mean_greedy_tokens": sum(lengths) / len(lengths)}
 
 
-def build_tiny_target(budget: str = "quick", root: Path | None = None, steps: int | None = None) -> Path:
+def build_tiny_target(budget: str = "quick", root: Path | None = None, steps: int | None = None,
+                      device: str = "cpu") -> Path:
     """Build (once) the ``budget`` target under ``root``; returns its from_pretrained directory.
-    ``steps`` overrides the budget's step count (smoke tests); it is part of the cache key."""
+    ``steps`` overrides the budget's step count (smoke tests); it is part of the cache key. ``device``
+    (cpu | cuda) is not: it is recorded in metrics.json."""
     if budget not in BUDGETS:
         raise ValueError(f"--budget {budget!r}: expected one of {sorted(BUDGETS)}")
     settings = dict(BUDGETS[budget], **({"steps": steps} if steps else {}))
     root = Path(root or default_root())
     data_dir, tok_dir = build_data(root), build_tokenizer(root)
     out = root / budget
-    key = _key(kind="target", version=TARGET_VERSION, budget=settings, model=MODEL, seed=SEED,
+    model_cfg = dict(MODEL, **MODEL_FOR.get(budget, {}))
+    key = _key(kind="target", version=TARGET_VERSION, budget=settings, model=model_cfg, seed=SEED,
                data=read_json(data_dir / "build.json")["key"], tok=read_json(tok_dir / "build.json")["key"])
 
     def build(tmp: Path) -> None:
@@ -285,18 +303,56 @@ def build_tiny_target(budget: str = "quick", root: Path | None = None, steps: in
         tok = AutoTokenizer.from_pretrained(tok_dir)
         train_files, _ = tiny_corpus.split_sources(tiny_corpus.list_sources())
         t0, c0 = time.time(), time.process_time()
-        model = train_target(tok, train_files, **settings)
+        model = train_target(tok, train_files, **settings, model_overrides=MODEL_FOR.get(budget), device=device)
         train_s, train_cpu = time.time() - t0, time.process_time() - c0
         _save_model(model, tok, tmp)
         metrics = evaluate_target(tmp, data_dir / "eval.jsonl")
         metrics.update(budget=budget, **settings, train_seconds=round(train_s, 1),
                        train_cpu_seconds=round(train_cpu, 1),
                        wall_seconds=round(time.time() - t0, 1), torch_threads=torch.get_num_threads(),
+                       train_device=device if device == "cpu" else torch.cuda.get_device_name(),
                        compute_dtype="float32", cpu=describe_cpu(),
                        parameters=sum(p.numel() for p in model.parameters()))
+        if budget == "long":
+            metrics["position_loss"] = long_position_loss(tmp, root)
         write_json_atomic(tmp / "metrics.json", metrics)
 
     return _cached(out, key, build)
+
+
+def build_long_eval(root: Path | None = None) -> Path:
+    """Write (once) ``root/long_eval/long_eval.jsonl``: continuations from deep inside long held-out
+    stdlib files (data/tiny_long.py), the prompts of the long-context eval (``eval.long_context_source``)."""
+    from fledge.data import tiny_long
+
+    out = Path(root or default_root()) / "long_eval"
+    key = _key(kind="long_eval", seed=LONG_EVAL_SEED, min_chars=tiny_long.LONG_EVAL_MIN_CONTEXT_CHARS,
+               cuts=tiny_long.LONG_EVAL_CUTS_PER_FILE, answer=tiny_long.LONG_EVAL_ANSWER_CHARS)
+
+    def build(tmp: Path) -> dict:
+        return {"rows": tiny_long.write_long_eval(tmp / "long_eval.jsonl", LONG_EVAL_SEED)}
+
+    return _cached(out, key, build)
+
+
+POSITION_EDGES = (0, 256, 512, 1024, 2048, 4096)
+
+
+@torch.no_grad()
+def long_position_loss(path: Path, root: Path | None = None) -> dict:
+    """Held-out loss of the target in ``path`` per position bucket over the long eval files (fp32)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fledge.data import tiny_long
+
+    convs = [json.loads(line) for line in (build_long_eval(root) / "long_eval.jsonl").read_text().splitlines()]
+    first = {}
+    for c in convs:  # one conversation per file: the one with the most context
+        if c["source"] not in first or c["cut_line"] > first[c["source"]]["cut_line"]:
+            first[c["source"]] = c
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    return tiny_long.position_loss(model, tok, list(first.values()), POSITION_EDGES, POSITION_EDGES[-1])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -304,8 +360,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--budget", default="quick", choices=sorted(BUDGETS))
     ap.add_argument("--out", type=Path, default=default_root())
     ap.add_argument("--steps", type=int, default=None, help="override the budget's step count (smoke tests)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="train on this device (cuda: the same steps in fp32 on a GPU, minutes instead of ~30)")
     args = ap.parse_args(argv)
-    path = build_tiny_target(args.budget, args.out, args.steps)
+    path = build_tiny_target(args.budget, args.out, args.steps, args.device)
+    print(f"long-context eval prompts (eval.long_context_source): {build_long_eval(args.out) / 'long_eval.jsonl'}")
     m = read_json(path / "metrics.json")
     print(f"{path}: held-out loss {m['heldout_loss']:.3f}, top-1 {m['heldout_top1']:.1%}, "
           f"distinct-3 {m['distinct3']:.2f}, {m['steps']} steps in {m['wall_seconds']:.0f}s, "

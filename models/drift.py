@@ -86,7 +86,7 @@ def drift_curves(drafter, target, prompts: Sequence[Sequence[int]], depth: int, 
         for prompt in tqdm(prompts, desc=desc, leave=False):
             target.reset()
             proposer.reset()
-            logits, aux = target.forward(prompt)
+            logits, aux = target.prefill(prompt)
             x = int(logits[-1].argmax())
             proposer.observe(list(prompt[1:]) + [x], aux)
             proposer.propose(list(prompt) + [x], depth)

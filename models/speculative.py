@@ -46,13 +46,19 @@ class DecodeResult:
         return self.draft_s + self.verify_s
 
 
+PREFILL_CHUNK = 4096  # prompt tokens per prefill forward
+
+
 class TargetRunner:
     """A transformers causal LM with a DynamicCache: ``forward(ids)`` appends ``ids`` and returns fp32
     logits ``[S, V]`` and the aux states ``[S, n*Ht]`` (``hidden_states[k]``, k in ``aux_layer_ids``:
-    the boundary convention) or None when no aux ids are set; ``crop(n)`` keeps the first n positions."""
+    the boundary convention) or None when no aux ids are set; ``crop(n)`` keeps the first n positions.
+    ``prefill(prompt)`` is ``forward`` for a prompt of any length: pieces of ``prefill_chunk`` tokens and
+    only the last row's logits, so a 128K prompt never holds [S, V] logits or [S, S] attention scores."""
 
-    def __init__(self, model, aux_layer_ids: Optional[Sequence[int]] = None):
+    def __init__(self, model, aux_layer_ids: Optional[Sequence[int]] = None, prefill_chunk: int = PREFILL_CHUNK):
         self.model = model.eval()
+        self.prefill_chunk = prefill_chunk
         self.aux_layer_ids = list(aux_layer_ids) if aux_layer_ids else None
         self.device = next(model.parameters()).device
         self.reset()
@@ -66,12 +72,22 @@ class TargetRunner:
         return self.cache.get_seq_length()
 
     @torch.inference_mode()
-    def forward(self, ids: Sequence[int]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def forward(self, ids: Sequence[int], last_only: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         x = torch.as_tensor(list(ids), dtype=torch.long, device=self.device)[None]
         want_aux = self.aux_layer_ids is not None
-        out = self.model(input_ids=x, past_key_values=self.cache, use_cache=True, output_hidden_states=want_aux)
+        out = self.model(input_ids=x, past_key_values=self.cache, use_cache=True, output_hidden_states=want_aux,
+                         **({"logits_to_keep": 1} if last_only else {}))
         aux = torch.cat([out.hidden_states[k][0] for k in self.aux_layer_ids], -1) if want_aux else None
         return out.logits[0].float(), aux
+
+    def prefill(self, ids: Sequence[int]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Append a prompt in pieces of ``prefill_chunk`` tokens: (the last row's logits [1, V], aux [S, n*Ht])."""
+        ids = list(ids)
+        auxes, logits = [], None
+        for s in range(0, len(ids), self.prefill_chunk):
+            logits, aux = self.forward(ids[s:s + self.prefill_chunk], last_only=True)
+            auxes.append(aux)
+        return logits[-1:], (torch.cat(auxes) if self.aux_layer_ids is not None else None)
 
     def crop(self, length: int) -> None:
         remove = len(self) - length
@@ -222,7 +238,7 @@ def speculative_decode(target: TargetRunner, proposer: Proposer, prompt: Sequenc
     proposer.reset()
     res = DecodeResult(tokens=[])
     t0 = time.perf_counter()
-    logits, aux = target.forward(prompt)
+    logits, aux = target.prefill(prompt)
     x = _pick(logits[-1], temperature, generator)
     res.verify_s += time.perf_counter() - t0
     res.tokens.append(x)
@@ -260,7 +276,7 @@ def greedy_decode(target: TargetRunner, prompt: Sequence[int], max_new_tokens: i
     eos = set(eos_ids)
     target.reset()
     t0 = time.perf_counter()
-    logits, _ = target.forward(prompt)
+    logits, _ = target.prefill(prompt)
     out = [int(logits[-1].argmax())]
     while len(out) < max_new_tokens and out[-1] not in eos:
         logits, _ = target.forward(out[-1:])

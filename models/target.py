@@ -119,19 +119,47 @@ class FrozenTarget:
 
     @torch.inference_mode()
     def capture(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                position_ids: Optional[torch.Tensor] = None,
+                chunk_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """input_ids [B, T] -> (aux [B, T, n*Ht] in aux-id order, final_normed [B, T, Ht], argmax [B, T] int64).
 
-        Positions where ``attention_mask`` is 0 get argmax 0 (their states are whatever the model makes)."""
+        Positions where ``attention_mask`` is 0 get argmax 0 (their states are whatever the model makes).
+        With ``0 < chunk_tokens < T`` the rows are read in pieces of ``chunk_tokens`` through the target's own
+        KV cache (capture.chunk_tokens): the same states as one forward (to the kernels' rounding), with
+        attention scores of [chunk, T] per layer instead of [T, T] and no [T, T] mask."""
+        T = input_ids.shape[1]
         self._store.clear()
         try:
-            out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                               use_cache=False)
-            final = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-            aux = torch.cat([self._store[k].to(final.device) for k in self.aux_layer_ids], dim=-1)
+            if not chunk_tokens or T <= chunk_tokens:
+                aux, final = self._forward(input_ids, attention_mask, position_ids)
+            else:
+                aux, final = self._forward_chunked(input_ids, attention_mask, position_ids, chunk_tokens)
         finally:
             self._store.clear()
         return aux, final, self.argmax(final, attention_mask)
+
+    def _forward(self, input_ids, attention_mask, position_ids, cache=None) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                           past_key_values=cache, use_cache=cache is not None)
+        final = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        aux = torch.cat([self._store[k].to(final.device) for k in self.aux_layer_ids], dim=-1)
+        return aux, final
+
+    def _forward_chunked(self, input_ids, attention_mask, position_ids, chunk: int):
+        """One forward per ``chunk`` columns, each reading the earlier ones from a DynamicCache. The mask
+        given for chunk [s, e) is columns [0, e) (past + current), as transformers expects with a cache."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        auxes, finals = [], []
+        for s in range(0, input_ids.shape[1], chunk):
+            e = s + chunk
+            mask = None if attention_mask is None else attention_mask[:, :e]
+            pos = None if position_ids is None else position_ids[:, s:e]
+            aux, final = self._forward(input_ids[:, s:e], mask, pos, cache)
+            auxes.append(aux)
+            finals.append(final)
+        return torch.cat(auxes, 1), torch.cat(finals, 1)
 
     def argmax(self, final: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Full-vocab argmax of lm_head(final) [B, T] int64, computed in row chunks of ~256 MiB of logits."""

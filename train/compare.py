@@ -13,7 +13,8 @@ Reads ``<run>/eval/report.json`` of each (train/evaluate.py) and writes to ``--o
 printed, ready for the README / recipes/tiny), compare.json, and plots: acceptance per position, drift
 curves and held-out accuracy per step (3.1 solid, 3 dashed), and the offline-estimate vs measured gap per
 position. Figures: AL(3.1)/AL(3) and drafter-minus-lookup AL per set (default / perturbed / long), held-out
-accuracy per step up to 2K, offline AL estimate vs measured AL.
+accuracy per step up to 2K, offline AL estimate vs measured AL; with ``eval.context_buckets`` on both runs,
+AL(3.1)/AL(3) and the drift figures per context length, and ``compare_al_vs_length.png``.
 """
 
 from __future__ import annotations
@@ -69,7 +70,22 @@ def compare(r31: dict, r3: dict) -> dict:
         }
     for key in ("heldout", "offline_vs_measured", "drift"):
         out[key] = {LABELS[0]: r31.get(key), LABELS[1]: r3.get(key)}
+    b31, b3 = r31.get("context_buckets") or [], r3.get("context_buckets") or []
+    if b31 and b3:  # eval.context_buckets on both runs: AL vs context length
+        by3 = {s["bucket"]: s for s in b3}
+        out["context"] = [_context_row(a, by3[a["bucket"]]) for a in b31 if a["bucket"] in by3]
     return out
+
+
+def _context_row(a: dict, b: dict) -> dict:
+    from fledge.train.long_eval import drift_at
+
+    row = {"bucket": a["bucket"], "prompts": a["prompts"], "prompt_tokens_mean": a["prompt_tokens_mean"],
+           "al_31": a["al"], "al_3": b["al"], "al_ratio": _ratio(a["al"], b["al"]), "lookup_al": a["lookup_al"]}
+    for lab, s in (("31", a), ("3", b)):
+        for key in ("sink", "context", "drafted", "state_rms"):
+            row[f"{key}_{lab}"] = drift_at(s, key)
+    return row
 
 
 def markdown(c: dict) -> str:
@@ -113,8 +129,19 @@ def markdown(c: dict) -> str:
             lines.append(f"| {a['depth'][i]} | {_f(a['sink'][i], 3)} | {_f(b['sink'][i], 3)} | "
                          f"{_f(a['drafted'][i], 3)} | {_f(b['drafted'][i], 3)} | {_f(a['state_rms'][i], 3)} | "
                          f"{_f(b['state_rms'][i], 3)} |")
+    if c.get("context"):
+        lines += ["", "Acceptance vs context length (the same conversations cut to each length; drift figures "
+                  "averaged over the fed-back depths):", "",
+                  "| context tokens | prompts | AL 3.1 | AL 3 | AL(3.1)/AL(3) | lookup AL | 3.1 drafted attn | "
+                  "3 drafted attn | 3.1 sink | 3 sink | 3.1 RMS | 3 RMS |", "|---" * 12 + "|"]
+        for r in c["context"]:
+            lines.append(f"| {r['bucket']} | {r['prompts']} | {_f(r['al_31'])} | {_f(r['al_3'])} | {_f(r['al_ratio'])} | "
+                         f"{_f(r['lookup_al'])} | {_f(r['drafted_31'], 3)} | {_f(r['drafted_3'], 3)} | "
+                         f"{_f(r['sink_31'], 3)} | {_f(r['sink_3'], 3)} | {_f(r['state_rms_31'], 3)} | "
+                         f"{_f(r['state_rms_3'], 3)} |")
     lines += ["", "![acceptance](compare_acceptance.png) ![drift](compare_drift.png) "
-              "![held-out](compare_heldout.png) ![gap](compare_gap.png)"]
+              "![held-out](compare_heldout.png) ![gap](compare_gap.png)"
+              + (" ![AL vs context length](compare_al_vs_length.png)" if c.get("context") else "")]
     return "\n".join(lines) + "\n"
 
 
@@ -183,6 +210,11 @@ def plots(c: dict, r31: dict, r3: dict, out: Path) -> None:
     ax.legend(fontsize=7)
     _save(fig, out / "compare_gap.png")
     plt.close(fig)
+    if c.get("context"):
+        from fledge.train.report import plot_context
+
+        plot_context({lab: r["context_buckets"] for lab, r in reports.items()}, out / "compare_al_vs_length.png",
+                     styles)
 
 
 def main(argv=None) -> int:

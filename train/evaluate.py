@@ -146,7 +146,7 @@ def acceptance_stats(results, k: int) -> dict:
 def _greedy_tie(runner: TargetRunner, prompt: list[int], ref: list[int], at: int) -> bool:
     """Whether the target's top-2 logits at generated position ``at`` are within the tie gap."""
     runner.reset()
-    logits, _ = runner.forward(list(prompt) + ref[:at])
+    logits, _ = runner.prefill(list(prompt) + ref[:at])
     top = logits[-1].topk(2).values
     dtype = next(runner.model.parameters()).dtype
     return float(top[0] - top[1]) < TIE_GAP.get(dtype, HALF_TIE_GAP)
@@ -195,6 +195,40 @@ def evaluate_set(name: str, prompts: list[list[int]], target_model, drafter, eva
     return out
 
 
+def evaluate_buckets(cfg, renderer, prepare_dir: Path, target_model, drafter, eos, max_pos: int) -> list[dict]:
+    """The set harness and the drift probe on each of ``eval.context_buckets`` (train/long_eval.py)."""
+    from fledge.data.chat import prompt_ids
+    from fledge.models.drift import drift_curves
+    from fledge.train import long_eval
+
+    ev, K = cfg.eval, cfg.drafter.ttt_steps
+    room = max_pos - ev.max_new_tokens - ev.draft_tokens - 2
+    if max(ev.context_buckets) > room:
+        raise ValueError(f"eval.context_buckets={list(ev.context_buckets)}: the target holds {max_pos} positions, so "
+                         f"prompts can have at most {room} tokens (with eval.max_new_tokens={ev.max_new_tokens}); "
+                         f"lower the largest bucket")
+    if ev.long_context_source:
+        convs = long_eval.read_long_source(ev.long_context_source)
+    else:
+        base = read_conversations(prepare_dir / SET_FILES["default"])
+        convs = [lengthen(c, base[i + 1:] + base[:i], renderer, max(ev.context_buckets) + 64)
+                 for i, c in enumerate(base[:ev.bucket_prompts])]
+    prompts = long_eval.bucket_prompts(convs, prompt_upto, lambda c, upto: prompt_ids(renderer, c, upto),
+                                       ev.context_buckets, ev.bucket_prompts)
+    if not prompts[ev.context_buckets[0]]:
+        src = ev.long_context_source or "the eval conversations with held-out context"
+        raise ValueError(f"eval.context_buckets: no conversation of {src} reaches {max(ev.context_buckets)} prompt "
+                         "tokens; lower the largest bucket or set eval.long_context_source to longer conversations")
+    out = []
+    depth = ev.drift_depth or max(ev.draft_tokens, 2 * K)
+    for b, ps in prompts.items():
+        res = evaluate_set(f"context {b}", ps, target_model, drafter, ev, eos, cfg.run.seed)
+        drift = drift_curves(drafter, TargetRunner(target_model, drafter.spec.aux_layer_ids), ps, depth,
+                             desc=f"drift context {b}")
+        out.append(long_eval.summarize(b, res, drift))
+    return out
+
+
 # Held-out rows are one length per run (below): flex attention is compiled with static shapes, one compile
 # per key length (J + 1) T, and a row length per sample recompiled it for every sample (silently falling back
 # to the eager kernel, which materialises the scores, past dynamo's limit).
@@ -223,7 +257,8 @@ def pack_heldout(lengths: Sequence[int], row_len: int) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def heldout_accuracy(drafter, frozen, samples: Sequence[tuple[list[int], list[int]]], steps: int) -> dict:
+def heldout_accuracy(drafter, frozen, samples: Sequence[tuple[list[int], list[int]]], steps: int,
+                     chunk_tokens: int = 0) -> dict:
     """Teacher-forced per-step accuracy on held-out conversations (one document each), unrolled ``steps``
     TTT steps, beyond the trained K too. Step j's inputs and counted rows are training's
     (train/alignment.py). ``full_acc[j]`` counts, among step j's counted rows, those whose steps 0..j were
@@ -248,7 +283,7 @@ def heldout_accuracy(drafter, frozen, samples: Sequence[tuple[list[int], list[in
         for d, i in enumerate(members):
             ids, mask = samples[i]
             n = len(ids)
-            a, _, am = frozen.capture(torch.tensor([ids], device=frozen.device))
+            a, _, am = frozen.capture(torch.tensor([ids], device=frozen.device), chunk_tokens=chunk_tokens)
             if aux is None:
                 aux = torch.zeros(1, R, a.shape[-1], dtype=dtype, device=dev)
             sl = slice(at, at + n)
@@ -332,7 +367,8 @@ def evaluate_run(cfg, run_dir: Path, out_dir: Path, drafter_dir: Path, device: t
     if default.exists():
         samples = [renderer.encode(c, f"{default}:{i + 1}")
                    for i, c in enumerate(read_conversations(default)[:ev.num_prompts])]
-        report["heldout"] = heldout_accuracy(drafter, frozen, samples, ev.heldout_steps or 2 * K)
+        report["heldout"] = heldout_accuracy(drafter, frozen, samples, ev.heldout_steps or 2 * K,
+                                             cfg.capture.chunk_tokens)
         first = "default" if "default" in report["sets"] else next(iter(report["sets"]))
         measured = report["sets"][first]["drafter"]["accept_at"]
         offline = StepAccuracy(report["heldout"]["acc"][:len(measured)], report["heldout"]["full_acc"][:len(measured)])
@@ -341,6 +377,8 @@ def evaluate_run(cfg, run_dir: Path, out_dir: Path, drafter_dir: Path, device: t
                                          "gap": [m - o for m, o in zip(measured, offline.full_acc)],
                                          "offline_al": al_estimate(offline),
                                          "measured_al": report["sets"][first]["drafter"]["al"]}
+    if ev.context_buckets:  # AL and drift vs context length (train/long_eval.py)
+        report["context_buckets"] = evaluate_buckets(cfg, renderer, prepare_dir, target_model, drafter, eos, max_pos)
     train_manifest = read_json(run_dir / "train" / "manifest.json") or {}
     report["train_al_estimate"] = (train_manifest.get("outputs") or {}).get("best_al_estimate")
     if engine_python is not None:  # eval.engine=vllm: the same prompts served by the engine (train/engine_eval.py)

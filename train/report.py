@@ -2,7 +2,8 @@
 
 Plots: ``acceptance.png`` (per-position acceptance, drafter vs prompt lookup vs the offline estimate),
 ``drift.png`` (sink / context / drafted attention mass and fed-back RMS per draft depth),
-``heldout.png`` (teacher-forced held-out accuracy per step, the trained K marked) and, when the train
+``heldout.png`` (teacher-forced held-out accuracy per step, the trained K marked), ``al_vs_length.png``
+(with ``eval.context_buckets``: AL, drafted-attention mass and fed-back RMS per context length) and, when the train
 stage's ``metrics.jsonl`` exists, ``training.png`` (loss_k and acc_k curves, eval/acc_k dashed).
 The model card reuses report.md and the PNGs.
 """
@@ -107,8 +108,58 @@ def markdown(report: dict) -> str:
                 lines.append(f"| {dep} | {_fmt(d['sink'][i], 3)} | {_fmt(d['context'][i], 3)} | "
                              f"{_fmt(d['drafted'][i], 3)} | {_fmt(d['state_rms'][i], 3)} |")
             lines.append("")
-    lines += ["![acceptance](acceptance.png) ![drift](drift.png) ![held-out](heldout.png)"]
+    if report.get("context_buckets"):
+        lines += context_markdown(report["context_buckets"])
+    lines += ["![acceptance](acceptance.png) ![drift](drift.png) ![held-out](heldout.png)"
+              + (" ![AL vs context length](al_vs_length.png)" if report.get("context_buckets") else "")]
     return "\n".join(lines) + "\n"
+
+
+def context_markdown(buckets: list[dict]) -> list[str]:
+    """The AL-vs-context-length table (train/long_eval.py): per bucket, AL, prompt lookup and the drift
+    figures (attention mass at depth 0, then averaged over the fed-back depths; fed-back RMS)."""
+    lines = ["## Acceptance vs context length", "",
+             "The same conversations cut to each length (prompt tokens); drift: attention mass on the sink / "
+             "context / own drafts averaged over the fed-back depths (depth >= 1), RMS of the fed-back state.", "",
+             "| context tokens | prompts | mean prompt | AL | lookup AL | AL (non-deg.) | sink | context | drafted | "
+             "fed-back RMS |", "|---" * 10 + "|"]
+    for s in buckets:
+        d = s["drift"]
+        deep = [sum(d[k][1:]) / max(1, len(d[k]) - 1) for k in ("sink", "context", "drafted", "state_rms")]
+        lines.append(f"| {s['bucket']} | {s['prompts']} | {_fmt(s['prompt_tokens_mean'], 0)} | {_fmt(s['al'])} | "
+                     f"{_fmt(s['lookup_al'])} | {_fmt(s['al_non_degenerate'])} | "
+                     + " | ".join(_fmt(v, 3) for v in deep) + " |")
+    return lines + [""]
+
+
+def plot_context(series: dict[str, list[dict]], path: Path, styles: Optional[dict] = None) -> None:
+    """AL (and prompt lookup) vs context length, with drafted-attention mass and fed-back RMS per bucket,
+    one line per entry of ``series`` (label -> the report's ``context_buckets``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for label, buckets in series.items():
+        ls = (styles or {}).get(label, "-")
+        xs = [s["bucket"] for s in buckets]
+        line, = axes[0].plot(xs, [s["al"] for s in buckets], ls=ls, marker="o", label=f"{label} AL")
+        axes[0].plot(xs, [s["lookup_al"] for s in buckets], ls=":", color=line.get_color(),
+                     label=f"{label} prompt lookup")
+        for ax, key in zip(axes[1:], ("drafted", "state_rms")):
+            ax.plot(xs, [sum(s["drift"][key][1:]) / max(1, len(s["drift"][key]) - 1) for s in buckets], ls=ls,
+                    marker="o", color=line.get_color(), label=label)
+    ticks = sorted({s["bucket"] for buckets in series.values() for s in buckets})
+    for ax, title in zip(axes, ("acceptance length", "attention on own drafts (fed-back depths)",
+                                "fed-back state RMS")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.minorticks_off()
+        ax.set(xlabel="context tokens", title=title)
+    axes[0].legend(fontsize=7)
+    _save(fig, path)
+    plt.close(fig)
 
 
 def _save(fig, path: Path) -> None:
@@ -166,6 +217,9 @@ def plot_report(report: dict, out_dir: Path, metrics: list[dict]) -> list[str]:
         _save(fig, out_dir / "heldout.png")
         plt.close(fig)
         names.append("heldout.png")
+    if report.get("context_buckets"):
+        plot_context({"drafter": report["context_buckets"]}, out_dir / "al_vs_length.png")
+        names.append("al_vs_length.png")
     if metrics:
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
         train_rows = [m for m in metrics if "loss_0" in m]

@@ -35,5 +35,6 @@ def build_loaders(cfg: Config, ctx: StageContext, dtype: torch.dtype, rank: int 
 
     target = FrozenTarget.load(cfg.target, w.device, cfg.aux_layer_ids(), cfg.capture.device_map)
     return tuple(OnlineFeatureSource(ctx.run_dir / "prepare" / split, target, rank, world_size,
-                                     t.micro_batch_tokens, t.micro_batch_size, cfg.run.seed)
+                                     t.micro_batch_tokens, t.micro_batch_size, cfg.run.seed,
+                                     chunk_tokens=cfg.capture.chunk_tokens)
                  for split in ("train", "eval"))

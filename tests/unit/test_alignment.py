@@ -24,7 +24,7 @@ class _Target:
     def __init__(self, batch):
         self.batch = batch
 
-    def capture(self, ids):
+    def capture(self, ids, chunk_tokens=0):
         assert torch.equal(ids, self.batch.input_ids)
         return self.batch.aux_hidden, self.batch.target_hidden, self.batch.target_argmax
 

@@ -103,7 +103,9 @@ def evaluated(run):
 
     stage_dir = run / "run/eval"
     stage_dir.mkdir()
-    ctx = StageContext(_eval_cfg(run), World(0, 1, 0, torch.device("cpu")), run / "run", stage_dir,
+    cfg = _eval_cfg(run)
+    cfg.eval.context_buckets, cfg.eval.bucket_prompts = [32, 64], 1  # AL vs context length (train/long_eval.py)
+    ctx = StageContext(cfg, World(0, 1, 0, torch.device("cpu")), run / "run", stage_dir,
                        {"export": {"outputs": {"drafter": str(run / "run/export/drafter")}}})
     return stage_dir, run_stage(ctx)
 
@@ -128,7 +130,7 @@ def test_eval_stage_writes_report(evaluated):
     assert all(f <= a + 1e-9 for f, a in zip(h["full_acc"], h["acc"]))
     assert all(x >= y for x, y in zip(h["full_acc"], h["full_acc"][1:]))
     assert report["drift"]["default"]["depth"] == [0, 1, 2, 3]
-    for f in ("report.md", "acceptance.png", "drift.png", "heldout.png", "training.png"):
+    for f in ("report.md", "acceptance.png", "drift.png", "heldout.png", "training.png", "al_vs_length.png"):
         assert (stage_dir / f).stat().st_size > 100, f
     assert (stage_dir / "acceptance.png").read_bytes()[:4] == b"\x89PNG"
     md = (stage_dir / "report.md").read_text()
@@ -189,6 +191,17 @@ def test_acceptance_stats_skips_budget_limited_rounds():
     assert s["accept_cond"] == pytest.approx([2 / 3, 1 / 2, 1.0])
 
 
+def test_eval_reports_al_vs_context_length(evaluated):
+    stage_dir, _ = evaluated
+    buckets = json.loads((stage_dir / "report.json").read_text())["context_buckets"]
+    assert [b["bucket"] for b in buckets] == [32, 64]
+    for b in buckets:
+        assert b["prompts"] == 1 and b["bucket"] - 24 < b["prompt_tokens_mean"] <= b["bucket"]
+        assert 1.0 <= b["al"] <= 4.0 and b["drift"]["depth"] == [0, 1, 2, 3]
+    md = (stage_dir / "report.md").read_text()
+    assert "## Acceptance vs context length" in md and "| 32 | 1 |" in md and "| 64 | 1 |" in md
+
+
 def test_compare_script(evaluated, tmp_path):
     """``fledge compare`` on two runs' reports (the eval stage's report, flags set per kind)."""
     import fledge.train.compare as cmp
@@ -198,6 +211,7 @@ def test_compare_script(evaluated, tmp_path):
         rep = json.loads(json.dumps(base))
         rep["flags"] = {"fc_norm": flag, "norm_output": flag}
         rep["sets"]["default"]["drafter"]["al"] *= scale
+        rep["context_buckets"][1]["al"] *= scale
         write_json_atomic(tmp_path / name / "eval/report.json", rep)
     assert cmp.main([str(tmp_path / "r31"), str(tmp_path / "r3"), "--out", str(tmp_path / "out")]) == 0
     c = json.loads((tmp_path / "out/compare.json").read_text())
@@ -205,7 +219,10 @@ def test_compare_script(evaluated, tmp_path):
     assert c["sets"]["long"]["al_ratio"] == pytest.approx(1.0)
     md = (tmp_path / "out/compare.md").read_text()
     assert "AL(3.1)/AL(3)" in md and "| default |" in md and "Held-out" in md
-    for f in ("compare_acceptance.png", "compare_drift.png", "compare_heldout.png", "compare_gap.png"):
+    assert [r["al_ratio"] for r in c["context"]] == pytest.approx([1.0, 2.0])  # AL vs context length
+    assert "Acceptance vs context length" in md and "| 64 | 1 |" in md
+    for f in ("compare_acceptance.png", "compare_drift.png", "compare_heldout.png", "compare_gap.png",
+              "compare_al_vs_length.png"):
         assert (tmp_path / "out" / f).read_bytes()[:4] == b"\x89PNG"
 
 
@@ -245,7 +262,7 @@ class _FeatureTarget:
         g = torch.Generator().manual_seed(seed)
         self.table = torch.randn(vocab, width, generator=g)
 
-    def capture(self, x):
+    def capture(self, x, chunk_tokens=0):
         return self.table[x], None, (x * 7 + 3) % 40
 
 

@@ -163,6 +163,9 @@ class MarkovTarget:
         self.seq += list(ids)
         return self.logp[torch.tensor(self.seq[-len(ids):])], None
 
+    def prefill(self, ids):
+        return self.forward(ids)[0][-1:], None
+
     def crop(self, n):
         self.seq = self.seq[:n]
 
