@@ -20,8 +20,9 @@ token], ...]}): Fledge reads a batch once its json exists and deletes what it co
 waits while more than ``max_pending_batches`` batches are unconsumed (bounded spool disk). ``floor``
 requests run the same prompts without extraction (vLLM's own prefill-only speed, for the benchmark).
 
-``-I`` keeps the script's folder (fledge/models, modules named like PyPI packages) off sys.path; only
-``vllm_plugin/`` is added, for the connector class vLLM imports by module name in its workers.
+``-I`` keeps the script's folder (fledge/models, modules named like PyPI packages) off the import path;
+the CPU connector is registered by module name from ``vllm_plugin/`` (the CPU engine core runs in this
+process, so vLLM's import of ``kv_connector_module_path`` finds it).
 """
 
 from __future__ import annotations
@@ -76,6 +77,18 @@ PARENT = os.getppid()
 def _orphaned() -> bool:
     """Fledge's rank died (kill -9): stop instead of capturing for nobody."""
     return os.getppid() != PARENT
+
+
+def register_plugin() -> None:
+    """Make our CPU connector importable by the module name vLLM is given (kv_connector_module_path).
+    The CPU engine core runs in this process, so registering the module here is enough."""
+    import importlib.util
+
+    name = CPU_CONNECTOR[0]
+    spec = importlib.util.spec_from_file_location(name, PLUGIN_DIR / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
 
 
 def _wait_for_room(spool: Path, limit: int) -> None:
@@ -146,7 +159,6 @@ def main(argv: list[str]) -> int:
     req = json.loads(Path(argv[0]).read_text())
     for key, value in (req.get("env") or {}).items():  # before vLLM is imported: it reads them at import
         os.environ[key] = str(value)
-    sys.path.append(str(PLUGIN_DIR))
     out: dict = {"jobs": {}}
     try:
         import torch
@@ -155,6 +167,8 @@ def main(argv: list[str]) -> int:
 
         out["vllm_version"] = vllm.__version__
         on_gpu = torch.cuda.is_available()
+        if not on_gpu:
+            register_plugin()
         t0 = time.perf_counter()
         llm = LLM(**engine_kwargs(req, on_gpu))
         out["load_s"] = time.perf_counter() - t0

@@ -157,12 +157,14 @@ def test_gpu_path_uses_vllms_documented_connector_unchanged():
     vLLM documents it: the config classes accept our kv_transfer_config, the factory resolves the stock
     ExampleHiddenStatesConnector, and our CPU plugin is that class with only its write path replaced."""
     code = r"""
-import json, sys
-sys.path.append(sys.argv[1])
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("fledge_capture_connector", sys.argv[1] + "/fledge_capture_connector.py")
+plugin = importlib.util.module_from_spec(spec)
+sys.modules["fledge_capture_connector"] = plugin
+spec.loader.exec_module(plugin)
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import ExampleHiddenStatesConnector
-import fledge_capture_connector as plugin
 req = json.loads(sys.argv[2])
 out = {}
 for name, kv in req.items():

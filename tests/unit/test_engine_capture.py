@@ -135,3 +135,16 @@ def test_config_keys():
         compose(["recipe=tiny", "capture.engine=sglang"])
     with pytest.raises(ValueError, match="capture.mode=offline"):
         compose(["recipe=tiny", "capture.engine=vllm", "capture.mode=online"])
+
+
+def test_capture_inputs_hash():
+    """HF stores keep their hash (no engine key exists for them); the engine's python and patience never
+    re-run a capture; switching the engine does."""
+    from fledge.train.runner import config_slice
+
+    hf = config_slice(compose(["recipe=tiny"]), "capture")["capture"]
+    assert not {"engine", "tensor_parallel_size", "engine_python", "engine_timeout_s"} & set(hf)
+    vllm = config_slice(compose(["recipe=tiny", "capture.engine=vllm"]), "capture")
+    moved = config_slice(compose(["recipe=tiny", "capture.engine=vllm", "capture.engine_python=/x/python",
+                                  "capture.engine_timeout_s=5"]), "capture")
+    assert vllm == moved and vllm["capture"]["engine"] == "vllm"
