@@ -3,8 +3,9 @@
 A shortened tiny recipe runs all five stages with its features captured by vLLM (one rank, one engine);
 the same prepared data is then captured by the in-process HF forward and a drafter trained from it with
 the same seed. The two stores must agree token for token (tolerance: each stored bf16 value within one
-bf16 ulp of the other engine's, at most 0.1% of values differing, the full-vocab argmax identical on
-every token), and the two loss curves within 1% at every logged step. A capture killed with SIGKILL
+bf16 ulp of the other engine's (plus 1e-5 of the row's largest magnitude, the engines' fp32 difference
+for tiny values), at most 0.1% of values differing, the full-vocab argmax identical on
+every token), and the two loss curves (every draft step's loss at every logged step) within 0.1%. A capture killed with SIGKILL
 mid-way resumes without recapturing its finished shards and ends byte-identical to the uninterrupted one.
 
 Without the engine these tests skip; with FLEDGE_ENGINE=1 a missing engine fails them.
@@ -104,24 +105,31 @@ def test_vllm_store_equals_hf_store_token_for_token(runs):
             assert torch.equal(x["target_argmax"], y["target_argmax"]), (split, i)
             for key in ("aux_hidden", "target_hidden"):
                 d = (x[key] - y[key]).abs()
-                assert (d <= _ulp_bf16(torch.maximum(x[key].abs(), y[key].abs()))).all(), (split, i, key)
+                # one bf16 ulp of the value, plus the two engines' fp32 difference (1e-5 of the row's largest
+                # magnitude) for values so small that it exceeds their ulp
+                tol = _ulp_bf16(torch.maximum(x[key].abs(), y[key].abs())) + 1e-5 * y[key].abs().amax(-1, keepdim=True)
+                worst = (d - tol).max()
+                assert worst <= 0, (split, i, key, float(worst), float(d.max()))
                 differing += int((d > 0).sum())
                 total += d.numel()
         assert differing / total < 1e-3, (split, differing, total)
 
 
-def _losses(run: Path) -> dict[int, float]:
+def _losses(run: Path) -> dict[tuple[int, str], float]:
+    """{(step, "loss_k"): value}: the TTT loss of every draft step k at every logged step."""
     rows = [json.loads(x) for x in (run / "train" / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r and "step" in r}
+    return {(r["step"], k): v for r in rows if "step" in r for k, v in r.items() if k.startswith("loss_")}
 
 
 def test_drafters_trained_from_either_store_have_the_same_loss_curve(runs):
+    """Measured on the development machine: at most 2.0e-7 relative apart (1.2e-6 absolute)."""
     run, hf, _ = runs
     a, b = _losses(run), _losses(hf)
-    assert a.keys() == b.keys() and len(a) >= 10
-    for step in a:
-        assert abs(a[step] - b[step]) <= 0.01 * abs(b[step]), (step, a[step], b[step])
-    assert a[max(a)] < a[min(a)]  # and it is a curve: the drafter learned
+    assert a.keys() == b.keys() and len(a) >= 10 * 3
+    for key in a:
+        assert abs(a[key] - b[key]) <= 1e-3 * abs(b[key]), (key, a[key], b[key])
+    steps = sorted({s for s, _ in a})
+    assert a[(steps[-1], "loss_0")] < a[(steps[0], "loss_0")] - 0.5  # and it is a curve: the drafter learned
 
 
 def test_killed_capture_resumes_without_recapture_byte_identical(runs, tiny_target, tiny_data, tmp_path):
@@ -134,7 +142,7 @@ def test_killed_capture_resumes_without_recapture_byte_identical(runs, tiny_targ
     index = tmp_path / "tiny" / "capture" / "train" / "rank00000" / "index.json"
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline and proc.poll() is None:
-        if index.exists() and len(json.loads(index.read_text())["shards"]) >= 2:
+        if index.exists() and len(json.loads(index.read_text())["shards"]) >= 16:  # a third of the samples
             break
         time.sleep(0.2)
     assert proc.poll() is None, "the capture finished before it could be killed"
@@ -145,8 +153,11 @@ def test_killed_capture_resumes_without_recapture_byte_identical(runs, tiny_targ
     torchrun(*ov)
     req = json.loads((tmp_path / "tiny" / "capture" / "engine" / "rank00000" / "request.json").read_text())
     train_job = next(j for j in req["jobs"] if j["name"] == "train")
-    resent = {s[0] for b in train_job["batches"] for s in b}
-    assert resent and not resent & done  # the finished shards' samples were not sent to the engine again
+    batches = [{s[0] for s in b} for b in train_job["batches"]]
+    # Only planned forwards holding an unwritten sample run again (whole, as uninterrupted: a finished
+    # shard's sample sharing one with unwritten ones is recomputed, not stored twice).
+    assert batches and all(b - done for b in batches)
+    assert len(set().union(*batches)) < json.loads((run / "capture" / "train" / "store.json").read_text())["num_samples"]
     got = json.loads((tmp_path / "tiny" / "capture" / "train" / "store.json").read_text())
     want = json.loads((run / "capture" / "train" / "store.json").read_text())
     assert [s["sha256"] for s in got["shards"]] == [s["sha256"] for s in want["shards"]]
@@ -170,7 +181,7 @@ out = {}
 for name, kv in req.items():
     cls = KVConnectorFactory.get_connector_class(KVTransferConfig(**kv))
     out[name] = [cls.__name__, issubclass(cls, ExampleHiddenStatesConnector)]
-own = [k for k in vars(plugin.FledgeHiddenStatesConnector) if not k.startswith('__')]
+own = [k for k, v in vars(plugin.FledgeHiddenStatesConnector).items() if callable(v) and not k.startswith('__')]
 out["overrides"] = own
 out["relies_on"] = all(hasattr(ExampleHiddenStatesConnector, a) for a in ("_write_tensors", "_submit_async_write"))
 print(json.dumps(out))
