@@ -94,7 +94,7 @@ def register_plugin() -> None:
 def _wait_for_room(spool: Path, limit: int) -> None:
     while limit > 0 and len(list(spool.glob("batch-*.json"))) >= limit:
         if _orphaned():
-            sys.exit(3)
+            os._exit(3)  # not sys.exit: the engine's non-daemon threads would keep the process alive
         time.sleep(0.05)
 
 
@@ -124,7 +124,7 @@ def run_job(llm, job: dict, req: dict) -> dict:
     for k, batch in enumerate(job["batches"]):
         _wait_for_room(spool, int(req.get("max_pending_batches", 2)))
         if _orphaned():
-            sys.exit(3)
+            os._exit(3)
         prompts = [{"prompt_token_ids": flat[off:off + n].tolist()} for _, off, n in batch]
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)

@@ -132,6 +132,30 @@ def test_drafters_trained_from_either_store_have_the_same_loss_curve(runs):
     assert a[(steps[-1], "loss_0")] < a[(steps[0], "loss_0")] - 0.5  # and it is a curve: the drafter learned
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (torchrun starts its ranks in sessions of their own: killpg misses them)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
 def test_killed_capture_resumes_without_recapture_byte_identical(runs, tiny_target, tiny_data, tmp_path):
     run, _, _ = runs
     (tmp_path / "tiny").mkdir()
@@ -146,8 +170,16 @@ def test_killed_capture_resumes_without_recapture_byte_identical(runs, tiny_targ
             break
         time.sleep(0.2)
     assert proc.poll() is None, "the capture finished before it could be killed"
-    os.killpg(proc.pid, signal.SIGKILL)  # torchrun, the rank and the engine's driver: no clean-up
+    ranks = _descendants(proc.pid)
+    engines = [p for p in ranks if "engine_capture_driver" in _cmdline(p)]
+    assert engines, "no engine driver under the rank"
+    for pid in [proc.pid] + [p for p in ranks if p not in engines]:  # torchrun and the rank; the engine is left
+        os.kill(pid, signal.SIGKILL)  # to notice its rank died (it must stop on its own, not capture for nobody)
     proc.wait()
+    deadline = time.monotonic() + 120
+    while any("engine_capture_driver" in _cmdline(p) for p in engines):
+        assert time.monotonic() < deadline, "the engine's driver outlived its killed rank"
+        time.sleep(0.5)
     kept = json.loads(index.read_text())["shards"]
     done = {s[0] for sh in kept for s in sh["samples"]}
     torchrun(*ov)
