@@ -172,6 +172,8 @@ def bench_vllm(args, cfg, world, tmp: Path, ds, plan, tokens: int, t_hf: float, 
     from fledge.models.serving_engine import engine_python
 
     python = engine_python(args.engine_python)
+    if not python.exists():
+        sys.exit(f"--engine vllm: no engine python at {python} (scripts/setup_engine.sh, or --engine-python)")
     device = world.device
     dtype = compute_dtype(getattr(torch, args.dtype), device, "--dtype")
     env = engine_env(device.type, 0, 0, 1, 1, 1, "127.0.0.1", 29500)
