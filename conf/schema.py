@@ -110,6 +110,14 @@ class CaptureConfig:
     # the slices into one store. Neither is in the stage's inputs hash (the tasks share one stage dir).
     num_slices: int = 1
     slice_index: Optional[int] = None
+    # Which engine computes the states (issue 19, data/engine_capture.py): hf (an in-process transformers
+    # forward) | vllm (vLLM's extract_hidden_states in its own environment, prefill only, same store).
+    engine: str = "hf"
+    engine_python: Optional[str] = None  # vllm: its python (default $FLEDGE_ENGINE_PYTHON, .engine/venv)
+    engine_timeout_s: int = 1800  # vllm: longest wait for one batch (engine start-up included)
+    tensor_parallel_size: int = 1  # vllm: GPUs per engine (one engine per Fledge rank)
+    expert_parallel: bool = False  # vllm: enable_expert_parallel (MoE experts over the TP x DP GPUs)
+    data_parallel_size: int = 1  # vllm: 1 = independent engine per rank; world size = one vLLM DP group
 
 
 @dataclass
@@ -230,6 +238,11 @@ class Config:
         _one_of("data.on_error", self.data.on_error, ("error", "skip"))
         _one_of("capture.mode", self.capture.mode, ("offline", "online"))
         _one_of("capture.dtype", self.capture.dtype, ("bf16", "fp8"))
+        _one_of("capture.engine", self.capture.engine, ("hf", "vllm"))
+        if self.capture.engine == "vllm" and (self.capture.mode != "offline" or self.capture.device_map):
+            raise ValueError("capture.engine=vllm writes the offline store with the engine's own parallelism: use it "
+                             "with capture.mode=offline and without capture.device_map (set "
+                             "capture.tensor_parallel_size / expert_parallel instead)")
         _check_capture_slices(self)
         _one_of("deepspeed.zero_stage", self.deepspeed.zero_stage, (0, 1, 2, 3))
         _one_of("train.optim.schedule", self.train.optim.schedule, ("cosine", "linear", "constant"))

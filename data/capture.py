@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
 import time
 from pathlib import Path
@@ -35,7 +36,7 @@ from fledge.data.features import (SCHEMA_VERSION, STORE_MANIFEST, ShardWriter, b
                            slice_dir, store_manifest, write_store_manifest)
 from fledge.conf.schema import CaptureConfig, TargetConfig
 from fledge.distributed import World
-from fledge.models.target import FrozenTarget, target_fingerprint
+from fledge.models.target import FrozenTarget, check_target_config, target_fingerprint
 
 log = logging.getLogger(__name__)
 SPLITS = ("train", "eval", "eval_perturbed")
@@ -92,58 +93,80 @@ def slice_bounds(num_samples: int, index: Optional[int], num_slices: int) -> tup
     return index * num_samples // num_slices, (index + 1) * num_samples // num_slices
 
 
+class SplitCapture:
+    """One split's capture on this rank: the fixed batch plan, the resumable shard writer, progress.
+
+    ``todo()`` lists the planned batches that still hold unwritten samples (each whole, so a resumed run
+    computes the very forwards of an uninterrupted one); ``add`` stores one sample's states; ``finish``
+    closes the rank and (rank 0, no slice) writes store.json. Both engines drive it the same way."""
+
+    def __init__(self, dataset_dir: Path, store_dir: Path, cap: CaptureConfig, world, meta: dict):
+        from datasets import load_from_disk
+        from tqdm import tqdm
+
+        self.ds = load_from_disk(str(dataset_dir))
+        self.lengths = dataset_lengths(self.ds)
+        self.store_dir, self.cap, self.world, self.meta = store_dir, cap, world, meta
+        self.part = cap.slice_index
+        self.lo, self.hi = slice_bounds(len(self.lengths), self.part, cap.num_slices)
+        self.out_dir = store_dir if self.part is None else slice_dir(store_dir, self.part)
+        ids = list(range(self.lo + world.rank, self.hi, world.world_size))
+        self.plan = plan_batches(ids, self.lengths, cap.batch_tokens)
+        self.n_aux = len(meta["aux_layer_ids"])
+        settings = {"world_size": world.world_size, "batch_tokens": cap.batch_tokens,
+                    "shard_size_mb": cap.shard_size_mb, "dtype": cap.dtype,
+                    "num_samples": len(self.lengths), "schema_version": SCHEMA_VERSION}
+        if self.part is not None:
+            settings["slice"] = [self.part, cap.num_slices]
+        if cap.engine != "hf":  # an HF-captured rank is not resumed by another engine (nor the reverse)
+            settings["engine"] = cap.engine
+        self.writer = ShardWriter(rank_dir(self.out_dir, world.rank), cap.shard_size_mb * 2**20, settings)
+        done_tokens = sum(self.lengths[i] for i in self.writer.done_ids)
+        self.bar = tqdm(total=sum(self.lengths[i] for i in ids), initial=done_tokens, unit="tok", unit_scale=True,
+                        desc=f"capture {dataset_dir.name}", disable=not world.is_main, dynamic_ncols=True)
+
+    def todo(self) -> list[list[int]]:
+        return [b for b in self.plan if any(i not in self.writer.done_ids for i in b)]
+
+    def add(self, i: int, row: dict, aux, final, argmax) -> None:
+        if i in self.writer.done_ids:
+            return
+        self.writer.add(i, encode_sample(row["input_ids"], row["loss_mask"], aux, final, argmax, self.n_aux,
+                                         self.cap.dtype))
+        self.bar.update(self.lengths[i])
+
+    def finish(self) -> dict:
+        self.writer.finish()
+        self.bar.close()
+        self.world.barrier()
+        world, lo, hi = self.world, self.lo, self.hi
+        summary = {"samples": hi - lo, "tokens": sum(self.lengths[lo:hi])}
+        if world.is_main and self.part is None:
+            m = write_store_manifest(self.store_dir, [rank_dir("", r).name for r in range(world.world_size)],
+                                     self.meta, len(self.lengths), world_size=world.world_size)
+            summary.update(bytes=sum(s["bytes"] for s in m["shards"]), shards=len(m["shards"]))
+        elif world.is_main:
+            for stale in self.out_dir.glob("rank*"):  # an earlier attempt of this slice on more ranks
+                if int(stale.name[4:]) >= world.world_size:
+                    shutil.rmtree(stale, ignore_errors=True)
+            summary.update(range=[lo, hi], of=len(self.lengths))
+        return summary
+
+
 def capture_split(target: FrozenTarget, dataset_dir: Path, store_dir: Path, cap: CaptureConfig, world,
                   meta: dict) -> dict:
-    """Capture one prepared split into a store (this rank's part; rank 0 writes store.json at the end).
+    """Capture one prepared split into a store with the in-process target (this rank's part; rank 0
+    writes store.json at the end).
 
     With ``cap.slice_index`` set only that slice's samples are captured, into ``store_dir/sliceNNNNN``,
     and no store.json is written (merge_slices does it once every slice has finished)."""
-    from datasets import load_from_disk
-    from tqdm import tqdm
-
-    ds = load_from_disk(str(dataset_dir))
-    lengths = dataset_lengths(ds)
-    part, num_slices = cap.slice_index, cap.num_slices
-    lo, hi = slice_bounds(len(lengths), part, num_slices)
-    out_dir = store_dir if part is None else slice_dir(store_dir, part)
-    ids = list(range(lo + world.rank, hi, world.world_size))
-    plan = plan_batches(ids, lengths, cap.batch_tokens)
-    n_aux = len(meta["aux_layer_ids"])
-    settings = {"world_size": world.world_size, "batch_tokens": cap.batch_tokens,
-                "shard_size_mb": cap.shard_size_mb, "dtype": cap.dtype,
-                "num_samples": len(lengths), "schema_version": SCHEMA_VERSION}
-    if part is not None:
-        settings["slice"] = [part, num_slices]
-    writer = ShardWriter(rank_dir(out_dir, world.rank), cap.shard_size_mb * 2**20, settings)
-    done_tokens = sum(lengths[i] for i in writer.done_ids)
-    bar = tqdm(total=sum(lengths[i] for i in ids), initial=done_tokens, unit="tok", unit_scale=True,
-               desc=f"capture {dataset_dir.name}", disable=not world.is_main, dynamic_ncols=True)
-    for batch in plan:
-        todo = [i for i in batch if i not in writer.done_ids]
-        if not todo:
-            continue
-        rows = ds.select(batch)  # the whole planned batch, so the forward is the uninterrupted one
+    sc = SplitCapture(dataset_dir, store_dir, cap, world, meta)
+    for batch in sc.todo():
+        rows = sc.ds.select(batch)  # the whole planned batch, so the forward is the uninterrupted one
         outs = capture_rows(target, [r["input_ids"] for r in rows], cap.chunk_tokens)
         for i, row, (aux, final, argmax) in zip(batch, rows, outs):
-            if i in writer.done_ids:
-                continue
-            writer.add(i, encode_sample(row["input_ids"], row["loss_mask"], aux, final, argmax, n_aux,
-                                        cap.dtype))
-            bar.update(lengths[i])
-    writer.finish()
-    bar.close()
-    world.barrier()
-    summary = {"samples": hi - lo, "tokens": sum(lengths[lo:hi])}
-    if world.is_main and part is None:
-        m = write_store_manifest(store_dir, [rank_dir("", r).name for r in range(world.world_size)], meta,
-                                 len(lengths), world_size=world.world_size)
-        summary.update(bytes=sum(s["bytes"] for s in m["shards"]), shards=len(m["shards"]))
-    elif world.is_main:
-        for stale in out_dir.glob("rank*"):  # an earlier attempt of this slice on more ranks
-            if int(stale.name[4:]) >= world.world_size:
-                shutil.rmtree(stale, ignore_errors=True)
-        summary.update(range=[lo, hi], of=len(lengths))
-    return summary
+            sc.add(i, row, aux, final, argmax)
+    return sc.finish()
 
 
 def slice_record(stage_dir: Path, index: int) -> Path:
@@ -222,20 +245,70 @@ def tokenizer_hash(name_or_path: str, prepare_manifest: Optional[dict]) -> Optio
 def store_meta(t: TargetConfig, aux_dtype: str, target: FrozenTarget, prepare_manifest: Optional[dict]) -> dict:
     """The store manifest's description of what was captured (everything but the shards): ``target``
     loaded from the config ``t``, aux states stored as ``aux_dtype`` (capture.dtype: bf16 | fp8)."""
-    n_aux = len(target.aux_layer_ids)
+    return describe_store(t, aux_dtype, list(target.aux_layer_ids), len(target.layers), target.hidden_size,
+                          target.vocab_size, str(target.lm_head.weight.dtype), prepare_manifest)
+
+
+def describe_store(t: TargetConfig, aux_dtype: str, aux_layer_ids: list[int], num_layers: int, hidden_size: int,
+                   vocab_size: int, compute_dtype: str, prepare_manifest: Optional[dict]) -> dict:
+    """store_meta from the target's numbers (the vLLM path has no in-process model to read them from)."""
+    n_aux = len(aux_layer_ids)
     return {
         "target": {"name_or_path": t.name_or_path, "revision": t.revision,
-                   "fingerprint": target_fingerprint(t.name_or_path), "dtype": str(target.lm_head.weight.dtype)},
-        "num_hidden_layers": len(target.layers), "hidden_size": target.hidden_size, "vocab_size": target.vocab_size,
-        "aux_layer_ids": list(target.aux_layer_ids),
+                   "fingerprint": target_fingerprint(t.name_or_path), "dtype": compute_dtype},
+        "num_hidden_layers": num_layers, "hidden_size": hidden_size, "vocab_size": vocab_size,
+        "aux_layer_ids": list(aux_layer_ids),
         "dtypes": {"aux_hidden": "float8_e4m3fn" if aux_dtype == "fp8" else "bfloat16",
                    "aux_scale": "float32" if aux_dtype == "fp8" else None,
                    "target_hidden": "bfloat16", "target_argmax": "int32", "input_ids": "int32", "loss_mask": "uint8"},
         "capture_dtype": aux_dtype,
-        "bytes_per_token": bytes_per_token(n_aux, target.hidden_size, aux_dtype),
+        "bytes_per_token": bytes_per_token(n_aux, hidden_size, aux_dtype),
         "tokenizer_hash": tokenizer_hash(t.name_or_path, prepare_manifest),
         "prepare_manifest_hash": _prepare_hash(prepare_manifest) if prepare_manifest else None,
     }
+
+
+def capture_engine(target_cfg: TargetConfig, cap: CaptureConfig, aux_layer_ids: list[int], world: World,
+                   prep: Path, stage_dir: Path, splits: list[str], prepare_manifest: Optional[dict]) -> tuple[dict, dict]:
+    """``capture.engine=vllm``: every split through one vLLM run on this rank (data/engine_capture.py).
+    Returns (store meta, {split: summary})."""
+    from transformers import AutoConfig
+
+    from fledge.data.engine_capture import capture_with_engine, check_parallel, engine_env
+    from fledge.models.families import read_target
+    from fledge.models.precision import compute_dtype
+    from fledge.models.serving_engine import SETUP_HINT, engine_python
+
+    python = engine_python(cap.engine_python)
+    if not python.exists():
+        raise ValueError(f"capture.engine=vllm: no engine python at {python}; "
+                         f"{SETUP_HINT.replace('eval.engine_python', 'capture.engine_python')}")
+    check_parallel(cap.tensor_parallel_size, cap.data_parallel_size, world.world_size, world.device.type)
+    kw = dict(revision=target_cfg.revision, trust_remote_code=target_cfg.trust_remote_code)
+    hf_config = AutoConfig.from_pretrained(target_cfg.name_or_path, **kw)
+    check_target_config(hf_config, target_cfg)
+    shape = read_target(hf_config)[1]
+    if any(not 0 <= k < shape.num_hidden_layers for k in aux_layer_ids):
+        raise ValueError(f"aux_layer_ids={aux_layer_ids}: boundary ids must lie in [0, {shape.num_hidden_layers - 1}]")
+    want = target_cfg.dtype if target_cfg.dtype != "auto" else str(getattr(hf_config, "dtype", None) or "bfloat16")
+    dtype = compute_dtype(getattr(torch, str(want).replace("torch.", "")), world.device, f"target.dtype={target_cfg.dtype}")
+    meta = describe_store(target_cfg, cap.dtype, aux_layer_ids, shape.num_hidden_layers, shape.hidden_size,
+                          shape.vocab_size, str(dtype), prepare_manifest)
+    meta["engine"] = "vllm"
+    states = {split: SplitCapture(prep / split, stage_dir / split, cap, world, meta) for split in splits}
+    env = engine_env(world.device.type, world.rank, world.local_rank, world.world_size, cap.tensor_parallel_size,
+                     cap.data_parallel_size, os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                     int(os.environ.get("MASTER_PORT", "29500")) + 1)
+    parallel = {"tensor_parallel_size": cap.tensor_parallel_size, "expert_parallel": cap.expert_parallel,
+                "data_parallel_size": cap.data_parallel_size}
+    result = capture_with_engine(states, python, target_cfg.name_or_path, target_cfg.revision,
+                                 target_cfg.trust_remote_code, dtype, aux_layer_ids, shape.num_hidden_layers,
+                                 shape.rms_norm_eps, parallel, env, stage_dir / "engine" / f"rank{world.rank:05d}",
+                                 cap.engine_timeout_s, world.device)
+    per_split = {split: sc.finish() for split, sc in states.items()}
+    for split, r in (result.get("jobs") or {}).items():
+        per_split[split]["engine_tokens_per_s"] = round(r["tokens"] / max(r["wall_s"], 1e-9), 1)
+    return meta, per_split
 
 
 def capture(target_cfg: TargetConfig, cap: CaptureConfig, aux_layer_ids: list[int], world: World, prep: Path,
@@ -258,12 +331,18 @@ def capture(target_cfg: TargetConfig, cap: CaptureConfig, aux_layer_ids: list[in
     else:
         if part is not None and world.is_main:
             slice_record(stage_dir, part).unlink(missing_ok=True)  # this slice is being (re)written
-        target = FrozenTarget.load(target_cfg, world.device, aux_layer_ids, cap.device_map)
-        meta = store_meta(target_cfg, cap.dtype, target, prepare_manifest)
-        out = {"mode": "offline", "capture_dtype": cap.dtype, "bytes_per_token": meta["bytes_per_token"]}
         t0 = time.time()
-        per_split = {split: capture_split(target, prep / split, stage_dir / split, cap, world, meta)
-                     for split in splits}
+        if cap.engine == "vllm":
+            meta, per_split = capture_engine(target_cfg, cap, aux_layer_ids, world, prep, stage_dir, splits,
+                                             prepare_manifest)
+        else:
+            target = FrozenTarget.load(target_cfg, world.device, aux_layer_ids, cap.device_map)
+            meta = store_meta(target_cfg, cap.dtype, target, prepare_manifest)
+            t0 = time.time()  # the forward's speed, not the load's
+            per_split = {split: capture_split(target, prep / split, stage_dir / split, cap, world, meta)
+                         for split in splits}
+        out = {"mode": "offline", "capture_dtype": cap.dtype, "bytes_per_token": meta["bytes_per_token"],
+               **({"engine": cap.engine} if cap.engine != "hf" else {})}
         for split, s in per_split.items():
             out.update({f"{split}_{k}": v for k, v in s.items() if k not in ("range", "of")})
         out["tokens_per_s"] = round(out.get("train_tokens", 0) / max(time.time() - t0, 1e-9), 1)

@@ -138,6 +138,11 @@ def _top_level(names: Iterable[str], suffix: str) -> Optional[str]:
     return cands[0] if cands else None
 
 
+def final_norm_name(names: Iterable[str]) -> Optional[str]:
+    """The target's final norm weight (``model.norm.weight`` and the like, outside the decoder layers), or None."""
+    return _top_level(names, "norm.weight")
+
+
 def input_embedding_name(names: Iterable[str]) -> str:
     """The target's input embedding among its tensor names (``model.embed_tokens.weight`` and the like)."""
     name = _top_level(names, "embed_tokens.weight")

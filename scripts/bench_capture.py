@@ -9,6 +9,12 @@ hooks, chunked argmax, fp8 quantisation when asked, safetensors shards, checksum
 The baseline store is what public trainers write: one file per sample holding the 3 aux states and the
 final state in bf16 (8 x H bytes per token), here measured by writing it the same way (safetensors).
 Prints a markdown table; every figure is the best of --repeats round-robin runs in this process.
+
+With ``--engine vllm`` (issue 19; needs .engine/venv or --engine-python) the same samples are also
+captured through vLLM (capture.engine=vllm: extract_hidden_states + the hidden-states connector, the
+final norm and argmax made by Fledge, the same store), and vLLM runs the same prompts prefill-only with no
+extraction at all: vLLM's own prefill speed, the floor the vLLM capture cannot beat. Each vLLM figure is
+one run (an engine start-up each, excluded from the times); the vLLM store's bytes/token are counted.
 """
 
 from __future__ import annotations
@@ -93,6 +99,8 @@ def main() -> None:
     ap.add_argument("--batch-tokens", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--engine", choices=("hf", "vllm"), default="hf", help="vllm: add the vLLM capture rows")
+    ap.add_argument("--engine-python", default=None, help="vLLM's python (default .engine/venv/bin/python)")
     args = ap.parse_args()
 
     from datasets import load_from_disk
@@ -152,6 +160,53 @@ def main() -> None:
     for d, tt in (("bf16", t_bf16), ("fp8", t_fp8)):
         print(f"| capture, {d} store | {tokens / tt:,.0f} | {t_fwd / tt:.2f} | {size[d] / tokens:,.0f} | "
               f"{size[d] / tokens / (8 * H):.2f} |")
+    if args.engine == "vllm":
+        bench_vllm(args, cfg, world, tmp, ds, plan, tokens, t_bf16, H, hf)
+
+
+def bench_vllm(args, cfg, world, tmp: Path, ds, plan, tokens: int, t_hf: float, H: int, hf) -> None:
+    """vLLM's prefill-only floor and the vLLM capture of the same samples (one engine start each)."""
+    from fledge.data.capture import SplitCapture, describe_store
+    from fledge.data.engine_capture import EngineRun, build_request, capture_with_engine, engine_env, write_job
+    from fledge.models.precision import compute_dtype
+    from fledge.models.serving_engine import engine_python
+
+    python = engine_python(args.engine_python)
+    if not python.exists():
+        sys.exit(f"--engine vllm: no engine python at {python} (scripts/setup_engine.sh, or --engine-python)")
+    device = world.device
+    dtype = compute_dtype(getattr(torch, args.dtype), device, "--dtype")
+    env = engine_env(device.type, 0, 0, 1, 1, 1, "127.0.0.1", 29500)
+    aux = cfg.aux_layer_ids()
+    longest = max(len(ds[i]["input_ids"]) for b in plan for i in b)
+    floor_dir = tmp / "floor"
+    job = write_job("bench", ds, plan, floor_dir)
+    req = build_request(cfg.target.name_or_path, None, False, str(dtype).replace("torch.", ""), longest + 1,
+                        [0, hf.num_hidden_layers], 1, False, 1, env, floor_dir, [job], floor=True)
+    req["max_pending_batches"] = 0  # nobody consumes the floor's (empty) batches
+    res = EngineRun(python, req, floor_dir, 3600).finish()
+    t_floor, version = res["jobs"]["bench"]["wall_s"], res["vllm_version"]
+
+    cfg.capture.engine, cfg.capture.dtype = "vllm", "bf16"
+    meta = describe_store(cfg.target, "bf16", aux, hf.num_hidden_layers, H, hf.vocab_size, str(dtype), None)
+    sc = SplitCapture(tmp / "data", tmp / "store_vllm", cfg.capture, world, meta)
+    t0 = time.perf_counter()
+    res = capture_with_engine({"bench": sc}, python, cfg.target.name_or_path, None, False, dtype, aux,
+                              hf.num_hidden_layers, hf.rms_norm_eps, {"tensor_parallel_size": 1, "expert_parallel": False,
+                                                                      "data_parallel_size": 1},
+                              env, tmp / "engine", 3600, device)
+    sc.finish()
+    t_total = time.perf_counter() - t0 - res["load_s"]  # Fledge's whole capture, engine start-up excluded
+    t_engine = res["jobs"]["bench"]["wall_s"]  # vLLM's generate calls with extraction, file moves included
+    size = sum(p.stat().st_size for p in (tmp / "store_vllm").rglob("*.safetensors"))
+    print(f"\nvLLM {version} ({dtype}, prefill only: one generated token per sample), one run each:\n")
+    print("| path | tokens/s | vs vLLM prefill floor | vs HF capture (bf16) | bytes/token |")
+    print("|---|---:|---:|---:|---:|")
+    print(f"| vLLM prefill only (no extraction: the floor) | {tokens / t_floor:,.0f} | 1.00 | {t_hf / t_floor:.2f} | - |")
+    print(f"| vLLM generate with extract_hidden_states + connector | {tokens / t_engine:,.0f} | "
+          f"{t_floor / t_engine:.2f} | {t_hf / t_engine:.2f} | - |")
+    print(f"| capture.engine=vllm, whole capture (bf16 store) | {tokens / t_total:,.0f} | {t_floor / t_total:.2f} | "
+          f"{t_hf / t_total:.2f} | {size / tokens:,.0f} |")
 
 
 if __name__ == "__main__":

