@@ -38,6 +38,6 @@ step tests_gpu ${TESTS_GPU_LIMIT:-300} $PY -m pytest tests/gpu -v --durations=0 
 step bench_loss 180 $PY scripts/bench_loss.py --device cuda ${BENCH_LOSS_ARGS:-}
 step bench_rmsnorm 45 $PY scripts/bench_rmsnorm.py --device cuda
 step bench_train 150 $PY scripts/bench_train.py --device cuda
-[ -f scripts/bench_layers.py ] && step bench_layers 120 $PY scripts/bench_layers.py --device cuda
-[ -f scripts/bench_long.py ] && step bench_long 180 $PY scripts/bench_long.py --device cuda
+[ -f scripts/bench_layers.py ] && step bench_layers ${BENCH_LAYERS_LIMIT:-120} $PY scripts/bench_layers.py --device cuda ${BENCH_LAYERS_ARGS:-}
+[ -f scripts/bench_long.py ] && step bench_long ${BENCH_LONG_LIMIT:-180} $PY scripts/bench_long.py --device cuda ${BENCH_LONG_ARGS:-}
 true
