@@ -1,11 +1,13 @@
-"""Build the tiny real target: a small Llama and a BPE chat tokenizer trained on the stdlib's source.
+"""Build the tiny real targets: small causal LMs and a BPE chat tokenizer trained on the stdlib's source.
 
-    fledge tiny-target --budget quick|testbed [--out .cache/tiny_target]
+    fledge tiny-target --budget quick|testbed [--family llama|moe|mla] [--out .cache/tiny_target]
 
 Writes, under ``--out`` (default: the repo's .cache/tiny_target, gitignored):
-    data/{train,eval}.jsonl   the tiny recipe's conversations (OpenAI ``messages`` form)
+    data/{train,eval}.jsonl   the tiny recipes' conversations (OpenAI ``messages`` form)
     tokenizer/                the BPE tokenizer with its chat template (cached apart: seconds to build)
-    <budget>/                 a Hugging Face LlamaForCausalLM directory + metrics.json
+    <budget>/                 the tiny Llama (LlamaForCausalLM) + metrics.json
+    <family>-<budget>/        the tiny MoE (Qwen3MoeForCausalLM) or MLA (DeepseekV3ForCausalLM) target
+All families share the data and the tokenizer (data/tiny_families.py holds the MoE and MLA shapes).
 Every artifact carries a build.json holding a hash of its settings; a matching one means "done", so
 re-running returns at once. Each is written to a temporary sibling and renamed, so a kill leaves nothing
 half-written. Seeded and deterministic by step count (bitwise only for the same thread count).
@@ -37,7 +39,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch
 import torch.nn.functional as F
 
-from fledge.data import tiny_corpus
+from fledge.data import tiny_corpus, tiny_families
 from fledge.models.precision import describe_cpu
 from fledge.atomic import atomic_path, read_json, write_json_atomic
 
@@ -153,6 +155,15 @@ def _llama_config(tok):
                        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
 
 
+def _new_model(tok, family: str):
+    """An untrained causal LM of the tiny ``family`` (llama: the tiny recipe's; moe, mla: tiny_families)."""
+    if family == "llama":
+        from transformers import LlamaForCausalLM
+
+        return LlamaForCausalLM(_llama_config(tok))
+    return tiny_families.new_model(family, tok)
+
+
 def _save_model(model, tok, path: Path) -> None:
     """bfloat16 on disk: what real hub targets ship, so the pipeline's dtype='auto' path is exercised."""
     model.generation_config.update(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
@@ -199,13 +210,11 @@ def _lr_lambda(warmup: int, steps: int):
 
 
 def train_target(tok, files, steps: int, seq_len: int, batch_size: int, lr: float, warmup: int,
-                 seed: int = SEED, log_every: int = 50):
-    """Train the tiny Llama from scratch on chat-rendered conversations, in fp32 on every CPU (no autocast:
+                 seed: int = SEED, log_every: int = 50, family: str = "llama"):
+    """Train a tiny target from scratch on chat-rendered conversations, in fp32 on every CPU (no autocast:
     see the module docstring)."""
-    from transformers import LlamaForCausalLM
-
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(_llama_config(tok))
+    model = _new_model(tok, family)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
@@ -267,16 +276,23 @@ def evaluate_target(path: Path, eval_jsonl: Path) -> dict:
             "mean_greedy_tokens": sum(lengths) / len(lengths)}
 
 
-def build_tiny_target(budget: str = "quick", root: Path | None = None, steps: int | None = None) -> Path:
-    """Build (once) the ``budget`` target under ``root``; returns its from_pretrained directory.
+def build_tiny_target(budget: str = "quick", root: Path | None = None, steps: int | None = None,
+                      family: str = "llama") -> Path:
+    """Build (once) the ``budget`` target of ``family`` under ``root``; returns its from_pretrained directory.
     ``steps`` overrides the budget's step count (smoke tests); it is part of the cache key."""
-    if budget not in BUDGETS:
-        raise ValueError(f"--budget {budget!r}: expected one of {sorted(BUDGETS)}")
-    settings = dict(BUDGETS[budget], **({"steps": steps} if steps else {}))
+    families = ("llama", *tiny_families.SHAPES)
+    if family not in families:
+        raise ValueError(f"--family {family!r}: expected one of {list(families)}")
+    budgets = BUDGETS if family == "llama" else tiny_families.BUDGETS
+    if budget not in budgets:
+        raise ValueError(f"--budget {budget!r}: expected one of {sorted(budgets)} for --family {family}")
+    settings = dict(budgets[budget], **({"steps": steps} if steps else {}))
     root = Path(root or default_root())
     data_dir, tok_dir = build_data(root), build_tokenizer(root)
-    out = root / budget
-    key = _key(kind="target", version=TARGET_VERSION, budget=settings, model=MODEL, seed=SEED,
+    out = root / (budget if family == "llama" else f"{family}-{budget}")
+    # The Llama's key is unchanged by the other families (its cached builds stay valid).
+    shape = {"model": MODEL} if family == "llama" else {"family": family, "model": tiny_families.SHAPES[family]}
+    key = _key(kind="target", version=TARGET_VERSION, budget=settings, **shape, seed=SEED,
                data=read_json(data_dir / "build.json")["key"], tok=read_json(tok_dir / "build.json")["key"])
 
     def build(tmp: Path) -> None:
@@ -285,11 +301,11 @@ def build_tiny_target(budget: str = "quick", root: Path | None = None, steps: in
         tok = AutoTokenizer.from_pretrained(tok_dir)
         train_files, _ = tiny_corpus.split_sources(tiny_corpus.list_sources())
         t0, c0 = time.time(), time.process_time()
-        model = train_target(tok, train_files, **settings)
+        model = train_target(tok, train_files, **settings, family=family)
         train_s, train_cpu = time.time() - t0, time.process_time() - c0
         _save_model(model, tok, tmp)
         metrics = evaluate_target(tmp, data_dir / "eval.jsonl")
-        metrics.update(budget=budget, **settings, train_seconds=round(train_s, 1),
+        metrics.update(budget=budget, family=family, **settings, train_seconds=round(train_s, 1),
                        train_cpu_seconds=round(train_cpu, 1),
                        wall_seconds=round(time.time() - t0, 1), torch_threads=torch.get_num_threads(),
                        compute_dtype="float32", cpu=describe_cpu(),
@@ -302,10 +318,13 @@ def build_tiny_target(budget: str = "quick", root: Path | None = None, steps: in
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--budget", default="quick", choices=sorted(BUDGETS))
+    ap.add_argument("--family", default="llama", choices=["llama", *tiny_families.SHAPES],
+                    help="llama (recipe=tiny), moe (Qwen3-MoE-shaped: recipe=tiny_moe), mla (DeepSeek-V3-shaped: "
+                         "recipe=tiny_mla); moe and mla have only the quick budget")
     ap.add_argument("--out", type=Path, default=default_root())
     ap.add_argument("--steps", type=int, default=None, help="override the budget's step count (smoke tests)")
     args = ap.parse_args(argv)
-    path = build_tiny_target(args.budget, args.out, args.steps)
+    path = build_tiny_target(args.budget, args.out, args.steps, args.family)
     m = read_json(path / "metrics.json")
     print(f"{path}: held-out loss {m['heldout_loss']:.3f}, top-1 {m['heldout_top1']:.1%}, "
           f"distinct-3 {m['distinct3']:.2f}, {m['steps']} steps in {m['wall_seconds']:.0f}s, "
