@@ -121,3 +121,12 @@ def test_kimi_k26_nested_text_config_reads_as_the_same_shape():
            "text_config": snap, "vision_config": {"hidden_size": 1152}}
     assert read_target(k26)[1] == read_target(snap)[1]
     assert text_config_dict(k26)["model_type"] == "kimi_k2"
+
+
+@pytest.mark.parametrize("recipe,device,backend", [("deepseek_v3", "cpu", "CPU_MLA"), ("kimi_k2", "cpu", "CPU_MLA"),
+                                                   ("deepseek_v3", "cuda", None), ("qwen3_moe", "cpu", None)])
+def test_engine_attention_backend_for_mla_targets_on_cpu(recipe, device, backend):
+    """vLLM picks AMX_MLA (bf16 only) for MLA targets on an AMX CPU; the fp32 CPU engine asks for CPU_MLA."""
+    from fledge.train.engine_eval import engine_attention_backend
+
+    assert engine_attention_backend(compose_recipe(recipe), device) == backend
