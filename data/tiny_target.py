@@ -1,13 +1,15 @@
-"""Build the tiny real target: a small Llama and a BPE chat tokenizer trained on the stdlib's source.
+"""Build the tiny real targets: small causal LMs and a BPE chat tokenizer trained on the stdlib's source.
 
-    fledge tiny-target --budget quick|testbed|long [--out .cache/tiny_target] [--device cpu|cuda]
+    fledge tiny-target --budget quick|testbed|long [--family llama|moe|mla] [--out .cache/tiny_target] [--device cpu|cuda]
 
 Writes, under ``--out`` (default: the repo's .cache/tiny_target, gitignored):
-    data/{train,eval}.jsonl   the tiny recipe's conversations (OpenAI ``messages`` form)
+    data/{train,eval}.jsonl   the tiny recipes' conversations (OpenAI ``messages`` form)
     long_eval/long_eval.jsonl continuations from deep inside long held-out files (data/tiny_long.py): the
                               prompts of the AL-vs-context-length eval (eval.long_context_source)
     tokenizer/                the BPE tokenizer with its chat template (cached apart: seconds to build)
-    <budget>/                 a Hugging Face LlamaForCausalLM directory + metrics.json
+    <budget>/                 the tiny Llama (LlamaForCausalLM) + metrics.json
+    <family>-<budget>/        the tiny MoE (Qwen3MoeForCausalLM) or MLA (DeepseekV3ForCausalLM) target
+All families share the data and the tokenizer (data/tiny_families.py holds the MoE and MLA shapes).
 Every artifact carries a build.json holding a hash of its settings; a matching one means "done", so
 re-running returns at once. Each is written to a temporary sibling and renamed, so a kill leaves nothing
 half-written. Seeded and deterministic by step count (bitwise only for the same thread count).
@@ -38,7 +40,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch
 import torch.nn.functional as F
 
-from fledge.data import tiny_corpus
+from fledge.data import tiny_corpus, tiny_families
 from fledge.models.precision import describe_cpu
 from fledge.atomic import atomic_path, read_json, write_json_atomic
 
@@ -160,6 +162,16 @@ def _llama_config(tok, **overrides):
                        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
 
 
+def _new_model(tok, family: str, overrides: dict | None = None):
+    """An untrained causal LM of the tiny ``family`` (llama: the tiny recipe's, with the budget's config
+    ``overrides``; moe, mla: tiny_families)."""
+    if family == "llama":
+        from transformers import LlamaForCausalLM
+
+        return LlamaForCausalLM(_llama_config(tok, **(overrides or {})))
+    return tiny_families.new_model(family, tok)
+
+
 def _save_model(model, tok, path: Path) -> None:
     """bfloat16 on disk: what real hub targets ship, so the pipeline's dtype='auto' path is exercised."""
     model.generation_config.update(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
@@ -211,14 +223,12 @@ def _lr_lambda(warmup: int, steps: int):
 
 def train_target(tok, files, steps: int, seq_len: int, batch_size: int, lr: float, warmup: int,
                  seed: int = SEED, log_every: int = 50, long_share: float = 0.0, model_overrides: dict | None = None,
-                 device: str = "cpu"):
-    """Train the tiny Llama from scratch on chat-rendered conversations, in fp32 on every CPU (no autocast:
-    see the module docstring). ``device="cuda"`` trains the same steps on a GPU (fp32, TF32 off): same
-    data and initialisation, not bitwise the CPU build; the model is returned on the CPU."""
-    from transformers import LlamaForCausalLM
-
+                 device: str = "cpu", family: str = "llama"):
+    """Train a tiny target of ``family`` from scratch on chat-rendered conversations, in fp32 on every CPU (no
+    autocast: see the module docstring). ``device="cuda"`` trains the same steps on a GPU (fp32, TF32 off):
+    same data and initialisation, not bitwise the CPU build; the model is returned on the CPU."""
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(_llama_config(tok, **(model_overrides or {}))).to(device)
+    model = _new_model(tok, family, model_overrides).to(device)
     torch.backends.cuda.matmul.allow_tf32 = False
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -282,18 +292,24 @@ def evaluate_target(path: Path, eval_jsonl: Path) -> dict:
 
 
 def build_tiny_target(budget: str = "quick", root: Path | None = None, steps: int | None = None,
-                      device: str = "cpu") -> Path:
-    """Build (once) the ``budget`` target under ``root``; returns its from_pretrained directory.
+                      device: str = "cpu", family: str = "llama") -> Path:
+    """Build (once) the ``budget`` target of ``family`` under ``root``; returns its from_pretrained directory.
     ``steps`` overrides the budget's step count (smoke tests); it is part of the cache key. ``device``
     (cpu | cuda) is not: it is recorded in metrics.json."""
-    if budget not in BUDGETS:
-        raise ValueError(f"--budget {budget!r}: expected one of {sorted(BUDGETS)}")
-    settings = dict(BUDGETS[budget], **({"steps": steps} if steps else {}))
+    families = ("llama", *tiny_families.SHAPES)
+    if family not in families:
+        raise ValueError(f"--family {family!r}: expected one of {list(families)}")
+    budgets = BUDGETS if family == "llama" else tiny_families.BUDGETS
+    if budget not in budgets:
+        raise ValueError(f"--budget {budget!r}: expected one of {sorted(budgets)} for --family {family}")
+    settings = dict(budgets[budget], **({"steps": steps} if steps else {}))
     root = Path(root or default_root())
     data_dir, tok_dir = build_data(root), build_tokenizer(root)
-    out = root / budget
-    model_cfg = dict(MODEL, **MODEL_FOR.get(budget, {}))
-    key = _key(kind="target", version=TARGET_VERSION, budget=settings, model=model_cfg, seed=SEED,
+    out = root / (budget if family == "llama" else f"{family}-{budget}")
+    # The Llama's key is unchanged by the other families (its cached builds stay valid).
+    shape = ({"model": dict(MODEL, **MODEL_FOR.get(budget, {}))} if family == "llama"
+             else {"family": family, "model": tiny_families.SHAPES[family]})
+    key = _key(kind="target", version=TARGET_VERSION, budget=settings, **shape, seed=SEED,
                data=read_json(data_dir / "build.json")["key"], tok=read_json(tok_dir / "build.json")["key"])
 
     def build(tmp: Path) -> None:
@@ -302,11 +318,12 @@ def build_tiny_target(budget: str = "quick", root: Path | None = None, steps: in
         tok = AutoTokenizer.from_pretrained(tok_dir)
         train_files, _ = tiny_corpus.split_sources(tiny_corpus.list_sources())
         t0, c0 = time.time(), time.process_time()
-        model = train_target(tok, train_files, **settings, model_overrides=MODEL_FOR.get(budget), device=device)
+        model = train_target(tok, train_files, **settings, model_overrides=MODEL_FOR.get(budget) if family == "llama"
+                             else None, device=device, family=family)
         train_s, train_cpu = time.time() - t0, time.process_time() - c0
         _save_model(model, tok, tmp)
         metrics = evaluate_target(tmp, data_dir / "eval.jsonl")
-        metrics.update(budget=budget, **settings, train_seconds=round(train_s, 1),
+        metrics.update(budget=budget, family=family, **settings, train_seconds=round(train_s, 1),
                        train_cpu_seconds=round(train_cpu, 1),
                        wall_seconds=round(time.time() - t0, 1), torch_threads=torch.get_num_threads(),
                        train_device=device if device == "cpu" else torch.cuda.get_device_name(),
@@ -357,12 +374,15 @@ def long_position_loss(path: Path, root: Path | None = None) -> dict:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--budget", default="quick", choices=sorted(BUDGETS))
+    ap.add_argument("--family", default="llama", choices=["llama", *tiny_families.SHAPES],
+                    help="llama (recipe=tiny), moe (Qwen3-MoE-shaped: recipe=tiny_moe), mla (DeepSeek-V3-shaped: "
+                         "recipe=tiny_mla); moe and mla have only the quick budget")
     ap.add_argument("--out", type=Path, default=default_root())
     ap.add_argument("--steps", type=int, default=None, help="override the budget's step count (smoke tests)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                     help="train on this device (cuda: the same steps in fp32 on a GPU, minutes instead of ~30)")
     args = ap.parse_args(argv)
-    path = build_tiny_target(args.budget, args.out, args.steps, args.device)
+    path = build_tiny_target(args.budget, args.out, args.steps, args.device, args.family)
     print(f"long-context eval prompts (eval.long_context_source): {build_long_eval(args.out) / 'long_eval.jsonl'}")
     m = read_json(path / "metrics.json")
     print(f"{path}: held-out loss {m['heldout_loss']:.3f}, top-1 {m['heldout_top1']:.1%}, "

@@ -94,6 +94,8 @@ def run_engine(req: dict, conf: dict) -> dict:
                   gpu_memory_utilization=req.get("gpu_memory_utilization", 0.85))
     if req.get("revision"):
         kwargs["revision"] = req["revision"]
+    if req.get("attention_backend"):  # e.g. CPU_MLA for an MLA target on CPU (train/engine_eval.py)
+        kwargs["attention_backend"] = req["attention_backend"]
     if conf.get("speculative_config"):
         kwargs["speculative_config"] = conf["speculative_config"]
     t0 = time.perf_counter()

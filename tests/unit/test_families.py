@@ -191,3 +191,25 @@ def test_registered_family_shapes_drafter_export_lint_and_load(register, tmp_pat
     for name, t in loaded.state_dict().items():
         if name != "embed_tokens.weight":
             assert torch.equal(t.to(exported[name].dtype), exported[name]), name
+
+
+def test_deepseek_v3_family_reads_mla_widths_and_ignores_transformers_head_dim():
+    from transformers import DeepseekV3Config
+
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+    cfg = DeepseekV3Config(hidden_size=64, intermediate_size=96, moe_intermediate_size=24, num_hidden_layers=8,
+                           num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16,
+                           qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, vocab_size=512,
+                           max_position_embeddings=4096, rope_parameters=rope)
+    assert cfg.to_dict()["head_dim"] == 8  # transformers' head_dim of an MLA config is the RoPE width
+    fam, shape = read_target(cfg)
+    assert fam.name == "deepseek_v3" and shape.head_dim == 16 and shape.num_key_value_heads == 4
+    assert shape.intermediate_size == 96 and shape.mtp_layers == 1  # DeepseekV3Config's default MTP count
+    assert shape.mla == {"q_lora_rank": None, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+                         "v_head_dim": 16}
+    assert shape.rope_scaling == {k: v for k, v in rope.items() if k != "rope_theta"}
+    kimi = {**cfg.to_dict(), "model_type": "kimi_k2"}
+    assert read_target(kimi)[0].name == "deepseek_v3" and read_target(kimi)[1].mla == shape.mla
+    with pytest.raises(ValueError, match=r"MLA target but its config lacks \['kv_lora_rank'\]"):
+        read_target({k: v for k, v in kimi.items() if k != "kv_lora_rank"})

@@ -88,3 +88,31 @@ def test_mtp_copies_are_never_the_targets_embedding_or_head(tmp_path):
     # tied (here through a multimodal config's text part): the embedding's rows
     (d / "config.json").write_text(json.dumps({"text_config": {"tie_word_embeddings": True}}))
     assert torch.equal(load_lm_head_rows(d, None, sel), emb[sel])
+
+
+def test_lm_head_rows_are_read_in_blocks_in_any_order(tmp_path, monkeypatch):
+    import fledge.models.weights as weights
+
+    W = torch.randn(1000, 16).to(torch.bfloat16)
+    save_file({"lm_head.weight": W, "model.embed_tokens.weight": -W}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": False}))
+    reads = []
+    real_open = weights.__dict__.get("safe_open")
+    from safetensors import safe_open as st_open
+
+    def counting_open(*a, **k):
+        reads.append(a[0])
+        return st_open(*a, **k)
+
+    monkeypatch.setattr("safetensors.safe_open", counting_open)
+    monkeypatch.setattr(weights, "ROW_BLOCK_BYTES", 16 * 2 * 100)  # 100 rows a block
+    assert torch.equal(load_lm_head_rows(tmp_path, None, torch.tensor([7, 3])), W[[7, 3]])
+    one_block = len(reads)
+    reads.clear()
+    ids = torch.tensor([999, 0, 5, 150, 151, 640])
+    assert torch.equal(load_lm_head_rows(tmp_path, None, ids), W[ids])
+    assert len(reads) == one_block + 3  # only the blocks holding a wanted row are read (0, 1, 6, 9 of 10)
+    assert torch.equal(load_lm_head_rows(tmp_path, None, torch.arange(1000)), W)
+    with pytest.raises(ValueError, match=r"outside \[0, 1000\)"):
+        load_lm_head_rows(tmp_path, None, torch.tensor([1000]))
+    assert real_open is None  # safetensors is imported where it is used, so the patch above is what ran
