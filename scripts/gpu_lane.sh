@@ -34,7 +34,11 @@ step() {  # step NAME TIMEOUT_S CMD...   (rc 124 = stopped at its limit); only t
   echo "$name rc=$? $((SECONDS - t0))s" | tee -a "$OUT/summary.txt"
 }
 step nvidia_smi 15 nvidia-smi
-step tests_gpu ${TESTS_GPU_LIMIT:-300} $PY -m pytest ${TESTS_GPU_PATHS:-tests/gpu} -v --durations=0 -p no:cacheprovider ${TESTS_GPU_ARGS:-}
+# A per-test limit (pytest-timeout, when that machine has it) lets a run cut short still print why tests
+# failed: pytest prints failures only at the end, and a step stopped at its limit prints none.
+per_test=""; $PY -c "import pytest_timeout" 2>/dev/null && per_test="--timeout=${TESTS_GPU_TEST_TIMEOUT:-60}"
+step tests_gpu ${TESTS_GPU_LIMIT:-300} $PY -m pytest ${TESTS_GPU_PATHS:-tests/gpu} -v --tb=short --durations=0 \
+  -p no:cacheprovider $per_test ${TESTS_GPU_ARGS:-}
 step bench_loss 180 $PY scripts/bench_loss.py --device cuda ${BENCH_LOSS_ARGS:-}
 step bench_rmsnorm 45 $PY scripts/bench_rmsnorm.py --device cuda
 step bench_train 150 $PY scripts/bench_train.py --device cuda
