@@ -180,12 +180,13 @@ def engine_markdown(report: dict) -> list[str]:
              f"Engine on {e['device']}, dtype {e['dtype']}, k={k}, batch {e['batch_size']}. Engine AL = 1 + "
              "accepted / drafts from vLLM's spec-decode counters; engine lookup = vLLM's `ngram` method. "
              f"Tolerance on |engine - in-process| AL: {e['tolerance']}.", "",
-             "| set | train estimate | in-process AL | engine AL | engine - in-process | in-process lookup AL | "
-             "engine lookup AL | engine AL - lookup |", "|---|---|---|---|---|---|---|---|"]
+             "| set | train estimate | in-process AL | engine AL | engine - in-process | engine - estimate | "
+             "in-process lookup AL | engine lookup AL | engine AL - lookup |", "|---|---|---|---|---|---|---|---|---|"]
     for name, s in e["sets"].items():
+        vs_est = s["drafter"]["al"] - est if est else None
         lines.append(f"| {name} | {_fmt(est)} | {_fmt(s['in_process_al'])} | {_fmt(s['drafter']['al'])} | "
-                     f"{_fmt(s['al_gap'])} | {_fmt(s['in_process_lookup_al'])} | {_fmt(s['lookup']['al'])} | "
-                     f"{_fmt(s['drafter']['al'] - s['lookup']['al'])} |")
+                     f"{_fmt(s['al_gap'])} | {_fmt(vs_est)} | {_fmt(s['in_process_lookup_al'])} | "
+                     f"{_fmt(s['lookup']['al'])} | {_fmt(s['drafter']['al'] - s['lookup']['al'])} |")
     lines += ["", "Engine acceptance per position (accepted / drafts):", "",
               "| set | drafts | " + " | ".join(f"pos {i + 1}" for i in range(k)) + " |", "|---" * (k + 2) + "|"]
     for name, s in e["sets"].items():

@@ -149,7 +149,7 @@ def test_report_shows_engine_next_to_in_process_and_the_failure():
               "degenerate_threshold": 0.5, "temperature": 0.0, "train_al_estimate": 2.5, "sets": {},
               "engine": _section(1.25)}
     md = markdown(report)
-    assert "| default | 2.50 | 3.00 | 1.25 | -1.75 | 1.50 | 1.50 | -0.25 |" in md
+    assert "| default | 2.50 | 3.00 | 1.25 | -1.75 | -1.25 | 1.50 | 1.50 | -0.25 |" in md
     assert "Engine checks failed" in md and "CPU: test" in md
 
 
