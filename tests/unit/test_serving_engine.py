@@ -114,13 +114,32 @@ def test_an_al_gap_beyond_tolerance_fails_with_causes_and_lint():
     for part in ("set 'default'", "AL 1.25", "in-process AL 3.00", "eval.engine_al_tolerance=0.15", "aux layer ids",
                  "fc_norm / norm_output", "RoPE", "d2t", "fledge lint exp --target tgt"):
         assert part in msg, part
-    (msg,) = engine_failures("default", {**_section(1.0)["sets"]["default"], "in_process_al": 1.0, "al_gap": 0.0},
-                             0.15, Path("exp"), "tgt", estimate=3.0)
-    assert "collapsed below the training-time estimate 3.00" in msg and "fledge lint exp" in msg
-    assert engine_failures("default", _section(3.0)["sets"]["default"], 0.15, Path("exp"), "tgt", estimate=3.5) == []
     diff = {"prompt": 1, "position": 7, "spec": [3], "plain": [4], "top2_gap": 2.0, "tie": False}
     (msg,) = _section(3.0, [diff])["failures"]
     assert "prompt 1" in msg and "generated token 7" in msg
+
+
+def test_a_collapse_on_every_set_fails_and_a_weak_set_alone_does_not():
+    from fledge.train.engine_eval import collapse_failures
+
+    def sets(*als):
+        return {f"s{i}": {**_section(al)["sets"]["default"], "in_process_al": al} for i, al in enumerate(als)}
+
+    (msg,) = collapse_failures(sets(1.0, 1.25), 3.0, Path("exp"), "tgt")
+    assert "collapsed on every set (best: 's1' 1.25" in msg and "estimate 3.00" in msg and "fledge lint exp" in msg
+    assert collapse_failures(sets(1.0, 2.0), 3.0, Path("exp"), "tgt") == []  # a hard set beside a good one
+    assert collapse_failures(sets(1.9), 2.7, Path("exp"), "tgt") == []  # half the predicted accepted drafts
+    assert collapse_failures(sets(1.0), None, Path("exp"), "tgt") == []  # no estimate (eval without a train stage)
+
+
+def test_lint_errors_of_the_served_export_fail_with_causes(tmp_path):
+    from fledge.train.engine_eval import lint_failures
+
+    assert lint_failures([], tmp_path, "tgt") == []
+    (msg,) = lint_failures(["ERROR [aux-ids-trained] config says aux ids [3, 5, 6] but ...\n    fix: ..."],
+                           tmp_path, "tgt")
+    assert "fails fledge lint with 1 error(s)" in msg and "aux-ids-trained" in msg and "aux layer ids" in msg
+    assert f"fledge lint {tmp_path} --target tgt" in msg
 
 
 def test_report_shows_engine_next_to_in_process_and_the_failure():
@@ -130,7 +149,7 @@ def test_report_shows_engine_next_to_in_process_and_the_failure():
               "degenerate_threshold": 0.5, "temperature": 0.0, "train_al_estimate": 2.5, "sets": {},
               "engine": _section(1.25)}
     md = markdown(report)
-    assert "| default | 2.50 | 3.00 | 1.25 | -1.75 | 1.50 | 1.50 | -0.25 |" in md
+    assert "| default | 2.50 | 3.00 | 1.25 | -1.75 | -1.25 | 1.50 | 1.50 | -0.25 |" in md
     assert "Engine checks failed" in md and "CPU: test" in md
 
 
