@@ -11,9 +11,9 @@ Per draft depth d (0 = the last committed row, which makes draft 1; d >= 1 = the
 With pre-norm feedback (EAGLE-3) the fed-back RMS grows with depth and the mass moves from sink and
 context to the drafted rows; post-norm feedback (EAGLE-3.1) keeps the RMS at about 1.
 
-The probabilities are recomputed exactly from what the engine path uses: a forward hook on
-``midlayer.self_attn.q_proj`` gives the query (RoPE applied here with the drafter's own ``rotary_emb``)
-and the ``DraftCache`` holds the keys after RoPE. Nothing in the drafter changes.
+The probabilities are recomputed exactly from what the engine path uses: the attention's own ``project``
+(every layer kind of models/layers.py has one) gives the query as the attention sees it, wrapped while the
+probe is open, and the ``DraftCache`` holds the keys after RoPE. Nothing in the drafter changes.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import math
 from typing import Sequence
 
 import torch
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 FIELDS = ("sink", "context", "drafted", "state_rms")
 
@@ -34,24 +33,28 @@ class DriftProbe:
         self.drafter = drafter
         self.attn = drafter.midlayer.self_attn
         self._q: torch.Tensor | None = None
-        self._handle = self.attn.q_proj.register_forward_hook(self._keep_last_query)
+        # Every layer kind (models/layers.py) makes its q, k, v in ``project``: keep the last query as the
+        # attention sees it (RoPE, q/k norms, MLA's scale and padding applied) while the probe is open.
+        project = self.attn.project
+
+        def keep_last_query(z, cos, sin):
+            q, k, v = project(z, cos, sin)
+            self._q = q[:1, :, -1:].detach()  # [1, Hq, 1, D]
+            return q, k, v
+
+        self.attn.project = keep_last_query  # an instance attribute: shadows the method until close()
         self.sums: dict[int, torch.Tensor] = {}  # depth -> [sink, context, drafted, rms, count]
         self.last_probs: torch.Tensor | None = None  # [Hq, L] of the latest record (tests check it)
 
-    def _keep_last_query(self, _module, _inputs, out):
-        self._q = out[:, -1:].detach()
-
     def close(self) -> None:
-        self._handle.remove()
+        self.attn.__dict__.pop("project", None)
 
     @torch.no_grad()
     def record(self, depth: int, position: int, fed: torch.Tensor, cache, n_context: int) -> None:
         """Called after the draft step at ``depth`` (query at RoPE ``position``; ``fed`` the state fed in;
         ``cache`` the DraftCache after that step; keys < ``n_context`` are committed rows)."""
-        Hq, D = self.attn.num_heads, self.attn.head_dim
-        q = self._q.view(1, 1, Hq, D).transpose(1, 2)  # [1, Hq, 1, D]
-        cos, sin = self.drafter.rotary_emb(q, torch.tensor([[position]], device=q.device))
-        q, _ = apply_rotary_pos_emb(q, q, cos, sin)
+        q = self._q  # [1, Hq, 1, D], at RoPE ``position``
+        Hq, D = q.shape[1], q.shape[-1]
         k = cache.k[:1]  # [1, Hkv, L, D], RoPE applied when cached
         k = k.repeat_interleave(Hq // k.shape[1], dim=1)
         probs = torch.softmax((q.float() @ k.float().transpose(-1, -2)) / math.sqrt(D), -1)[0, :, 0]

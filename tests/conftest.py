@@ -137,10 +137,11 @@ def random_llama(seed=0, vocab_size=96):
     return LlamaForCausalLM(cfg).eval()
 
 
-def random_drafter(target, norm_output=True, seed=1, vd=64):
-    """An Eagle3Drafter with random weights (norms too) and a random draft vocab of ``vd`` ids."""
+def random_drafter(target, norm_output=True, seed=1, vd=64, layer="auto"):
+    """An Eagle3Drafter (layer kind ``layer``) with random weights (norms too) and a random draft vocab of ``vd`` ids."""
     v = target.config.vocab_size
-    flags = SimpleNamespace(fc_norm=norm_output, norm_output=norm_output, norm_before_fc=False, draft_vocab_size=vd)
+    flags = SimpleNamespace(fc_norm=norm_output, norm_output=norm_output, norm_before_fc=False, draft_vocab_size=vd,
+                            layer=layer)
     spec = DrafterSpec.from_target_config(target.config, flags, [2, 3, 4])
     torch.manual_seed(seed)
     d = Eagle3Drafter(spec)

@@ -2,6 +2,7 @@
 the attention output), masses split sink / context / drafted correctly, and the fed-back RMS it reports
 is the post-norm state's (about 1) for EAGLE-3.1 and the pre-norm residual's for EAGLE-3."""
 
+import pytest
 import torch
 
 from fledge.models.drift import DriftProbe, drift_curves
@@ -9,9 +10,11 @@ from fledge.models.speculative import DrafterProposer, TargetRunner
 from conftest import random_drafter, random_llama
 
 
-def test_probe_probabilities_reproduce_attention_output():
+@pytest.mark.parametrize("layer", ["llama", "qwen3", "mla"])
+def test_probe_probabilities_reproduce_attention_output(layer):
+    """For every layer kind (models/layers.py): q/k norms (qwen3), MLA's scale and padded width included."""
     target = random_llama()
-    drafter = random_drafter(target)
+    drafter = random_drafter(target, layer=layer)
     attn = drafter.midlayer.self_attn
     seen = {}
     attn.o_proj.register_forward_hook(lambda m, inp, out: seen.__setitem__("a", inp[0][0, -1].detach()))
@@ -25,10 +28,11 @@ def test_probe_probabilities_reproduce_attention_output():
         if depth:
             prop.propose(prompt + [4], depth + 1)  # re-drafts depths 0..depth; the last record is `depth`
         probs = probe.last_probs  # [Hq, L]
-        v = prop.cache.v[0].repeat_interleave(attn.num_heads // attn.num_kv_heads, dim=0)  # [Hq, L, D]
+        v = prop.cache.v[0].repeat_interleave(probs.shape[0] // prop.cache.v.shape[1], dim=0)  # [Hq, L, D]
         L = probs.shape[1]
         assert L == prop.n + depth
-        out = torch.einsum("hl,hld->hd", probs, v[:, :L]).reshape(-1)
+        out = torch.einsum("hl,hld->hd", probs, v[:, :L])
+        out = out[:, : attn.v_dim].reshape(-1) if layer == "mla" else out.reshape(-1)  # MLA pads v to its width
         torch.testing.assert_close(out, seen["a"], atol=1e-5, rtol=1e-4)
     probe.close()
 
