@@ -31,9 +31,15 @@ from fledge.models.serving_engine import engine_python
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE = engine_python()
 _MISSING = f"no serving engine at {ENGINE} (bash scripts/setup_engine.sh)"
-if not ENGINE.exists() and os.environ.get("FLEDGE_ENGINE") == "1":
-    pytest.fail(f"{_MISSING}; FLEDGE_ENGINE=1 asks for the serving engine", pytrace=False)
+_REQUIRED = os.environ.get("FLEDGE_ENGINE") == "1" or (
+    os.environ.get("CI") == "true" and os.environ.get("FLEDGE_ENGINE_OPTIONAL") != "1")
+if not ENGINE.exists() and _REQUIRED:
+    pytest.fail(f"{_MISSING}; CI (or FLEDGE_ENGINE=1) requires the serving engine "
+                "(FLEDGE_ENGINE_OPTIONAL=1 for an offline CI)", pytrace=False)
 pytestmark = [pytest.mark.skipif(not ENGINE.exists(), reason=_MISSING), pytest.mark.slow]
+# The kill -9 resume test (about 2 minutes: a second engine start-up and a killed run) stays out of CI's
+# 30-minute budget; FLEDGE_ENGINE_FULL=1 runs it (the HF capture's own resume test runs in CI).
+FULL = os.environ.get("FLEDGE_ENGINE_FULL") == "1"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
        "WANDB_MODE": "disabled", "DS_ACCELERATOR": "cpu"}
 
@@ -156,6 +162,7 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
+@pytest.mark.skipif(not FULL, reason="FLEDGE_ENGINE_FULL=1 runs the engine capture's kill -9 test (CI time budget)")
 def test_killed_capture_resumes_without_recapture_byte_identical(runs, tiny_target, tiny_data, tmp_path):
     run, _, _ = runs
     (tmp_path / "tiny").mkdir()

@@ -70,10 +70,14 @@ def test_capture_states_and_teacher_rows(saved):
 
 
 def test_export_lints_clean_against_the_tiny_target(saved, tmp_path):
-    _, path, _ = saved
+    family, path, _ = saved
     target = json.loads((path / "config.json").read_text())
     config = serving_config(target, DrafterConfig(draft_vocab_size=256), [2, 4, 5], 256, target_name=str(path))
-    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["hidden_size"] == 128
+    # The family's default layer kind: the MLA layer for the DeepSeek-V3-shaped target, with its own widths.
+    arch = {"moe": "LlamaForCausalLMEagle3", "mla": "Eagle3DeepseekV2ForCausalLM"}[family]
+    assert config["architectures"] == [arch] and config["hidden_size"] == 128
+    if family == "mla":
+        assert config["kv_lora_rank"] + config["qk_rope_head_dim"] == target["kv_lora_rank"] + target["qk_rope_head_dim"]
     out = write_drafter(tmp_path / "drafter", random_state_dict(config), config)
     findings = lint_drafter(out, target)
     assert not has_errors(findings), format_findings(findings)
