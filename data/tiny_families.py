@@ -30,6 +30,10 @@ SHAPES: dict[str, dict] = {
     "mla": dict(model_type="deepseek_v3", vocab_size=4096, hidden_size=128, intermediate_size=256,
                 moe_intermediate_size=64, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
                 n_group=1, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=1.0, norm_topk_prob=True,
+                # DeepSeek-V3's router as its config.json names it: transformers always routes this way (sigmoid
+                # scores plus e_score_correction_bias); vLLM builds that bias only for topk_method noaux_tc and
+                # refuses the checkpoint's bias tensor without it.
+                topk_method="noaux_tc", scoring_func="sigmoid",
                 num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=64,
                 kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32,
                 max_position_embeddings=2048, rms_norm_eps=1e-6, num_nextn_predict_layers=0,
