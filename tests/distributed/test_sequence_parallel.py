@@ -3,7 +3,7 @@ rows split over two ranks with DeepSpeed-Ulysses equals the one-rank loss, in va
 in every metric, for EAGLE-3 and EAGLE-3.1, with documents that cross the split point. Negative control: the
 same shards attending only to their own rows (no exchange) give gradients far from the one-rank ones.
 The trainer-level runs (sp=2 vs sp=1 losses, resume, universal resume) are in test_train.py; the bad-config
-lines in tests/unit/test_sequence_parallel.py."""
+lines in tests/unit/test_sequence_split.py."""
 
 from __future__ import annotations
 
