@@ -11,9 +11,9 @@ _delay = float(os.environ.get("FLEDGE_TEST_SLOW", "0"))
 if _delay:
     _rows = capture.capture_rows
 
-    def _slow_rows(target, rows):
+    def _slow_rows(*args, **kwargs):
         time.sleep(_delay)
-        return _rows(target, rows)
+        return _rows(*args, **kwargs)
 
     capture.capture_rows = _slow_rows
 
