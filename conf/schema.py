@@ -204,6 +204,7 @@ class EvalConfig:
     engine_python: Optional[str] = None  # the engine's python (default $FLEDGE_ENGINE_PYTHON, .engine/venv)
     engine_batch_size: int = 0  # prompts per engine generate call (0: the whole set at once)
     engine_timeout_s: int = 1800  # the whole engine run, all three configurations
+    engine_sets: list[str] = field(default_factory=list)  # the eval.sets vLLM serves (empty: every set)
     # Named eval sets (data/eval_sets.py): eval.sets may also name public benchmarks (mt_bench, gsm8k, humaneval,
     # alpaca, cnn_dm, math500, speed_bench_<category>, speed_bench_throughput_<n>k, longbench_v2), loaded by hub id
     # with `datasets` and rendered through the target's chat template; eval.num_prompts bounds each set's prompts.
@@ -250,6 +251,9 @@ class Config:
         _one_of("eval.prompt_length_policy", self.eval.prompt_length_policy, ("truncate", "skip"))
         if self.eval.max_prompt_tokens < 0:
             raise ValueError(f"eval.max_prompt_tokens={self.eval.max_prompt_tokens}: must be >= 0 (0: the target's limit)")
+        unknown = [s for s in self.eval.engine_sets if s not in self.eval.sets]
+        if unknown:
+            raise ValueError(f"eval.engine_sets={self.eval.engine_sets}: {unknown} not in eval.sets={self.eval.sets}")
         if not self.eval.engine_al_tolerance > 0:
             raise ValueError(f"eval.engine_al_tolerance={self.eval.engine_al_tolerance}: must be > 0 (an AL gap)")
         _check_context_buckets(self.eval)

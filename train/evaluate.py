@@ -384,7 +384,8 @@ def evaluate_run(cfg, run_dir: Path, out_dir: Path, drafter_dir: Path, device: t
     if engine_python is not None:  # eval.engine=vllm: the same prompts served by the engine (train/engine_eval.py)
         from fledge.train.engine_eval import run_engine_eval
 
-        report["engine"] = run_engine_eval(cfg, sets, report, drafter_dir, out_dir, eos, max_pos, device.type,
+        served = {n: p for n, p in sets.items() if not ev.engine_sets or n in ev.engine_sets}
+        report["engine"] = run_engine_eval(cfg, served, report, drafter_dir, out_dir, eos, max_pos, device.type,
                                            engine_python)
     write_report(report, out_dir, run_dir / "train" / "metrics.jsonl")
     if report.get("engine", {}).get("failures"):  # after the report is written, so the numbers can be read

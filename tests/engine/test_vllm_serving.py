@@ -40,6 +40,9 @@ pytestmark = [pytest.mark.skipif(not ENGINE.exists(), reason=_MISSING), pytest.m
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
        "WANDB_MODE": "disabled", "DS_ACCELERATOR": "cpu"}
 EAGLE3_STEPS = 40
+# CI serves what issue 17 asks of every export within its 30-minute budget; FLEDGE_ENGINE_FULL=1 also serves the
+# EAGLE-3 drafter's speculators export, the aux-shift fault and the qwen3 layer kind, and every prompt set.
+FULL = os.environ.get("FLEDGE_ENGINE_FULL") == "1"
 # What fledge lint says about each planted fault (the eval stage's message quotes it).
 FAULT_LINT = {"aux_ids_shifted": "aux-ids-trained", "norm_output_flipped": "norm-output-mismatch",
               "d2t_off_by_one": "d2t-range|t2d-mismatch"}
@@ -64,7 +67,9 @@ def test_engine_acceptance_matches_in_process_on_every_set_and_greedy_is_lossles
     rep = _report(served)
     e = rep["engine"]
     assert e["failures"] == [] and e["lint_errors"] == []
-    assert list(e["sets"]) == list(rep["sets"]), "vLLM serves every prompt set the eval stage built"
+    # CI serves the default set (eval.engine_sets, its time budget); FLEDGE_ENGINE_FULL=1 every set.
+    want = list(rep["sets"]) if os.environ.get("FLEDGE_ENGINE_FULL") == "1" else ["default"]
+    assert list(e["sets"]) == want, "vLLM serves the prompt sets asked for, as the eval stage built them"
     for name, s in e["sets"].items():
         assert s["drafter"]["drafts"] > 0 and s["greedy_differences"] == [], name
         # The engine's AL, from its own counters, agrees with Fledge's harness on the same prompts.
@@ -83,8 +88,8 @@ def test_engine_acceptance_matches_in_process_on_every_set_and_greedy_is_lossles
 def test_engine_al_matches_the_golden_file(served):
     e = _report(served)["engine"]["sets"]
     sets = [k[len("engine_al_"):] for k in GOLDEN if k.startswith("engine_al_") and k != "engine_al_tolerance"]
-    assert sets, "recipes/tiny/golden.json records the engine AL"
-    for name in sets:
+    assert "default" in sets and "default" in e, "recipes/tiny/golden.json records the engine AL of the default set"
+    for name in (s for s in sets if s in e):  # the sets served (every set with FLEDGE_ENGINE_FULL=1)
         assert e[name]["drafter"]["al"] == pytest.approx(GOLDEN[f"engine_al_{name}"],
                                                          abs=GOLDEN["engine_al_tolerance"]), name
 
@@ -114,18 +119,22 @@ def eagle3_run(served, tiny_target) -> Path:
 
 
 @pytest.fixture(scope="module")
-def qwen3_run(served, tiny_target) -> Path:
+def qwen3_run(served, tiny_target):
     """A drafter of the qwen3 layer kind (models/layers.py: per-head q/k norms, vLLM's qwen3_eagle3.py) trained
     on the shared run's features. The mla kind is served beside an MLA target only (vLLM 0.32's MLA attention
     takes its head size from the target's config): tests/engine/test_vllm_families.py serves it with tiny_mla."""
-    base = served.parent / "layer_qwen3"
-    base.mkdir()
-    for stage in ("prepare", "capture"):
-        (base / stage).symlink_to(served / stage, target_is_directory=True)
-    _torchrun(*_overrides(served, tiny_target), "run.name=layer_qwen3", "drafter.layer=qwen3",
-              "run.stages=[train,export]", f"train.max_steps={EAGLE3_STEPS}", f"train.eval_every={EAGLE3_STEPS}",
-              f"train.save_every={EAGLE3_STEPS}")
-    return base
+    def train() -> Path:  # called only when served (FLEDGE_ENGINE_FULL=1): CI's budget
+        base = served.parent / "layer_qwen3"
+        if not base.exists():
+            base.mkdir()
+            for stage in ("prepare", "capture"):
+                (base / stage).symlink_to(served / stage, target_is_directory=True)
+            _torchrun(*_overrides(served, tiny_target), "run.name=layer_qwen3", "drafter.layer=qwen3",
+                      "run.stages=[train,export]", f"train.max_steps={EAGLE3_STEPS}",
+                      f"train.eval_every={EAGLE3_STEPS}", f"train.save_every={EAGLE3_STEPS}")
+        return base
+
+    return train
 
 
 @pytest.fixture(scope="module")
@@ -142,15 +151,21 @@ def variants(served, eagle3_run, qwen3_run, tmp_path_factory, tiny_target):
     target_cfg, k = load_target_config(cfg.target), cfg.eval.draft_tokens
     work = tmp_path_factory.mktemp("variants")
     dirs = {f: plant(served / "export" / "drafter", f, work / f) for f in FAULTS}
-    for name, ckpt in (("speculators", served / "train" / "best"), ("eagle3_speculators", eagle3_run / "train" / "best")):
+    served_exports = [("speculators", served / "train" / "best")]
+    if FULL:
+        served_exports.append(("eagle3_speculators", eagle3_run / "train" / "best"))
+    for name, ckpt in served_exports:
         export_checkpoint(ckpt, work / name, target_cfg, fmt="speculators", target_name=str(tiny_target),
                           speculative_tokens=k)
         dirs[name] = work / name
     dirs["eagle3"] = eagle3_run / "export" / "drafter"
-    dirs["qwen3_layer"] = qwen3_run / "export" / "drafter"
+    if FULL:
+        dirs["qwen3_layer"] = qwen3_run() / "export" / "drafter"
+    # The aux shift's AL is unchanged on this target (README): lint names it, so CI does not serve it.
+    serve = {n: d for n, d in dirs.items() if FULL or n != "aux_ids_shifted"}
     req = _engine_file(served, "request.json")
     req["sets"] = {"default": req["sets"]["default"]}
-    req["engines"] = [{"name": n, "speculative_config": speculative_config("eagle3", k, d)} for n, d in dirs.items()]
+    req["engines"] = [{"name": n, "speculative_config": speculative_config("eagle3", k, d)} for n, d in serve.items()]
     res = run_driver("vllm", ENGINE, req, work / "engine", 1800)
     return {n: {**acceptance(e["sets"]["default"]["counters"], k), "outputs": e["sets"]["default"]["outputs"]}
             for n, e in res["engines"].items()}, dirs
@@ -164,10 +179,11 @@ def _plain_outputs(run: Path) -> list:
 def test_both_dialects_of_eagle31_and_eagle3_are_served_with_the_same_acceptance(served, variants):
     got, dirs = variants
     hf31 = _report(served)["engine"]["sets"]["default"]["drafter"]
-    for a, b in ((hf31, got["speculators"]), (got["eagle3"], got["eagle3_speculators"])):
+    pairs = [(hf31, got["speculators"])] + ([(got["eagle3"], got["eagle3_speculators"])] if FULL else [])
+    for a, b in pairs:
         assert b["drafts"] > 0 and b["al"] == pytest.approx(a["al"], abs=0.02)
         assert b["accept_at"] == pytest.approx(a["accept_at"], abs=0.02)
-    for name in ("speculators", "eagle3", "eagle3_speculators"):
+    for name in ("speculators", "eagle3", "eagle3_speculators")[: 3 if FULL else 2]:
         assert got[name]["outputs"] == _plain_outputs(served), name  # lossless
     flags = json.loads((dirs["eagle3"] / "config.json").read_text())
     assert flags["fc_norm"] is False and flags["norm_output"] is False
@@ -190,6 +206,7 @@ def test_eagle3_without_the_31_flags_is_served_with_its_in_process_acceptance(se
     assert abs(got["eagle3"]["al"] - inproc) <= cfg.eval.engine_al_tolerance, (got["eagle3"]["al"], inproc)
 
 
+@pytest.mark.skipif(not FULL, reason="FLEDGE_ENGINE_FULL=1 serves the qwen3 layer kind (CI time budget)")
 def test_the_qwen3_layer_kind_is_served_losslessly_and_accepts(served, variants):
     got, dirs = variants
     cfg = json.loads((dirs["qwen3_layer"] / "config.json").read_text())
@@ -207,10 +224,14 @@ def test_a_planted_serving_fault_fails_the_engine_checks_with_the_causes(served,
 
     got, dirs = variants
     rep = _report(served)
-    good, bad = rep["engine"]["sets"]["default"], got[fault]
-    assert bad["outputs"] == _plain_outputs(served)  # a wrong drafter costs speed, never the output
-    if fault != "aux_ids_shifted":  # see the README: the quick target's loops hide an aux shift from AL
-        assert bad["al"] < good["drafter"]["al"] - 1.0, (fault, bad["al"], good["drafter"]["al"])
+    good = rep["engine"]["sets"]["default"]
+    if fault in got:
+        bad = got[fault]
+        assert bad["outputs"] == _plain_outputs(served)  # a wrong drafter costs speed, never the output
+        if fault != "aux_ids_shifted":  # see the README: the quick target's loops hide an aux shift from AL
+            assert bad["al"] < good["drafter"]["al"] - 1.0, (fault, bad["al"], good["drafter"]["al"])
+    else:  # the aux shift, not served in CI: served, its AL equals the good export's (README); lint names it
+        bad = good["drafter"]
     cfg = compose(_overrides(served, tiny_target))
     errors = served_lint_errors(dirs[fault], cfg.target)
     s = {"default": {**good, "drafter": bad, "in_process_al": bad["al"]}}
