@@ -177,3 +177,39 @@ def random_state_dict(config: dict, seed: int = 0, include_embed: bool = True) -
     t2d[sel] = True
     sd["t2d"] = t2d
     return sd
+
+
+def descendants(pid: int) -> list[int]:
+    """PIDs of every process below ``pid`` (torchrun starts its ranks in sessions of their own: killpg misses
+    them), for tests that kill -9 a run."""
+    from pathlib import Path
+
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def engine_marks() -> list:
+    """pytestmark of a module that needs the serving engine (.engine/venv): skipped where it is missing on a
+    developer's machine; a missing engine fails collection under CI=true or FLEDGE_ENGINE=1, unless
+    FLEDGE_ENGINE_OPTIONAL=1 marks an offline CI."""
+    from fledge.models.serving_engine import engine_python
+
+    engine = engine_python()
+    missing = f"no serving engine at {engine} (bash scripts/setup_engine.sh)"
+    required = os.environ.get("FLEDGE_ENGINE") == "1" or (
+        os.environ.get("CI") == "true" and os.environ.get("FLEDGE_ENGINE_OPTIONAL") != "1")
+    if not engine.exists() and required:
+        pytest.fail(f"{missing}; CI (or FLEDGE_ENGINE=1) requires the serving engine "
+                    "(FLEDGE_ENGINE_OPTIONAL=1 for an offline CI)", pytrace=False)
+    return [pytest.mark.skipif(not engine.exists(), reason=missing), pytest.mark.slow]

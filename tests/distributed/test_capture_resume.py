@@ -9,8 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 import torch
+from conftest import descendants
 
 REPO = Path(__file__).resolve().parents[2]
 ENTRY = Path(__file__).with_name("capture_entry.py")
@@ -54,23 +54,6 @@ def _files(d: Path) -> dict[str, bytes]:
     return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
 
 
-def _descendants(pid: int) -> list[int]:
-    """PIDs of every process below ``pid`` (torchrun puts its workers in sessions of their own)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        out += kids
-        todo += kids
-    return out
-
-
 def _shards(d: Path, rank: int) -> int:
     try:
         return len(json.loads((d / f"rank{rank:05d}" / "index.json").read_text())["shards"])
@@ -92,7 +75,7 @@ def test_kill9_then_resume_is_byte_identical(tmp_path):
             assert time.time() < deadline, "no shards appeared"
             time.sleep(0.05)
     finally:
-        for pid in [proc.pid] + _descendants(proc.pid):  # kill -9 the launcher and both ranks
+        for pid in [proc.pid] + descendants(proc.pid):  # kill -9 the launcher and both ranks
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

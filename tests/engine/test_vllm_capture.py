@@ -8,7 +8,8 @@ for tiny values), at most 0.1% of values differing, the full-vocab argmax identi
 every token), and the two loss curves (every draft step's loss at every logged step) within 0.1%. A capture killed with SIGKILL
 mid-way resumes without recapturing its finished shards and ends byte-identical to the uninterrupted one.
 
-Without the engine these tests skip; with FLEDGE_ENGINE=1 a missing engine fails them.
+Without the engine these tests skip on a developer's machine; under CI=true (or FLEDGE_ENGINE=1) a missing
+engine fails them, unless FLEDGE_ENGINE_OPTIONAL=1 marks an offline CI (tests/conftest.py: engine_marks).
 """
 
 from __future__ import annotations
@@ -27,16 +28,11 @@ import torch
 
 from fledge.data.feature_reader import FeatureStore
 from fledge.models.serving_engine import engine_python
+from conftest import descendants, engine_marks
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE = engine_python()
-_MISSING = f"no serving engine at {ENGINE} (bash scripts/setup_engine.sh)"
-_REQUIRED = os.environ.get("FLEDGE_ENGINE") == "1" or (
-    os.environ.get("CI") == "true" and os.environ.get("FLEDGE_ENGINE_OPTIONAL") != "1")
-if not ENGINE.exists() and _REQUIRED:
-    pytest.fail(f"{_MISSING}; CI (or FLEDGE_ENGINE=1) requires the serving engine "
-                "(FLEDGE_ENGINE_OPTIONAL=1 for an offline CI)", pytrace=False)
-pytestmark = [pytest.mark.skipif(not ENGINE.exists(), reason=_MISSING), pytest.mark.slow]
+pytestmark = engine_marks()
 # The kill -9 resume test (about 2 minutes: a second engine start-up and a killed run) stays out of CI's
 # 30-minute budget; FLEDGE_ENGINE_FULL=1 runs it (the HF capture's own resume test runs in CI).
 FULL = os.environ.get("FLEDGE_ENGINE_FULL") == "1"
@@ -145,23 +141,6 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (torchrun starts its ranks in sessions of their own: killpg misses them)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        out += kids
-        todo += kids
-    return out
-
-
 @pytest.mark.skipif(not FULL, reason="FLEDGE_ENGINE_FULL=1 runs the engine capture's kill -9 test (CI time budget)")
 def test_killed_capture_resumes_without_recapture_byte_identical(runs, tiny_target, tiny_data, tmp_path):
     run, _, _ = runs
@@ -177,7 +156,7 @@ def test_killed_capture_resumes_without_recapture_byte_identical(runs, tiny_targ
             break
         time.sleep(0.2)
     assert proc.poll() is None, "the capture finished before it could be killed"
-    ranks = _descendants(proc.pid)
+    ranks = descendants(proc.pid)
     engines = [p for p in ranks if "engine_capture_driver" in _cmdline(p)]
     assert engines, "no engine driver under the rank"
     for pid in [proc.pid] + [p for p in ranks if p not in engines]:  # torchrun and the rank; the engine is left

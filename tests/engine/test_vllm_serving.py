@@ -26,17 +26,12 @@ from pathlib import Path
 import pytest
 
 from fledge.models.serving_engine import acceptance, engine_python, run_driver, speculative_config
+from conftest import engine_marks
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = json.loads((ROOT / "recipes" / "tiny" / "golden.json").read_text())
 ENGINE = engine_python()
-_MISSING = f"no serving engine at {ENGINE} (bash scripts/setup_engine.sh)"
-_REQUIRED = os.environ.get("FLEDGE_ENGINE") == "1" or (
-    os.environ.get("CI") == "true" and os.environ.get("FLEDGE_ENGINE_OPTIONAL") != "1")
-if not ENGINE.exists() and _REQUIRED:
-    pytest.fail(f"{_MISSING}; CI (or FLEDGE_ENGINE=1) requires the serving engine "
-                "(FLEDGE_ENGINE_OPTIONAL=1 for an offline CI)", pytrace=False)
-pytestmark = [pytest.mark.skipif(not ENGINE.exists(), reason=_MISSING), pytest.mark.slow]
+pytestmark = engine_marks()
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
        "WANDB_MODE": "disabled", "DS_ACCELERATOR": "cpu"}
 EAGLE3_STEPS = 40
