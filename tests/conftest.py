@@ -213,3 +213,13 @@ def engine_marks() -> list:
         pytest.fail(f"{missing}; CI (or FLEDGE_ENGINE=1) requires the serving engine "
                     "(FLEDGE_ENGINE_OPTIONAL=1 for an offline CI)", pytrace=False)
     return [pytest.mark.skipif(not engine.exists(), reason=missing), pytest.mark.slow]
+
+
+# A small Llama target config and drafter settings for the model-card and Hub tests.
+CARD_TARGET = {
+    "model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 6,
+    "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "hidden_act": "silu",
+    "rms_norm_eps": 1e-5, "max_position_embeddings": 1024, "vocab_size": 256, "rope_theta": 10000.0,
+}
+CARD_SPEC = {"fc_norm": True, "norm_output": True, "norm_before_fc": False, "aux_layer_ids": [2, 3, 4],
+        "draft_vocab_size": 64, "vocab_size": 256, "max_position_embeddings": 1024}

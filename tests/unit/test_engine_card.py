@@ -2,18 +2,11 @@
 
 import json
 
-from conftest import random_state_dict
+from conftest import CARD_SPEC as SPEC, CARD_TARGET as TARGET, random_state_dict
 from fledge.models.export import training_record, write_drafter
 from fledge.models.hub import build_model_card
 from fledge.models.serving_config import serving_config
 
-TARGET = {
-    "model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 6,
-    "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "hidden_act": "silu",
-    "rms_norm_eps": 1e-5, "max_position_embeddings": 1024, "vocab_size": 256, "rope_theta": 10000.0,
-}
-SPEC = {"fc_norm": True, "norm_output": True, "norm_before_fc": False, "aux_layer_ids": [2, 3, 4],
-        "draft_vocab_size": 64, "vocab_size": 256, "max_position_embeddings": 1024}
 
 
 def _acc(al, per_pos, drafts=10):
