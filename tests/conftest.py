@@ -8,6 +8,7 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from pathlib import Path  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
 import pytest  # noqa: E402
@@ -18,6 +19,7 @@ import fledge.data.tiny_target as tiny_target_builder  # noqa: E402
 from fledge.conf.schema import DrafterConfig  # noqa: E402
 from fledge.data.batch import FeatureBatch  # noqa: E402
 from fledge.models.drafter import DrafterSpec, Eagle3Drafter  # noqa: E402
+from recipe_runs import run_family, run_recipe  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -29,6 +31,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.gpu)
             if not HAS_CUDA:
                 item.add_marker(skip_gpu)
+    # The trained tiny targets and the family recipe runs start in the background with the session (_ahead):
+    # modules that need none of them run first, then those that need the quick tiny Llama, then the family runs'.
+    group: dict[str, int] = {}
+    for item in items:
+        group[item.nodeid.split("::")[0]] = max(group.get(item.nodeid.split("::")[0], 0), _needs(item))
+    items.sort(key=lambda item: group[item.nodeid.split("::")[0]])
+
+
+def _needs(item) -> int:
+    """0: no trained tiny target; 1: the quick tiny Llama (``tiny_target``, directly or through a fixture);
+    2: a tiny family run (``tiny_family_run``)."""
+    names = set(getattr(item, "fixturenames", ()))
+    return 2 if "tiny_family_run" in names else 1 if "tiny_target" in names else 0
 
 
 @pytest.fixture(scope="session")
@@ -39,7 +54,8 @@ def tiny_target_script():
 
 @pytest.fixture(scope="session")
 def tiny_target():
-    """Path of the quick tiny target (a trained Llama + chat tokenizer), built once into .cache (~2 min)."""
+    """Path of the quick tiny target (a trained Llama + chat tokenizer), built once into .cache (~7 min on 2 cores;
+    a session that needs it starts the build in the background as it begins: _ahead)."""
     return tiny_target_builder.build_tiny_target("quick")
 
 
@@ -51,28 +67,82 @@ def tiny_data():
 
 @pytest.fixture(scope="session")
 def tiny_recipe_run(tmp_path_factory, tiny_target):
-    """(run dir, log) of the README's main command, `recipe=tiny` through torchrun on 2 gloo ranks, run once
-    per session and shared by tests/integration (the golden figures) and tests/engine (vLLM serves its
-    export). With the serving engine installed (.engine/venv) the eval stage also serves the export with
-    vLLM (eval.engine=vllm), so the golden engine AL is measured on the recipe's own prompts."""
+    """(run dir, log) of the README's main command, `recipe=tiny`, run once per session and shared by
+    tests/integration (the golden figures) and tests/engine (vLLM serves its export; tests/recipe_runs.py)."""
+    return run_recipe("tiny", tiny_target, tmp_path_factory.mktemp("tiny_recipe"))
+
+
+FAMILIES = ("moe", "mla")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _ahead(request, tmp_path_factory):
+    """Start what the session's tests will wait for, in the background, as the session starts: the quick tiny
+    Llama's build (`fledge tiny-target`, ~7 min on 2 cores in CI) while the modules that need no trained target
+    run (pytest_collection_modifyitems orders them first; the ``tiny_target`` fixture then waits on the build's
+    lock), and both tiny family runs (tests/recipe_runs.py) at the lowest CPU priority, on the cores the rest
+    of the suite leaves idle. FLEDGE_AHEAD=0 builds and runs each in the foreground when first needed.
+    Yields None or (family process, its output dir)."""
+    import signal
     import subprocess
     import sys
-    from pathlib import Path
 
-    from fledge.models.serving_engine import engine_python
+    needs = {_needs(item) for item in request.session.items}
+    if os.environ.get("FLEDGE_AHEAD") == "0" or not needs - {0}:
+        yield None
+        return
+    out = tmp_path_factory.mktemp("ahead")
+    root, procs = Path(__file__).resolve().parents[1], []
+    if needs & {1}:
+        with open(out / "tiny_target.log", "w") as log:
+            procs.append(subprocess.Popen([sys.executable, "-m", "fledge", "tiny-target", "--budget", "quick"], cwd=root,
+                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+    family = None
+    if needs & {2}:
+        with open(out / "family_runs.log", "w") as log:
+            family = subprocess.Popen([sys.executable, str(root / "tests" / "recipe_runs.py"), str(out), *FAMILIES],
+                                      cwd=root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        procs.append(family)
+    yield (family, out) if family else None
+    for proc in procs:  # the session ended early (-x, a subset): stop what is left, ranks and engines included
+        if proc.poll() is None:
+            for pid in descendants(proc.pid) + [proc.pid]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
-    root = Path(__file__).resolve().parents[1]
-    out = tmp_path_factory.mktemp("tiny_recipe")
-    # vLLM serves the default set in CI (its 30-minute budget); FLEDGE_ENGINE_FULL=1 serves all three.
-    full = os.environ.get("FLEDGE_ENGINE_FULL") == "1"
-    engine = (["eval.engine=vllm"] + ([] if full else ["eval.engine_sets=[default]"])) if engine_python().exists() else []
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(31500 + os.getpid() % 2000), "train/main.py", "recipe=tiny", f"run.output_root={out}",
-           f"target.name_or_path={tiny_target}", *engine]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    res = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=2400)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
-    return out / "tiny", res.stdout + res.stderr
+
+@pytest.fixture(scope="session")
+def tiny_family_run(tmp_path_factory, _ahead):
+    """``run(family)`` -> (run dir, log) of `recipe=tiny_<family>` (moe | mla) on its tiny target (built once
+    into .cache, ~1-2 min each), run once per family per session and shared by tests/integration and
+    tests/engine: the background runs' result when they were started ahead, else run here."""
+    import json
+    import time
+
+    runs = {}
+
+    def run(family: str):
+        if family in runs:
+            return runs[family]
+        if _ahead is None:
+            runs[family] = run_family(family, tmp_path_factory.mktemp(f"tiny_{family}"))
+            return runs[family]
+        proc, out = _ahead
+        result = out / f"{family}.json"
+        deadline = time.time() + 3600
+        while not result.exists():
+            assert proc.poll() is None or result.exists(), \
+                f"the background family runs stopped (exit {proc.returncode}): {(out / 'family_runs.log').read_text()[-4000:]}"
+            assert time.time() < deadline, f"the background tiny_{family} run took over an hour"
+            time.sleep(2)
+        r = json.loads(result.read_text())
+        assert r["ok"], f"recipe=tiny_{family} failed in the background:\n{r['error']}"
+        runs[family] = (Path(r["run"]), Path(r["log"]).read_text())
+        return runs[family]
+
+    return run
 
 
 @pytest.fixture(scope="session")
