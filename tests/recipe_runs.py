@@ -65,6 +65,5 @@ if __name__ == "__main__":
     # One thread, as the family targets' golden numbers were measured (recipes/tiny_<family>/golden.json): a
     # build's floating-point sums, hence the target, may depend on the thread count.
     os.environ["OMP_NUM_THREADS"] = "1"
-    os.chdir(ROOT)
-    sys.path.insert(0, str(ROOT))
+    os.chdir(ROOT)  # .cache/tiny_target (the targets) and train/main.py are relative to the repo root
     main(*sys.argv[1:])
