@@ -163,7 +163,7 @@ def plot_context(series: dict[str, list[dict]], path: Path, styles: Optional[dic
         ax.set_xticks(ticks, [str(t) for t in ticks])
         ax.minorticks_off()
         ax.set(xlabel="context tokens", title=title)
-    axes[0].legend(fontsize=7)
+    axes[0].legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)  # below: never over a line
     _save(fig, path)
     plt.close(fig)
 
