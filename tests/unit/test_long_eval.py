@@ -124,3 +124,17 @@ def test_long_recipe_fits_the_long_target():
     positions = tiny_target.MODEL_FOR["long"]["max_position_embeddings"]
     assert cfg.eval.context_buckets[-1] + cfg.eval.max_new_tokens <= positions
     assert cfg.eval.context_buckets[-1] > tiny_target.BUDGETS["long"]["seq_len"]  # past the training length
+
+
+def test_missing_tiny_target_names_its_build_command():
+    from fledge.train.runner import check_target_path
+
+    for path, cmd in ((".cache/tiny_target/long", "--budget long`"), (".cache/tiny_target/quick", "--budget quick`"),
+                      (".cache/tiny_target/moe-quick", "--budget quick --family moe`")):
+        with pytest.raises(ValueError, match="target.name_or_path") as e:
+            check_target_path(f"/nonexistent/{path}")
+        assert f"fledge tiny-target {cmd}" in str(e.value)
+    from fledge.data.sources import iter_rows
+
+    with pytest.raises(ValueError, match="fledge tiny-target --budget long`"):  # recipe=tiny_long's data
+        next(iter_rows("/nonexistent/.cache/tiny_target/long_data/train.jsonl"))
