@@ -70,7 +70,10 @@ def iter_rows(path: str, split: str = "train", max_samples: int | None = None) -
     elif p.is_dir():
         rows = _iter_datasets_dir(p, split)
     elif p.exists() or path.startswith((".", "/")) or path.count("/") != 1:
-        raise ValueError(f"data source {path!r}: no such file or directory (nor a hub id of the form org/name)")
+        # the tiny recipes' conversations: long_data/ comes with the long target's build, data/ with any build
+        hint = ("; build it with `fledge tiny-target --budget long`" if "tiny_target/long_data" in path
+                else "; build it with `fledge tiny-target`" if "tiny_target" in path else "")
+        raise ValueError(f"data source {path!r}: no such file or directory (nor a hub id of the form org/name){hint}")
     else:
         rows = _iter_hub(path, split)
     n = 0

@@ -49,6 +49,16 @@ def mixed_stream(files: list[SourceFile], seed: int, long_share: float) -> Itera
             yield tiny_corpus.conversation(rng, files)
 
 
+def write_long_train(path: Path, files: list[SourceFile], seed: int, long_share: float, n: int) -> dict:
+    """Write ``n`` conversations of ``mixed_stream`` (jsonl, the tiny recipe's ``messages`` form): training
+    data for drafters of the long target, from the distribution it was trained on. Returns counts for build.json."""
+    stream = mixed_stream(files, seed, long_share)
+    rows = [next(stream) for _ in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    chars = [sum(len(m["content"]) for m in r["messages"]) for r in rows]
+    return {"rows": n, "chars": sum(chars), "rows_over_6000_chars": sum(c > 6000 for c in chars)}
+
+
 def long_eval_conversations(files: list[SourceFile], seed: int) -> list[dict]:
     """Continuations of held-out ``files`` from deep inside them: the user turn holds the file from its top
     to the cut (>= LONG_EVAL_MIN_CONTEXT_CHARS), the assistant turn the next LONG_EVAL_ANSWER_CHARS. Up to

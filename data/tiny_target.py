@@ -6,6 +6,8 @@ Writes, under ``--out`` (default: the repo's .cache/tiny_target, gitignored):
     data/{train,eval}.jsonl   the tiny recipes' conversations (OpenAI ``messages`` form)
     long_eval/long_eval.jsonl continuations from deep inside long held-out files (data/tiny_long.py): the
                               prompts of the AL-vs-context-length eval (eval.long_context_source)
+    long_data/train.jsonl     (--budget long) drafter training conversations from the long target's stream,
+                              half of them whole files (data=tiny_long, recipe=tiny_long)
     tokenizer/                the BPE tokenizer with its chat template (cached apart: seconds to build)
     <budget>/                 the tiny Llama (LlamaForCausalLM) + metrics.json
     <family>-<budget>/        the tiny MoE (Qwen3MoeForCausalLM) or MLA (DeepseekV3ForCausalLM) target
@@ -69,6 +71,9 @@ BUDGETS = {
 # Per-budget changes to MODEL (part of that budget's cache key only).
 MODEL_FOR = {"long": dict(max_position_embeddings=4096)}
 LONG_EVAL_SEED = 7
+# Training conversations for drafters of the long target (recipe=tiny_long): the long budget's mixed stream
+# (half whole files) drawn with the data seed, as build_data draws the quick recipe's from the target's stream.
+N_LONG_TRAIN = 400
 
 
 def default_root() -> Path:
@@ -351,6 +356,23 @@ def build_long_eval(root: Path | None = None) -> Path:
     return _cached(out, key, build)
 
 
+def build_long_data(root: Path | None = None) -> Path:
+    """Write (once) ``root/long_data/train.jsonl``: N_LONG_TRAIN conversations of the stream the long target
+    trained on (data/tiny_long.py mixed_stream, the long budget's long_share), conf/data/tiny_long.yaml's
+    sources. Apart from the target's build, so its key (and a built long target) is unchanged by it."""
+    from fledge.data import tiny_long
+
+    out = Path(root or default_root()) / "long_data"
+    share = BUDGETS["long"]["long_share"]
+    key = _key(kind="long_data", seed=SEED, n=N_LONG_TRAIN, long_share=share, doc_chars=tiny_long.LONG_DOC_CHARS)
+
+    def build(tmp: Path) -> dict:
+        train_files, _ = tiny_corpus.split_sources(tiny_corpus.list_sources())
+        return tiny_long.write_long_train(tmp / "train.jsonl", train_files, SEED, share, N_LONG_TRAIN)
+
+    return _cached(out, key, build)
+
+
 POSITION_EDGES = (0, 256, 512, 1024, 2048, 4096)
 
 
@@ -384,6 +406,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     path = build_tiny_target(args.budget, args.out, args.steps, args.device, args.family)
     print(f"long-context eval prompts (eval.long_context_source): {build_long_eval(args.out) / 'long_eval.jsonl'}")
+    if args.budget == "long":
+        print(f"long training conversations (data=tiny_long, recipe=tiny_long): {build_long_data(args.out) / 'train.jsonl'}")
     m = read_json(path / "metrics.json")
     print(f"{path}: held-out loss {m['heldout_loss']:.3f}, top-1 {m['heldout_top1']:.1%}, "
           f"distinct-3 {m['distinct3']:.2f}, {m['steps']} steps in {m['wall_seconds']:.0f}s, "

@@ -52,7 +52,7 @@ def _ratio(a, b):
 
 def compare(r31: dict, r3: dict) -> dict:
     """The comparison figures (JSON-safe)."""
-    out: dict = {"k": r31["k"], "ttt_steps": r31["ttt_steps"], "sets": {}}
+    out: dict = {"k": r31["k"], "ttt_steps": r31["ttt_steps"], "temperature": r31.get("temperature", 0.0), "sets": {}}
     if r31["k"] != r3["k"] or r31["ttt_steps"] != r3["ttt_steps"]:
         out["warning"] = f"k / K differ: 3.1 k={r31['k']} K={r31['ttt_steps']}, 3 k={r3['k']} K={r3['ttt_steps']}"
     for name in [n for n in r31["sets"] if n in r3["sets"]]:
@@ -68,6 +68,9 @@ def compare(r31: dict, r3: dict) -> dict:
             "accept_at_31": a["drafter"]["accept_at"], "accept_at_3": b["drafter"]["accept_at"],
             "distinct3": a["distinct3_mean"],
         }
+        if "drafter_sampled" in a and "drafter_sampled" in b:  # eval.temperature > 0 on both runs
+            sa, sb = a["drafter_sampled"]["al"], b["drafter_sampled"]["al"]
+            out["sets"][name].update(al_sampled_31=sa, al_sampled_3=sb, al_sampled_ratio=_ratio(sa, sb))
     for key in ("heldout", "offline_vs_measured", "drift"):
         out[key] = {LABELS[0]: r31.get(key), LABELS[1]: r3.get(key)}
     b31, b3 = r31.get("context_buckets") or [], r3.get("context_buckets") or []
@@ -82,6 +85,9 @@ def _context_row(a: dict, b: dict) -> dict:
 
     row = {"bucket": a["bucket"], "prompts": a["prompts"], "prompt_tokens_mean": a["prompt_tokens_mean"],
            "al_31": a["al"], "al_3": b["al"], "al_ratio": _ratio(a["al"], b["al"]), "lookup_al": a["lookup_al"]}
+    if a.get("al_sampled") is not None and b.get("al_sampled") is not None:  # eval.temperature > 0
+        row.update(al_sampled_31=a["al_sampled"], al_sampled_3=b["al_sampled"],
+                   al_sampled_ratio=_ratio(a["al_sampled"], b["al_sampled"]))
     for lab, s in (("31", a), ("3", b)):
         for key in ("sink", "context", "drafted", "state_rms"):
             row[f"{key}_{lab}"] = drift_at(s, key)
@@ -99,6 +105,12 @@ def markdown(c: dict) -> str:
         lines.append(f"| {name} | {_f(s['al_31'])} | {_f(s['al_3'])} | {_f(s['al_ratio'])} | {_f(s['lookup_al'])} | "
                      f"{_f(s['minus_lookup_31'])} | {_f(s['minus_lookup_3'])} | {_f(s['al_ratio_non_degenerate'])} | "
                      f"{_f(s['minus_lookup_non_degenerate_31'])} | {_f(s['minus_lookup_non_degenerate_3'])} |")
+    sampled = [(n, s) for n, s in c["sets"].items() if "al_sampled_31" in s]
+    if sampled:
+        lines += ["", f"Sampled (rejection sampling at temperature {c['temperature']}, the same prompts):", "",
+                  "| set | AL 3.1 | AL 3 | AL(3.1)/AL(3) |", "|---" * 4 + "|"]
+        lines += [f"| {n} | {_f(s['al_sampled_31'])} | {_f(s['al_sampled_3'])} | {_f(s['al_sampled_ratio'])} |"
+                  for n, s in sampled]
     h31, h3 = c["heldout"][LABELS[0]], c["heldout"][LABELS[1]]
     if h31 and h3:
         n = min(h31["steps"], h3["steps"])
@@ -139,6 +151,12 @@ def markdown(c: dict) -> str:
                          f"{_f(r['lookup_al'])} | {_f(r['drafted_31'], 3)} | {_f(r['drafted_3'], 3)} | "
                          f"{_f(r['sink_31'], 3)} | {_f(r['sink_3'], 3)} | {_f(r['state_rms_31'], 3)} | "
                          f"{_f(r['state_rms_3'], 3)} |")
+        rows = [r for r in c["context"] if "al_sampled_31" in r]
+        if rows:
+            lines += ["", f"Acceptance vs context length, sampled (temperature {c['temperature']}):", "",
+                      "| context tokens | AL 3.1 | AL 3 | AL(3.1)/AL(3) |", "|---" * 4 + "|"]
+            lines += [f"| {r['bucket']} | {_f(r['al_sampled_31'])} | {_f(r['al_sampled_3'])} | "
+                      f"{_f(r['al_sampled_ratio'])} |" for r in rows]
     lines += ["", "![acceptance](compare_acceptance.png) ![drift](compare_drift.png) "
               "![held-out](compare_heldout.png) ![gap](compare_gap.png)"
               + (" ![AL vs context length](compare_al_vs_length.png)" if c.get("context") else "")]

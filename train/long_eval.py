@@ -95,7 +95,9 @@ def summarize(bucket: int, result: dict, drift: dict) -> dict:
     return {"bucket": bucket, "prompts": result["prompts"], "prompt_tokens_mean": result["prompt_tokens_mean"],
             "al": d["al"], "lookup_al": lk["al"], "accept_at": d["accept_at"],
             "al_non_degenerate": result["drafter_non_degenerate"]["al"], "distinct3": result["distinct3_mean"],
-            "greedy_ties": result["greedy_ties"], "drift": drift}
+            "greedy_ties": result["greedy_ties"], "drift": drift,
+            # eval.temperature > 0: AL of the same prompts with rejection sampling (None when greedy only)
+            "al_sampled": result["drafter_sampled"]["al"] if "drafter_sampled" in result else None}
 
 
 def drift_at(s: dict, key: str, depth: str = "deep") -> float:

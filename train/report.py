@@ -118,16 +118,19 @@ def markdown(report: dict) -> str:
 def context_markdown(buckets: list[dict]) -> list[str]:
     """The AL-vs-context-length table (train/long_eval.py): per bucket, AL, prompt lookup and the drift
     figures (attention mass at depth 0, then averaged over the fed-back depths; fed-back RMS)."""
+    sampled = any(s.get("al_sampled") is not None for s in buckets)  # eval.temperature > 0
     lines = ["## Acceptance vs context length", "",
              "The same conversations cut to each length (prompt tokens); drift: attention mass on the sink / "
              "context / own drafts averaged over the fed-back depths (depth >= 1), RMS of the fed-back state.", "",
-             "| context tokens | prompts | mean prompt | AL | lookup AL | AL (non-deg.) | sink | context | drafted | "
-             "fed-back RMS |", "|---" * 10 + "|"]
+             "| context tokens | prompts | mean prompt | AL | lookup AL | AL (non-deg.) | "
+             + ("AL (sampled) | " if sampled else "") + "sink | context | drafted | fed-back RMS |",
+             "|---" * (11 if sampled else 10) + "|"]
     for s in buckets:
         d = s["drift"]
         deep = [sum(d[k][1:]) / max(1, len(d[k]) - 1) for k in ("sink", "context", "drafted", "state_rms")]
         lines.append(f"| {s['bucket']} | {s['prompts']} | {_fmt(s['prompt_tokens_mean'], 0)} | {_fmt(s['al'])} | "
                      f"{_fmt(s['lookup_al'])} | {_fmt(s['al_non_degenerate'])} | "
+                     + (f"{_fmt(s.get('al_sampled'))} | " if sampled else "")
                      + " | ".join(_fmt(v, 3) for v in deep) + " |")
     return lines + [""]
 
@@ -147,6 +150,9 @@ def plot_context(series: dict[str, list[dict]], path: Path, styles: Optional[dic
         line, = axes[0].plot(xs, [s["al"] for s in buckets], ls=ls, marker="o", label=f"{label} AL")
         axes[0].plot(xs, [s["lookup_al"] for s in buckets], ls=":", color=line.get_color(),
                      label=f"{label} prompt lookup")
+        if all(s.get("al_sampled") is not None for s in buckets):  # eval.temperature > 0
+            axes[0].plot(xs, [s["al_sampled"] for s in buckets], ls=ls, marker="s", mfc="none",
+                         color=line.get_color(), alpha=0.7, label=f"{label} AL (sampled)")
         for ax, key in zip(axes[1:], ("drafted", "state_rms")):
             ax.plot(xs, [sum(s["drift"][key][1:]) / max(1, len(s["drift"][key]) - 1) for s in buckets], ls=ls,
                     marker="o", color=line.get_color(), label=label)
@@ -157,7 +163,7 @@ def plot_context(series: dict[str, list[dict]], path: Path, styles: Optional[dic
         ax.set_xticks(ticks, [str(t) for t in ticks])
         ax.minorticks_off()
         ax.set(xlabel="context tokens", title=title)
-    axes[0].legend(fontsize=7)
+    axes[0].legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)  # below: never over a line
     _save(fig, path)
     plt.close(fig)
 

@@ -163,7 +163,10 @@ def check_target_path(name_or_path: str) -> None:
     """A target written as a path (absolute, or starting with . or ~) must exist before any stage runs;
     otherwise transformers reads it as a malformed hub id and fails deep inside a stage."""
     if name_or_path.startswith(("/", ".", "~")) and not Path(name_or_path).expanduser().is_dir():
-        hint = " (build it with `fledge tiny-target --budget quick`)" if "tiny_target" in name_or_path else ""
+        hint = ""
+        if "tiny_target" in name_or_path:  # .cache/tiny_target/<budget> or <family>-<budget> (data/tiny_target.py)
+            family, _, budget = Path(name_or_path).name.rpartition("-")
+            hint = f" (build it with `fledge tiny-target --budget {budget}{f' --family {family}' if family else ''}`)"
         raise ValueError(f"target.name_or_path={name_or_path}: no such directory{hint}; give a model directory "
                          "or a hub id (org/name)")
 

@@ -198,8 +198,10 @@ def test_eval_reports_al_vs_context_length(evaluated):
     for b in buckets:
         assert b["prompts"] == 1 and b["bucket"] - 24 < b["prompt_tokens_mean"] <= b["bucket"]
         assert 1.0 <= b["al"] <= 4.0 and b["drift"]["depth"] == [0, 1, 2, 3]
+        assert 1.0 <= b["al_sampled"] <= 4.0  # eval.temperature 0.8: the sampled AL of the same prompts
     md = (stage_dir / "report.md").read_text()
     assert "## Acceptance vs context length" in md and "| 32 | 1 |" in md and "| 64 | 1 |" in md
+    assert "AL (sampled)" in md
 
 
 def test_compare_script(evaluated, tmp_path):
@@ -212,6 +214,10 @@ def test_compare_script(evaluated, tmp_path):
         rep["flags"] = {"fc_norm": flag, "norm_output": flag}
         rep["sets"]["default"]["drafter"]["al"] *= scale
         rep["context_buckets"][1]["al"] *= scale
+        rep["context_buckets"][0]["al_sampled"] = 3.0 * scale
+        rep["sets"]["perturbed"]["drafter_sampled"]["al"] = 2.0 * scale
+        if name == "r3":  # a greedy-only bucket on one side: no sampled ratio for it
+            rep["context_buckets"][1]["al_sampled"] = None
         write_json_atomic(tmp_path / name / "eval/report.json", rep)
     assert cmp.main([str(tmp_path / "r31"), str(tmp_path / "r3"), "--out", str(tmp_path / "out")]) == 0
     c = json.loads((tmp_path / "out/compare.json").read_text())
@@ -221,6 +227,9 @@ def test_compare_script(evaluated, tmp_path):
     assert "AL(3.1)/AL(3)" in md and "| default |" in md and "Held-out" in md
     assert [r["al_ratio"] for r in c["context"]] == pytest.approx([1.0, 2.0])  # AL vs context length
     assert "Acceptance vs context length" in md and "| 64 | 1 |" in md
+    assert c["sets"]["perturbed"]["al_sampled_ratio"] == pytest.approx(2.0) and c["temperature"] == 0.8
+    assert [r.get("al_sampled_ratio") for r in c["context"]] == [pytest.approx(2.0), None]
+    assert "| perturbed | 2.00 | 1.00 | 2.00 |" in md and "| 32 | 3.00 | 1.50 | 2.00 |" in md
     for f in ("compare_acceptance.png", "compare_drift.png", "compare_heldout.png", "compare_gap.png",
               "compare_al_vs_length.png"):
         assert (tmp_path / "out" / f).read_bytes()[:4] == b"\x89PNG"

@@ -87,3 +87,54 @@ def test_position_loss_buckets_every_predicted_token(random_tiny_target):
     out = tiny_long.position_loss(model, tok, convs, [0, 16, 32, 64], max_tokens=64)
     assert out["tokens"] == [2 * 15, 2 * 16, 2 * 32]  # positions 1..63 of two 64-token rows
     assert all(v is not None and 0 < v < 20 for v in out["loss"])
+
+
+def test_long_training_data_is_the_long_stream_and_cached(tmp_path, monkeypatch):
+    """`fledge tiny-target --budget long` also writes the drafters' long conversations (data=tiny_long): about
+    half whole files, the same rows on a rebuild, and a finished build is reused, not rewritten."""
+    import json
+
+    from fledge.data import tiny_long, tiny_target
+
+    monkeypatch.setattr(tiny_target, "N_LONG_TRAIN", 60)
+    out = tiny_target.build_long_data(tmp_path)
+    rows = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
+    assert len(rows) == 60 and all(r["messages"][-1]["role"] == "assistant" for r in rows)
+    long_rows = [r for r in rows if len(r["messages"][-1]["content"]) > tiny_long.LONG_DOC_CHARS // 2]
+    assert 15 <= len(long_rows) <= 45  # long_share 0.5 of whole files (each >= 7,000 characters)
+    meta = json.loads((out / "build.json").read_text())
+    assert meta["rows"] == 60 and meta["rows_over_6000_chars"] == len(long_rows)
+    mtime = (out / "train.jsonl").stat().st_mtime_ns
+    assert tiny_target.build_long_data(tmp_path) == out and (out / "train.jsonl").stat().st_mtime_ns == mtime
+    monkeypatch.setattr(tiny_target, "N_LONG_TRAIN", 61)  # another setting is another key: rebuilt
+    tiny_target.build_long_data(tmp_path)
+    again = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
+    assert again[:60] == rows and len(again) == 61
+
+
+def test_long_recipe_fits_the_long_target():
+    """recipe=tiny_long reads the long data and target; its rows fit a micro-batch and its largest context bucket
+    plus the generation fits the long target's positions (the builder's MODEL_FOR)."""
+    from fledge.conf import compose
+    from fledge.data import tiny_target
+
+    cfg = compose(["recipe=tiny_long"])
+    assert cfg.data.sources[0].path.endswith("long_data/train.jsonl") and cfg.target.name_or_path.endswith("/long")
+    assert cfg.train.micro_batch_tokens >= cfg.data.max_length >= tiny_target.BUDGETS["long"]["seq_len"]
+    positions = tiny_target.MODEL_FOR["long"]["max_position_embeddings"]
+    assert cfg.eval.context_buckets[-1] + cfg.eval.max_new_tokens <= positions
+    assert cfg.eval.context_buckets[-1] > tiny_target.BUDGETS["long"]["seq_len"]  # past the training length
+
+
+def test_missing_tiny_target_names_its_build_command():
+    from fledge.train.runner import check_target_path
+
+    for path, cmd in ((".cache/tiny_target/long", "--budget long`"), (".cache/tiny_target/quick", "--budget quick`"),
+                      (".cache/tiny_target/moe-quick", "--budget quick --family moe`")):
+        with pytest.raises(ValueError, match="target.name_or_path") as e:
+            check_target_path(f"/nonexistent/{path}")
+        assert f"fledge tiny-target {cmd}" in str(e.value)
+    from fledge.data.sources import iter_rows
+
+    with pytest.raises(ValueError, match="fledge tiny-target --budget long`"):  # recipe=tiny_long's data
+        next(iter_rows("/nonexistent/.cache/tiny_target/long_data/train.jsonl"))
