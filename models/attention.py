@@ -221,7 +221,20 @@ def _flex(q, k0, v0, kd, vd, block_mask):
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             _compiled_flex = torch.compile(flex_attention, dynamic=False)
         fn = _compiled_flex
-    return fn(q, _concat_keys(k0, kd), _concat_keys(v0, vd), block_mask=block_mask, enable_gqa=True)
+    k, v = _concat_keys(k0, kd), _concat_keys(v0, vd)
+    Dv = v.shape[-1]
+    q, k, v = (_widen(x, FLEX_MIN_HEAD_DIM) for x in (q, k, v))  # on every device, so CPU tests cover it
+    # The scale is the unpadded width's: zero columns add nothing to q . k, and v's are cut off below.
+    return fn(q, k, v, block_mask=block_mask, scale=k0.shape[-1] ** -0.5, enable_gqa=True)[..., :Dv]
+
+
+# Compiled flex on CUDA (Triton's tl.dot) takes head dims of at least 16 ("NYI: embedding dimension ... must be
+# at least 16"): a narrower drafter head (tiny test and CI shapes) is zero-padded to it.
+FLEX_MIN_HEAD_DIM = 16
+
+
+def _widen(x: torch.Tensor, width: int) -> torch.Tensor:
+    return x if x.shape[-1] >= width else F.pad(x, (0, width - x.shape[-1]))
 
 
 def _diag_scores(qg, kd, scale, acc):
