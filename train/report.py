@@ -68,7 +68,7 @@ def markdown(report: dict) -> str:
         lines += ["", f"Sampled (T={report['temperature']}, rejection sampling): "
                   + ", ".join(f"{n} AL {_fmt(s['al'])}" for n, s in sampled.items())]
     ties = sum(s["greedy_ties"] for s in report["sets"].values())
-    lines += ["", f"Greedy output identical to plain greedy decoding on every prompt"
+    lines += ["", "Greedy output identical to plain greedy decoding on every prompt"
               + (f" ({ties} divergence(s) at numerical ties of the target's top-2 logits)." if ties else ".")]
     if report.get("named_sets"):  # public benchmarks (data/eval_sets.py): where each set's prompts came from
         lines += ["", "## Named eval sets", "",
