@@ -14,8 +14,9 @@ scripts/setup.sh
 # The trained tiny targets build in the background from here (the quick Llama: ~7 min of CPU; the MoE and MLA
 # ones ~1-2 min each, one thread as their golden numbers were measured) while the oracle and the engine finish
 # installing, which is mostly downloading. The suite's fixtures find them in .cache, or wait on their build
-# locks. FLEDGE_AHEAD=0 leaves every build to the suite.
-if [ "${FLEDGE_AHEAD:-1}" != 0 ]; then
+# locks. Only for the whole suite (no arguments), so a run of a few tests does not start them; FLEDGE_AHEAD=0
+# leaves every build to the suite.
+if [ "${FLEDGE_AHEAD:-1}" != 0 ] && [ $# -eq 0 ]; then
   targets_log=$(mktemp "${TMPDIR:-/tmp}/fledge-tiny-targets.XXXXXX")
   echo "building the tiny targets in the background (log: $targets_log)"
   (export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 DS_ACCELERATOR=cpu
