@@ -254,17 +254,21 @@ def _speculators_commands(drafter: str, target: str, k: int) -> dict[str, str]:
 # ------------------------------------------------------------------------------------------ sglang
 
 
-def _sglang_build(f: ServingFields) -> dict:
-    L = f.target_num_hidden_layers
-    if L is None or list(f.aux_layer_ids) != default_aux_layer_ids(L):
+def _check_sglang_ids(aux_layer_ids: list[int], num_hidden_layers: Optional[int]) -> None:
+    L = num_hidden_layers
+    if L is None or list(aux_layer_ids) != default_aux_layer_ids(L):
         default = default_aux_layer_ids(L) if L else "(2, L//2, L-3)"
         raise ValueError(
-            f"export.format=sglang with aux layer ids {list(f.aux_layer_ids)}: SGLang adds 1 to every id a config.json "
+            f"export.format=sglang with aux layer ids {list(aux_layer_ids)}: SGLang adds 1 to every id a config.json "
             f"lists, so this form lists none, and both engines then capture their default {default}, not these "
             "ids: serve this drafter with vLLM (export.format=hf), or train it on the default drafter.aux_layer_ids")
+
+
+def _sglang_build(f: ServingFields) -> dict:
+    _check_sglang_ids(f.aux_layer_ids, f.target_num_hidden_layers)
     cfg = _hf_build(f)
     cfg["eagle_config"] = {"use_aux_hidden_state": True}
-    cfg["target_num_hidden_layers"] = int(L)
+    cfg["target_num_hidden_layers"] = int(f.target_num_hidden_layers)
     return cfg
 
 
@@ -289,9 +293,7 @@ def check_export_format(fmt: str, aux_layer_ids: list[int], num_hidden_layers: i
     only the default ids): ValueError before any stage runs, not after training."""
     get_dialect(fmt)
     if fmt == "sglang":
-        _sglang_build(ServingFields(layer={}, flags={}, aux_layer_ids=list(aux_layer_ids), draft_vocab_size=1,
-                                    target_hidden_size=None, target_name=None, target_architectures=[],
-                                    speculative_tokens=1, target_num_hidden_layers=num_hidden_layers))
+        _check_sglang_ids(aux_layer_ids, num_hidden_layers)
 
 
 register_dialect(Dialect("hf", "LlamaForCausalLMEagle3", "midlayer.", _hf_build, _hf_read,
