@@ -170,7 +170,7 @@ class LoggingConfig:
 @dataclass
 class ExportConfig:
     checkpoint: str = "best"  # best | last | a path
-    format: str = "hf"  # an export dialect of fledge/models/dialects.py: hf (LlamaForCausalLMEagle3) | speculators
+    format: str = "hf"  # an export dialect (fledge/models/dialects.py): hf | speculators | sglang
     max_shard_size: str = "5GB"
     push_to_hub: bool = False
     repo_id: Optional[str] = None

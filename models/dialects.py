@@ -8,8 +8,13 @@ lint, the Hub model card and the pipeline's ``export.format`` check all read ``D
 is one ``register_dialect`` here plus its test (tests/unit/test_dialects.py).
 
 - ``hf``: the HF/EAGLE layout vLLM and SGLang load as a draft model (``LlamaForCausalLMEagle3``,
-  ``midlayer.*``, aux ids in ``eagle_config``). Also what a config no dialect recognises is read as
-  (public EAGLE-3 checkpoints), so the linter reports what is off instead of failing to read it.
+  ``midlayer.*``, aux ids in ``eagle_config``, boundary ids as vLLM reads them; SGLang would read each
+  one layer deeper, so its card gives no SGLang command). Also what a config no dialect recognises is
+  read as (public EAGLE-3 checkpoints), so the linter reports what is off instead of failing to read it.
+- ``sglang``: the ``hf`` layout without explicit aux ids, the one config.json SGLang and vLLM both read
+  as trained (models/engine_aux.py: SGLang adds 1 to every explicit id, while both engines' default is
+  the (2, L//2, L-3) Fledge trains on by default). Only a drafter trained on the default ids has it;
+  ``target_num_hidden_layers`` records the depth those defaults resolve against, for Fledge's readers.
 - ``speculators``: vLLM's speculators format, which ``vllm serve <dir>`` runs alone (``Eagle3Speculator``,
   the layer settings nested in ``transformer_layer_config``, ``layers.0.*``). It sets
   ``norm_before_residual: false`` explicitly: vLLM's adapter reads a missing key as true, which is not the
@@ -22,6 +27,7 @@ import json
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
 
+from fledge.conf.schema import default_aux_layer_ids
 from fledge.models.layers import LAYER_KINDS, kind_of_architecture, kind_of_config
 
 TRAINING_PREFIX = "midlayer."  # the decoder layer's prefix in the drafter's own state_dict
@@ -41,6 +47,7 @@ class ServingFields:
     target_name: Optional[str]  # hub id or path of the target
     target_architectures: list[str]
     speculative_tokens: int
+    target_num_hidden_layers: Optional[int] = None  # the target's L (MTP layers excluded)
 
 
 Finding = tuple[str, str, str, str]  # (level, code, message, fix), as models/lint.py reports them
@@ -62,6 +69,9 @@ class Dialect:
     commands: Callable[[str, str, int], dict[str, str]]
     header_checks: Callable[[Mapping], list[Finding]] = lambda config: []
     architecture_of: Optional[Callable[[Mapping], str]] = None  # per config (the hf dialect: per layer kind)
+    # The engines (models/engine_aux.py ENGINES) this format is made for: an engine among them that would
+    # capture other layers than the drafter was trained on is a lint error, any other engine a warning.
+    engines: tuple[str, ...] = ()
 
     def expected_architecture(self, config: Mapping) -> str:
         """The ``architectures`` entry this dialect writes for ``config``."""
@@ -156,14 +166,25 @@ def _hf_checks(config: Mapping) -> list[Finding]:
     return kind.checks(config)
 
 
-def _hf_commands(drafter: str, target: str, k: int) -> dict[str, str]:
+def _vllm_command(drafter: str, target: str, k: int) -> str:
     spec_cfg = json.dumps({"method": "eagle3", "model": drafter, "num_speculative_tokens": k})
-    return {
-        "vLLM": f"vllm serve {target} --speculative-config '{spec_cfg}'",
-        "SGLang": (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 \\\n"
-                   f"    --speculative-draft-model-path {drafter} --speculative-num-steps {k} \\\n"
-                   f"    --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"),
-    }
+    return f"vllm serve {target} --speculative-config '{spec_cfg}'"
+
+
+def _sglang_command(drafter: str, target: str, k: int) -> str:
+    return (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 \\\n"
+            f"    --speculative-draft-model-path {drafter} --speculative-num-steps {k} \\\n"
+            f"    --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}")
+
+
+# Why an export with explicit aux ids gets no SGLang command (models/engine_aux.py).
+SGLANG_SHIFT_NOTE = ("# not this export: SGLang adds 1 to every explicit eagle_aux_hidden_state_layer_ids entry and "
+                     "would feed the drafter\n# other layers than it was trained on; export.format=sglang writes the "
+                     "one it reads right (default aux ids)")
+
+
+def _hf_commands(drafter: str, target: str, k: int) -> dict[str, str]:
+    return {"vLLM": _vllm_command(drafter, target, k), "SGLang": SGLANG_SHIFT_NOTE}
 
 
 # ------------------------------------------------------------------------------------- speculators
@@ -226,13 +247,62 @@ def _speculators_checks(config: Mapping) -> list[Finding]:
 def _speculators_commands(drafter: str, target: str, k: int) -> dict[str, str]:
     return {
         "vLLM (the target comes from speculators_config.verifier)": f"vllm serve {drafter}",
-        "SGLang": "# export with export.format=hf: the layout SGLang's LlamaForCausalLMEagle3 loads",
+        "SGLang": "# export with export.format=sglang: the hf layout with the aux ids SGLang reads right",
     }
+
+
+# ------------------------------------------------------------------------------------------ sglang
+
+
+def _check_sglang_ids(aux_layer_ids: list[int], num_hidden_layers: Optional[int]) -> None:
+    L = num_hidden_layers
+    if L is None or list(aux_layer_ids) != default_aux_layer_ids(L):
+        default = default_aux_layer_ids(L) if L else "(2, L//2, L-3)"
+        raise ValueError(
+            f"export.format=sglang with aux layer ids {list(aux_layer_ids)}: SGLang adds 1 to every id a config.json "
+            f"lists, so this form lists none, and both engines then capture their default {default}, not these "
+            "ids: serve this drafter with vLLM (export.format=hf), or train it on the default drafter.aux_layer_ids")
+
+
+def _sglang_build(f: ServingFields) -> dict:
+    _check_sglang_ids(f.aux_layer_ids, f.target_num_hidden_layers)
+    cfg = _hf_build(f)
+    cfg["eagle_config"] = {"use_aux_hidden_state": True}
+    cfg["target_num_hidden_layers"] = int(f.target_num_hidden_layers)
+    return cfg
+
+
+def _sglang_read(config: Mapping) -> dict:
+    out = _hf_read(config)
+    out["aux_layer_ids"] = default_aux_layer_ids(int(config["target_num_hidden_layers"]))
+    return out
+
+
+def _sglang_detect(config: Mapping) -> bool:
+    return (kind_of_architecture(config.get("architectures") or []) is not None
+            and isinstance(config.get("target_num_hidden_layers"), int)
+            and "eagle_aux_hidden_state_layer_ids" not in (config.get("eagle_config") or {}))
+
+
+def _sglang_commands(drafter: str, target: str, k: int) -> dict[str, str]:
+    return {"vLLM": _vllm_command(drafter, target, k), "SGLang": _sglang_command(drafter, target, k)}
+
+
+def check_export_format(fmt: str, aux_layer_ids: list[int], num_hidden_layers: int) -> None:
+    """``export.format`` names a dialect, and one that can carry the drafter's aux ids (the sglang form
+    only the default ids): ValueError before any stage runs, not after training."""
+    get_dialect(fmt)
+    if fmt == "sglang":
+        _check_sglang_ids(aux_layer_ids, num_hidden_layers)
 
 
 register_dialect(Dialect("hf", "LlamaForCausalLMEagle3", "midlayer.", _hf_build, _hf_read,
                          detect=lambda c: kind_of_architecture(c.get("architectures") or []) is not None,
-                         commands=_hf_commands, header_checks=_hf_checks, architecture_of=_hf_architecture))
+                         commands=_hf_commands, header_checks=_hf_checks, architecture_of=_hf_architecture,
+                         engines=("vLLM",)))
 register_dialect(Dialect("speculators", "Eagle3Speculator", "layers.0.", _speculators_build, _speculators_read,
                          detect=lambda c: bool(c.get("speculators_model_type")),
-                         commands=_speculators_commands, header_checks=_speculators_checks))
+                         commands=_speculators_commands, header_checks=_speculators_checks, engines=("vLLM",)))
+register_dialect(Dialect("sglang", "LlamaForCausalLMEagle3", "midlayer.", _sglang_build, _sglang_read,
+                         detect=_sglang_detect, commands=_sglang_commands, header_checks=_hf_checks,
+                         architecture_of=_hf_architecture, engines=("vLLM", "SGLang")))

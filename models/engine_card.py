@@ -1,5 +1,6 @@
 """The model card's engine section: the AL table vLLM measured (eval.engine=vllm) and the exact vLLM call
-that reproduces it; SGLang's command printed beside it, marked as not measured here.
+that reproduces it; SGLang marked as not measured here (its command is the dialect's, models/dialects.py,
+given only for an export SGLang reads as trained).
 
 Reads the eval stage's ``report.json`` (its ``engine`` section, train/engine_eval.py) and the request the
 engine ran (``eval/engine/request.json``: target, dtype, max_model_len, seed, stop ids, the prompts).
@@ -64,6 +65,7 @@ def reproduce_snippet(request: dict, repo_or_dir: str, k: int) -> str:
 
 
 def sglang_note() -> str:
-    """The label under the SGLang command: nothing measured it here."""
-    return ("SGLang: the command above is what SGLang documents for EAGLE-3 drafters; it was **not measured** "
-            "here (SGLang's speculative decoding needs a CUDA GPU).")
+    """The label about SGLang under the engine section: nothing measured it here, and when it is given a command."""
+    return ("SGLang: **not measured** here (SGLang's speculative decoding needs a CUDA GPU). The card gives its "
+            "command only for an export SGLang reads as trained (export.format=sglang): SGLang adds 1 to every "
+            "explicit aux-layer id, so it would feed an export.format=hf drafter other layers than in training.")

@@ -154,7 +154,7 @@ def spec_from_export(drafter_dir: str | Path, target_num_hidden_layers: int | No
     # The serving config says num_hidden_layers=1 (the drafter's); the spec wants the target's L, which only
     # bounds the aux ids: without the target, the smallest L that admits them. The layer settings are read
     # back as a Llama-shaped target config would be, the layer kind's own keys (MLA widths) included.
-    hf["num_hidden_layers"] = int(target_num_hidden_layers or max(ids) + 1)
+    hf["num_hidden_layers"] = int(target_num_hidden_layers or c.get("target_num_hidden_layers") or max(ids) + 1)
     hf["model_type"] = "llama"
     spec = DrafterSpec.from_target_config(hf, flags, list(ids))
     if int(c["hidden_size"]) != hf["hidden_size"]:  # a drafter narrower than its target

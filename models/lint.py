@@ -1,10 +1,11 @@
 """Drafter linter: the silent failures of SPEC.md section 8 that can be seen from files.
 
-``lint_drafter(dir, target_config)`` checks an exported drafter (either dialect, ours or a public EAGLE-3)
+``lint_drafter(dir, target_config)`` checks an exported drafter (any dialect, ours or a public EAGLE-3)
 against its target's config.json and, when present, the ``fledge_training.json`` record of how it was
 trained. Each finding says what is wrong and how to fix it; ``error`` means an engine will load something
 that runs differently from training (or will not load it at all), ``warning`` means it cannot be verified or
-is merely unusual.
+is merely unusual. The aux ids are checked as each engine reads them (models/engine_aux.py): an engine the
+export's dialect is made for that would capture other layers than in training is an error, another a warning.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import torch
 
 from fledge.atomic import read_json
 from fledge.conf.drafter_rules import drafter_problems
+from fledge.conf.schema import default_aux_layer_ids
 from fledge.models.dialects import dialect_of
+from fledge.models.engine_aux import ENGINES, captured_layers
 from fledge.models.export import RECORD
 from fledge.models.families import TargetShape, read_target, rope_of, text_config_dict
 from fledge.models.layers import kind_of_config
@@ -70,6 +73,7 @@ def lint_drafter(drafter_dir: str | Path, target_config: Any = None) -> list[Fin
     c = layer_config(config)
     _check_header(config, c, add)
     _check_aux_ids(c, t, record, add)
+    _check_engine_readings(config, c, t, record, add)
     if t is not None:
         _check_against_target(c, t, add)
         kind = kind_of_config(c)
@@ -126,6 +130,36 @@ def _check_aux_ids(c: dict, t: TargetShape | None, record: dict | None, add) -> 
     if trained is not None and list(trained) != list(ids):
         add("error", "aux-ids-trained", f"config says aux ids {ids} but the drafter was trained on {trained}",
             f"write {trained} in eagle_config.eagle_aux_hidden_state_layer_ids")
+
+
+def _check_engine_readings(config: dict, c: dict, t: TargetShape | None, record: dict | None, add) -> None:
+    """The layers each engine would capture for this config.json (models/engine_aux.py) against those the
+    drafter was trained on: an error for an engine the export's dialect is made for, else a warning."""
+    dialect = dialect_of(config)
+    L = t.num_hidden_layers if t is not None else c.get("target_num_hidden_layers")
+    trained = (record or {}).get("trained_with", {}).get("aux_layer_ids")
+    readings = {engine: captured_layers(engine, config, L) for engine in ENGINES}
+    if trained is None:
+        if len({tuple(r) for r in readings.values() if r is not None}) > 1:
+            add("warning", "aux-ids-convention", "the engines read these aux ids differently ("
+                + ", ".join(f"{e} captures {r}" for e, r in readings.items()) + f"), and without {RECORD} which "
+                "one the drafter was trained on cannot be checked", "serve it with the engine it was trained for "
+                "(boundary ids are vLLM's reading; SGLang adds 1 to each)")
+        return
+    for engine, got in readings.items():
+        if got is None or got == list(trained):
+            continue
+        made_for = engine in dialect.engines
+        if engine == "SGLang" and not made_for:
+            fix = ("serve it with vLLM, or export it with export.format=sglang (no explicit ids: read right by both)"
+                   if L is not None and list(trained) == default_aux_layer_ids(L) else
+                   "serve it with vLLM: SGLang reads only the default ids (2, L//2, L-3) as trained")
+        else:
+            fix = (f"re-export it from its checkpoint with export.format={dialect.name} against this target "
+                   f"(L={L}); the engine must capture {list(trained)}")
+        add("error" if made_for else "warning", f"aux-ids-{engine.lower()}",
+            f"{engine} would capture the target's boundary layers {got} for this config.json, but the drafter "
+            f"was trained on {list(trained)}: it would run on other states than in training", fix)
 
 
 def _check_against_target(c: dict, t: TargetShape, add) -> None:

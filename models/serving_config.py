@@ -69,7 +69,8 @@ def serving_config(
     return dialect.build(ServingFields(
         layer=layer, flags=flags, aux_layer_ids=ids, draft_vocab_size=int(draft_vocab_size),
         target_hidden_size=Ht if H != Ht else None, target_name=target_name,
-        target_architectures=list(shape.architectures), speculative_tokens=int(speculative_tokens)))
+        target_architectures=list(shape.architectures), speculative_tokens=int(speculative_tokens),
+        target_num_hidden_layers=L))
 
 
 def layer_config(config: Mapping) -> dict:

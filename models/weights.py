@@ -8,6 +8,10 @@ rows) goes through it, opening only the shard files that hold what was asked for
 An index whose ``weight_map`` names a file outside its own directory (``../x.safetensors``, an absolute
 path) is refused: a downloaded or hand-edited index must not make Fledge read (or, through the Hub cache,
 fetch) files it was never pointed at.
+
+The target's final norm, input embedding and lm_head are picked by structure, never by the shortest name:
+they are the ones of the text decoder (``decoder_prefix``), which a vision tower, a projector or an MTP
+module beside it cannot be (tests/fixtures/tensor_names/ holds the layouts this is tested on).
 """
 
 from __future__ import annotations
@@ -132,24 +136,63 @@ def read_tensors(source: str | Path, names: Iterable[str] | None = None,
     return out
 
 
-def _top_level(names: Iterable[str], suffix: str) -> Optional[str]:
-    """The shortest name ending in ``suffix`` outside the decoder layers (see _IN_LAYER), or None."""
-    cands = sorted((n for n in names if n.endswith(suffix) and not _IN_LAYER.search(n)), key=len)
-    return cands[0] if cands else None
+EMBEDDING = "embed_tokens.weight"
+# The module path in front of a numbered decoder layer: "model." in model.layers.3.mlp..., "" in layers.3....
+_STACK = re.compile(r"^((?:[^.]+\.)*?)layers\.\d+\.")
+
+
+def _is_named(name: str, leaf: str) -> bool:
+    return name == leaf or name.endswith("." + leaf)
+
+
+def decoder_prefix(names: Iterable[str]) -> str:
+    """The module path of the target's text decoder among its tensor names: ``model.`` (Llama, DeepSeek-V3),
+    ``language_model.model.`` (Kimi-K2.5/K2.6), ``model.language_model.`` (Qwen3-VL).
+
+    It is the module that holds the input embedding (``<prefix>embed_tokens.weight``) beside numbered
+    decoder layers (``<prefix>layers.N.``): a vision tower's layers have no embedding beside them, and an
+    MTP module's embedding sits inside a layer (DeepSeek-V3's ``model.layers.61.embed_tokens.weight``).
+    Raises ValueError when no module, or more than one, qualifies."""
+    names = list(names)
+    stacks = {m.group(1) for n in names if (m := _STACK.match(n))}
+    embeddings = {n[:-len(EMBEDDING)] for n in names if _is_named(n, EMBEDDING) and not _IN_LAYER.search(n)}
+    found = (embeddings & stacks) or embeddings  # a checkpoint of a few tensors may hold no layers at all
+    if not found:
+        raise ValueError("no tensor named *embed_tokens.weight (outside the decoder layers) among the target's "
+                         "weights; Fledge needs the target's input embedding")
+    if len(found) > 1:
+        raise ValueError(f"the target's weights hold two or more decoder stacks with an input embedding "
+                         f"({', '.join(sorted(found))}): Fledge cannot tell which one is the target's text decoder")
+    return found.pop()
 
 
 def final_norm_name(names: Iterable[str]) -> Optional[str]:
-    """The target's final norm weight (``model.norm.weight`` and the like, outside the decoder layers), or None."""
-    return _top_level(names, "norm.weight")
+    """The final norm of the target's text decoder: ``<decoder_prefix>norm.weight`` (or the one other
+    ``*norm.weight`` directly under that module), None when it has none. A vision projector's or an MTP
+    module's norm is never taken, however short its name."""
+    names = list(names)
+    prefix = decoder_prefix(names)
+    own = [n for n in names if n.startswith(prefix) and n.count(".") == prefix.count(".") + 1
+           and n.endswith("norm.weight")]
+    if prefix + "norm.weight" in own:
+        return prefix + "norm.weight"
+    return own[0] if len(own) == 1 else None
 
 
 def input_embedding_name(names: Iterable[str]) -> str:
     """The target's input embedding among its tensor names (``model.embed_tokens.weight`` and the like)."""
-    name = _top_level(names, "embed_tokens.weight")
-    if name is None:
-        raise ValueError("no tensor named *embed_tokens.weight (outside the decoder layers) among the target's "
-                         "weights; Fledge needs the target's input embedding")
-    return name
+    return decoder_prefix(names) + EMBEDDING
+
+
+def lm_head_name(names: Iterable[str]) -> Optional[str]:
+    """The target's output head: the ``lm_head.weight`` outside the decoder layers whose module encloses the
+    text decoder (``lm_head.weight`` beside ``model.``, ``language_model.lm_head.weight`` beside
+    ``language_model.model.``), the innermost when several do; None when it is not stored (tied)."""
+    names = list(names)
+    prefix = decoder_prefix(names)
+    parents = [n[:-len("lm_head.weight")] for n in names if _is_named(n, "lm_head.weight") and not _IN_LAYER.search(n)]
+    parents = [p for p in parents if prefix.startswith(p)]
+    return max(parents, key=len) + "lm_head.weight" if parents else None
 
 
 def load_input_embeddings(source: str | Path, revision: Optional[str] = None) -> torch.Tensor:
@@ -209,6 +252,6 @@ def load_lm_head_rows(source: str | Path, revision: Optional[str], selected_ids:
     ``tie_word_embeddings``, or no lm_head stored) they are the input embedding's rows. Read in row blocks
     (read_rows): the memory is Vd rows plus one block, not the [V, Ht] head (2.35 GB for Kimi-K2's)."""
     names = weight_map(source, revision)
-    head = _top_level(names, "lm_head.weight")
+    head = lm_head_name(names)
     name = head if head is not None and not _tied(source, revision) else input_embedding_name(names)
     return read_rows(source, name, selected_ids, revision)

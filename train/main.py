@@ -69,7 +69,7 @@ def user_error(e: BaseException, all_ranks_agree: bool = False) -> None:
 def main(dcfg: DictConfig) -> None:
     from fledge.data.eval_sets import check_set_names
     from fledge.distributed import check_sequence_parallel
-    from fledge.models.dialects import get_dialect
+    from fledge.models.dialects import check_export_format
     from fledge.models.layers import check_layer_format
     from fledge.train.loss import check_loss_name
     from fledge.train.trainer import PREEMPTED_EXIT_CODE, Preempted
@@ -78,7 +78,7 @@ def main(dcfg: DictConfig) -> None:
         cfg = to_config(dcfg)
         # The registries live above conf (the schema cannot import them): check their keys here, before any stage.
         check_loss_name(cfg.drafter.loss)
-        get_dialect(cfg.export.format)
+        check_export_format(cfg.export.format, cfg.aux_layer_ids(), cfg.target.num_hidden_layers)
         check_set_names(cfg.eval.sets, cfg.eval.set_paths if "eval" in cfg.run.stages else {})
         check_layer_format(cfg.drafter.layer, cfg.export.format)
         if "train" in cfg.run.stages:  # before any stage runs, not after hours of capture

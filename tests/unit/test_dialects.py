@@ -29,8 +29,8 @@ IDS = [2, 4, 5]
 
 
 def test_registry_and_format_errors():
-    assert dialects.names() == ["hf", "speculators"]
-    with pytest.raises(ValueError, match=r"export.format='gguf'.*\['hf', 'speculators'\].*dialects\.py"):
+    assert dialects.names() == ["hf", "sglang", "speculators"]
+    with pytest.raises(ValueError, match=r"export.format='gguf'.*\['hf', 'sglang', 'speculators'\].*dialects\.py"):
         get_dialect("gguf")
     with pytest.raises(ValueError, match="export.format='gguf'"):
         serving_config(TARGET, DrafterConfig(draft_vocab_size=128), IDS, 128, fmt="gguf")
@@ -38,7 +38,7 @@ def test_registry_and_format_errors():
         register_dialect(get_dialect("hf"))
 
 
-@pytest.mark.parametrize("fmt", ["hf", "speculators"])
+@pytest.mark.parametrize("fmt", ["hf", "sglang", "speculators"])
 def test_each_dialect_reads_back_what_it_builds(fmt):
     config = serving_config(TARGET, DrafterConfig(draft_vocab_size=128), IDS, 128, fmt=fmt, target_name="org/t")
     d = dialect_of(config)
@@ -134,12 +134,13 @@ def test_registered_dialect_exports_lints_and_loads(test_dialect, tmp_path):
 
 def test_model_card_commands_follow_the_dialect(tmp_path):
     spec = {"fc_norm": True, "norm_output": True, "aux_layer_ids": IDS, "draft_vocab_size": 128}
-    for fmt in ("hf", "speculators"):
+    for fmt in ("hf", "sglang", "speculators"):
         config = serving_config(TARGET, spec, IDS, 128, fmt=fmt, target_name="org/target")
         record = training_record(spec, {"target": {"name_or_path": "org/target"}})
         write_drafter(tmp_path / fmt, random_state_dict(config), config, record)
         card = str(build_model_card(tmp_path / fmt, "org/drafter")[0])
-        if fmt == "hf":
-            assert "vllm serve org/target --speculative-config" in card and "--speculative-algorithm EAGLE3" in card
-        else:
-            assert "vllm serve org/drafter\n" in card and "export.format=hf" in card
+        if fmt == "speculators":
+            assert "vllm serve org/drafter\n" in card and "export.format=sglang" in card
+        else:  # SGLang's command only where it reads the aux ids as trained (tests/unit/test_engine_aux_ids.py)
+            assert "vllm serve org/target --speculative-config" in card
+            assert ("--speculative-algorithm EAGLE3" in card) == (fmt == "sglang")

@@ -98,7 +98,8 @@ def test_model_card_content(run_dir):
     assert card.data.base_model == "org/target-model" and card.data.datasets == ["org/chat-data"]
     assert "vllm serve org/target-model --speculative-config" in text
     assert '"method": "eagle3", "model": "org/drafter", "num_speculative_tokens": 4' in text
-    assert "--speculative-algorithm EAGLE3" in text and "--speculative-draft-model-path org/drafter" in text
+    # SGLang would read the hf export's aux ids one layer deeper: no SGLang command, the form it reads named
+    assert "--speculative-algorithm EAGLE3" not in text and "export.format=sglang" in text
     assert "| default | 0.710 | 2.875 |" in text and "| perturbed |" in text  # measured AL table
     assert "![al_per_position](eval/al_per_position.png)" in text and [p.name for p in plots] == ["al_per_position.png"]
     assert "EAGLE-3.1" in text and "[2, 3, 4]" in text
@@ -118,7 +119,7 @@ def test_push_uploads_export_and_card(hub, run_dir, caplog, capsys):
                           "eval/al_per_position.png"}
     assert files["config.json"] == (drafter / "config.json").read_bytes()
     assert files["model.safetensors"] == (drafter / "model.safetensors").read_bytes()
-    assert b"--speculative-algorithm EAGLE3" in files["README.md"]
+    assert b"vllm serve org/target-model --speculative-config" in files["README.md"]
     out = capsys.readouterr()
     assert TOKEN not in caplog.text and TOKEN not in out.out + out.err  # never printed or logged
 

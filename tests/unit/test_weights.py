@@ -1,8 +1,10 @@
 """Weights I/O (models/weights.py): the one reader of safetensors indexes. Containment of index entries,
-headers without data, only the needed shards opened, and the target's own embedding / lm_head chosen
-over an MTP module's copies."""
+headers without data, only the needed shards opened, and the target's own final norm / embedding / lm_head
+chosen over a vision tower's, a projector's or an MTP module's, on the tensor names of real targets
+(tests/fixtures/tensor_names/, written by scripts/tensor_name_fixtures.py)."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -116,3 +118,63 @@ def test_lm_head_rows_are_read_in_blocks_in_any_order(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"outside \[0, 1000\)"):
         load_lm_head_rows(tmp_path, None, torch.tensor([1000]))
     assert real_open is None  # safetensors is imported where it is used, so the patch above is what ran
+
+
+# ---- which tensors are the target's final norm, input embedding and lm_head, on real layouts ---------------
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "tensor_names"
+# fixture (tests/fixtures/tensor_names/<name>.json) -> (final norm, input embedding, lm_head)
+PICKS = {
+    # a VLM wrapper: the vision projector's pre_norm has a shorter name than the decoder's norm
+    "kimi_k2_6": ("language_model.model.norm.weight", "language_model.model.embed_tokens.weight",
+                  "language_model.lm_head.weight"),
+    # the MTP module as layer 61, with its own embed_tokens, shared_head.norm/head, enorm and hnorm
+    "deepseek_v3": ("model.norm.weight", "model.embed_tokens.weight", "lm_head.weight"),
+    # the decoder nested under model.language_model, beside model.visual's merger norms
+    "qwen3_vl_8b": ("model.language_model.norm.weight", "model.language_model.embed_tokens.weight", "lm_head.weight"),
+    "llama3_1_8b": ("model.norm.weight", "model.embed_tokens.weight", "lm_head.weight"),
+}
+
+
+def _fixture_names(name: str) -> dict[str, str]:
+    fixture = json.loads((FIXTURES / f"{name}.json").read_text())
+    return {n: "model-00001.safetensors" for n in fixture["names"]}  # a weight_map: names -> shard
+
+
+@pytest.mark.parametrize("name", sorted(PICKS))
+def test_final_norm_embedding_and_head_are_the_decoder_stacks_own(name):
+    from fledge.models.weights import final_norm_name, input_embedding_name, lm_head_name
+
+    names = _fixture_names(name)
+    norm, embed, head = PICKS[name]
+    assert (final_norm_name(names), input_embedding_name(names), lm_head_name(names)) == (norm, embed, head)
+    # whatever order the index lists them in
+    reordered = dict(reversed(list(names.items())))
+    assert (final_norm_name(reordered), input_embedding_name(reordered), lm_head_name(reordered)) == (norm, embed, head)
+
+
+def test_a_tied_target_has_no_head_and_an_ambiguous_layout_is_refused():
+    from fledge.models.weights import final_norm_name, input_embedding_name, lm_head_name
+
+    tied = {n: s for n, s in _fixture_names("llama3_1_8b").items() if n != "lm_head.weight"}
+    assert lm_head_name(tied) is None and final_norm_name(tied) == "model.norm.weight"
+    two = {**tied, **{n.replace("model.", "other.", 1): s for n, s in tied.items()}}  # two decoders with embeddings
+    with pytest.raises(ValueError, match=r"two or more decoder stacks.*model\..*other\."):
+        input_embedding_name(two)
+
+
+def test_engine_capture_head_takes_the_decoder_norm_of_a_vlm_target(tmp_path):
+    """A VLM whose projector norm has the hidden width: picking it would make a wrong teacher silently."""
+    from fledge.data.engine_capture import TargetHead
+
+    V, H = 16, 8
+    save_file({"language_model.model.embed_tokens.weight": torch.randn(V, H),
+               "language_model.model.layers.0.input_layernorm.weight": torch.ones(H),
+               "language_model.model.norm.weight": torch.full((H,), 2.0),
+               "language_model.lm_head.weight": torch.randn(V, H),
+               "mm_projector.pre_norm.weight": torch.full((H,), 3.0),
+               "vision_tower.encoder.final_layernorm.weight": torch.full((H,), 4.0)},
+              str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"tie_word_embeddings": False}}))
+    head = TargetHead.load(str(tmp_path), None, 1e-6, "cpu", torch.float32)
+    assert torch.equal(head.norm_weight, torch.full((H,), 2.0))
