@@ -32,8 +32,8 @@ import torch
 
 from fledge.data.feature_reader import BatchIterator
 from fledge.atomic import read_json, write_json_atomic
-from fledge.data.features import (SCHEMA_VERSION, STORE_MANIFEST, ShardWriter, bytes_per_token, encode_sample, rank_dir,
-                           slice_dir, store_manifest, write_store_manifest)
+from fledge.data.features import (SCHEMA_VERSION, STORE_MANIFEST, ShardWriter, bytes_per_token, encode_sample,
+                                  index_problem, rank_dir, slice_dir, store_manifest, write_store_manifest)
 from fledge.conf.schema import CaptureConfig, TargetConfig
 from fledge.distributed import World
 from fledge.models.target import FrozenTarget, check_target_config, target_fingerprint
@@ -204,9 +204,21 @@ def merge_slices(n: int, world: World, stage_dir: Path, splits: list[str], array
                          f"them: sbatch --array={_array_spec(odd)} {array_script}")
     out: dict = {"mode": "offline", "capture_dtype": meta["capture_dtype"], "bytes_per_token": meta["bytes_per_token"],
                  "slices": n}
-    for split in splits:
-        parts = [f"{slice_dir('', i).name}/{rank_dir('', r).name}" for i, rec in enumerate(records)
-                 for r in range(rec["world_size"])]
+    slice_parts = [[f"{slice_dir('', i).name}/{rank_dir('', r).name}" for r in range(rec["world_size"])]
+                   for i, rec in enumerate(records)]
+    for split in splits:  # each slice whole first, so the message names the slices to redo
+        problems = [index_problem(stage_dir / split, ps, range(*rec["splits"][split]["range"]))
+                    for ps, rec in zip(slice_parts, records)]
+        bad = [i for i, p in enumerate(problems) if p]
+        if bad:
+            spec = _array_spec(bad)
+            raise ValueError(
+                f"capture.num_slices={n}: the {split} store's slices {spec} do not hold their samples exactly once "
+                f"({problems[bad[0]]}); delete {' and '.join(str(slice_dir(stage_dir / split, i)) for i in bad)}, "
+                f"rerun them with `sbatch --array={spec} {array_script}` (or run.stages=[capture] "
+                f"capture.slice_index=I for each: {', '.join(f'capture.slice_index={i}' for i in bad)}), then run "
+                "this again")
+        parts = [p for ps in slice_parts for p in ps]
         total = records[0]["splits"][split]["of"]
         fields = dict(num_slices=n, slice_world_sizes=[r["world_size"] for r in records])
         # Every rank checks the indexes (so all raise together); rank 0 writes.

@@ -229,7 +229,9 @@ class EngineRun:
                 d = load_file(str(path))
                 if d["token_ids"].tolist() != flat[off:off + n].tolist():
                     raise ValueError(f"the engine's hidden states for sample {sid} belong to other tokens "
-                                     f"({path}); capture again (run.force=[capture])")
+                                     f"({path}): another capture is writing to this work directory "
+                                     f"({self.workdir}); run one capture per run directory and slice at a time, "
+                                     "then run this one again (unwritten samples are captured anew)")
                 out.append((sid, d["hidden_states"], int(sampled)))
                 path.unlink()
             done.unlink()
