@@ -92,16 +92,18 @@ def run_driver(engine: str, python: Path, request: dict, workdir: Path, timeout_
     there for inspection) as a process group of its own (models/engine_process.py), ended whole when it
     is done or times out; returns the result dict with ``wall_s`` added. Raises EngineError on failure."""
     proc = DriverProcess(python, Path(__file__).resolve().parent / DRIVERS[engine], workdir, request)
-    code = proc.wait(timeout_s)
-    if code is None:
-        n = len(request.get("engines") or [])
-        raise EngineError(proc.timed_out(
-            f"eval.engine={engine}", "eval.engine_timeout_s", timeout_s,
-            f"the engine ({engine}, driver pid {proc.proc.pid}) did not finish its {n} configuration(s)",
-            f"raise eval.engine_timeout_s, or lower eval.num_prompts / eval.max_new_tokens; if the log ends while "
-            "the engine loads, its start-up is what is slow (a large target's first load)"))
-    wall = proc.elapsed()
-    proc.stop()  # whatever the engine left running (a worker still shutting down) goes with it
+    try:
+        code = proc.wait(timeout_s)
+        if code is None:
+            n = len(request.get("engines") or [])
+            raise EngineError(proc.timed_out(
+                f"eval.engine={engine}", "eval.engine_timeout_s", timeout_s,
+                f"the engine ({engine}, driver pid {proc.proc.pid}) did not finish its {n} configuration(s)",
+                "raise eval.engine_timeout_s, or lower eval.num_prompts / eval.max_new_tokens; if the log ends "
+                "while the engine loads, its start-up is what is slow (a large target's first load)"))
+        wall = proc.elapsed()
+    finally:  # an interrupted wait too: whatever the engine left running goes with it
+        proc.stop()
     result = proc.result()
     if code != 0 or result is None:
         raise EngineError(f"eval.engine={engine}: the engine's driver exited with code {code}; last "
