@@ -25,6 +25,7 @@ import logging
 import os
 import shutil
 import time
+import uuid
 from pathlib import Path
 from typing import Optional
 
@@ -32,10 +33,10 @@ import torch
 
 from fledge.data.feature_reader import BatchIterator
 from fledge.atomic import read_json, write_json_atomic
-from fledge.data.features import (SCHEMA_VERSION, STORE_MANIFEST, ShardWriter, bytes_per_token, encode_sample, rank_dir,
-                           slice_dir, store_manifest, write_store_manifest)
+from fledge.data.features import (SCHEMA_VERSION, STORE_MANIFEST, ShardWriter, bytes_per_token, encode_sample,
+                                  index_problem, rank_dir, slice_dir, store_manifest, write_store_manifest)
 from fledge.conf.schema import CaptureConfig, TargetConfig
-from fledge.distributed import World
+from fledge.distributed import World, broadcast_object
 from fledge.models.target import FrozenTarget, check_target_config, target_fingerprint
 
 log = logging.getLogger(__name__)
@@ -204,9 +205,21 @@ def merge_slices(n: int, world: World, stage_dir: Path, splits: list[str], array
                          f"them: sbatch --array={_array_spec(odd)} {array_script}")
     out: dict = {"mode": "offline", "capture_dtype": meta["capture_dtype"], "bytes_per_token": meta["bytes_per_token"],
                  "slices": n}
-    for split in splits:
-        parts = [f"{slice_dir('', i).name}/{rank_dir('', r).name}" for i, rec in enumerate(records)
-                 for r in range(rec["world_size"])]
+    slice_parts = [[f"{slice_dir('', i).name}/{rank_dir('', r).name}" for r in range(rec["world_size"])]
+                   for i, rec in enumerate(records)]
+    for split in splits:  # each slice whole first, so the message names the slices to redo
+        problems = [index_problem(stage_dir / split, ps, range(*rec["splits"][split]["range"]))
+                    for ps, rec in zip(slice_parts, records)]
+        bad = [i for i, p in enumerate(problems) if p]
+        if bad:
+            spec = _array_spec(bad)
+            raise ValueError(
+                f"capture.num_slices={n}: the {split} store's slices {spec} do not hold their samples exactly once "
+                f"({problems[bad[0]]}); delete {' and '.join(str(slice_dir(stage_dir / split, i)) for i in bad)}, "
+                f"rerun them with `sbatch --array={spec} {array_script}` (or run.stages=[capture] "
+                f"capture.slice_index=I for each: {', '.join(f'capture.slice_index={i}' for i in bad)}), then run "
+                "this again")
+        parts = [p for ps in slice_parts for p in ps]
         total = records[0]["splits"][split]["of"]
         fields = dict(num_slices=n, slice_world_sizes=[r["world_size"] for r in records])
         # Every rank checks the indexes (so all raise together); rank 0 writes.
@@ -268,6 +281,27 @@ def describe_store(t: TargetConfig, aux_dtype: str, aux_layer_ids: list[int], nu
     }
 
 
+def engine_workdir(stage_dir: Path, slice_index: Optional[int]) -> Path:
+    """Where ``capture.engine=vllm`` keeps its engines' files (request, token files, spool, connector,
+    log; one ``rankNNNNN`` directory per rank): ``capture/engine/``, or ``capture/engine/sliceNNNNN/``
+    for an array task, since the tasks of one capture run at the same time and each numbers its ranks
+    from 0."""
+    work = stage_dir / "engine"
+    return work if slice_index is None else slice_dir(work, slice_index)
+
+
+def _fresh_done_dir(work: Path, world: World) -> Path:
+    """The directory where this capture's vLLM data-parallel ranks say their engine is done. Rank 0
+    removes those of earlier attempts and names a new one for all ranks, so a killed run's markers
+    never count."""
+    name = None
+    if world.is_main:
+        for old in work.glob("dp-*"):
+            shutil.rmtree(old, ignore_errors=True)
+        name = f"dp-{uuid.uuid4().hex[:12]}"
+    return work / broadcast_object(name)
+
+
 def capture_engine(target_cfg: TargetConfig, cap: CaptureConfig, aux_layer_ids: list[int], world: World,
                    prep: Path, stage_dir: Path, splits: list[str], prepare_manifest: Optional[dict]) -> tuple[dict, dict]:
     """``capture.engine=vllm``: every split through one vLLM run on this rank (data/engine_capture.py).
@@ -301,9 +335,12 @@ def capture_engine(target_cfg: TargetConfig, cap: CaptureConfig, aux_layer_ids: 
                      int(os.environ.get("MASTER_PORT", "29500")) + 1)
     parallel = {"tensor_parallel_size": cap.tensor_parallel_size, "expert_parallel": cap.expert_parallel,
                 "data_parallel_size": cap.data_parallel_size}
+    work = engine_workdir(stage_dir, cap.slice_index)
+    if cap.data_parallel_size > 1:
+        parallel.update(data_parallel_rank=world.rank, data_parallel_done=str(_fresh_done_dir(work, world)))
     result = capture_with_engine(states, python, target_cfg.name_or_path, target_cfg.revision,
                                  target_cfg.trust_remote_code, dtype, aux_layer_ids, shape.num_hidden_layers,
-                                 shape.rms_norm_eps, parallel, env, stage_dir / "engine" / f"rank{world.rank:05d}",
+                                 shape.rms_norm_eps, parallel, env, rank_dir(work, world.rank),
                                  cap.engine_timeout_s, world.device)
     per_split = {split: sc.finish() for split, sc in states.items()}
     for split, r in (result.get("jobs") or {}).items():

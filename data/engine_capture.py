@@ -22,9 +22,7 @@ across ranks), each with ``capture.tensor_parallel_size`` GPUs and ``capture.exp
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +30,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from fledge.models.engine_process import DriverProcess
 from fledge.models.weights import final_norm_name, input_embedding_name, load_lm_head_rows, read_tensors, weight_map
 
 DRIVER = Path(__file__).resolve().parents[1] / "models" / "engine_capture_driver.py"
@@ -149,13 +148,19 @@ def check_boundary_convention(head: TargetHead, token_ids: torch.Tensor, probe: 
 def build_request(target: str, revision: Optional[str], trust_remote_code: bool, dtype: str, max_model_len: int,
                   layer_ids: list[int], tensor_parallel_size: int, expert_parallel: bool,
                   data_parallel_size: int, env: dict, workdir: Path, jobs: list[dict], seed: int = 0,
-                  floor: bool = False) -> dict:
-    """The driver's JSON request. ``jobs``: [{"name", "spool", "batches": [[[id, token ids], ...], ...]}]."""
+                  floor: bool = False, data_parallel_rank: int = 0, done_dir: Optional[Path] = None) -> dict:
+    """The driver's JSON request. ``jobs``: [{"name", "spool", "batches": [[[id, token ids], ...], ...]}].
+    With data parallelism, ``done_dir`` is where each DP rank's driver says its jobs are done (the
+    driver keeps its engine in the group until every rank has: models/engine_capture_driver.py)."""
     target = str(Path(target).resolve()) if Path(target).exists() else target
+    dp = None
+    if data_parallel_size > 1:
+        dp = {"size": int(data_parallel_size), "rank": int(data_parallel_rank),
+              "done_dir": str(Path(done_dir).resolve()) if done_dir else None}
     return {"target": target, "revision": revision, "trust_remote_code": trust_remote_code, "dtype": dtype,
             "max_model_len": int(max_model_len), "seed": seed, "layer_ids": list(layer_ids),
             "tensor_parallel_size": int(tensor_parallel_size), "enable_expert_parallel": bool(expert_parallel),
-            "data_parallel": {"size": int(data_parallel_size)} if data_parallel_size > 1 else None,
+            "data_parallel": dp,
             "gpu_memory_utilization": 0.85, "env": env, "connector_dir": str(Path(workdir).resolve() / "connector"),
             "max_pending_batches": 4, "floor": floor, "jobs": jobs}
 
@@ -181,34 +186,21 @@ def write_job(name: str, ds, batches: list[list[int]], workdir: Path) -> dict:
     return {"name": name, "spool": str(spool), "tokens": str(tokens), "batches": out}
 
 
-def _engine_env_vars() -> dict:
-    """Our environment minus torchrun's rendezvous variables (the engine is a process of its own)."""
-    drop = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
-            "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
-    return {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("TORCHELASTIC_")}
-
-
 class EngineRun:
-    """One engine driver process for this rank's jobs; ``batches(job)`` streams its finished batches.
+    """One engine driver process (group) for this rank's jobs; ``batches(job)`` streams its finished batches.
 
     A batch is read once the driver has written ``batch-K.json``; its files are deleted as they are read,
-    so the spool holds at most a few batches. A dead or silent driver is an error naming its log."""
+    so the spool holds at most a few batches. A dead driver, or one silent for ``timeout_s``, is an error
+    naming its log; either way the engine's whole process group is ended (models/engine_process.py)."""
 
     def __init__(self, python: Path, request: dict, workdir: Path, timeout_s: float):
         self.workdir = Path(workdir).resolve()
         for leftover in ("spool", "connector"):  # a killed run's unconsumed files: those samples run again
             shutil.rmtree(self.workdir / leftover, ignore_errors=True)
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.req_path, self.res_path = self.workdir / "request.json", self.workdir / "result.json"
-        self.log_path = self.workdir / "engine.log"
-        self.req_path.write_text(json.dumps(request))
-        self.res_path.unlink(missing_ok=True)
         self.timeout_s = timeout_s
-        self._log = open(self.log_path, "w", encoding="utf-8")
-        # -I: Fledge's PYTHONPATH and the driver's folder stay out of the engine's python.
-        self.proc = subprocess.Popen([str(python), "-I", str(DRIVER), str(self.req_path), str(self.res_path)],
-                                     cwd=self.workdir, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=_engine_env_vars(), start_new_session=False)
+        self.dp = request.get("data_parallel") or {}
+        self.proc = DriverProcess(python, DRIVER, self.workdir, request)
+        self.log_path, self.res_path = self.proc.log_path, self.proc.res_path
 
     def batches(self, job: dict) -> Iterator[list[tuple[int, torch.Tensor, int]]]:
         """Per batch of ``job``: [(sample id, states [T, n_engine, H], sampled token)] in the batch's order."""
@@ -220,7 +212,7 @@ class EngineRun:
         flat = np.fromfile(job["tokens"], dtype=np.int32)
         for k, batch in enumerate(job["batches"]):
             done = spool / f"batch-{k:07d}.json"
-            self._wait_for(done)
+            self._wait_for(done, f"batch {k + 1} of {len(job['batches'])} of split {job['name']!r}")
             got = json.loads(done.read_text())["samples"]
             out = []
             for (sid, off, n), (sid2, sampled) in zip(batch, got):
@@ -229,48 +221,71 @@ class EngineRun:
                 d = load_file(str(path))
                 if d["token_ids"].tolist() != flat[off:off + n].tolist():
                     raise ValueError(f"the engine's hidden states for sample {sid} belong to other tokens "
-                                     f"({path}); capture again (run.force=[capture])")
+                                     f"({path}): another capture is writing to this work directory "
+                                     f"({self.workdir}); run one capture per run directory and slice at a time, "
+                                     "then run this one again (unwritten samples are captured anew)")
                 out.append((sid, d["hidden_states"], int(sampled)))
                 path.unlink()
             done.unlink()
             yield out
 
-    def _wait_for(self, path: Path) -> None:
+    def _wait_for(self, path: Path, what: str) -> None:
         deadline = time.monotonic() + self.timeout_s
         while not path.exists():
-            if self.proc.poll() is not None and not path.exists():
-                raise ValueError(f"capture.engine=vllm: the engine's driver exited (code {self.proc.returncode}) "
-                                 f"before {path.name}; {self._error()}")
+            code = self.proc.returncode
+            if code is not None and not path.exists():
+                self.proc.stop()
+                raise ValueError(f"capture.engine=vllm: the engine's driver exited (code {code}) before "
+                                 f"{path.name}; {self._error()}")
             if time.monotonic() > deadline:
-                self.close()
-                raise ValueError(f"capture.engine=vllm: no progress for capture.engine_timeout_s={self.timeout_s:g} s "
-                                 f"(log: {self.log_path}); raise it or lower capture.batch_tokens")
+                raise ValueError(self.proc.timed_out(
+                    "capture.engine=vllm", "capture.engine_timeout_s", self.timeout_s,
+                    f"the engine (vLLM, driver pid {self.proc.proc.pid}) did not write {what}", self._hints()))
             time.sleep(0.02)
 
+    def _hints(self) -> str:
+        hints = ("raise capture.engine_timeout_s (a large target's first load can take many minutes: the log "
+                 "shows whether it was still loading), or lower capture.batch_tokens")
+        if self.dp:
+            hints += (f"; with capture.data_parallel_size={self.dp['size']} this engine steps together with every "
+                      "other rank's: a rank that failed or stalls stops them all (see the other ranks' engine.log "
+                      f"under {self.workdir.parent})")
+        return hints
+
     def _error(self) -> str:
-        if self.res_path.exists():
-            err = json.loads(self.res_path.read_text()).get("error")
-            if err:
-                return f"vLLM failed: {err['type']}: {err['message'][-1500:]} (traceback in {self.res_path})"
-        lines = self.log_path.read_text(errors="replace").splitlines()[-20:]
-        return f"last lines of {self.log_path}:\n" + "\n".join(lines)
+        err = (self.proc.result() or {}).get("error")
+        if err:
+            return f"vLLM failed: {err['type']}: {err['message'][-1500:]} (traceback in {self.res_path})"
+        return f"last lines of {self.log_path}:\n{self.proc.tail()}"
+
+    def _peers_done(self) -> bool:
+        """Every DP rank's driver has finished its jobs (always, without data parallelism)."""
+        if not self.dp.get("done_dir"):
+            return True
+        done = Path(self.dp["done_dir"])
+        return all((done / f"rank{r:05d}.done").exists() for r in range(self.dp["size"]))
 
     def finish(self) -> dict:
-        """Wait for the driver to exit; its result (vLLM version, load time, per-job tokens and wall time)."""
-        try:
-            self.proc.wait(timeout=self.timeout_s)
-        finally:
-            self._log.close()
-        if self.proc.returncode != 0 or not self.res_path.exists():
-            raise ValueError(f"capture.engine=vllm: the engine's driver exited with code {self.proc.returncode}; "
-                             f"{self._error()}")
-        return json.loads(self.res_path.read_text())
+        """Wait for the driver to exit; its result (vLLM version, load time, per-job tokens and wall time).
+        A DP rank's driver stays until every rank's engine is done: that wait is the other ranks' work
+        (each bounded by its own rank's timeout), so the timeout counts from when all are done."""
+        while True:
+            code = self.proc.wait(self.timeout_s if self._peers_done() else 5.0)
+            if code is not None or self._peers_done():
+                break
+        if code is None:
+            raise ValueError(self.proc.timed_out(
+                "capture.engine=vllm", "capture.engine_timeout_s", self.timeout_s,
+                f"the engine (vLLM, driver pid {self.proc.proc.pid}) did not exit after its last batch",
+                self._hints()))
+        self.proc.stop()  # whatever the engine left running (a worker still shutting down) goes with it
+        result = self.proc.result()
+        if code != 0 or result is None:
+            raise ValueError(f"capture.engine=vllm: the engine's driver exited with code {code}; {self._error()}")
+        return result
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self._log.close()
+        self.proc.stop()
 
 
 def capture_with_engine(splits: dict, python: Path, target, revision, trust_remote_code: bool, dtype: torch.dtype,
@@ -279,23 +294,34 @@ def capture_with_engine(splits: dict, python: Path, target, revision, trust_remo
     """Capture every split of ``splits`` ({name: SplitCapture of data/capture.py}) through one engine run;
     returns the driver's result (vLLM version, load time, per-split tokens and engine wall time).
 
-    ``parallel``: tensor_parallel_size, expert_parallel, data_parallel_size. The head (final norm, lm_head,
-    embedding) computes in ``dtype`` on ``device``."""
+    ``parallel``: tensor_parallel_size, expert_parallel, data_parallel_size, and with data parallelism
+    data_parallel_rank and data_parallel_done (the group's done directory). The head (final norm, lm_head,
+    embedding) computes in ``dtype`` on ``device``.
+
+    Without data parallelism a rank with nothing left to capture starts no engine. With it, the rank's
+    engine is one of a vLLM data-parallel group whose engines step together, so it starts anyway and
+    takes part until every rank's engine is done (models/engine_capture_driver.py)."""
     eng_ids = engine_layer_ids(aux_layer_ids, num_layers)
     workdir = Path(workdir).resolve()
     for leftover in ("spool", "connector"):
         shutil.rmtree(workdir / leftover, ignore_errors=True)
     jobs = [write_job(name, sc.ds, sc.todo(), workdir) for name, sc in splits.items()]
-    longest = max([n for job in jobs for b in job["batches"] for _, _, n in b] or [1])
-    head = TargetHead.load(target, revision, rms_norm_eps, device, dtype)
-    dtype_name = str(dtype).replace("torch.", "")
-    req = build_request(target, revision, trust_remote_code, dtype_name, longest + 1, eng_ids,
-                        parallel["tensor_parallel_size"], parallel["expert_parallel"],
-                        parallel["data_parallel_size"], env, workdir, jobs)
-    if not any(job["batches"] for job in jobs):  # everything was captured already: no engine to start
+    work = any(job["batches"] for job in jobs)
+    dp = parallel["data_parallel_size"] > 1
+    if not work and not dp:  # everything was captured already: no engine to start
         return {"jobs": {}, "skipped": True}
+    # A DP group's engines are configured alike: room for the longest sample of any rank.
+    lengths = [n for sc in splits.values() for n in sc.lengths] if dp else \
+        [n for job in jobs for b in job["batches"] for _, _, n in b]
+    dtype_name = str(dtype).replace("torch.", "")
+    req = build_request(target, revision, trust_remote_code, dtype_name, max(lengths or [1]) + 1, eng_ids,
+                        parallel["tensor_parallel_size"], parallel["expert_parallel"],
+                        parallel["data_parallel_size"], env, workdir, jobs,
+                        data_parallel_rank=parallel.get("data_parallel_rank", 0),
+                        done_dir=parallel.get("data_parallel_done"))
+    head = TargetHead.load(target, revision, rms_norm_eps, device, dtype) if work else None
     run = EngineRun(python, req, workdir, timeout_s)
-    chunk = max(1, (1 << 28) // (4 * head.lm_head.shape[0]))
+    chunk = max(1, (1 << 28) // (4 * head.lm_head.shape[0])) if head else 1
     try:
         for job in jobs:
             sc = splits[job["name"]]

@@ -20,7 +20,7 @@ import torch
 from fledge.atomic import read_json, sha256_file
 from fledge.conf.schema import TargetConfig
 from fledge.data.batch import FeatureBatch
-from fledge.data.features import INDEX, SCHEMA_VERSION, STORE_MANIFEST, decode_aux, rank_dir
+from fledge.data.features import INDEX, SCHEMA_VERSION, STORE_MANIFEST, decode_aux, rank_dir, recapture_advice
 from fledge.models.weights import is_contained
 
 
@@ -35,7 +35,7 @@ class FeatureStore:
                              f"(run.stages=[capture]) to finish the store")
         if m.get("schema_version") != SCHEMA_VERSION:
             raise ValueError(f"{self.dir / STORE_MANIFEST}: schema_version={m.get('schema_version')}, this code "
-                             f"reads {SCHEMA_VERSION}; capture again (run.force=[capture])")
+                             f"reads {SCHEMA_VERSION}; {recapture_advice(self.dir, m)}")
         self.manifest = m
         self.dtype = dtype
         self.num_aux = len(m["aux_layer_ids"])
@@ -78,7 +78,7 @@ class FeatureStore:
                 continue  # not written in the recipe: nothing to compare
             if have[key] != v:
                 raise ValueError(f"feature store {self.dir} was captured with {key}={have[key]!r} but the "
-                                 f"config has {key}={v!r}; capture again (run.force=[capture]) or fix {key}")
+                                 f"config has {key}={v!r}; {recapture_advice(self.dir, m)} or fix {key}")
 
     def _shard(self, path: str):
         from safetensors import safe_open
@@ -90,12 +90,12 @@ class FeatureStore:
         if path not in self._verified:
             if path not in self._sha:
                 raise ValueError(f"feature shard {full} is in an index but not in {self.dir / STORE_MANIFEST}; "
-                                 "capture again (run.force=[capture])")
+                                 f"{recapture_advice(self.dir, self.manifest, path)}")
             if not full.exists():
-                raise ValueError(f"feature shard {full} is missing; capture again (run.force=[capture])")
+                raise ValueError(f"feature shard {full} is missing; {recapture_advice(self.dir, self.manifest, path)}")
             if sha256_file(full) != self._sha[path]:
                 raise ValueError(f"feature shard {full} fails its sha256 checksum (corrupt or modified); "
-                                 f"capture again (run.force=[capture])")
+                                 f"{recapture_advice(self.dir, self.manifest, path)}")
             self._verified.add(path)
         handle = safe_open(str(full), framework="pt")  # mmap: slices read only their byte ranges
         self._open[path] = handle

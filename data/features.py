@@ -49,6 +49,24 @@ def slice_dir(store_dir: str | Path, index: int) -> Path:
     return Path(store_dir) / f"slice{index:05d}"
 
 
+def recapture_advice(store_dir: str | Path, manifest: Optional[dict], shard: Optional[str] = None) -> str:
+    """How to capture a bad store (or the slice holding ``shard``, a path relative to the store) again.
+    run.force=[capture] for a plain store; an array-captured store refuses it (conf/schema.py), so there
+    the slice is deleted and rerun, and merged again."""
+    n = int((manifest or {}).get("num_slices") or 1)
+    if n <= 1:
+        return "capture again (run.force=[capture])"
+    stage = Path(store_dir).parent
+    part = Path(shard).parts[0] if shard else ""
+    if part.startswith("slice") and part[5:].isdigit():
+        i = int(part[5:])
+        return (f"capture that slice again: delete {slice_dir(store_dir, i)} and {stage / 'manifest.json'}, run "
+                f"run.stages=[capture] capture.num_slices={n} capture.slice_index={i}, then merge "
+                f"(run.stages=[capture] capture.num_slices={n})")
+    return (f"capture again: delete {stage}, run every slice (run.stages=[capture] capture.num_slices={n} "
+            f"capture.slice_index=I), then merge (capture.num_slices={n})")
+
+
 def bytes_per_token(num_aux: int, hidden_size: int, aux_dtype: str) -> int:
     """Stored bytes per token: aux (bf16, or fp8 + one fp32 scale per aux layer), final state bf16,
     argmax int32, input id int32, loss mask uint8."""
@@ -161,25 +179,39 @@ def _remove_path(p: Path) -> None:
         p.unlink(missing_ok=True)
 
 
-def store_manifest(store_dir: str | Path, parts: list[str], meta: dict, num_samples: int, **fields) -> dict:
-    """The ``store.json`` content over the finished indexes in ``parts`` (rank dirs relative to the store,
-    e.g. ``rank00000`` or ``slice00003/rank00001``). Checks that every index is complete and that the
-    parts hold each sample id in [0, num_samples) exactly once; reads only the small index files."""
+def index_problem(store_dir: str | Path, parts: list[str], ids: range) -> Optional[str]:
+    """What keeps the rank indexes ``parts`` of a store from holding each sample id of ``ids`` exactly
+    once (an unfinished rank, duplicated or missing samples), or None when they do. Reads only the
+    small index files."""
     store_dir = Path(store_dir)
-    shards, seen, num_tokens = [], [], 0
+    seen = []
     for part in parts:
         index = read_json(store_dir / part / INDEX)
         if not index or not index.get("complete"):
-            raise RuntimeError(f"{store_dir / part}: capture of this rank is not complete")
-        for sh in index["shards"]:
+            return f"{store_dir / part}: capture of this rank is not complete"
+        seen += [s[0] for sh in index["shards"] for s in sh["samples"]]
+    if sorted(seen) != list(ids):
+        dup, missing = len(seen) - len(set(seen)), len(set(ids) - set(seen))
+        return f"the indexes of {parts} hold {dup} duplicate and miss {missing} of their {len(ids)} samples"
+    return None
+
+
+def store_manifest(store_dir: str | Path, parts: list[str], meta: dict, num_samples: int, **fields) -> dict:
+    """The ``store.json`` content over the finished indexes in ``parts`` (rank dirs relative to the store,
+    e.g. ``rank00000`` or ``slice00003/rank00001``). Checks that every index is complete and that the
+    parts hold each sample id in [0, num_samples) exactly once (ValueError naming the fix); reads only
+    the small index files. An array capture checks each slice first (data/capture.py merge_slices), so
+    this advice is the plain store's."""
+    store_dir = Path(store_dir)
+    problem = index_problem(store_dir, parts, range(num_samples))
+    if problem:
+        raise ValueError(f"{store_dir}: {problem}; capture again (run.force=[capture])")
+    shards, num_tokens = [], 0
+    for part in parts:
+        for sh in read_json(store_dir / part / INDEX)["shards"]:
             shards.append({"path": f"{part}/{sh['name']}", "sha256": sh["sha256"], "bytes": sh["bytes"],
                            "tokens": sh["tokens"], "num_samples": len(sh["samples"])})
-            seen += [s[0] for s in sh["samples"]]
             num_tokens += sh["tokens"]
-    if sorted(seen) != list(range(num_samples)):
-        dup, missing = len(seen) - len(set(seen)), num_samples - len(set(seen) & set(range(num_samples)))
-        raise RuntimeError(f"{store_dir}: the indexes of {parts} hold {dup} duplicate and miss {missing} of "
-                           f"{num_samples} samples; capture again (run.force=[capture])")
     return dict(meta, schema_version=SCHEMA_VERSION, **fields, indexes=list(parts), num_samples=num_samples,
                 num_tokens=num_tokens, shards=shards, complete=True)
 

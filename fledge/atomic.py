@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -28,7 +29,21 @@ def read_json(path: str | Path) -> dict | None:
 
 
 def write_json_atomic(path: str | Path, obj: Any) -> None:
-    write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode())
+    """``obj`` as strict JSON: a non-finite number (an AL over no rounds, an infinite log-prob gap) is
+    written as null, since jq, JavaScript and most dashboards refuse the NaN / Infinity Python emits."""
+    text = json.dumps(finite_or_null(obj), indent=2, sort_keys=True, default=str, allow_nan=False)
+    write_bytes_atomic(path, (text + "\n").encode())
+
+
+def finite_or_null(obj: Any) -> Any:
+    """``obj`` with every NaN / +-inf float (in nested dicts, lists and tuples) replaced by None."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_or_null(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_or_null(v) for v in obj]
+    return obj
 
 
 def write_bytes_atomic(path: str | Path, data: bytes) -> None:

@@ -20,6 +20,12 @@ token], ...]}): Fledge reads a batch once its json exists and deletes what it co
 waits while more than ``max_pending_batches`` batches are unconsumed (bounded spool disk). ``floor``
 requests run the same prompts without extraction (vLLM's own prefill-only speed, for the benchmark).
 
+With vLLM data parallelism (``data_parallel`` in the request: one driver per Fledge rank, each one rank
+of the engines' DP group) a driver whose jobs are done keeps its engine in the group's steps until every
+rank's is done (``take_part_until_all_done``). Fledge starts the driver in a session of its own and ends
+its whole process group (fledge.models.engine_process); a driver whose Fledge rank died ends that group
+itself.
+
 ``-I`` keeps the script's folder (fledge/models, modules named like PyPI packages) off the import path;
 the CPU connector is registered by module name from ``vllm_plugin/`` (the CPU engine core runs in this
 process, so vLLM's import of ``kv_connector_module_path`` finds it).
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -79,6 +86,15 @@ def _orphaned() -> bool:
     return os.getppid() != PARENT
 
 
+def _exit_orphaned() -> None:
+    """Exit, taking the engine's own processes along (EngineCore, GPU workers): they are this driver's
+    process group when Fledge started it in a session of its own (models/engine_process.py). Not
+    sys.exit: the engine's non-daemon threads would keep the process alive."""
+    if os.getpgrp() == os.getpid():
+        os.killpg(os.getpid(), signal.SIGKILL)
+    os._exit(3)
+
+
 def register_plugin() -> None:
     """Make our CPU connector importable by the module name vLLM is given (kv_connector_module_path).
     The CPU engine core runs in this process, so registering the module here is enough."""
@@ -94,7 +110,7 @@ def register_plugin() -> None:
 def _wait_for_room(spool: Path, limit: int) -> None:
     while limit > 0 and len(list(spool.glob("batch-*.json"))) >= limit:
         if _orphaned():
-            os._exit(3)  # not sys.exit: the engine's non-daemon threads would keep the process alive
+            _exit_orphaned()
         time.sleep(0.05)
 
 
@@ -124,7 +140,7 @@ def run_job(llm, job: dict, req: dict) -> dict:
     for k, batch in enumerate(job["batches"]):
         _wait_for_room(spool, int(req.get("max_pending_batches", 2)))
         if _orphaned():
-            os._exit(3)
+            _exit_orphaned()
         prompts = [{"prompt_token_ids": flat[off:off + n].tolist()} for _, off, n in batch]
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -152,6 +168,51 @@ def run_job(llm, job: dict, req: dict) -> dict:
     return {"tokens": tokens, "wall_s": wall}
 
 
+def _sampling():
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
+
+
+def take_part_until_all_done(llm, req: dict) -> None:
+    """One rank of a vLLM data-parallel group (``req["data_parallel"]``): its engine steps together with
+    the other ranks' engines, and an engine without requests waits for requests, not for its peers, so
+    a rank that stopped sending any would stall the others' next step. A rank whose jobs are done (or
+    that had none, on resume) says so (``done_dir/rank<r>.done``) and keeps its engine in the group's
+    steps with one-token placeholder requests until every rank has said so; their connector files are
+    deleted as they appear."""
+    dp = req.get("data_parallel") or {}
+    if not dp.get("done_dir"):
+        return
+    done = Path(dp["done_dir"])
+    done.mkdir(parents=True, exist_ok=True)
+    (done / f"rank{int(dp['rank']):05d}.done").write_text("done\n")
+    peers = [done / f"rank{r:05d}.done" for r in range(int(dp["size"]))]
+    params, pending = None, []
+    while not all(p.exists() for p in peers):
+        if _orphaned():
+            _exit_orphaned()
+        params = params or _sampling()
+        outs = llm.generate([{"prompt_token_ids": [0]}], params, use_tqdm=False)
+        pending += [(o.kv_transfer_params or {}).get("hidden_states_path") for o in outs]
+        pending = [p for p in pending if p and not _remove_placeholder(p)]
+        time.sleep(0.01)
+    for path in pending:  # a connector writes a request's file a step after it returns
+        _remove_placeholder(path)
+
+
+def _remove_placeholder(path: str) -> bool:
+    """Delete a placeholder request's connector file (and lock); False while it is not written yet."""
+    if not os.path.exists(path):
+        return False
+    for p in (path, path + ".lock"):
+        try:
+            os.remove(p)
+        except FileNotFoundError:
+            pass
+    return True
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print("usage: engine_capture_driver.py REQUEST.json RESULT.json", file=sys.stderr)
@@ -174,6 +235,7 @@ def main(argv: list[str]) -> int:
         out["load_s"] = time.perf_counter() - t0
         for job in req["jobs"]:
             out["jobs"][job["name"]] = run_job(llm, job, req)
+        take_part_until_all_done(llm, req)
     except Exception as e:  # noqa: BLE001 - reported to Fledge as data
         out["error"] = {"type": type(e).__name__, "message": str(e)[-4000:], "traceback": traceback.format_exc()[-8000:]}
     tmp = argv[1] + ".tmp"

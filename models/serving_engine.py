@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import time
 from pathlib import Path
 from typing import Optional, Sequence
+
+from fledge.models.engine_process import DriverProcess
 
 ENGINES = ("hf", "vllm", "sglang")  # hf = Fledge's in-process transformers harness only
 DRIVERS = {"vllm": "engine_vllm_driver.py"}
@@ -89,51 +89,33 @@ def draft_options(drafter_dir: Path, device_type: str) -> dict:
 
 def run_driver(engine: str, python: Path, request: dict, workdir: Path, timeout_s: float) -> dict:
     """Run the engine's driver on ``request`` in ``workdir`` (request.json, result.json and engine.log stay
-    there for inspection); returns the result dict with ``wall_s`` added. Raises EngineError on failure."""
-    workdir = Path(workdir).resolve()  # the driver runs in it: every path handed over is absolute
-    workdir.mkdir(parents=True, exist_ok=True)
-    req_path, res_path, log_path = workdir / "request.json", workdir / "result.json", workdir / "engine.log"
-    req_path.write_text(json.dumps(request))
-    res_path.unlink(missing_ok=True)
-    driver = Path(__file__).resolve().parent / DRIVERS[engine]
-    # -I: the driver's folder (this package) stays off sys.path and PYTHONPATH (Fledge's) is ignored, so the
-    # engine's python sees only its own packages.
-    cmd = [str(python), "-I", str(driver), str(req_path), str(res_path)]
-    t0 = time.perf_counter()
-    with open(log_path, "w", encoding="utf-8") as log:
-        try:
-            proc = subprocess.run(cmd, cwd=workdir, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
-                                  env=_engine_env())
-        except subprocess.TimeoutExpired:
-            raise EngineError(f"eval.engine={engine}: the engine did not finish within eval.engine_timeout_s="
-                              f"{timeout_s:g} s (log: {log_path}); raise it or lower eval.num_prompts") from None
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0 or not res_path.exists():
-        raise EngineError(f"eval.engine={engine}: the engine's driver exited with code {proc.returncode}; last "
-                          f"lines of {log_path}:\n{_tail(log_path)}\n({SETUP_HINT})")
-    result = json.loads(res_path.read_text())
+    there for inspection) as a process group of its own (models/engine_process.py), ended whole when it
+    is done or times out; returns the result dict with ``wall_s`` added. Raises EngineError on failure."""
+    proc = DriverProcess(python, Path(__file__).resolve().parent / DRIVERS[engine], workdir, request)
+    try:
+        code = proc.wait(timeout_s)
+        if code is None:
+            n = len(request.get("engines") or [])
+            raise EngineError(proc.timed_out(
+                f"eval.engine={engine}", "eval.engine_timeout_s", timeout_s,
+                f"the engine ({engine}, driver pid {proc.proc.pid}) did not finish its {n} configuration(s)",
+                "raise eval.engine_timeout_s, or lower eval.num_prompts / eval.max_new_tokens; if the log ends "
+                "while the engine loads, its start-up is what is slow (a large target's first load)"))
+        wall = proc.elapsed()
+    finally:  # an interrupted wait too: whatever the engine left running goes with it
+        proc.stop()
+    result = proc.result()
+    if code != 0 or result is None:
+        raise EngineError(f"eval.engine={engine}: the engine's driver exited with code {code}; last "
+                          f"lines of {proc.log_path}:\n{proc.tail(25)}\n({SETUP_HINT})")
     if "error" in result:
         err = result["error"]
         raise EngineError(f"eval.engine={engine}: vLLM failed in its {err['engine']!r} configuration: "
-                          f"{err['type']}: {err['message'][-1500:]} (full traceback in {res_path}). A drafter vLLM "
+                          f"{err['type']}: {err['message'][-1500:]} (full traceback in {proc.res_path}). A drafter vLLM "
                           "refuses to load usually has a config.json the engine reads differently: run `fledge lint "
                           "DIR --target TARGET` on the export")
     result["wall_s"] = wall
     return result
-
-
-def _engine_env() -> dict:
-    """Our environment minus torchrun's rendezvous variables: the engine is one process of its own, and
-    vLLM's workers would otherwise read RANK / WORLD_SIZE / MASTER_* meant for the eval's process group."""
-    drop = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
-            "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
-    return {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("TORCHELASTIC_")}
-
-
-def _tail(path: Path, lines: int = 25) -> str:
-    text = path.read_text(errors="replace").replace("\r", "\n").splitlines()
-    return "\n".join(x for x in text if x.strip())[-4000:] if len(text) <= lines else \
-        "\n".join(x for x in text[-lines:] if x.strip())
 
 
 def acceptance(counters: dict, k: int) -> dict:

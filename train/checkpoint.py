@@ -106,7 +106,26 @@ def to_universal(ckpt_dir: Path, tag: str, world: World) -> str:
                "--num_merge_workers", "1"]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
-            raise RuntimeError(f"ds_to_universal failed on {ckpt_dir / tag}:\n{res.stderr[-3000:]}")
+            raise ValueError(_conversion_failed(ckpt_dir, tag, world.world_size, res.stdout + res.stderr))
         (ckpt_dir / utag / "done").write_text("ok\n")
     world.barrier()
     return utag
+
+
+def _conversion_failed(ckpt_dir: Path, tag: str, world_size: int, output: str) -> str:
+    """The message for a checkpoint ds_to_universal could not convert (a damaged checkpoint, or one this
+    DeepSpeed cannot convert): what failed, where its output is, and the ways on that need no conversion.
+    The half-written conversion is removed; the checkpoint itself is left as it is."""
+    shutil.rmtree(ckpt_dir / f"{tag}_universal", ignore_errors=True)
+    log_path = ckpt_dir.parent / "ds_to_universal.log"
+    log_path.write_text(output)
+    saved = trainer_state(ckpt_dir, tag).get("world_size")
+    last = next((line.strip() for line in reversed(output.splitlines()) if line.strip()), "no output")
+    earlier = [p.name for p in sorted(ckpt_dir.glob("step_*")) if p.name < tag and not p.name.endswith("_universal")
+               and (p / "trainer.json").exists()]
+    ways = [f"resume on {saved} ranks, where no conversion is needed"]
+    if earlier:
+        ways.append(f"resume from the checkpoint before it by writing {earlier[-1]} into {ckpt_dir / 'latest'}")
+    ways.append("start training over with run.force=[train]")
+    return (f"train: DeepSpeed's ds_to_universal could not convert checkpoint {ckpt_dir / tag} (saved on {saved} "
+            f"ranks) for this world of {world_size}: {last} (its output: {log_path}). Either " + "; or ".join(ways))

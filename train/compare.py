@@ -47,7 +47,12 @@ def _f(x, d=2):
 
 
 def _ratio(a, b):
-    return a / b if b else float("nan")
+    """a / b, None where either is missing (a report writes an AL over no rounds as null) or b is 0."""
+    return a / b if a is not None and b else None
+
+
+def _minus(a, b):
+    return a - b if a is not None and b is not None else None
 
 
 def compare(r31: dict, r3: dict) -> dict:
@@ -130,8 +135,8 @@ def markdown(c: dict) -> str:
                      for o in (o31, o3)]
             lines.append(f"| {i + 1} | " + " | ".join(cells) + " |")
         lines.append(f"| AL | {_f(o31['offline_al'])} | {_f(o31['measured_al'])} | "
-                     f"{_f(o31['measured_al'] - o31['offline_al'])} | {_f(o3['offline_al'])} | "
-                     f"{_f(o3['measured_al'])} | {_f(o3['measured_al'] - o3['offline_al'])} |")
+                     f"{_f(_minus(o31['measured_al'], o31['offline_al']))} | {_f(o3['offline_al'])} | "
+                     f"{_f(o3['measured_al'])} | {_f(_minus(o3['measured_al'], o3['offline_al']))} |")
     d31, d3 = c["drift"][LABELS[0]], c["drift"][LABELS[1]]
     if d31 and d3 and "default" in d31 and "default" in d3:
         a, b = d31["default"], d3["default"]

@@ -136,10 +136,13 @@ def run_training(ctx: StageContext) -> dict:
                 log.warning("step %d skipped (no update): %s", step,
                             f"non-finite loss at global batch {here}" if here else "non-finite loss or gradient")
                 if nonfinite_run >= cfg.train.max_nonfinite:
-                    raise RuntimeError(
-                        f"{nonfinite_run} optimizer steps in a row skipped for non-finite losses or gradients, the "
-                        f"last at step {step} (global batches {positions} on rank {world.rank}); lower "
-                        "train.optim.lr or check the features of those batches")
+                    # The user's settings or data, not a bug: a ValueError is one line and exit code 2.
+                    raise ValueError(
+                        f"{nonfinite_run} optimizer steps in a row skipped for non-finite losses or gradients (limit "
+                        f"train.max_nonfinite={cfg.train.max_nonfinite}), the last at step {step} (global batches "
+                        f"{positions} on rank {world.rank}): training diverged. Lower train.optim.lr and start the "
+                        "stage over with run.force=[train]; if the loss was finite before, check the features of "
+                        "those batches")
             step += 1
             bar.update(1)
             if step % cfg.train.log_every == 0 or step == total:

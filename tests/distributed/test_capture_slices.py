@@ -93,3 +93,52 @@ def test_slices_then_merge_equal_a_plain_capture(tmp_path):
     assert len(FeatureStore(tmp_path / "b" / "capture" / "train")) == N
     plans = [FeatureLoader(tmp_path / r / "capture" / "train", 0, 2, 128, 2, seed=1).global_plan(0) for r in "ab"]
     assert plans[0] == plans[1]  # the training batch plan does not depend on how the store was written
+
+
+def test_a_broken_slice_is_one_line_whose_advice_merges(tmp_path):
+    """A slice whose rank indexes do not hold its samples exactly once (here: a shard listed twice) fails
+    the merge with one line naming that slice and how to redo it (run.force=[capture] is refused with
+    slices); following it, the merge completes."""
+    import shutil
+
+    _prepare(tmp_path)
+    task = ["run.stages=[capture]", "capture.num_slices=2"]
+    for i in (0, 1):
+        _run_here(tmp_path, "b", *task, f"capture.slice_index={i}")
+    index = tmp_path / "b" / "capture" / "train" / "slice00001" / "rank00000" / "index.json"
+    broken = json.loads(index.read_text())
+    broken["shards"].append(broken["shards"][0])
+    index.write_text(json.dumps(broken))
+
+    env = {k: v for k, v in os.environ.items() if k not in ("FLEDGE_DEBUG", "HYDRA_FULL_ERROR")}
+    res = subprocess.run([sys.executable, "-m", "fledge", "run", *_overrides(tmp_path, "b", *task)], cwd=REPO,
+                         env=dict(env, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-4000:]
+    assert len([ln for ln in res.stderr.splitlines() if ln.startswith("fledge: ")]) == 1, res.stderr
+    slice1 = tmp_path / "b" / "capture" / "train" / "slice00001"
+    for needle in ("slices 1 ", "duplicate", f"delete {slice1}", "sbatch --array=1 ", "capture.slice_index=1"):
+        assert needle in res.stderr, (needle, res.stderr)
+    assert "run.force=[capture]" not in res.stderr
+
+    shutil.rmtree(slice1)  # the advice: delete the slice's rank directories, rerun it, merge
+    _run_here(tmp_path, "b", *task, "capture.slice_index=1")
+    assert _run_here(tmp_path, "b", *task)["capture"]["complete"]
+    from fledge.data.feature_reader import FeatureStore
+
+    assert FeatureStore(tmp_path / "b" / "capture" / "train").sample_ids == list(range(N))
+
+    # A merged store's corrupt shard: the reader's advice names that slice (run.force is refused here too).
+    shard = slice1 / "rank00000" / "shard-00000.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-1] + b"x")
+    store = FeatureStore(tmp_path / "b" / "capture" / "train")
+    with pytest.raises(ValueError, match="sha256") as err:
+        [store[i] for i in range(len(store))]
+    advice = str(err.value)
+    assert f"delete {slice1} and {tmp_path / 'b' / 'capture' / 'manifest.json'}" in advice, advice
+    assert "capture.slice_index=1" in advice and "run.force" not in advice
+    shutil.rmtree(slice1)
+    (tmp_path / "b" / "capture" / "manifest.json").unlink()
+    _run_here(tmp_path, "b", *task, "capture.slice_index=1")
+    assert _run_here(tmp_path, "b", *task)["capture"]["complete"]
+    store = FeatureStore(tmp_path / "b" / "capture" / "train")
+    assert len([store[i] for i in range(len(store))]) == N

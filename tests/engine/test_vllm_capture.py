@@ -134,6 +134,57 @@ def test_drafters_trained_from_either_store_have_the_same_loss_curve(runs):
     assert a[(steps[-1], "loss_0")] < a[(steps[0], "loss_0")] - 0.5  # and it is a curve: the drafter learned
 
 
+def test_two_array_tasks_capture_through_vllm_at_once(tiny_target, tiny_data, tmp_path):
+    """Array capture with capture.engine=vllm: two slice tasks of one run directory at the same time, each
+    with its own engine and work directory (capture/engine/sliceNNNNN/rankNNNNN: the tasks share rank
+    numbers), then the merge. The merged store holds every prepared sample once, with its own tokens and
+    the target's own argmax on every token (the HF forward's; the engines agree on it, see above)."""
+    from datasets import load_from_disk
+    from transformers import AutoModelForCausalLM
+
+    ov = ["recipe=tiny", f"run.output_root={tmp_path}", f"target.name_or_path={tiny_target}",
+          f"data.sources=[{{path: {tiny_data}/train.jsonl, max_samples: 12}}]",
+          f"data.eval_sources=[{{path: {tiny_data}/eval.jsonl, max_samples: 4}}]", "capture.shard_size_mb=0.25",
+          "capture.batch_tokens=2048", "capture.engine=vllm", "capture.num_slices=2"]
+
+    def fledge(*extra):
+        return subprocess.Popen([sys.executable, "-m", "fledge", "run", *ov, *extra], cwd=ROOT, env=ENV,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def finished(proc):
+        out, _ = proc.communicate(timeout=1500)
+        assert proc.returncode == 0, out[-6000:]
+
+    finished(fledge("run.stages=[prepare]"))
+    tasks = [fledge("run.stages=[capture]", f"capture.slice_index={i}") for i in (0, 1)]
+    try:
+        for proc in tasks:
+            finished(proc)
+    finally:
+        for proc in tasks:
+            proc.kill()
+    run = tmp_path / "tiny"
+    ids = []
+    for i in (0, 1):
+        req = json.loads((run / "capture" / "engine" / f"slice{i:05d}" / "rank00000" / "request.json").read_text())
+        ids.append({s[0] for job in req["jobs"] if job["name"] == "train" for b in job["batches"] for s in b})
+    assert ids[0] and ids[1] and not ids[0] & ids[1]
+    finished(fledge("run.stages=[capture]"))  # the merge
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    for split in ("train", "eval"):
+        store = FeatureStore(run / "capture" / split, dtype=torch.float32)
+        prepared = load_from_disk(str(run / "prepare" / split))
+        assert store.manifest["indexes"] == ["slice00000/rank00000", "slice00001/rank00000"]
+        assert store.sample_ids == list(range(len(prepared)))
+        for i in range(len(store)):
+            got = store[i]
+            assert got["input_ids"].tolist() == prepared[i]["input_ids"], (split, i)
+            with torch.no_grad():
+                want = model(got["input_ids"][None]).logits[0].argmax(-1)
+            assert torch.equal(got["target_argmax"], want), (split, i)
+
+
 def _cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_text(errors="replace")

@@ -320,3 +320,40 @@ def test_heldout_accuracy_shows_flex_a_bounded_set_of_lengths(monkeypatch):
         acc, full_acc, rows = _per_sample_heldout(make_drafter(attention="sdpa"), frozen, samples, steps)
     assert got["rows"] == rows and min(rows) > 100
     assert got["acc"] == pytest.approx(acc, abs=1e-6) and got["full_acc"] == pytest.approx(full_acc, abs=1e-6)
+
+
+def _strict_json(path: Path):
+    """``path`` parsed the way jq, JavaScript and dashboards parse JSON: NaN / Infinity are refused."""
+    def refuse(name):
+        raise ValueError(f"{path}: {name} is not JSON")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def test_report_and_compare_are_strict_json_when_no_prompt_is_non_degenerate(run, tmp_path):
+    """A set with no non-degenerate prompt has no non-degenerate AL: report.json (and compare.json made from
+    two such reports) carry null there, never NaN, which strict parsers refuse."""
+    import fledge.train.compare as cmp
+    import fledge.train.evaluate as E
+
+    cfg = _eval_cfg(run)
+    cfg.eval.sets, cfg.eval.num_prompts, cfg.eval.temperature = ["default"], 2, 0.0
+    cfg.eval.degenerate_threshold = 1.01  # no output's distinct-3-gram ratio reaches it: every prompt degenerate
+    E.evaluate_run(cfg, run / "run", tmp_path / "r31" / "eval", run / "run/export/drafter", torch.device("cpu"))
+    report = _strict_json(tmp_path / "r31" / "eval" / "report.json")
+    s = report["sets"]["default"]
+    assert s["non_degenerate_prompts"] == 0 and s["drafter_non_degenerate"]["al"] is None
+    assert s["al_minus_lookup_non_degenerate"] is None and 1.0 <= s["drafter"]["al"] <= 4.0
+    rep3 = json.loads(json.dumps(report))
+    rep3["flags"] = {"fc_norm": False, "norm_output": False}
+    write_json_atomic(tmp_path / "r3" / "eval" / "report.json", rep3)
+    assert cmp.main([str(tmp_path / "r31"), str(tmp_path / "r3"), "--out", str(tmp_path / "out")]) == 0
+    c = _strict_json(tmp_path / "out" / "compare.json")
+    assert c["sets"]["default"]["al_ratio_non_degenerate"] is None and c["sets"]["default"]["al_ratio"] == 1.0
+    assert "| default |" in (tmp_path / "out" / "compare.md").read_text()
+
+
+def test_json_writer_writes_null_for_non_finite_numbers(tmp_path):
+    """Manifests, stores and reports all go through write_json_atomic: NaN and +-inf become null."""
+    write_json_atomic(tmp_path / "m.json", {"al": float("nan"), "gap": [1.5, float("inf")], "x": {"y": -float("inf")}})
+    assert _strict_json(tmp_path / "m.json") == {"al": None, "gap": [1.5, None], "x": {"y": None}}

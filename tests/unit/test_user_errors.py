@@ -66,3 +66,57 @@ def test_debug_shows_the_traceback(tmp_path, random_tiny_target, var):
     src.write_text("")
     res = fledge_run(tmp_path, *prepare_only(tmp_path, random_tiny_target, src), env={**ENV, var: "1"})
     assert res.returncode != 0 and "Traceback" in res.stderr and "no rows" in res.stderr
+
+
+@pytest.fixture(scope="module")
+def captured(tmp_path_factory, random_tiny_target, tiny_data):
+    """(dir, overrides) of a prepared and captured tiny run (random target, 16 conversations); tests copy it."""
+    root = tmp_path_factory.mktemp("captured")
+    ov = (f"target.name_or_path={random_tiny_target}", f"data.sources=[{{path: {tiny_data}/train.jsonl, max_samples: 16}}]",
+          f"data.eval_sources=[{{path: {tiny_data}/eval.jsonl, max_samples: 4}}]", "train.eval_every=100")
+    res = fledge_run(root, "run.stages=[prepare,capture]", *ov)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return root, ov
+
+
+def _copy_run(captured, tmp_path):
+    import shutil
+
+    shutil.copytree(captured[0] / "out", tmp_path / "out")
+    return tmp_path / "out" / "tiny"
+
+
+def test_diverged_training_is_one_line_whose_advice_trains(tmp_path, captured):
+    """max_nonfinite steps in a row skipped is the user's setting (the learning rate) or data, not a bug."""
+    _copy_run(captured, tmp_path)
+    ov = (*captured[1], "run.stages=[train]", "train.max_steps=3", "train.max_nonfinite=2",
+          "train.optim.warmup_steps=0", "train.optim.schedule=constant")
+    res = fledge_run(tmp_path, *ov, "train.optim.lr=1e30")  # step 1 sends the weights to 1e30: every loss after is NaN
+    assert_one_line(res, "2 optimizer steps in a row", "train.optim.lr", "run.force=[train]", "train.max_nonfinite")
+    res = fledge_run(tmp_path, *ov, "train.optim.lr=1e-4", "run.force=[train]")  # the advice
+    assert res.returncode == 0, res.stderr[-4000:]
+
+
+def test_failed_universal_conversion_is_one_line_whose_advice_resumes(tmp_path, captured):
+    """A checkpoint DeepSpeed cannot convert for another world size (here: saved on "2 ranks" and missing
+    its optimizer state) names the checkpoint, the world it was saved on and the ways on; the earlier
+    checkpoint the message names then resumes."""
+    import json
+
+    run = _copy_run(captured, tmp_path)
+    ov = (*captured[1], "run.stages=[train]", "train.max_steps=2", "train.save_every=1", "train.keep_last=2")
+    assert fledge_run(tmp_path, *ov).returncode == 0
+    ckpt = run / "train" / "checkpoints"
+    state = json.loads((ckpt / "step_00000002" / "trainer.json").read_text())
+    (ckpt / "step_00000002" / "trainer.json").write_text(json.dumps({**state, "world_size": 2}))
+    for f in (ckpt / "step_00000002").glob("*optim_states.pt"):
+        f.unlink()
+    manifest = json.loads((run / "train" / "manifest.json").read_text())  # as if killed after that checkpoint
+    (run / "train" / "manifest.json").write_text(json.dumps({**manifest, "complete": False}))
+    res = fledge_run(tmp_path, *ov)
+    assert_one_line(res, "step_00000002", "saved on 2 ranks", "run.force=[train]", "step_00000001", str(ckpt / "latest"))
+    assert not (ckpt / "step_00000002_universal").exists()  # nothing half-converted left behind
+    (ckpt / "latest").write_text("step_00000001")  # the advice: resume from the checkpoint before it
+    res = fledge_run(tmp_path, *ov)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert json.loads((ckpt / "step_00000002" / "trainer.json").read_text())["world_size"] == 1

@@ -1,0 +1,130 @@
+"""An engine driver run as a process group of its own, for the eval (models/engine_vllm_driver.py through
+models/serving_engine.py) and for capture (models/engine_capture_driver.py through data/engine_capture.py).
+
+The driver starts in a new session, so everything it starts (vLLM's EngineCore and, on GPUs, its worker
+processes, which hold the GPU memory) belongs to its process group. Ending the driver ends that group:
+SIGTERM, a bounded wait, then SIGKILL for whatever is left; killing only the driver's pid would leave
+the engine's processes running, holding their GPUs. The driver's files stay in its work directory for
+inspection: ``request.json`` (written here), ``result.json`` (the driver's), ``engine.log``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Optional
+
+GRACE_S = 10.0  # how long the engine's processes get to exit on SIGTERM before SIGKILL
+# torchrun's rendezvous variables: the engine is a process of its own, and vLLM's workers would otherwise
+# read RANK / WORLD_SIZE / MASTER_* meant for Fledge's process group.
+RENDEZVOUS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
+              "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+
+
+def engine_env() -> dict:
+    """Our environment minus torchrun's rendezvous variables."""
+    return {k: v for k, v in os.environ.items() if k not in RENDEZVOUS and not k.startswith("TORCHELASTIC_")}
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group ``pgid``, from /proc."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+class DriverProcess:
+    """``python -I DRIVER request.json result.json`` in ``workdir``, in a session of its own.
+
+    ``wait`` waits for the driver; ``stop`` ends its whole process group (call it after every run: an
+    engine that exited normally may leave a process still shutting down)."""
+
+    def __init__(self, python: Path, driver: Path, workdir: Path, request: dict):
+        self.workdir = Path(workdir).resolve()  # the driver runs in it: every path handed over is absolute
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.req_path, self.res_path = self.workdir / "request.json", self.workdir / "result.json"
+        self.log_path = self.workdir / "engine.log"
+        self.req_path.write_text(json.dumps(request))
+        self.res_path.unlink(missing_ok=True)
+        self._log = open(self.log_path, "w", encoding="utf-8")
+        self.started = time.monotonic()
+        # -I: the driver's folder (fledge/models, modules named like PyPI packages) stays off sys.path and
+        # Fledge's PYTHONPATH is ignored, so the engine's python sees only its own packages.
+        self.proc = subprocess.Popen([str(python), "-I", str(driver), str(self.req_path), str(self.res_path)],
+                                     cwd=self.workdir, stdout=self._log, stderr=subprocess.STDOUT, env=engine_env(),
+                                     start_new_session=True)
+
+    @property
+    def returncode(self) -> Optional[int]:
+        return self.proc.poll()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def wait(self, timeout_s: float) -> Optional[int]:
+        """The driver's exit code, or None when it is still running after ``timeout_s``."""
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self, grace_s: Optional[float] = None) -> int:
+        """End the driver's process group: SIGTERM, up to ``grace_s`` (GRACE_S) for it to exit, then
+        SIGKILL. Returns how many of its processes were still running."""
+        grace_s = GRACE_S if grace_s is None else grace_s
+        pgid = self.proc.pid  # the session leader's pid is the group's id
+        found = max(len(group_members(pgid)), int(self.proc.poll() is None))
+        if found:
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                self._signal(pgid, sig)
+                if self._gone(pgid, grace_s):
+                    break
+        self._log.close()
+        return found
+
+    def _gone(self, pgid: int, wait_s: float) -> bool:
+        """Whether the group has no live process left within ``wait_s`` (a killed process takes a moment)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            self.proc.poll()  # reap the driver, so it does not count as alive
+            if not group_members(pgid) and self.proc.returncode is not None:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+
+    @staticmethod
+    def _signal(pgid: int, sig: int) -> None:
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            pass
+
+    def result(self) -> Optional[dict]:
+        """The driver's result.json, if it wrote one."""
+        return json.loads(self.res_path.read_text()) if self.res_path.exists() else None
+
+    def tail(self, lines: int = 20) -> str:
+        """The last non-empty lines of the engine's log (progress bars' carriage returns as line breaks)."""
+        if not self._log.closed:
+            self._log.flush()
+        text = [x for x in self.log_path.read_text(errors="replace").replace("\r", "\n").splitlines() if x.strip()]
+        return "\n".join(text[-lines:])[-4000:]
+
+    def timed_out(self, what: str, key: str, timeout_s: float, doing: str, hints: str) -> str:
+        """End the engine and say what happened: which engine, how long, what it was doing, where its log
+        is, what to try."""
+        ended = self.stop()
+        return (f"{what}: {doing}; no progress for {key}={timeout_s:g} s ({self.elapsed():.0f} s after the engine "
+                f"started), so its {ended} processes were ended. Its log: {self.log_path}; last lines:\n"
+                f"{self.tail()}\nTry: {hints}")
