@@ -253,3 +253,18 @@ def test_export_reruns_when_what_it_reads_changes(tmp_path, calls, world):
     runner.run_stages(make_cfg(tmp_path, stages, "+target.config_overrides.rms_norm_eps=1e-6", "eval.draft_tokens=4"),
                       world, calls.fns)
     assert calls == []
+
+
+def test_new_library_versions_or_target_files_stop_too(tmp_path, calls, world, monkeypatch):
+    import transformers
+
+    runner.run_stages(make_cfg(tmp_path, "run.stages=[prepare]"), world, calls.fns)
+    was = transformers.__version__
+    monkeypatch.setattr(transformers, "__version__", "99.0.0")
+    with pytest.raises(ValueError, match=rf"^prepare: .*versions.transformers: {was} -> 99.0.0"):
+        runner.run_stages(make_cfg(tmp_path, "run.stages=[prepare]"), world, calls.fns)
+    monkeypatch.undo()
+    (tmp_path / "config.json").write_text("{}")  # the target directory (make_cfg) gains a file
+    with pytest.raises(ValueError, match=r"^prepare: .*the target's files \(target.name_or_path\): \w+ -> \w+"):
+        runner.run_stages(make_cfg(tmp_path, "run.stages=[prepare]"), world, calls.fns)
+    assert calls == ["prepare"]
