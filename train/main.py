@@ -78,6 +78,7 @@ def main(dcfg: DictConfig) -> None:
     from fledge.models.layers import check_layer_format
     from fledge.train.loss import check_loss_name
     from fledge.train.stages import check_publish
+    from fledge.train.runner import Refused
     from fledge.train.trainer import PREEMPTED_EXIT_CODE, Preempted
 
     try:
@@ -102,7 +103,7 @@ def main(dcfg: DictConfig) -> None:
     except USER_ERRORS as e:
         if debugging():
             raise
-        user_error(e)
+        user_error(e, all_ranks_agree=isinstance(e, Refused))
 
 
 def check_overrides(argv: list[str]) -> None:

@@ -77,6 +77,10 @@ class StageContext:
         return self.run_dir / stage
 
 
+class Refused(ValueError):
+    """The run cannot go on as configured (one line, the same on every rank: rank 0 decided)."""
+
+
 def _always_done(manifest: dict, cfg: Config) -> bool:
     return True
 
@@ -175,8 +179,18 @@ def run_stages(cfg: Config, world: World, stages: dict[str, Stage]) -> dict[str,
     of every stage that is complete and current, each with ``action``: what this command did with it."""
     run_dir = Path(cfg.run.output_root) / cfg.run.name
     check_target_path(cfg.target.name_or_path)
-    old = {s: read_json(run_dir / s / "manifest.json") for s in STAGES}
-    plans = plan_stages(cfg, world.world_size, stages, old)
+    # Rank 0 reads the manifests and decides for all, before any is written; its refusal reaches every rank.
+    decided: dict[str, Any] = {}
+    if world.is_main:
+        old = {s: read_json(run_dir / s / "manifest.json") for s in STAGES}
+        try:
+            decided = {"old": old, "plans": plan_stages(cfg, world.world_size, stages, old)}
+        except ValueError as e:
+            decided = {"error": str(e)}
+    decided = broadcast_object(decided)
+    if "error" in decided:
+        raise Refused(decided["error"])
+    old, plans = decided["old"], decided["plans"]
     manifests: dict[str, dict] = {}  # the complete manifests later stages read
     result: dict[str, dict] = {}
     for stage, plan in plans.items():

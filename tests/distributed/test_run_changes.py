@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,9 +30,11 @@ SMALL = ["drafter.ttt_steps=2", "drafter.draft_vocab_size=1024", "train.micro_ba
          "data.perturb.fraction=0"]
 
 
-def fledge(run, *overrides: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+def fledge(run, *overrides: str, env: dict | None = None, nproc: int = 1, timeout: int = 600
+           ) -> subprocess.CompletedProcess:
     out, target, data = run
-    cmd = [sys.executable, "train/main.py", "recipe=tiny", f"target.name_or_path={target}", f"run.output_root={out}",
+    launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
+    cmd = [sys.executable, *launch, "train/main.py", "recipe=tiny", f"target.name_or_path={target}", f"run.output_root={out}",
            "run.name=changes", f"data.sources.0.path={data}/train.jsonl", "data.sources.0.max_samples=60",
            f"data.eval_sources.0.path={data}/eval.jsonl", "data.eval_sources.0.max_samples=8", *SMALL, *overrides]
     return subprocess.run(cmd, cwd=ROOT, env=env or ENV, capture_output=True, text=True, timeout=timeout)
@@ -46,10 +49,11 @@ def manifest(run, stage: str) -> dict:
     return json.loads((run[0] / "changes" / stage / "manifest.json").read_text())
 
 
-def user_error(res: subprocess.CompletedProcess) -> str:
-    """The one line a user error prints (exit code 2, no traceback)."""
-    assert res.returncode == 2, res.stdout[-3000:] + res.stderr[-5000:]
-    assert "Traceback" not in res.stderr, res.stderr[-5000:]
+def user_error(res: subprocess.CompletedProcess, rc: int = 2) -> str:
+    """The one line a user error prints (exit code 2, no traceback from Fledge's code; torchrun exits 1 for its
+    ranks' 2 and prints its own ChildFailedError traceback)."""
+    assert res.returncode == rc, res.stdout[-3000:] + res.stderr[-5000:]
+    assert not re.search(r'File "[^"]*/(train|data|models|conf|fledge)/', res.stderr), res.stderr[-5000:]
     lines = [x for x in res.stderr.splitlines() if x.startswith("fledge: ")]
     assert len(lines) == 1, res.stderr[-3000:]
     return lines[0]
@@ -115,6 +119,13 @@ def test_other_changes_stop_before_anything_runs(run, overrides, said):
     line = user_error(fledge(run, "train.max_steps=6", *overrides))
     assert said in line, line
     assert checkpoints(run) == before and sorted(p.name for p in (run[0] / "changes" / "capture").rglob("*")) == store
+
+
+def test_another_world_size_that_changes_the_global_batch_stops_on_every_rank_with_one_line(run):
+    before = checkpoints(run)
+    line = user_error(fledge(run, "train.max_steps=6", nproc=2), rc=1)
+    assert "train: its inputs changed since it ran (global batch (train.grad_accum x data-parallel ranks" in line
+    assert ": 1 -> 2)" in line and checkpoints(run) == before
 
 
 def test_cadence_keys_continue(run):
