@@ -280,7 +280,8 @@ def _plan(cfg: Config, stage: str, spec: Stage, m: Optional[dict], inputs: dict,
         return _Plan("start over", inputs, h, f"run.force=[{stage}]")
     if not m:
         return _Plan("run", inputs, h)
-    changes = describe_changes(m, inputs, h, read, cfg.run.force)
+    same = (h, hash_before_layout_keys(cfg, inputs)) if "inputs" not in m else (h,)
+    changes = describe_changes(m, inputs, h, read, cfg.run.force, same)
     if changes:
         if spec.rebuild:
             return _Plan("start over", inputs, h, f"inputs changed ({changes})")
@@ -295,9 +296,11 @@ def _plan(cfg: Config, stage: str, spec: Stage, m: Optional[dict], inputs: dict,
     return _Plan("resume", inputs, h, "complete, and this config asks for more: running it again over its output")
 
 
-def describe_changes(m: dict, inputs: dict, h: str, read: dict[str, Optional[str]], force: list[str]) -> str:
+def describe_changes(m: dict, inputs: dict, h: str, read: dict[str, Optional[str]], force: list[str],
+                     same: tuple[str, ...] = ()) -> str:
     """What differs between a stage's manifest and its inputs now, as 'what: old -> new; ...' ("" if nothing):
-    upstream outputs made by this command or replaced since, then changed config keys, versions, target."""
+    upstream outputs made by this command or replaced since, then changed config keys, versions, target.
+    ``same``: the hashes that count as unchanged inputs (default: ``h``)."""
     out, replaced = [], set()
     for stage, now in read.items():
         if now is NEW:
@@ -307,15 +310,26 @@ def describe_changes(m: dict, inputs: dict, h: str, read: dict[str, Optional[str
         else:
             continue
         replaced.add(f"upstream.{stage}")
-    if m.get("inputs_hash") != h:
+    if m.get("inputs_hash") not in (same or (h,)):
         if "inputs" not in m:  # written before manifests kept their inputs
-            out.append(f"its manifest, from an older Fledge, keeps only their hash ({m.get('inputs_hash')} -> {h}), "
-                       "not what they were")
+            out.append(f"its manifest, from an older Fledge, keeps only a hash of them ({m.get('inputs_hash')} -> "
+                       f"{h}): the config, a library version or what Fledge counts as an input changed")
         else:
             was, now_ = dict(_flatten(m["inputs"])), dict(_flatten(json.loads(json.dumps(inputs, default=str))))
             out += [f"{_key_name(k)}: {_short(was.get(k, '(absent)'))} -> {_short(now_.get(k, '(absent)'))}"
                     for k in sorted(was.keys() | now_.keys()) if was.get(k) != now_.get(k) and k not in replaced]
     return "; ".join(out)
+
+
+def hash_before_layout_keys(cfg: Config, inputs: dict) -> str:
+    """The hash a train stage's manifest got before LAYOUT_KEYS existed (grad_accum was cadence then,
+    sequence_parallel an input, the global batch not one), so that a train run from then trains on."""
+    if inputs["stage"] != "train":
+        return ""
+    c = inputs["config"]
+    train = {**c["train"], "sequence_parallel": cfg.train.sequence_parallel}
+    return digest({**inputs, "config": {"drafter": c["drafter"], "train": train, "deepspeed": c["deepspeed"],
+                                        "capture_mode": c["capture"]["mode"], "seed": c["run"]["seed"]}})
 
 
 def _flatten(d: dict, prefix: str = ""):

@@ -60,9 +60,11 @@ def trained_enough(manifest: dict, cfg: Config) -> bool:
     from fledge.train.trainer import planned_steps
 
     out = manifest.get("outputs") or {}
-    if "global_batches_per_epoch" not in out:  # written before train recorded it: done, as it was then
-        return True
-    asked, done = planned_steps(cfg, out["global_batches_per_epoch"], out["global_batches_per_step"]), int(out["steps"])
+    done = int(out.get("steps", 0))
+    if "global_batches_per_epoch" in out:
+        asked = planned_steps(cfg, out["global_batches_per_epoch"], out["global_batches_per_step"])
+    else:  # recorded before train kept its epoch's size: train.max_steps can be compared, train.epochs not
+        asked = cfg.train.max_steps or done
     if asked < done:
         how = f"train.max_steps={cfg.train.max_steps}" if cfg.train.max_steps else \
             f"train.max_steps=0 and train.epochs={cfg.train.epochs}"

@@ -145,7 +145,7 @@ def test_an_older_manifest_gets_a_message_too(tmp_path, calls, world):
     calls.clear()
     runner.run_stages(make_cfg(tmp_path, "run.stages=[prepare,capture]"), world, calls.fns)
     assert calls == []  # the same hash: up to date, as before
-    with pytest.raises(ValueError, match=r"^capture: .*an older Fledge, keeps only their hash.*run.force=\[capture\]"):
+    with pytest.raises(ValueError, match=r"^capture: .*an older Fledge, keeps only a hash of them.*run.force=\[capture\]"):
         runner.run_stages(make_cfg(tmp_path, "run.stages=[prepare,capture]", "capture.dtype=fp8"), world, calls.fns)
 
 
@@ -253,6 +253,33 @@ def test_export_reruns_when_what_it_reads_changes(tmp_path, calls, world):
     runner.run_stages(make_cfg(tmp_path, stages, "+target.config_overrides.rms_norm_eps=1e-6", "eval.draft_tokens=4"),
                       world, calls.fns)
     assert calls == []
+
+
+def test_a_train_stage_from_before_layout_keys_trains_on(tmp_path, calls, world, monkeypatch):
+    """A train manifest written before manifests kept their inputs (and before train.sequence_parallel and
+    grad_accum became layout) holds the hash of the old slice: it still counts as the same inputs, so a run
+    in flight trains on after an upgrade, and a raised train.max_steps is seen."""
+    import transformers
+
+    monkeypatch.setattr(torch, "__version__", "2.13.0")
+    monkeypatch.setattr(transformers, "__version__", "5.23.0")
+    cfg = compose(["recipe=tiny", "target.name_or_path=org/target", "train.sequence_parallel=2", "train.grad_accum=4"])
+    inputs = runner.stage_inputs(cfg, "train", {"prepare": "p", "capture": "c"}, 2)
+    assert runner.hash_before_layout_keys(cfg, inputs) == "563a1042c08922d719fe"  # what that runner wrote
+    monkeypatch.undo()
+
+    runner.run_stages(make_cfg(tmp_path, "run.stages=[prepare,capture,train]"), world, calls.fns)
+    path = tmp_path / "tiny" / "train" / "manifest.json"
+    m = json.loads(path.read_text())
+    cfg = make_cfg(tmp_path, "run.stages=[prepare,capture,train]")
+    path.write_text(json.dumps({"stage": "train", "complete": True, "outputs": {"steps": 200},
+                                "inputs_hash": runner.hash_before_layout_keys(cfg, m["inputs"])}))
+    calls.clear()
+    runner.run_stages(cfg, world, calls.fns)
+    assert calls == []
+    runner.run_stages(make_cfg(tmp_path, "run.stages=[prepare,capture,train]", "train.max_steps=300"), world,
+                      calls.fns)
+    assert calls == ["train"]
 
 
 def test_new_library_versions_or_target_files_stop_too(tmp_path, calls, world, monkeypatch):
