@@ -77,8 +77,8 @@ def main(dcfg: DictConfig) -> None:
     from fledge.models.dialects import get_dialect
     from fledge.models.layers import check_layer_format
     from fledge.train.loss import check_loss_name
-    from fledge.train.stages import check_publish
     from fledge.train.runner import Refused
+    from fledge.train.stages import check_publish
     from fledge.train.trainer import PREEMPTED_EXIT_CODE, Preempted
 
     try:
