@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from fledge.conf.drafter_rules import drafter_problems, raise_problems
 
-STAGES = ("prepare", "capture", "train", "export", "eval")
+STAGES = ("prepare", "capture", "train", "export", "eval", "publish")  # publish: export.push_to_hub
 
 
 @dataclass
@@ -172,6 +172,7 @@ class ExportConfig:
     checkpoint: str = "best"  # best | last | a path
     format: str = "hf"  # an export dialect (fledge/models/dialects.py): hf | speculators | sglang
     max_shard_size: str = "5GB"
+    # The publish stage (after eval) pushes the export with a card of that eval; token from HF_TOKEN only.
     push_to_hub: bool = False
     repo_id: Optional[str] = None
     private: bool = True

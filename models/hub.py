@@ -1,6 +1,8 @@
 """Publish an exported drafter to the Hugging Face Hub with a generated model card.
 
-The token comes from ``HF_TOKEN`` (or huggingface_hub's own login) and is never printed or logged. An
+The pipeline's publish stage (train/stages.py, after eval) and ``fledge push`` call :func:`push_to_hub`;
+the card's acceptance figures come only from an eval of the very export pushed. The token comes from
+``HF_TOKEN`` (``fledge push`` also takes huggingface_hub's own login) and is never printed or logged. An
 export that fails the linter is refused. Transient failures (HTTP 5xx / 429, connection errors and
 timeouts) are retried with exponential backoff; other errors (401, 403, 404, ...) are raised at once.
 """
@@ -58,15 +60,29 @@ def with_retries(fn: Callable[[], T], what: str, attempts: int = 5, base_delay: 
 # ------------------------------------------------------------------------------------------ model card
 
 
-def _eval_results(run_dir: Path | None) -> tuple[dict | None, list[Path]]:
-    """The eval stage's summary (from its manifest) and its plots, when the run has them."""
+def _eval_results(run_dir: Path | None, drafter_dir: Path) -> tuple[dict | None, list[Path]]:
+    """The eval stage's summary (from its manifest) and its plots, only when that eval measured this very
+    export: complete, of ``drafter_dir`` (its report names it), and not older than the export it read (the
+    runner's manifests record the id of each output a stage read; an export re-run since replaced it)."""
     if run_dir is None:
         return None, []
     eval_dir = Path(run_dir) / "eval"
     manifest = read_json(eval_dir / "manifest.json") or {}
-    outputs = manifest.get("outputs") if manifest.get("complete") else None
-    plots = sorted(p for p in eval_dir.rglob("*") if p.suffix in PLOT_SUFFIXES) if eval_dir.is_dir() else []
-    return outputs, plots
+    if not manifest.get("complete"):
+        return None, []
+    measured = (read_json(eval_dir / "report.json") or {}).get("drafter")
+    export = read_json(Path(run_dir) / "export" / "manifest.json") or {}
+    read = manifest.get("read") or {}
+    if measured and Path(measured).resolve() != Path(drafter_dir).resolve():
+        why = f"it measured {measured}"
+    elif "export" in read and read["export"] != export.get("output_id", ""):
+        why = "the export was made again after it"
+    else:
+        plots = sorted(p for p in eval_dir.rglob("*") if p.suffix in PLOT_SUFFIXES)
+        return manifest.get("outputs"), plots
+    log.warning("model card: no acceptance figures: the eval in %s is not of %s (%s); run the eval stage on it",
+                eval_dir, drafter_dir, why)
+    return None, []
 
 
 def _al_table(outputs: dict) -> str:
@@ -104,7 +120,7 @@ def build_model_card(drafter_dir: str | Path, repo_id: str, run_dir: str | Path 
         base_model=target if "/" in target and not Path(target).exists() else None,
         library_name="fledge", tags=["speculative-decoding", "eagle3", "drafter", flavour.lower()],
         datasets=datasets or None, pipeline_tag="text-generation")
-    outputs, plots = _eval_results(Path(run_dir) if run_dir else None)
+    outputs, plots = _eval_results(Path(run_dir) if run_dir else None, d)
     parts = [
         f"# {repo_id.split('/')[-1]}\n",
         f"An {flavour} speculative-decoding drafter for **{target}**, trained with Fledge. It proposes "
@@ -121,7 +137,7 @@ def build_model_card(drafter_dir: str | Path, repo_id: str, run_dir: str | Path 
     ]
     table = _al_table(outputs) if outputs else ""
     parts.append(table + "\n" if table else "No eval-stage results were found for this export.\n")
-    engine = engine_section(Path(run_dir) if run_dir else None, repo_id)  # eval.engine=vllm: what vLLM measured
+    engine = engine_section(Path(run_dir), repo_id) if outputs else ""  # eval.engine=vllm: what vLLM measured
     parts += ["## Measured by the serving engine\n", engine, sglang_note() + "\n"] if engine else []
     parts += [f"![{p.stem}]({plot_prefix}/{p.name})" for p in plots]
     if record.get("metrics"):

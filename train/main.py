@@ -39,8 +39,13 @@ def run(cfg: Config) -> dict:
     if world.is_main:
         for stage, m in manifests.items():
             summary = ", ".join(f"{k}={v}" for k, v in (m.get("outputs") or {}).items() if not isinstance(v, (dict, list)))
-            log.info("%-8s %s", stage, summary or "done")
+            log.info("%-8s [%s] %s", stage, ACTIONS.get(m.get("action"), m.get("action")), summary or "done")
     return manifests
+
+
+# What this command did with each stage (train/runner.py's plan), as the closing summary says it.
+ACTIONS = {"use": "kept, not selected", "skip": "up to date", "run": "ran", "resume": "ran on from its own output",
+           "start over": "started over"}
 
 
 # Fledge raises ValueError (DataError is one) for bad input and config, with the file, line or key and the
@@ -72,6 +77,8 @@ def main(dcfg: DictConfig) -> None:
     from fledge.models.dialects import check_export_format
     from fledge.models.layers import check_layer_format
     from fledge.train.loss import check_loss_name
+    from fledge.train.runner import Refused
+    from fledge.train.stages import check_publish
     from fledge.train.trainer import PREEMPTED_EXIT_CODE, Preempted
 
     try:
@@ -83,6 +90,7 @@ def main(dcfg: DictConfig) -> None:
         check_layer_format(cfg.drafter.layer, cfg.export.format)
         if "train" in cfg.run.stages:  # before any stage runs, not after hours of capture
             check_sequence_parallel(int(os.environ.get("WORLD_SIZE", "1")), cfg.train.sequence_parallel)
+        check_publish(cfg)  # a missing token stops the command now, not after training
     except ValueError as e:
         if debugging():
             raise
@@ -95,7 +103,7 @@ def main(dcfg: DictConfig) -> None:
     except USER_ERRORS as e:
         if debugging():
             raise
-        user_error(e)
+        user_error(e, all_ranks_agree=isinstance(e, Refused))
 
 
 def check_overrides(argv: list[str]) -> None:

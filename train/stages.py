@@ -1,20 +1,23 @@
-"""The five pipeline stages, each an ordinary function of a typed :class:`StageContext`.
+"""The six pipeline stages, each an ordinary function of a typed :class:`StageContext`.
 
 A stage here is glue only: it reads what it needs from the context (config, world, run and stage
 directories, upstream manifests), decides which ranks work, and calls the library that owns the work
-(``fledge.data.prepare``, ``fledge.data.capture``, the trainer, ``fledge.models.export``, the evaluator).
-The runner (train/runner.py) orders them, hashes their inputs and records their manifests.
+(``fledge.data.prepare``, ``fledge.data.capture``, the trainer, ``fledge.models.export``, the evaluator,
+``fledge.models.hub``). The runner (train/runner.py) orders them, hashes their inputs and records their
+manifests; ``STAGES`` tells it which outputs are rebuilt on a change (export, eval, publish) and when a
+complete train stage is not done (a longer run asked).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any, Callable
 
 from fledge.conf.schema import Config
 from fledge.distributed import broadcast_object
-from fledge.train.runner import StageContext
+from fledge.train.runner import Stage, StageContext
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +53,31 @@ def train(ctx: StageContext) -> dict:
     return run_training(ctx)
 
 
+def trained_enough(manifest: dict, cfg: Config) -> bool:
+    """Whether a complete train stage reached the steps ``cfg`` asks for. More asked: False, and the runner
+    runs it again, training on from its last checkpoint (export, eval and publish then rebuild on it).
+    Fewer asked than trained: a ValueError, since a run does not train backwards."""
+    from fledge.train.trainer import planned_steps
+
+    out = manifest.get("outputs") or {}
+    done = int(out.get("steps", 0))
+    if "global_batches_per_epoch" in out:
+        asked = planned_steps(cfg, out["global_batches_per_epoch"], out["global_batches_per_step"])
+    else:  # recorded before train kept its epoch's size: train.max_steps can be compared, train.epochs not
+        asked = cfg.train.max_steps or done
+    if asked < done:
+        how = f"train.max_steps={cfg.train.max_steps}" if cfg.train.max_steps else \
+            f"train.max_steps=0 and train.epochs={cfg.train.epochs}"
+        raise ValueError(f"train: this run has trained {done} steps and {how} asks for {asked}; a run does not "
+                         "train backwards: run.force=[train] starts train over (deleting its checkpoints), or a new "
+                         "run.name trains the shorter run beside this one")
+    return asked == done
+
+
 def export(ctx: StageContext) -> dict:
-    """Checkpoint -> serving directory, linted, optionally pushed (rank 0 works; its outcome, summary or
-    error, reaches every rank so none waits on a failed one)."""
-    return _on_main(ctx, lambda: _export(ctx.cfg, ctx.run_dir, ctx.stage_dir / "drafter", checkpoint_of(ctx)))
+    """Checkpoint -> serving directory, linted (rank 0 works; its outcome, summary or error, reaches every
+    rank so none waits on a failed one)."""
+    return _on_main(ctx, lambda: _export(ctx.cfg, ctx.stage_dir / "drafter", checkpoint_of(ctx)))
 
 
 def evaluate(ctx: StageContext) -> dict:
@@ -63,6 +87,40 @@ def evaluate(ctx: StageContext) -> dict:
 
     return _on_main(ctx, lambda: evaluate_run(ctx.cfg, ctx.run_dir, ctx.stage_dir, drafter_dir_of(ctx),
                                               ctx.world.device))
+
+
+def publish(ctx: StageContext) -> dict:
+    """With export.push_to_hub: push the export and a model card of this run's own eval to the Hub (rank 0;
+    after eval, so the card carries what was measured). Without: nothing."""
+    if not ctx.cfg.export.push_to_hub:
+        return {"pushed": False}
+    return _on_main(ctx, lambda: _publish(ctx))
+
+
+def check_publish(cfg: Config) -> None:
+    """Before any stage runs: a run that will publish needs a token in HF_TOKEN and the Hub reachable."""
+    if not (cfg.export.push_to_hub and "publish" in cfg.run.stages):
+        return
+    import huggingface_hub.constants
+
+    if not os.environ.get("HF_TOKEN"):
+        raise ValueError("export.push_to_hub=true: the publish stage reads the Hub token from HF_TOKEN only, and "
+                         "it is not set; export HF_TOKEN (a write token), or set export.push_to_hub=false")
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        raise ValueError("export.push_to_hub=true with HF_HUB_OFFLINE=1: publishing needs the Hub; unset "
+                         "HF_HUB_OFFLINE for this command, or set export.push_to_hub=false")
+
+
+def _publish(ctx: StageContext) -> dict:
+    from fledge.models.export import load_target_config
+    from fledge.models.hub import push_to_hub
+
+    cfg = ctx.cfg
+    check_publish(cfg)  # the token may have gone since the command started
+    url = push_to_hub(drafter_dir_of(ctx), cfg.export.repo_id, private=cfg.export.private, run_dir=ctx.run_dir,
+                      target_config=load_target_config(cfg.target), speculative_tokens=cfg.eval.draft_tokens,
+                      token=os.environ["HF_TOKEN"])
+    return {"pushed": True, "repo_id": cfg.export.repo_id, "private": cfg.export.private, "hub_url": url}
 
 
 def _on_main(ctx: StageContext, work: Callable[[], dict]) -> dict:
@@ -80,7 +138,7 @@ def _on_main(ctx: StageContext, work: Callable[[], dict]) -> dict:
     return result["summary"]
 
 
-def _export(cfg: Config, run_dir: Path, out: Path, ckpt: Path) -> dict:
+def _export(cfg: Config, out: Path, ckpt: Path) -> dict:
     from fledge.models.export import export_checkpoint, load_target_config
     from fledge.models.lint import format_findings, lint_drafter
 
@@ -97,16 +155,13 @@ def _export(cfg: Config, run_dir: Path, out: Path, ckpt: Path) -> dict:
     if n_err:
         raise ValueError(f"export: the drafter in {out} fails the linter with {n_err} error(s) (logged above); "
                          "fix them (or set export.lint=false to keep it unpublished)")
-    if cfg.export.push_to_hub:
-        from fledge.models.hub import push_to_hub
-
-        summary["hub_url"] = push_to_hub(out, cfg.export.repo_id, private=cfg.export.private, run_dir=run_dir,
-                                         target_config=target, speculative_tokens=cfg.eval.draft_tokens)
     return summary
 
 
-STAGES: dict[str, Callable[[StageContext], dict]] = {
-    "prepare": prepare, "capture": capture, "train": train, "export": export, "eval": evaluate}
+STAGES: dict[str, Stage] = {
+    "prepare": Stage(prepare), "capture": Stage(capture), "train": Stage(train, done=trained_enough),
+    "export": Stage(export, rebuild=True), "eval": Stage(evaluate, rebuild=True),
+    "publish": Stage(publish, rebuild=True)}
 
 
 def checkpoint_of(ctx: StageContext) -> Path:

@@ -25,8 +25,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional, Union
 
+from fledge.conf.schema import STAGES
+
 SLURM_DIR = Path(__file__).resolve().parent / "slurm"  # the templates ship with the package
-ALL_STAGES = "[prepare,capture,train,export,eval]"
+ALL_STAGES = "[" + ",".join(STAGES) + "]"  # publish does nothing without export.push_to_hub
 
 
 @dataclass(frozen=True)

@@ -75,7 +75,7 @@ def run_training(ctx: StageContext) -> dict:
     # a sequence-parallel group is one data-parallel rank: the global batch plan is the same as without it
     train_data, eval_data = build_loaders(cfg, ctx, dtype, groups.dp_rank, groups.dp_size)
     per_step = cfg.train.grad_accum * groups.dp_size
-    total = cfg.train.max_steps or max(1, cfg.train.epochs * train_data.global_batches_per_epoch // per_step)
+    total = planned_steps(cfg, train_data.global_batches_per_epoch, per_step)
 
     ckpt_dir = ctx.stage_dir / "checkpoints"
     tag = checkpoint.latest_tag(ckpt_dir)
@@ -182,7 +182,13 @@ def run_training(ctx: StageContext) -> dict:
             metrics_log.close()
     best = ctx.stage_dir / "best"
     return {"steps": step, "last": str(last_drafter_dir), "best": str(best if best.exists() else last_drafter_dir),
-            "best_step": state["best_step"], "best_al_estimate": state["best_al"], "skipped_steps": skipped}
+            "best_step": state["best_step"], "best_al_estimate": state["best_al"], "skipped_steps": skipped,
+            "global_batches_per_epoch": train_data.global_batches_per_epoch, "global_batches_per_step": per_step}
+
+
+def planned_steps(cfg: Config, global_batches_per_epoch: int, global_batches_per_step: int) -> int:
+    """The optimizer steps a config asks for: train.max_steps, else train.epochs over the data."""
+    return cfg.train.max_steps or max(1, cfg.train.epochs * global_batches_per_epoch // global_batches_per_step)
 
 
 @torch.no_grad()

@@ -38,6 +38,7 @@ OVERRIDES = ["train.max_steps=3", "train.save_every=3", "train.eval_every=3", "t
              "data.perturb.eval_split=false"]
 # Keys that legitimately differ between two runs of the same thing.
 VOLATILE = ("seconds", "pid", "started", "time", "per_s", "per_sec", "throughput", "host", "output_root")
+IDS = ("output_id", "read")  # manifest keys holding the runner's random output ids (train/runner.py)
 
 
 def _free_port() -> int:
@@ -99,7 +100,7 @@ def _run_two_nodes_one_rank(root: Path, stages: list[str], inputs: list[str], tm
 def _stable(obj):
     """Drop volatile keys recursively so two runs' manifests can be compared."""
     if isinstance(obj, dict):
-        return {k: _stable(v) for k, v in obj.items() if not any(s in k for s in VOLATILE)}
+        return {k: _stable(v) for k, v in obj.items() if not any(s in k for s in VOLATILE) and k not in IDS}
     if isinstance(obj, list):
         return [_stable(v) for v in obj]
     return obj

@@ -124,7 +124,8 @@ def test_preempted_two_ranks_resume_on_one(base, reference, zero):
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode != 0, out[-3000:]
     assert "preempted" in out, out[-3000:]
-    run(main_cmd(1) + args + ["train.grad_accum=2"])  # same global batch on half the ranks
+    res = run(main_cmd(1) + args + ["train.grad_accum=2"])  # same global batch on half the ranks
+    assert "resumed from step_" in res.stdout + res.stderr
     got = losses(base, f"moved_{zero}")
     assert len(got) == STEPS
     for a, b in zip(got, reference):
@@ -232,8 +233,10 @@ def test_sequence_parallel_trains_like_data_parallel_and_resumes(base, reference
     assert len(losses(base, "sp2")) < STEPS
     moved = new_run(base, "sp_moved") + ["deepspeed=zero2", "train.grad_accum=2"]
     shutil.copytree(base[0] / "sp2" / "train", base[0] / "sp_moved" / "train")
-    run(main_cmd(2) + args)  # same world, sp=2
-    run(main_cmd(1) + moved)  # universal checkpoint, sp=1
+    resumed = {"sp2": run(main_cmd(2) + args),  # same world, sp=2
+               "sp_moved": run(main_cmd(1) + moved)}  # universal checkpoint, sp=1: a layout change, not an input
+    for name, res in resumed.items():
+        assert "resumed from step_" in res.stdout + res.stderr, name  # trained on, not started over
     for name in ("sp2", "sp_moved"):
         got = losses(base, name)
         assert len(got) == STEPS, name

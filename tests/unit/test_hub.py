@@ -1,55 +1,17 @@
 """Hub upload against a local stub of the Hub API (127.0.0.1): what would be uploaded, retries, refusal."""
 
-import base64
 import json
 import logging
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from conftest import CARD_SPEC as SPEC, CARD_TARGET as TARGET, random_state_dict
+from hub_stub import Stub, commit_files, serve
 from fledge.models.export import training_record, write_drafter
 from fledge.models.hub import build_model_card, push_to_hub
 from fledge.models.serving_config import serving_config
 
 TOKEN = "hf_secret_token_for_the_stub"
-
-
-class Stub(BaseHTTPRequestHandler):
-    calls: list = []
-    fail_commits = 0
-
-    def log_message(self, *args):
-        pass
-
-    def _reply(self, code, obj):
-        body = json.dumps(obj).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def do_POST(self):
-        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        Stub.calls.append((self.path, self.headers.get("authorization"), body))
-        if self.path == "/api/repos/create":
-            base = f"http://127.0.0.1:{self.server.server_port}"
-            return self._reply(200, {"url": f"{base}/org/drafter", "name": "org/drafter"})
-        if self.path == "/api/validate-yaml":
-            return self._reply(200, {})
-        if "/preupload/" in self.path:
-            files = json.loads(body)["files"]
-            return self._reply(200, {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
-                                               for f in files]})
-        if "/commit/" in self.path:
-            if Stub.fail_commits:
-                Stub.fail_commits -= 1
-                return self._reply(503, {"error": "try again"})
-            base = f"http://127.0.0.1:{self.server.server_port}"
-            return self._reply(200, {"commitUrl": f"{base}/org/drafter/commit/abc", "commitOid": "a" * 40})
-        return self._reply(404, {"error": self.path})
 
 
 @pytest.fixture
@@ -59,11 +21,8 @@ def hub(monkeypatch):
     # conftest sets HF_HUB_OFFLINE=1, which huggingface_hub enforces on every request: lift it for the stub only
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setenv("HF_TOKEN", TOKEN)
-    Stub.calls, Stub.fail_commits = [], 0
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Stub)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_port}"
-    server.shutdown()
+    with serve() as url:
+        yield url
 
 
 @pytest.fixture
@@ -79,17 +38,6 @@ def run_dir(tmp_path):
     (run / "eval" / "al_per_position.png").write_bytes(b"\x89PNG fake")
     (run / "config.yaml").write_text("data:\n  sources:\n  - path: org/chat-data\n    weight: 1.0\n")
     return run
-
-
-def _commit_files(calls):
-    """{path: bytes} of the files in the (last successful) commit's ndjson payload."""
-    body = [b for p, _, b in calls if "/commit/" in p][-1]
-    files = {}
-    for line in body.decode().splitlines():
-        item = json.loads(line)
-        if item["key"] == "file":
-            files[item["value"]["path"]] = base64.b64decode(item["value"]["content"])
-    return files
 
 
 def test_model_card_content(run_dir):
@@ -114,7 +62,7 @@ def test_push_uploads_export_and_card(hub, run_dir, caplog, capsys):
     create = [json.loads(b) for p, _, b in Stub.calls if p == "/api/repos/create"][0]
     assert create["name"] == "drafter" and create["organization"] == "org" and create["visibility"] == "private"
     assert all(auth == f"Bearer {TOKEN}" for _, auth, _ in Stub.calls)  # token from the environment
-    files = _commit_files(Stub.calls)
+    files = commit_files(Stub.calls)
     assert set(files) == {"config.json", "model.safetensors", "fledge_training.json", "README.md",
                           "eval/al_per_position.png"}
     assert files["config.json"] == (drafter / "config.json").read_bytes()
@@ -143,3 +91,85 @@ def test_push_refuses_lint_failures(hub, run_dir):
     with pytest.raises(ValueError, match="fails the linter"):
         push_to_hub(drafter, "org/drafter", target_config=TARGET, endpoint=hub, base_delay=0.0)
     assert Stub.calls == []  # nothing was sent
+
+
+@pytest.mark.parametrize("stale", ["export made again", "another drafter"])
+def test_the_card_leaves_out_an_eval_of_another_export(run_dir, stale):
+    """The card's figures come only from an eval of the export pushed: not after the export was made again
+    (the eval's manifest read an older export output), nor from an eval that measured another directory."""
+    m = json.loads((run_dir / "eval" / "manifest.json").read_text())
+    (run_dir / "export" / "manifest.json").write_text(json.dumps({"complete": True, "output_id": "new"}))
+    if stale == "export made again":
+        m["read"] = {"export": "old"}
+    else:
+        (run_dir / "eval" / "report.json").write_text(json.dumps({"drafter": str(run_dir / "elsewhere")}))
+    (run_dir / "eval" / "manifest.json").write_text(json.dumps(m))
+    card, plots = build_model_card(run_dir / "export" / "drafter", "org/drafter", run_dir)
+    assert "2.875" not in str(card) and "No eval-stage results" in str(card) and plots == []
+    m["read"] = {"export": "new"}
+    (run_dir / "eval" / "manifest.json").write_text(json.dumps(m))
+    (run_dir / "eval" / "report.json").write_text(json.dumps({"drafter": str(run_dir / "export" / "drafter")}))
+    assert "| default | 0.710 | 2.875 |" in str(build_model_card(run_dir / "export" / "drafter", "org/drafter",
+                                                                   run_dir)[0])  # its own eval: shown
+
+
+def test_the_publish_stage_pushes_after_eval_what_this_eval_measured(hub, tmp_path, monkeypatch):
+    """Through the runner, with stand-ins for the stages before it: publish runs after eval; turned on for a
+    finished run it pushes; an eval run again (another eval key) makes it push again, with the new figures
+    only. Without export.push_to_hub it sends nothing."""
+    from dataclasses import replace
+
+    import huggingface_hub.constants as constants
+
+    import fledge.train.runner as runner
+    import fledge.train.stages as stages
+    from fledge.conf import compose
+    from fledge.conf.schema import STAGES
+    from fledge.distributed import init_world
+
+    monkeypatch.setattr(constants, "ENDPOINT", hub)  # what HF_ENDPOINT sets
+    (tmp_path / "config.json").write_text(json.dumps(TARGET))  # the target export and publish read
+    config = serving_config(TARGET, SPEC, SPEC["aux_layer_ids"], 64)
+
+    def fake(stage):
+        def run(ctx):
+            if stage == "export":
+                write_drafter(ctx.stage_dir / "drafter", random_state_dict(config), config,
+                              training_record(SPEC, {"step": 9, "target": {"name_or_path": "org/target-model"}}))
+                return {"drafter": str(ctx.stage_dir / "drafter")}
+            if stage == "eval":
+                measured = ctx.upstream["export"]["outputs"]["drafter"]
+                (ctx.stage_dir / "report.json").write_text(json.dumps({"drafter": measured}))
+                return {"al_default": 2.0 + ctx.cfg.eval.num_prompts / 8}
+            if stage == "train":
+                return {"steps": ctx.cfg.train.max_steps, "global_batches_per_epoch": 1, "global_batches_per_step": 1}
+            return {}
+        return run
+
+    fns = {s: stages.STAGES[s] if s == "publish" else replace(stages.STAGES[s], run=fake(s)) for s in STAGES}
+    cfg = lambda *o: compose(["recipe=tiny", f"run.output_root={tmp_path}", f"target.name_or_path={tmp_path}",
+                              "export.repo_id=org/drafter", *o])
+    world = init_world()
+    got = runner.run_stages(cfg(), world, fns)
+    assert got["publish"]["outputs"] == {"pushed": False} and Stub.calls == []
+    got = runner.run_stages(cfg("export.push_to_hub=true"), world, fns)
+    assert got["publish"]["outputs"]["pushed"] and got["eval"]["action"] == "skip"
+    card = commit_files(Stub.calls)["README.md"].decode()
+    assert "| all | 4.000 |" in card  # eval.num_prompts=16 in recipe=tiny: 2 + 16/8
+    Stub.calls.clear()
+    runner.run_stages(cfg("export.push_to_hub=true", "eval.num_prompts=4"), world, fns)
+    card = commit_files(Stub.calls)["README.md"].decode()
+    assert "| all | 2.500 |" in card and "4.000" not in card
+    Stub.calls.clear()
+    runner.run_stages(cfg("export.push_to_hub=true", "eval.num_prompts=4"), world, fns)
+    assert Stub.calls == []  # pushed already: up to date
+
+
+def test_publishing_needs_hf_token(monkeypatch, tmp_path):
+    from fledge.conf import compose
+    from fledge.train.stages import check_publish
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    with pytest.raises(ValueError, match="HF_TOKEN only"):
+        check_publish(compose(["recipe=tiny", "export.push_to_hub=true", "export.repo_id=org/x"]))
+    check_publish(compose(["recipe=tiny", "export.push_to_hub=true", "export.repo_id=org/x", "run.stages=[train]"]))

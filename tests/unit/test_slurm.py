@@ -212,7 +212,7 @@ def test_filled_train_script_runs_launch_on_every_node(tmp_path, capsys):
     assert f"--rdzv_endpoint=gpu01:{PORT_BASE + 999}" in cmds[0]
     assert cmds[0][cmds[0].index("fledge.train.main") - 1:cmds[0].index("fledge.train.main")] == ["-m"]
     assert cmds[0][cmds[0].index("fledge.train.main") + 1:] == [
-        "recipe=llama3", "run.name=llama3", f"run.output_root={out}", "run.stages=[prepare,capture,train,export,eval]",
+        "recipe=llama3", "run.name=llama3", f"run.output_root={out}", "run.stages=[prepare,capture,train,export,eval,publish]",
         "logging.wandb_tags=[a b,c]"]
     ledger = (out / "llama3/slurm/jobs.tsv").read_text().split("\t")
     assert ledger[1:4] == ["999", "-", "0"]

@@ -1,12 +1,17 @@
 """The stage runner: skip by manifest, resume an interrupted stage, re-run on changed inputs."""
 
 import json
+from dataclasses import replace
 
 import pytest
+import torch
+
 import fledge.train.runner as runner
+import fledge.train.stages as stages
+import fledge.train.trainer as trainer
 from fledge.conf import compose
 from fledge.conf.schema import STAGES
-from fledge.distributed import init_world
+from fledge.distributed import World, init_world
 
 
 def make_cfg(tmp_path, *overrides):
@@ -22,6 +27,9 @@ class _Calls(list):
 
 @pytest.fixture
 def calls(monkeypatch):
+    """The runner with stand-in stages: each logs its name, writes out.txt, and is planned like the real one
+    (rebuild flags and train's done check from train/stages.py); the stand-in train reports the steps it was
+    asked for, as the trainer does."""
     log = _Calls()
     kill = []
     log_kill = kill
@@ -36,10 +44,15 @@ def calls(monkeypatch):
             if stage == "capture" and log.partial:
                 log.partial.pop()
                 return {"n": len(log), "complete": False}  # e.g. one slice of an array capture
+            if stage == "train":
+                per_step = runner.global_batches_per_step(ctx.cfg, ctx.world.world_size)
+                steps = trainer.planned_steps(ctx.cfg, 100, per_step)
+                return {"n": len(log), "steps": steps, "global_batches_per_epoch": 100,
+                        "global_batches_per_step": per_step}
             return {"n": len(log)}
         return run
 
-    log.fns = {stage: entry_for(stage) for stage in STAGES}
+    log.fns = {stage: replace(stages.STAGES[stage], run=entry_for(stage)) for stage in STAGES}
     log.kill = log_kill
     log.partial = []
     return log
@@ -60,15 +73,107 @@ def test_runs_in_order_then_skips(tmp_path, calls, world):
     assert calls == ["prepare", "capture", "train"]  # all up to date
 
 
-def test_changed_input_reruns_that_stage_and_later(tmp_path, calls, world):
-    runner.run_stages(make_cfg(tmp_path, "run.stages=[prepare,capture,train]"), world, calls.fns)
+def test_a_changed_input_of_a_costly_stage_stops_before_anything_runs(tmp_path, calls, world):
+    """A changed key of capture or train deletes nothing: one line names the key, old -> new, and the two
+    ways on, before any stage runs; both ways then work."""
+    three = "run.stages=[prepare,capture,train]"
+    runner.run_stages(make_cfg(tmp_path, three), world, calls.fns)
     calls.clear()
-    runner.run_stages(make_cfg(tmp_path, "run.stages=[prepare,capture,train]", "capture.dtype=fp8"), world, calls.fns)
-    assert calls == ["capture", "train"]
-    calls.clear()
-    runner.run_stages(make_cfg(tmp_path, "run.stages=[prepare,capture,train]", "capture.dtype=fp8",
-                               "train.optim.lr=0.5"), world, calls.fns)
+    for overrides, stage, key in [(["capture.dtype=fp8"], "capture", "capture.dtype: bf16 -> fp8"),
+                                  (["train.optim.lr=0.5"], "train", "train.optim.lr: 0.001 -> 0.5"),
+                                  (["drafter.ttt_steps=2"], "train", "drafter.ttt_steps: 3 -> 2")]:
+        with pytest.raises(ValueError) as e:
+            runner.run_stages(make_cfg(tmp_path, three, *overrides), world, calls.fns)
+        msg = str(e.value)
+        assert "\n" not in msg and msg.startswith(f"{stage}: its inputs changed"), msg
+        assert key in msg and f"run.force=[{stage}]" in msg and "new run.name" in msg, msg
+        assert calls == [] and (tmp_path / "tiny" / stage / "out.txt").exists()
+    runner.run_stages(make_cfg(tmp_path, three, "train.optim.lr=0.5", "run.force=[train]"), world, calls.fns)
     assert calls == ["train"]
+    runner.run_stages(make_cfg(tmp_path, three, "train.optim.lr=0.5", "run.name=other"), world, calls.fns)
+    assert calls == ["train", "prepare", "capture", "train"]
+
+
+def test_a_forced_stage_makes_later_costly_stages_ask_to_be_forced_too(tmp_path, calls, world):
+    """run.force=[capture] replaces the store train's checkpoints were trained on: train must be forced too
+    (refused before capture runs); later rebuildable stages rebuild on their own."""
+    five = "run.stages=[prepare,capture,train,export,eval]"
+    runner.run_stages(make_cfg(tmp_path, five), world, calls.fns)
+    calls.clear()
+    with pytest.raises(ValueError, match=r"^train: .*capture's output: starts over in this command.*"
+                                         r"run.force=\[capture,train\]"):
+        runner.run_stages(make_cfg(tmp_path, five, "run.force=[capture]"), world, calls.fns)
+    assert calls == []
+    runner.run_stages(make_cfg(tmp_path, five, "run.force=[capture,train]"), world, calls.fns)
+    assert calls == ["capture", "train", "export", "eval"]
+    calls.clear()
+    runner.run_stages(make_cfg(tmp_path, five, "run.force=[export]"), world, calls.fns)
+    assert calls == ["export", "eval"]  # nothing before it; eval rebuilds on the new export
+
+
+def test_a_stage_run_again_earlier_makes_later_ones_out_of_date(tmp_path, calls, world):
+    """capture forced in one command (prepare and capture only): the next command refuses to train on from
+    checkpoints of the replaced store, and a stage that needs a stale eval says so."""
+    runner.run_stages(make_cfg(tmp_path, "run.stages=[prepare,capture,train,export,eval]"), world, calls.fns)
+    runner.run_stages(make_cfg(tmp_path, "run.stages=[prepare,capture]", "run.force=[capture]"), world, calls.fns)
+    with pytest.raises(ValueError, match=r"^train: .*capture's output: replaced since this stage ran"):
+        runner.run_stages(make_cfg(tmp_path, "run.stages=[train]"), world, calls.fns)
+    with pytest.raises(ValueError, match=r"needs the output of 'eval', which is missing, incomplete or out of date"):
+        runner.run_stages(make_cfg(tmp_path, "run.stages=[publish]"), world, calls.fns)
+
+
+def test_layout_keys_continue_the_run(tmp_path, calls):
+    """train.sequence_parallel and grad_accum x world size are not inputs while the global batch stays;
+    a global batch that changes is, named with its parts."""
+    two, one = World(0, 2, 0, torch.device("cpu")), World(0, 1, 0, torch.device("cpu"))
+    three = "run.stages=[prepare,capture,train]"
+    runner.run_stages(make_cfg(tmp_path, three), two, calls.fns)  # 2 data-parallel ranks x 1 micro-batch
+    calls.clear()
+    runner.run_stages(make_cfg(tmp_path, three, "train.grad_accum=2"), one, calls.fns)
+    runner.run_stages(make_cfg(tmp_path, three, "train.grad_accum=2", "train.sequence_parallel=2"), two, calls.fns)
+    assert calls == []
+    with pytest.raises(ValueError, match=r"^train: .*global batch \(train.grad_accum x data-parallel ranks.*: 2 -> 1"):
+        runner.run_stages(make_cfg(tmp_path, three), one, calls.fns)
+
+
+def test_an_older_manifest_gets_a_message_too(tmp_path, calls, world):
+    """Manifests written before they kept their inputs hold only the hash: a difference is still one line."""
+    runner.run_stages(make_cfg(tmp_path, "run.stages=[prepare,capture]"), world, calls.fns)
+    path = tmp_path / "tiny" / "capture" / "manifest.json"
+    m = json.loads(path.read_text())
+    path.write_text(json.dumps({k: v for k, v in m.items() if k not in ("inputs", "read", "output_id")}))
+    calls.clear()
+    runner.run_stages(make_cfg(tmp_path, "run.stages=[prepare,capture]"), world, calls.fns)
+    assert calls == []  # the same hash: up to date, as before
+    with pytest.raises(ValueError, match=r"^capture: .*an older Fledge, keeps only a hash of them.*run.force=\[capture\]"):
+        runner.run_stages(make_cfg(tmp_path, "run.stages=[prepare,capture]", "capture.dtype=fp8"), world, calls.fns)
+
+
+def test_raising_the_run_length_trains_on_and_rebuilds_what_follows(tmp_path, calls, world):
+    """train.max_steps is not an input: raised, train runs again over its output (its checkpoints), then
+    export and eval rebuild; the same length again is up to date; lowered, one line says what was done,
+    what was asked and the ways on."""
+    five = "run.stages=[prepare,capture,train,export,eval]"
+    runner.run_stages(make_cfg(tmp_path, five), world, calls.fns)
+    calls.clear()
+    (tmp_path / "tiny" / "train" / "checkpoint").write_text("step 200")
+    got = runner.run_stages(make_cfg(tmp_path, five, "train.max_steps=300"), world, calls.fns)
+    assert calls == ["train", "export", "eval"]
+    assert (tmp_path / "tiny" / "train" / "checkpoint").exists()  # trained on, not over
+    assert got["train"]["outputs"]["steps"] == 300 and got["train"]["action"] == "resume"
+    assert got["export"]["action"] == "start over" and got["prepare"]["action"] == "skip"
+    calls.clear()
+    runner.run_stages(make_cfg(tmp_path, five, "train.max_steps=300"), world, calls.fns)
+    assert calls == []
+    with pytest.raises(ValueError) as e:
+        runner.run_stages(make_cfg(tmp_path, five, "train.max_steps=250"), world, calls.fns)
+    msg = str(e.value)
+    assert "\n" not in msg and "trained 300 steps" in msg and "train.max_steps=250 asks for 250" in msg
+    assert "run.force=[train]" in msg and "new run.name" in msg
+    runner.run_stages(make_cfg(tmp_path, five, "train.max_steps=0", "train.epochs=3"), world, calls.fns)
+    assert calls == []  # 3 epochs of 100 global batches, one a step: the 300 steps done
+    runner.run_stages(make_cfg(tmp_path, five, "train.max_steps=0", "train.epochs=4"), world, calls.fns)
+    assert calls == ["train", "export", "eval"]
 
 
 def test_interrupted_stage_runs_again(tmp_path, calls, world):
@@ -148,3 +253,45 @@ def test_export_reruns_when_what_it_reads_changes(tmp_path, calls, world):
     runner.run_stages(make_cfg(tmp_path, stages, "+target.config_overrides.rms_norm_eps=1e-6", "eval.draft_tokens=4"),
                       world, calls.fns)
     assert calls == []
+
+
+def test_a_train_stage_from_before_layout_keys_trains_on(tmp_path, calls, world, monkeypatch):
+    """A train manifest written before manifests kept their inputs (and before train.sequence_parallel and
+    grad_accum became layout) holds the hash of the old slice: it still counts as the same inputs, so a run
+    in flight trains on after an upgrade, and a raised train.max_steps is seen."""
+    import transformers
+
+    monkeypatch.setattr(torch, "__version__", "2.13.0")
+    monkeypatch.setattr(transformers, "__version__", "5.23.0")
+    cfg = compose(["recipe=tiny", "target.name_or_path=org/target", "train.sequence_parallel=2", "train.grad_accum=4"])
+    inputs = runner.stage_inputs(cfg, "train", {"prepare": "p", "capture": "c"}, 2)
+    assert runner.hash_before_layout_keys(cfg, inputs) == "563a1042c08922d719fe"  # what that runner wrote
+    monkeypatch.undo()
+
+    runner.run_stages(make_cfg(tmp_path, "run.stages=[prepare,capture,train]"), world, calls.fns)
+    path = tmp_path / "tiny" / "train" / "manifest.json"
+    m = json.loads(path.read_text())
+    cfg = make_cfg(tmp_path, "run.stages=[prepare,capture,train]")
+    path.write_text(json.dumps({"stage": "train", "complete": True, "outputs": {"steps": 200},
+                                "inputs_hash": runner.hash_before_layout_keys(cfg, m["inputs"])}))
+    calls.clear()
+    runner.run_stages(cfg, world, calls.fns)
+    assert calls == []
+    runner.run_stages(make_cfg(tmp_path, "run.stages=[prepare,capture,train]", "train.max_steps=300"), world,
+                      calls.fns)
+    assert calls == ["train"]
+
+
+def test_new_library_versions_or_target_files_stop_too(tmp_path, calls, world, monkeypatch):
+    import transformers
+
+    runner.run_stages(make_cfg(tmp_path, "run.stages=[prepare]"), world, calls.fns)
+    was = transformers.__version__
+    monkeypatch.setattr(transformers, "__version__", "99.0.0")
+    with pytest.raises(ValueError, match=rf"^prepare: .*versions.transformers: {was} -> 99.0.0"):
+        runner.run_stages(make_cfg(tmp_path, "run.stages=[prepare]"), world, calls.fns)
+    monkeypatch.undo()
+    (tmp_path / "config.json").write_text("{}")  # the target directory (make_cfg) gains a file
+    with pytest.raises(ValueError, match=r"^prepare: .*the target's files \(target.name_or_path\): \w+ -> \w+"):
+        runner.run_stages(make_cfg(tmp_path, "run.stages=[prepare]"), world, calls.fns)
+    assert calls == ["prepare"]
