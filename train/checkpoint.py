@@ -5,6 +5,8 @@ Layout under the train stage directory::
     checkpoints/<tag>/            DeepSpeed's files (model, ZeRO optimizer partitions, scheduler)
     checkpoints/<tag>/drafter/    model.safetensors (full state dict, ZeRO-3 shards gathered) + fledge.json
     checkpoints/<tag>/trainer.json  step, data position, best-so-far, world size (plain JSON, no pickle)
+    checkpoints/<tag>_universal/  DeepSpeed's universal copy of <tag>, made to load it on another world
+                                  size; not a checkpoint (pruning never counts it, and drops it once stale)
     checkpoints/latest            the tag of the newest *complete* checkpoint (written last, atomically)
     best/                         a copy of the best-by-eval drafter/ (AL estimate)
 
@@ -15,6 +17,7 @@ Resuming on another world size goes through DeepSpeed's universal checkpoint for
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 import subprocess
 import sys
@@ -28,6 +31,7 @@ from fledge.atomic import atomic_path, read_json, write_bytes_atomic, write_json
 from fledge.distributed import World
 
 log = logging.getLogger(__name__)
+TAG = re.compile(r"step_\d{8}")
 
 
 def tag_for(step: int) -> str:
@@ -84,9 +88,16 @@ def save(engine, world: World, ckpt_dir: Path, step: int, state: dict[str, Any],
 
 
 def _prune(ckpt_dir: Path, keep_last: int) -> None:
-    tags = sorted(p.name for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith("step_"))
+    """Keep the newest ``keep_last`` checkpoints up to the one ``latest`` names (a later tag is a save cut
+    short, which the run overwrites when it gets there). Universal copies are not checkpoints: each served
+    one load of its source, so all but the latest's are dropped."""
+    latest = (ckpt_dir / "latest").read_text().strip()
+    tags = sorted(p.name for p in ckpt_dir.iterdir() if p.is_dir() and TAG.fullmatch(p.name) and p.name <= latest)
     for old in tags[: max(0, len(tags) - max(1, keep_last))]:
         shutil.rmtree(ckpt_dir / old, ignore_errors=True)
+    for copy in ckpt_dir.glob("step_*_universal"):
+        if copy.name != f"{latest}_universal":
+            shutil.rmtree(copy, ignore_errors=True)
 
 
 def promote_best(drafter_dir: Path, best_dir: Path) -> None:
