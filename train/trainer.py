@@ -184,12 +184,17 @@ def run_training(ctx: StageContext) -> dict:
 
 @torch.no_grad()
 def evaluate(engine, data, cfg: Config, world: World, dtype: torch.dtype, seq=None) -> dict[str, float]:
-    """Teacher-forced held-out metrics over ``train.eval_batches`` batches per data-parallel rank (``seq``:
-    the rank's ``SequenceParallel``, which splits each batch over its group)."""
+    """Teacher-forced held-out metrics over ``train.eval_batches`` global batches, split over the
+    data-parallel ranks (``data.eval_batches``), so the same on any world size (``seq``: the rank's
+    ``SequenceParallel``, which splits each batch over its group)."""
     meter = RatioMeter()
     engine.eval()
-    for batch in data.eval_batches(cfg.train.eval_batches):
-        meter.add(engine((seq.split(batch) if seq else batch).to(world.device, dtype)).metrics)
+    for batch, counts in data.eval_batches(cfg.train.eval_batches):
+        metrics = engine((seq.split(batch) if seq else batch).to(world.device, dtype)).metrics
+        if not counts:  # a filler forward: zeros under the same names, which reduce() all-reduces on every rank
+            metrics = {k: (torch.zeros_like(num), torch.zeros_like(torch.as_tensor(den))) for k, (num, den) in
+                       metrics.items()}
+        meter.add(metrics)
     engine.train()
     values = meter.reduce()
     values = {f"eval/{k}": v for k, v in values.items()}

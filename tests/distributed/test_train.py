@@ -1,6 +1,6 @@
-"""The train stage under DeepSpeed on 2 gloo ranks: ZeRO-2/3 equal one process, exact resume after
-kill -9, and a preempted 2-rank run resumed on 1 rank through the universal checkpoint; sequence
-parallelism (train.sequence_parallel=2) on that curve, resumed with and without it."""
+"""The train stage under DeepSpeed on 2 gloo ranks: ZeRO-2/3 equal one process (losses and held-out eval),
+exact resume after kill -9, and a preempted 2-rank run resumed on 1 rank through the universal checkpoint;
+sequence parallelism (train.sequence_parallel=2) on that curve, resumed with and without it."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS
        "WANDB_MODE": "disabled", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
 STEPS = 6
 TRAIN = ["drafter.ttt_steps=2", "drafter.draft_vocab_size=1024", "train.micro_batch_tokens=256",
-         f"train.max_steps={STEPS}", "train.log_every=1", "train.eval_every=3", "train.eval_batches=2",
+         f"train.max_steps={STEPS}", "train.log_every=1", "train.eval_every=3", "train.eval_batches=3",
          "train.save_every=2", "train.keep_last=2", "train.optim.warmup_steps=2", "train.optim.lr=3e-3"]
 
 
@@ -64,6 +64,11 @@ def losses(base, name: str) -> list[list[float]]:
     return [[r["loss_0"], r["loss_1"]] for r in lines if "loss_0" in r]
 
 
+def evals(base, name: str) -> list[dict[str, float]]:
+    return [{k: v for k, v in r.items() if k.startswith("eval/")}
+            for r in read_metrics(base[0] / name / "train" / "metrics.jsonl") if "eval/al_estimate" in r]
+
+
 def grad_norms(base, name: str) -> list[float]:
     return [r["grad_norm"] for r in read_metrics(base[0] / name / "train" / "metrics.jsonl") if "grad_norm" in r]
 
@@ -78,16 +83,35 @@ def reference(base):
     return ref
 
 
-def test_zero3_and_one_process_match_zero2(base, reference):
+@pytest.fixture(scope="module")
+def layouts(base):
+    """The reference's global batch on other layouts: ZeRO-3 on 2 ranks, and one process x 2 micro-batches."""
     run(main_cmd(2) + new_run(base, "z3") + ["deepspeed=zero3"])
     run(main_cmd(1) + new_run(base, "single") + ["deepspeed=zero2", "train.grad_accum=2"])
-    for name in ("z3", "single"):
+    return "z3", "single"
+
+
+def test_zero3_and_one_process_match_zero2(base, reference, layouts):
+    for name in layouts:
         got = losses(base, name)
         assert len(got) == STEPS
         for a, b in zip(got, reference):
             assert a == pytest.approx(b, rel=2e-4, abs=2e-5, nan_ok=True), name
     best = base[0] / "z3" / "train" / "best" / "model.safetensors"
     assert best.exists()  # ZeRO-3 shards gathered into full drafter weights
+
+
+def test_held_out_eval_is_the_same_on_one_and_two_ranks(base, reference, layouts):
+    """train.eval_batches=3 global batches, split over the ranks (2 + 1 with a filler forward on rank 1,
+    which keeps ZeRO-3's gathers in step): one process evaluates the same set as two, so the best
+    checkpoint is chosen alike on either. Each rank used to evaluate 3 of its own: 6 on two ranks."""
+    ref = evals(base, "ref")
+    assert len(ref) == 2 and all(v == v for v in ref[0].values())  # measured, not NaN
+    for name in layouts:
+        got = evals(base, name)
+        assert len(got) == len(ref), name
+        for a, b in zip(got, ref):  # measured: 7e-8 (ZeRO-3), 0 (one process); the old sets were 2e-4 apart
+            assert a == pytest.approx(b, rel=1e-6, abs=1e-9, nan_ok=True), name
 
 
 def _start(cmd):
@@ -239,3 +263,6 @@ def test_sequence_parallel_trains_like_data_parallel_and_resumes(base, reference
         assert len(got) == STEPS, name
         for a, b in zip(got, reference):
             assert a == pytest.approx(b, rel=2e-4, abs=2e-5, nan_ok=True), name
+        assert len(evals(base, name)) == 2, name
+        for a, b in zip(evals(base, name), evals(base, "ref")):  # one data-parallel rank, the same held-out set
+            assert a == pytest.approx(b, rel=1e-6, abs=1e-9, nan_ok=True), name
