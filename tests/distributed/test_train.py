@@ -1,9 +1,11 @@
 """The train stage under DeepSpeed on 2 gloo ranks: ZeRO-2/3 equal one process (losses and held-out eval),
 exact resume after kill -9, and a preempted 2-rank run resumed on 1 rank through the universal checkpoint;
-sequence parallelism (train.sequence_parallel=2) on that curve, resumed with and without it."""
+a resume on another global batch size continuing at the data consumed; sequence parallelism
+(train.sequence_parallel=2) on that curve, resumed with and without it."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -57,6 +59,16 @@ def new_run(base, name: str) -> list[str]:
         shutil.copytree(out / "base" / stage, out / name / stage)
     return ["recipe=tiny", f"target.name_or_path={target}", f"run.output_root={out}", f"run.name={name}",
             "run.stages=[train]", "data.perturb.fraction=0", *TRAIN]
+
+
+def resumed_run(base, src: str, name: str, stages: str = "train") -> list[str]:
+    """A copy of run ``src`` (its stores and checkpoints) as run ``name``, without the train stage's manifest:
+    a job killed after its last checkpoint. Returns the overrides that resume it."""
+    out, target = base
+    shutil.copytree(out / src, out / name)
+    (out / name / "train" / "manifest.json").unlink()
+    return ["recipe=tiny", f"target.name_or_path={target}", f"run.output_root={out}", f"run.name={name}",
+            f"run.stages=[{stages}]", "data.perturb.fraction=0", *TRAIN]
 
 
 def losses(base, name: str) -> list[list[float]]:
@@ -240,6 +252,54 @@ def test_a_skipped_step_with_accumulation_resumes_exactly(base):
     w1, w2, w3 = (load_file(str(ckpts / f"step_{s:08d}" / "drafter" / "model.safetensors")) for s in (1, 2, 3))
     assert all(w1[k].equal(w2[k]) for k in w1)  # the skipped step left the weights as they were
     assert not all(w2[k].equal(w3[k]) for k in w2)  # and the next one trained
+
+
+@pytest.fixture(scope="module")
+def two_steps_on_two_ranks(base):
+    """Run ``w2``: 2 optimizer steps on 2 ranks x 1 micro-batch (global batches 0..3, checkpoint at step 2),
+    with global batch 4 of its store poisoned with NaN: the batch a resume must start at."""
+    from fledge.conf import compose
+
+    args = new_run(base, "w2") + ["deepspeed=zero2", "train.max_steps=2", "train.eval_every=2"]
+    _poison(base[0] / "w2", 4, compose(args))
+    run(main_cmd(2) + args)
+    return "w2"
+
+
+def test_one_rank_resumes_two_at_the_first_global_batch_not_consumed(base, two_steps_on_two_ranks):
+    """Resumed on 1 rank x 1 micro-batch, step 3 runs global batch 4 (the poisoned one: that step is skipped
+    and names it), not batch 2 (step x today's batches per step replayed 2 and 3). With train.epochs the run
+    ends where the epoch's data ends: 4 batches in 2 steps, then 1 per step."""
+    from fledge.conf import compose
+    from fledge.data.feature_reader import FeatureLoader
+
+    args = resumed_run(base, two_steps_on_two_ranks, "w1") + [
+        "deepspeed=zero2", "train.max_steps=0", "train.epochs=1", "train.save_every=1000", "train.eval_every=1000"]
+    res = run(main_cmd(1) + args)
+    cfg, run_dir = compose(args), base[0] / "w1"
+    skipped = {r["step"]: r["skipped"] for r in read_metrics(run_dir / "train" / "metrics.jsonl") if "skipped" in r}
+    assert (skipped[2], skipped[3]) == (0, 1)  # the third optimizer step ran the NaN batch...
+    assert "non-finite loss at global batch [4]" in res.stderr  # ... and names it
+    per_epoch = FeatureLoader(run_dir / "capture" / "train", 0, 1, cfg.train.micro_batch_tokens,
+                              cfg.train.micro_batch_size, cfg.run.seed).global_batches_per_epoch
+    steps = json.loads((run_dir / "train" / "manifest.json").read_text())["outputs"]["steps"]
+    assert steps == 2 + per_epoch - 4, (steps, per_epoch)
+    saved = json.loads((run_dir / "train" / "checkpoints" / f"step_{steps:08d}" / "trainer.json").read_text())
+    assert saved["batches"] == per_epoch and saved["world_size"] == 1
+
+
+def test_a_run_resumed_at_its_last_step_names_that_checkpoint(base, two_steps_on_two_ranks):
+    """Killed after its last checkpoint, the run is re-run (here on 1 rank: through the universal copy):
+    nothing is left to train, and the summary names step 2's drafter weights, which export reads (it said
+    "None", and export failed on "None is not a directory")."""
+    args = resumed_run(base, two_steps_on_two_ranks, "w1_done", stages="train,export") + [
+        "deepspeed=zero2", "train.max_steps=2", "export.checkpoint=last"]
+    run(main_cmd(1) + args)
+    run_dir = base[0] / "w1_done"
+    outputs = json.loads((run_dir / "train" / "manifest.json").read_text())["outputs"]
+    assert outputs["last"] == str(run_dir / "train" / "checkpoints" / "step_00000002" / "drafter")
+    assert outputs["steps"] == 2
+    assert json.loads((run_dir / "export" / "manifest.json").read_text())["complete"]
 
 
 def test_sequence_parallel_trains_like_data_parallel_and_resumes(base, reference):

@@ -68,7 +68,7 @@ def test_a_resume_on_another_world_size_continues_the_sequence():
     full = _global_sequence(world=1, steps=60, accum=4)
     first = _run(_loaders(2), steps=30, accum=2)
     resumed = _loaders(1)
-    resumed[0].seek(30 * 2 * 2)  # what trainer.py does: step * grad_accum * world
+    resumed[0].seek(30 * 2 * 2)  # the global batches consumed, as the checkpoint stores them
     assert first + _run(resumed, steps=30, accum=4) == full
 
 
