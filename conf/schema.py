@@ -150,7 +150,7 @@ class TrainConfig:
     save_every: int = 1000
     keep_last: int = 2
     eval_every: int = 500
-    eval_batches: int = 50
+    eval_batches: int = 400  # held-out global batches per eval, split over the data-parallel ranks (50 each on 8)
     log_every: int = 10
     max_nonfinite: int = 5  # consecutive optimizer steps skipped for a non-finite loss before aborting
     # Ranks that split each packed row (DeepSpeed-Ulysses; train/sequence_parallel.py): world = data parallel x

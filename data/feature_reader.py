@@ -201,10 +201,14 @@ class BatchIterator:
         for _ in range(len(self)):
             yield self.next_batch()[1]
 
-    def eval_batches(self, n: int) -> Iterator[FeatureBatch]:
-        """This rank's share of the first ``n`` rounds of epoch 0 (cycling): the same at every eval."""
-        for i in range(n):
-            yield self.batch_at((i % self.rounds_per_epoch) * self.world + self.rank)
+    def eval_batches(self, n: int) -> Iterator[tuple[FeatureBatch, bool]]:
+        """This rank's share of the held-out set, as (batch, counts): global batches 0..n-1 of epoch 0 (at
+        most the whole epoch), rank r taking r, r + W, ...: the same set at every eval and on every world
+        size. Every rank yields the same number of batches, since each forward may be a collective (ZeRO-3
+        gathers the weights): a rank whose share is one short gets global batch 0 again, not to be counted."""
+        n = min(n, self.global_batches_per_epoch)
+        for g in range(self.rank, -(-n // self.world) * self.world, self.world):
+            yield (self.batch_at(g), True) if g < n else (self.batch_at(0), False)
 
 
 class FeatureLoader(BatchIterator):

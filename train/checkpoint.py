@@ -2,22 +2,30 @@
 
 Layout under the train stage directory::
 
-    checkpoints/<tag>/            DeepSpeed's files (model, ZeRO optimizer partitions, scheduler)
-    checkpoints/<tag>/drafter/    model.safetensors (full state dict, ZeRO-3 shards gathered) + fledge.json
-    checkpoints/<tag>/trainer.json  step, data position, best-so-far, world size (plain JSON, no pickle)
+    checkpoints/step_<N>/         DeepSpeed's files (model, ZeRO optimizer partitions, lr scheduler)
+    checkpoints/step_<N>/drafter/ model.safetensors (full state dict, ZeRO-3 shards gathered) + fledge.json
+    checkpoints/step_<N>/trainer.json  plain JSON (no pickle): ``step`` (optimizer steps done), ``batches``
+                                  (global batches consumed: the data position), ``batches_per_step``,
+                                  ``schedule`` (the lr schedule's end step, its step count, where its decay
+                                  started), best-so-far, skipped steps, ``world_size``
+    checkpoints/step_<N>_universal/  DeepSpeed's universal copy of step_<N>, made to load it on another world
+                                  size; not a checkpoint (pruning never counts it, and drops it once stale)
     checkpoints/latest            the tag of the newest *complete* checkpoint (written last, atomically)
     best/                         a copy of the best-by-eval drafter/ (AL estimate)
 
 A checkpoint counts only once ``latest`` names it, so a kill during a save leaves the previous one.
-Resuming on another world size goes through DeepSpeed's universal checkpoint format.
+A resume on any world size and gradient accumulation continues at the stored data position
+(:func:`resume_plan`), the model and optimizer through DeepSpeed's universal format when the world changed.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +33,12 @@ import torch
 from safetensors.torch import save_file
 
 from fledge.atomic import atomic_path, read_json, write_bytes_atomic, write_json_atomic
+from fledge.conf.schema import Config
 from fledge.distributed import World
+from fledge.train.engine import decay_progress
 
 log = logging.getLogger(__name__)
+TAG = re.compile(r"step_\d{8}")
 
 
 def tag_for(step: int) -> str:
@@ -48,6 +59,50 @@ def trainer_state(ckpt_dir: Path, tag: str) -> dict:
     state = read_json(ckpt_dir / tag / "trainer.json")
     assert state is not None
     return state
+
+
+@dataclass
+class ResumePlan:
+    """Where a run starts: ``step`` optimizer steps done, ``batches`` global batches consumed (the loaders'
+    position), ``total`` the step the run ends at, ``decay_from`` the lr decay's start (train/engine.py
+    ``decay_progress``; None: the end of warmup)."""
+
+    step: int
+    batches: int
+    total: int
+    decay_from: tuple[int, float] | None
+
+
+def planned_steps(max_steps: int, epochs: int, step: int, batches: int, per_step: int, batches_per_epoch: int) -> int:
+    """The optimizer step a run ends at, from where it is (``step`` steps done, ``batches`` global batches
+    consumed) and today's step size ``per_step``: ``max_steps`` counts optimizer steps, whatever their size;
+    ``epochs`` (with max_steps 0) counts data, so the steps left are the whole steps the batches left make.
+    The one rule for the trainer's resume and the runner's "is this run long enough" (train/stages.py)."""
+    if max_steps:
+        return max_steps
+    return max(1, step + max(0, epochs * batches_per_epoch - batches) // per_step)
+
+
+def resume_plan(state: dict, cfg: Config, per_step: int, batches_per_epoch: int) -> ResumePlan:
+    """The plan for a run whose last checkpoint's trainer.json is ``state`` ({} for a fresh run), taking
+    ``per_step`` global batches per optimizer step now (grad_accum x data-parallel ranks), whatever the
+    checkpoint's step size was.
+
+    ``train.max_steps`` counts optimizer steps, whatever their size. ``train.epochs`` counts data: the run
+    ends when ``epochs`` x ``batches_per_epoch`` global batches are consumed, so after a change of step size
+    the steps left are the batches left at the new size, and the lr decay goes on from where it was to the
+    new end (DeepSpeed restores the scheduler's step count; its end is the run's)."""
+    t = cfg.train
+    step = int(state.get("step", 0))
+    # a trainer.json from before the data position was stored: assume today's step size, as resumes did then
+    batches = int(state.get("batches", step * per_step))
+    total = planned_steps(t.max_steps, t.epochs, step, batches, per_step, batches_per_epoch)
+    saved = state.get("schedule")
+    decay_from = tuple(saved["decay_from"]) if saved and saved["decay_from"] else None
+    moved = bool(saved) and total != saved["total"] and per_step != state["batches_per_step"]
+    if moved and saved["count"] >= t.optim.warmup_steps:  # (during warmup the decay has not started)
+        decay_from = (saved["count"], decay_progress(cfg, saved["total"], saved["count"], decay_from))
+    return ResumePlan(step, batches, total, decay_from)
 
 
 def gathered_state_dict(engine) -> dict[str, torch.Tensor]:
@@ -84,9 +139,16 @@ def save(engine, world: World, ckpt_dir: Path, step: int, state: dict[str, Any],
 
 
 def _prune(ckpt_dir: Path, keep_last: int) -> None:
-    tags = sorted(p.name for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith("step_"))
+    """Keep the newest ``keep_last`` checkpoints up to the one ``latest`` names (a later tag is a save cut
+    short, which the run overwrites when it gets there). Universal copies are not checkpoints: each served
+    one load of its source, so all but the latest's are dropped."""
+    latest = (ckpt_dir / "latest").read_text().strip()
+    tags = sorted(p.name for p in ckpt_dir.iterdir() if p.is_dir() and TAG.fullmatch(p.name) and p.name <= latest)
     for old in tags[: max(0, len(tags) - max(1, keep_last))]:
         shutil.rmtree(ckpt_dir / old, ignore_errors=True)
+    for copy in ckpt_dir.glob("step_*_universal"):
+        if copy.name != f"{latest}_universal":
+            shutil.rmtree(copy, ignore_errors=True)
 
 
 def promote_best(drafter_dir: Path, best_dir: Path) -> None:

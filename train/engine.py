@@ -72,8 +72,9 @@ def _merge(base: dict, extra: dict) -> dict:
     return base
 
 
-def lr_lambda(cfg: Config, total_steps: int):
-    """Linear warmup, then cosine / linear decay to ``min_lr_ratio`` (or constant)."""
+def lr_lambda(cfg: Config, total_steps: int, decay_from: tuple[int, float] | None = None):
+    """Linear warmup, then cosine / linear decay to ``min_lr_ratio`` (or constant), as a function of the
+    scheduler's step. ``decay_from``: see :func:`decay_progress`."""
     o = cfg.train.optim
     warm = max(0, o.warmup_steps)
 
@@ -82,15 +83,25 @@ def lr_lambda(cfg: Config, total_steps: int):
             return (step + 1) / warm
         if o.schedule == "constant" or total_steps <= warm:
             return 1.0
-        progress = min(1.0, (step - warm) / max(1, total_steps - warm))
+        progress = decay_progress(cfg, total_steps, step, decay_from)
         decay = 0.5 * (1 + math.cos(math.pi * progress)) if o.schedule == "cosine" else 1 - progress
         return o.min_lr_ratio + (1 - o.min_lr_ratio) * decay
 
     return f
 
 
-def build_engine(model: torch.nn.Module, cfg: Config, world: World, total_steps: int, load_universal: bool = False):
-    """Wrap ``model`` (whose trainable parameters are the drafter's) in a DeepSpeed engine."""
+def decay_progress(cfg: Config, total_steps: int, step: int, decay_from: tuple[int, float] | None = None) -> float:
+    """The fraction of the lr decay done at scheduler step ``step`` (1 at ``total_steps``). The decay runs
+    from the end of warmup, or, with ``decay_from=(s, p)``, from fraction p at step s: a resume whose new
+    step size moved the run's end (train/checkpoint.py ``resume_plan``) goes on from the lr it had."""
+    start, done = decay_from or (max(0, cfg.train.optim.warmup_steps), 0.0)
+    return min(1.0, done + (1 - done) * (step - start) / max(1, total_steps - start))
+
+
+def build_engine(model: torch.nn.Module, cfg: Config, world: World, total_steps: int,
+                 decay_from: tuple[int, float] | None = None, load_universal: bool = False):
+    """Wrap ``model`` (whose trainable parameters are the drafter's) in a DeepSpeed engine; the lr schedule
+    ends at ``total_steps`` (``decay_from``: see :func:`decay_progress`)."""
     import deepspeed
 
     o = cfg.train.optim
@@ -103,7 +114,7 @@ def build_engine(model: torch.nn.Module, cfg: Config, world: World, total_steps:
         optimizer = DeepSpeedCPUAdam(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay, adamw_mode=True)
     else:
         optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_steps, decay_from))
     engine, optimizer, _, scheduler = deepspeed.initialize(
         model=model,
         optimizer=optimizer,

@@ -57,20 +57,24 @@ def trained_enough(manifest: dict, cfg: Config) -> bool:
     """Whether a complete train stage reached the steps ``cfg`` asks for. More asked: False, and the runner
     runs it again, training on from its last checkpoint (export, eval and publish then rebuild on it).
     Fewer asked than trained: a ValueError, since a run does not train backwards."""
-    from fledge.train.trainer import planned_steps
+    from fledge.train.checkpoint import planned_steps
 
     out = manifest.get("outputs") or {}
-    done = int(out.get("steps", 0))
-    if "global_batches_per_epoch" in out:
-        asked = planned_steps(cfg, out["global_batches_per_epoch"], out["global_batches_per_step"])
-    else:  # recorded before train kept its epoch's size: train.max_steps can be compared, train.epochs not
-        asked = cfg.train.max_steps or done
+    done, t = int(out.get("steps", 0)), cfg.train
+    ways = ("a run does not train backwards: run.force=[train] starts train over (deleting its checkpoints), or a "
+            "new run.name trains the shorter run beside this one")
+    if "global_batches_per_epoch" not in out:  # recorded before train kept its epoch's size: epochs not comparable
+        asked = t.max_steps or done
+    else:
+        per_epoch, per_step = out["global_batches_per_epoch"], out["global_batches_per_step"]
+        batches = out.get("global_batches", done * per_step)
+        if not t.max_steps and t.epochs * per_epoch < batches:
+            raise ValueError(f"train: this run has consumed {batches} global batches ({done} steps) and "
+                             f"train.max_steps=0 and train.epochs={t.epochs} asks for {t.epochs * per_epoch}; {ways}")
+        asked = planned_steps(t.max_steps, t.epochs, done, batches, per_step, per_epoch)
     if asked < done:
-        how = f"train.max_steps={cfg.train.max_steps}" if cfg.train.max_steps else \
-            f"train.max_steps=0 and train.epochs={cfg.train.epochs}"
-        raise ValueError(f"train: this run has trained {done} steps and {how} asks for {asked}; a run does not "
-                         "train backwards: run.force=[train] starts train over (deleting its checkpoints), or a new "
-                         "run.name trains the shorter run beside this one")
+        raise ValueError(f"train: this run has trained {done} steps and train.max_steps={t.max_steps} asks for "
+                         f"{asked}; {ways}")
     return asked == done
 
 

@@ -4,9 +4,11 @@ One optimizer step = ``grad_accum`` micro-batches on each of ``world`` ranks (wi
 ``train.sequence_parallel=N``, on each of ``world / N`` groups of N ranks that split every row:
 train/sequence_parallel.py). Batches come from a
 global plan that does not depend on the world size (rank r takes global batches r, r+W, ...), so
-2 ranks x 1 micro-batch and 1 rank x 2 micro-batches see the same data, and a run resumed on
-another world size continues at the same global position. Randomness is re-seeded from
-(seed, step, rank) every step, so a resumed run replays the uninterrupted one.
+2 ranks x 1 micro-batch and 1 rank x 2 micro-batches see the same data. Each checkpoint stores the
+global batches consumed, and a resume on any world size and grad_accum continues at that batch
+(train/checkpoint.py ``resume_plan``: ``train.max_steps`` counts optimizer steps of whatever size,
+``train.epochs`` counts data). Randomness is re-seeded from (seed, step, rank) every step, so a resumed
+run replays the uninterrupted one. Held-out eval reads the same global batches on every layout.
 
 A non-finite loss skips its whole optimizer step, on every rank: every micro-batch still runs its
 backward and DeepSpeed step (so DeepSpeed's accumulation boundary never moves), the non-finite one with
@@ -74,24 +76,28 @@ def run_training(ctx: StageContext) -> dict:
                          "deepspeed.zero_stage=1 (or deepspeed.bf16=true)")
     # a sequence-parallel group is one data-parallel rank: the global batch plan is the same as without it
     train_data, eval_data = build_loaders(cfg, ctx, dtype, groups.dp_rank, groups.dp_size)
-    per_step = cfg.train.grad_accum * groups.dp_size
-    total = planned_steps(cfg, train_data.global_batches_per_epoch, per_step)
+    per_step = cfg.train.grad_accum * groups.dp_size  # global batches per optimizer step
 
     ckpt_dir = ctx.stage_dir / "checkpoints"
     tag = checkpoint.latest_tag(ckpt_dir)
     state = checkpoint.trainer_state(ckpt_dir, tag) if tag else {"step": 0, "best_al": None, "best_step": None}
+    plan = checkpoint.resume_plan(state, cfg, per_step, train_data.global_batches_per_epoch)
+    total = plan.total
+    # the resumed checkpoint's weights are the run's last until it saves another (it may have nothing left to do)
+    last_drafter_dir = ckpt_dir / tag / "drafter" if tag else None
     universal = bool(tag) and state["world_size"] != world.world_size
     if universal:
         tag = checkpoint.to_universal(ckpt_dir, tag, world)
-    engine, _, scheduler = build_engine(model, cfg, world, total, load_universal=universal)
+    engine, _, scheduler = build_engine(model, cfg, world, total, plan.decay_from, load_universal=universal)
     model.cast_teacher(dtype)
     if tag:
         path, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag)
         if path is None:
             raise ValueError(f"could not load checkpoint {ckpt_dir / tag}; delete {ckpt_dir} to start over")
-        log.info("resumed from %s at step %d (saved by %d ranks)", tag, state["step"], state["world_size"])
-    step = int(state["step"])
-    train_data.seek(step * per_step)
+        log.info("resumed from %s at step %d, global batch %d (saved by %d ranks)", tag, plan.step, plan.batches,
+                 state["world_size"])
+    step = plan.step
+    train_data.seek(plan.batches)
 
     metrics_log = None
     if world.is_main:
@@ -101,7 +107,6 @@ def run_training(ctx: StageContext) -> dict:
     meter, tokens, nonfinite_run, skipped = RatioMeter(), 0, 0, int(state.get("skipped", 0))
     bar = tqdm(total=total, initial=step, desc="train", disable=not world.is_main, dynamic_ncols=True)
     t_log = time.time()
-    last_drafter_dir = None
     meta = drafter_meta(cfg, model.drafter.spec)
     try:
         while step < total:
@@ -166,7 +171,8 @@ def run_training(ctx: StageContext) -> dict:
                     state.update(best_al=ev["eval/al_estimate"], best_step=step, best_pending=True)
             preempt = any_rank(sigterm.raised)
             if step % cfg.train.save_every == 0 or step == total or preempt or state.get("best_pending"):
-                state["skipped"] = skipped
+                state.update(skipped=skipped, batches=train_data.position, batches_per_step=per_step,
+                             schedule={"total": total, "count": scheduler.last_epoch, "decay_from": plan.decay_from})
                 last_drafter_dir = checkpoint.save(engine, world, ckpt_dir, step,
                                                    {k: v for k, v in state.items() if k != "best_pending"},
                                                    meta, TTTModel.PREFIX, cfg.train.keep_last)
@@ -183,22 +189,23 @@ def run_training(ctx: StageContext) -> dict:
     best = ctx.stage_dir / "best"
     return {"steps": step, "last": str(last_drafter_dir), "best": str(best if best.exists() else last_drafter_dir),
             "best_step": state["best_step"], "best_al_estimate": state["best_al"], "skipped_steps": skipped,
-            "global_batches_per_epoch": train_data.global_batches_per_epoch, "global_batches_per_step": per_step}
-
-
-def planned_steps(cfg: Config, global_batches_per_epoch: int, global_batches_per_step: int) -> int:
-    """The optimizer steps a config asks for: train.max_steps, else train.epochs over the data."""
-    return cfg.train.max_steps or max(1, cfg.train.epochs * global_batches_per_epoch // global_batches_per_step)
+            "global_batches": train_data.position, "global_batches_per_epoch": train_data.global_batches_per_epoch,
+            "global_batches_per_step": per_step}
 
 
 @torch.no_grad()
 def evaluate(engine, data, cfg: Config, world: World, dtype: torch.dtype, seq=None) -> dict[str, float]:
-    """Teacher-forced held-out metrics over ``train.eval_batches`` batches per data-parallel rank (``seq``:
-    the rank's ``SequenceParallel``, which splits each batch over its group)."""
+    """Teacher-forced held-out metrics over ``train.eval_batches`` global batches, split over the
+    data-parallel ranks (``data.eval_batches``), so the same on any world size (``seq``: the rank's
+    ``SequenceParallel``, which splits each batch over its group)."""
     meter = RatioMeter()
     engine.eval()
-    for batch in data.eval_batches(cfg.train.eval_batches):
-        meter.add(engine((seq.split(batch) if seq else batch).to(world.device, dtype)).metrics)
+    for batch, counts in data.eval_batches(cfg.train.eval_batches):
+        metrics = engine((seq.split(batch) if seq else batch).to(world.device, dtype)).metrics
+        if not counts:  # a filler forward: zeros under the same names, which reduce() all-reduces on every rank
+            metrics = {k: (torch.zeros_like(num), torch.zeros_like(torch.as_tensor(den))) for k, (num, den) in
+                       metrics.items()}
+        meter.add(metrics)
     engine.train()
     values = meter.reduce()
     values = {f"eval/{k}": v for k, v in values.items()}

@@ -1,9 +1,11 @@
-"""The train stage under DeepSpeed on 2 gloo ranks: ZeRO-2/3 equal one process, exact resume after
-kill -9, and a preempted 2-rank run resumed on 1 rank through the universal checkpoint; sequence
-parallelism (train.sequence_parallel=2) on that curve, resumed with and without it."""
+"""The train stage under DeepSpeed on 2 gloo ranks: ZeRO-2/3 equal one process (losses and held-out eval),
+exact resume after kill -9, and a preempted 2-rank run resumed on 1 rank through the universal checkpoint;
+a resume on another global batch size continuing at the data consumed; sequence parallelism
+(train.sequence_parallel=2) on that curve, resumed with and without it."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -22,7 +24,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS
        "WANDB_MODE": "disabled", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
 STEPS = 6
 TRAIN = ["drafter.ttt_steps=2", "drafter.draft_vocab_size=1024", "train.micro_batch_tokens=256",
-         f"train.max_steps={STEPS}", "train.log_every=1", "train.eval_every=3", "train.eval_batches=2",
+         f"train.max_steps={STEPS}", "train.log_every=1", "train.eval_every=3", "train.eval_batches=3",
          "train.save_every=2", "train.keep_last=2", "train.optim.warmup_steps=2", "train.optim.lr=3e-3"]
 
 
@@ -59,9 +61,24 @@ def new_run(base, name: str) -> list[str]:
             "run.stages=[train]", "data.perturb.fraction=0", *TRAIN]
 
 
+def resumed_run(base, src: str, name: str, stages: str = "train") -> list[str]:
+    """A copy of run ``src`` (its stores and checkpoints) as run ``name``, without the train stage's manifest:
+    a job killed after its last checkpoint. Returns the overrides that resume it."""
+    out, target = base
+    shutil.copytree(out / src, out / name)
+    (out / name / "train" / "manifest.json").unlink()
+    return ["recipe=tiny", f"target.name_or_path={target}", f"run.output_root={out}", f"run.name={name}",
+            f"run.stages=[{stages}]", "data.perturb.fraction=0", *TRAIN]
+
+
 def losses(base, name: str) -> list[list[float]]:
     lines = read_metrics(base[0] / name / "train" / "metrics.jsonl")  # null (no counted rows) -> NaN
     return [[r["loss_0"], r["loss_1"]] for r in lines if "loss_0" in r]
+
+
+def evals(base, name: str) -> list[dict[str, float]]:
+    return [{k: v for k, v in r.items() if k.startswith("eval/")}
+            for r in read_metrics(base[0] / name / "train" / "metrics.jsonl") if "eval/al_estimate" in r]
 
 
 def grad_norms(base, name: str) -> list[float]:
@@ -78,16 +95,35 @@ def reference(base):
     return ref
 
 
-def test_zero3_and_one_process_match_zero2(base, reference):
+@pytest.fixture(scope="module")
+def layouts(base):
+    """The reference's global batch on other layouts: ZeRO-3 on 2 ranks, and one process x 2 micro-batches."""
     run(main_cmd(2) + new_run(base, "z3") + ["deepspeed=zero3"])
     run(main_cmd(1) + new_run(base, "single") + ["deepspeed=zero2", "train.grad_accum=2"])
-    for name in ("z3", "single"):
+    return "z3", "single"
+
+
+def test_zero3_and_one_process_match_zero2(base, reference, layouts):
+    for name in layouts:
         got = losses(base, name)
         assert len(got) == STEPS
         for a, b in zip(got, reference):
             assert a == pytest.approx(b, rel=2e-4, abs=2e-5, nan_ok=True), name
     best = base[0] / "z3" / "train" / "best" / "model.safetensors"
     assert best.exists()  # ZeRO-3 shards gathered into full drafter weights
+
+
+def test_held_out_eval_is_the_same_on_one_and_two_ranks(base, reference, layouts):
+    """train.eval_batches=3 global batches, split over the ranks (2 + 1 with a filler forward on rank 1,
+    which keeps ZeRO-3's gathers in step): one process evaluates the same set as two, so the best
+    checkpoint is chosen alike on either. Each rank used to evaluate 3 of its own: 6 on two ranks."""
+    ref = evals(base, "ref")
+    assert len(ref) == 2 and all(v == v for v in ref[0].values())  # measured, not NaN
+    for name in layouts:
+        got = evals(base, name)
+        assert len(got) == len(ref), name
+        for a, b in zip(got, ref):  # measured: 7e-8 (ZeRO-3), 0 (one process); the old sets were 2e-4 apart
+            assert a == pytest.approx(b, rel=1e-6, abs=1e-9, nan_ok=True), name
 
 
 def _start(cmd):
@@ -219,6 +255,54 @@ def test_a_skipped_step_with_accumulation_resumes_exactly(base):
     assert not all(w2[k].equal(w3[k]) for k in w2)  # and the next one trained
 
 
+@pytest.fixture(scope="module")
+def two_steps_on_two_ranks(base):
+    """Run ``w2``: 2 optimizer steps on 2 ranks x 1 micro-batch (global batches 0..3, checkpoint at step 2),
+    with global batch 4 of its store poisoned with NaN: the batch a resume must start at."""
+    from fledge.conf import compose
+
+    args = new_run(base, "w2") + ["deepspeed=zero2", "train.max_steps=2", "train.eval_every=2"]
+    _poison(base[0] / "w2", 4, compose(args))
+    run(main_cmd(2) + args)
+    return "w2"
+
+
+def test_one_rank_resumes_two_at_the_first_global_batch_not_consumed(base, two_steps_on_two_ranks):
+    """Resumed on 1 rank x 1 micro-batch, step 3 runs global batch 4 (the poisoned one: that step is skipped
+    and names it), not batch 2 (step x today's batches per step replayed 2 and 3). With train.epochs the run
+    ends where the epoch's data ends: 4 batches in 2 steps, then 1 per step."""
+    from fledge.conf import compose
+    from fledge.data.feature_reader import FeatureLoader
+
+    args = resumed_run(base, two_steps_on_two_ranks, "w1") + [
+        "deepspeed=zero2", "train.max_steps=0", "train.epochs=1", "train.save_every=1000", "train.eval_every=1000"]
+    res = run(main_cmd(1) + args)
+    cfg, run_dir = compose(args), base[0] / "w1"
+    skipped = {r["step"]: r["skipped"] for r in read_metrics(run_dir / "train" / "metrics.jsonl") if "skipped" in r}
+    assert (skipped[2], skipped[3]) == (0, 1)  # the third optimizer step ran the NaN batch...
+    assert "non-finite loss at global batch [4]" in res.stderr  # ... and names it
+    per_epoch = FeatureLoader(run_dir / "capture" / "train", 0, 1, cfg.train.micro_batch_tokens,
+                              cfg.train.micro_batch_size, cfg.run.seed).global_batches_per_epoch
+    steps = json.loads((run_dir / "train" / "manifest.json").read_text())["outputs"]["steps"]
+    assert steps == 2 + per_epoch - 4, (steps, per_epoch)
+    saved = json.loads((run_dir / "train" / "checkpoints" / f"step_{steps:08d}" / "trainer.json").read_text())
+    assert saved["batches"] == per_epoch and saved["world_size"] == 1
+
+
+def test_a_run_resumed_at_its_last_step_names_that_checkpoint(base, two_steps_on_two_ranks):
+    """Killed after its last checkpoint, the run is re-run (here on 1 rank: through the universal copy):
+    nothing is left to train, and the summary names step 2's drafter weights, which export reads (it said
+    "None", and export failed on "None is not a directory")."""
+    args = resumed_run(base, two_steps_on_two_ranks, "w1_done", stages="train,export") + [
+        "deepspeed=zero2", "train.max_steps=2", "export.checkpoint=last"]
+    run(main_cmd(1) + args)
+    run_dir = base[0] / "w1_done"
+    outputs = json.loads((run_dir / "train" / "manifest.json").read_text())["outputs"]
+    assert outputs["last"] == str(run_dir / "train" / "checkpoints" / "step_00000002" / "drafter")
+    assert outputs["steps"] == 2
+    assert json.loads((run_dir / "export" / "manifest.json").read_text())["complete"]
+
+
 def test_sequence_parallel_trains_like_data_parallel_and_resumes(base, reference):
     """train.sequence_parallel=2 on 2 ranks (one data-parallel rank of two sequence shards, rows of 256
     tokens with documents across the split) with 2 micro-batches per step runs the reference's global
@@ -242,3 +326,6 @@ def test_sequence_parallel_trains_like_data_parallel_and_resumes(base, reference
         assert len(got) == STEPS, name
         for a, b in zip(got, reference):
             assert a == pytest.approx(b, rel=2e-4, abs=2e-5, nan_ok=True), name
+        assert len(evals(base, name)) == 2, name
+        for a, b in zip(evals(base, name), evals(base, "ref")):  # one data-parallel rank, the same held-out set
+            assert a == pytest.approx(b, rel=1e-6, abs=1e-9, nan_ok=True), name

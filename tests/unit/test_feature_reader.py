@@ -68,8 +68,22 @@ def test_a_resume_on_another_world_size_continues_the_sequence():
     full = _global_sequence(world=1, steps=60, accum=4)
     first = _run(_loaders(2), steps=30, accum=2)
     resumed = _loaders(1)
-    resumed[0].seek(30 * 2 * 2)  # what trainer.py does: step * grad_accum * world
+    resumed[0].seek(30 * 2 * 2)  # the global batches consumed, as the checkpoint stores them
     assert first + _run(resumed, steps=30, accum=4) == full
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+def test_held_out_eval_reads_the_same_global_batches_on_any_world_size(world):
+    """train.eval_batches=5 is global batches 0..4 of epoch 0, split over the ranks, on any world size
+    (the best checkpoint is chosen on the same set after a resume elsewhere); every rank runs the same
+    number of forwards (ZeRO-3 gathers weights in each), a rank one short running a filler it does not
+    count. More batches than the epoch holds: the epoch once, nothing counted twice."""
+    plan = _loaders(1, n_samples=13)[0].global_plan(0)
+    for n, want in ((5, 5), (40, 13)):
+        shares = [list(ld.eval_batches(n)) for ld in _loaders(world, n_samples=13)]
+        assert len({len(s) for s in shares}) == 1, [len(s) for s in shares]  # same forwards on every rank
+        counted = sorted(b.input_ids[0, 0].item() for share in shares for b, counts in share if counts)
+        assert counted == sorted(plan[g][0][0] for g in range(want))
 
 
 # ---- containment: a store names only files inside itself ------------------------------------------------

@@ -8,7 +8,7 @@ import torch
 
 import fledge.train.runner as runner
 import fledge.train.stages as stages
-import fledge.train.trainer as trainer
+import fledge.train.checkpoint as checkpoint
 from fledge.conf import compose
 from fledge.conf.schema import STAGES
 from fledge.distributed import World, init_world
@@ -46,7 +46,7 @@ def calls(monkeypatch):
                 return {"n": len(log), "complete": False}  # e.g. one slice of an array capture
             if stage == "train":
                 per_step = runner.global_batches_per_step(ctx.cfg, ctx.world.world_size)
-                steps = trainer.planned_steps(ctx.cfg, 100, per_step)
+                steps = checkpoint.planned_steps(ctx.cfg.train.max_steps, ctx.cfg.train.epochs, 0, 0, per_step, 100)
                 return {"n": len(log), "steps": steps, "global_batches_per_epoch": 100,
                         "global_batches_per_step": per_step}
             return {"n": len(log)}
