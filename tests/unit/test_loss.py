@@ -140,9 +140,19 @@ def test_bad_arguments():
         ttt_loss(d, b, torch.randn(41, 32), steps=1, step_weight=W, chunk_size=8)
 
 
+def summation_rtol(n_terms: int) -> float:
+    """How far apart two fp32 sums of the same ``n_terms`` non-negative terms may be, relative to the sum,
+    when they add them in different orders: each order is within (n - 1) u of the exact sum (u = 2^-24, the
+    recursive-summation bound), so the two within 2 (n - 1) u. It holds whatever order a CPU's kernels pick
+    (AVX2, AVX-512 and AMX builds do pick differently)."""
+    return 2 * (n_terms - 1) * 2.0**-24
+
+
 def test_zero3_path_equals_the_shared_teacher_path(monkeypatch):
     """Under ZeRO-3 the loss goes step by step through lm_head's forward (teacher per step); elsewhere the
-    teacher is computed once for all steps. Same loss, metrics and gradients."""
+    teacher is computed once for all steps. Same loss, metrics and gradients: the summed losses agree to the
+    bound of summing their rows x Vd products in another order (one CPU's kernels were 1.1e-7 apart where a
+    fixed 1e-7 was allowed), the counts exactly."""
     import fledge.train.loss as L
 
     head = torch.randn(40, 32, generator=torch.Generator().manual_seed(4))
@@ -157,10 +167,16 @@ def test_zero3_path_equals_the_shared_teacher_path(monkeypatch):
         res.loss.backward()
         out[partitioned] = (res, {n: p.grad for n, p in d.named_parameters() if p.grad is not None})
     (a, ga), (b_, gb) = out[False], out[True]
-    torch.testing.assert_close(a.loss, b_.loss)
+    vd = head.shape[0]
+    rows = sum(int(a.metrics[f"loss_{k}"][1]) for k in range(K))
+    assert math.isclose(float(a.loss), float(b_.loss), rel_tol=summation_rtol(rows * vd))
     for name in a.metrics:
-        torch.testing.assert_close(a.metrics[name][0], b_.metrics[name][0])
         assert torch.equal(a.metrics[name][1], b_.metrics[name][1])
+        if name.startswith("loss_"):  # a sum of fp32 products, in another order on each path
+            n = int(a.metrics[name][1]) * vd
+            assert math.isclose(float(a.metrics[name][0]), float(b_.metrics[name][0]), rel_tol=summation_rtol(n)), name
+        else:  # counts of right rows: exact
+            assert torch.equal(a.metrics[name][0], b_.metrics[name][0]), name
     assert ga.keys() == gb.keys()
     for name in ga:
         torch.testing.assert_close(ga[name], gb[name], atol=1e-6, rtol=1e-5)
