@@ -79,8 +79,10 @@ class TTTLoss(ABC):
 
     def __call__(self, drafter, batch: FeatureBatch, teacher_head: torch.Tensor, shard=None) -> TTTResult:
         """Unroll ``self.steps`` TTT steps of ``drafter`` on ``batch`` and score them: returns the weighted
-        loss (L_k is 0 when step k counts no row) and numerator/denominator metrics; ``full_acc_k`` counts
-        rows whose steps 0..k are all counted, and is right when all of them are.
+        loss (L_k is 0 when step k counts no row) and numerator/denominator metrics: ``loss_k`` over step
+        k's counted rows, ``acc_k`` over its scored rows (train/alignment.py: a teacher argmax outside the
+        draft vocab is a miss), ``full_acc_k`` over the rows whose steps 0..k are all scored, right when
+        all of them are.
 
         ``shard`` (sequence parallelism, train/sequence_parallel.py; None on one rank): ``batch`` is one
         rank's shard plus halo; only its own rows count, L_k is normalised by the rows the whole group
@@ -94,8 +96,9 @@ class TTTLoss(ABC):
         rows = [alignment.step_rows(batch.loss_mask, batch.document_ids, batch.target_argmax, drafter.t2d, k)
                 for k in range(self.steps)]
         if shard is not None:
-            for s in rows:
-                s.counted[:, shard.rows:] = False  # the halo: the next shard's rows
+            for s in rows:  # the halo: the next shard's rows
+                s.counted[:, shard.rows:] = False
+                s.scored[:, shard.rows:] = False
         rows = [_flat(s) for s in rows]
         ys_flat = [y.reshape(B * T, -1) for y in ys]
         scored = None
@@ -109,7 +112,7 @@ class TTTLoss(ABC):
     def _weigh(self, drafter, rows, scored, device, shard=None) -> TTTResult:
         total = torch.zeros((), dtype=torch.float32, device=device)
         metrics: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        chain_counted = chain_right = None
+        chain_scored = chain_right = None
         f64 = lambda x: x.detach().to(torch.float64)  # noqa: E731
         counts = torch.stack([s.counted.sum() for s in rows])
         # one rank: L_k = S_k / n_k; a group of N: rank r's share N S_k^r / n_k(group) (gradients are averaged)
@@ -123,11 +126,12 @@ class TTTLoss(ABC):
                 right[r] = drafter.draft_to_target(pred) == step.teacher_argmax[r]
             n = counts[k]
             total = total + self.step_weight**k * loss_sum / denominators[k]
-            chain_counted = step.counted if chain_counted is None else chain_counted & step.counted
+            # scored rows outside the loss (teacher argmax outside the draft vocab) stay misses (alignment.py)
+            chain_scored = step.scored if chain_scored is None else chain_scored & step.scored
             chain_right = right if chain_right is None else chain_right & right
             metrics[step_key("loss", k)] = (f64(loss_sum), f64(n))
-            metrics[step_key("acc", k)] = (f64(right.sum()), f64(n))
-            metrics[step_key("full_acc", k)] = (f64((chain_right & chain_counted).sum()), f64(chain_counted.sum()))
+            metrics[step_key("acc", k)] = (f64(right.sum()), f64(step.scored.sum()))
+            metrics[step_key("full_acc", k)] = (f64((chain_right & chain_scored).sum()), f64(chain_scored.sum()))
         return TTTResult(loss=total, metrics=metrics)
 
 
@@ -187,7 +191,8 @@ def ttt_loss(drafter, batch: FeatureBatch, teacher_head: torch.Tensor, *, steps:
 
 # ---------------------------------------------------------------------------------------- execution
 def _flat(step: alignment.StepRows) -> alignment.StepRows:
-    return alignment.StepRows(step.lead, step.teacher_argmax.reshape(-1), step.counted.reshape(-1))
+    return alignment.StepRows(step.lead, step.teacher_argmax.reshape(-1), step.counted.reshape(-1),
+                              step.scored.reshape(-1))
 
 
 def _partitioned(lm_head) -> bool:
