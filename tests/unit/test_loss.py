@@ -185,6 +185,58 @@ def test_zero3_path_equals_the_shared_teacher_path(monkeypatch):
         torch.testing.assert_close(ga[name], gb[name], atol=1e-6, rtol=1e-5)
 
 
+def _two_micro_batches():
+    """A two-row batch and its rows as two micro-batches, one with few counted rows and one with many."""
+    from dataclasses import fields
+
+    from fledge.data.batch import FeatureBatch
+
+    whole = packed_batch()
+    whole.target_argmax = torch.randint(0, 50, whole.target_argmax.shape, generator=torch.Generator().manual_seed(3))
+    whole.loss_mask[0] &= torch.arange(whole.loss_mask.shape[1]) % 4 == 0  # row 0: a few masked tokens
+    whole.loss_mask[1] = True
+    parts = [FeatureBatch(**{f.name: getattr(whole, f.name)[r:r + 1] for f in fields(whole)}) for r in (0, 1)]
+    return whole, parts
+
+
+@pytest.mark.parametrize("partitioned", [False, True])
+def test_two_micro_batches_train_like_one_batch_holding_both(monkeypatch, partitioned):
+    """One rank, grad_accum=2: with the step's denominators (train/loss.py step_denominators, divisor 2)
+    and each micro-batch's gradient halved (what DeepSpeed's backward does; tests/distributed/
+    test_accumulation.py runs the engine itself), the loss and every gradient are those of one batch holding
+    both micro-batches' rows, in fp32 to rounding. The micro-batches' own means (the old normalisation) are
+    far from it: their rows weigh 1/n of their own micro-batch, not of the step."""
+    import fledge.train.loss as L
+    from fledge.train.loss import SoftCrossEntropy, step_denominators
+
+    monkeypatch.setattr(L, "_partitioned", lambda lm_head: partitioned)  # both execution paths
+    loss = SoftCrossEntropy(steps=K, step_weight=W, chunk_size=5)
+    head = torch.randn(40, 32, generator=torch.Generator().manual_seed(4))
+    whole, parts = _two_micro_batches()
+
+    def run(batches, denominators):
+        d = remapped(make_drafter(**FLAGS["eagle31"])).train()
+        total = 0.0
+        for b in batches:
+            res = loss(d, b, head, denominators=denominators)
+            (res.loss / len(batches)).backward()
+            total += float(res.loss.detach()) / len(batches)
+        return total, {n: p.grad for n, p in d.named_parameters() if p.grad is not None}
+
+    d = remapped(make_drafter(**FLAGS["eagle31"]))
+    counts = [loss.counted_rows(d, b) for b in parts]
+    assert int(counts[1].min()) > 3 * int(counts[0].max()) > 0  # very different micro-batches
+    one, g_one = run([whole], None)
+    two, g_two = run(parts, step_denominators(counts[0] + counts[1], 2))
+    own, g_own = run(parts, None)
+    assert two == pytest.approx(one, rel=1e-6)
+    assert g_one.keys() == g_two.keys() and len(g_one) > 5
+    for n in g_one:
+        torch.testing.assert_close(g_two[n], g_one[n], rtol=1e-5, atol=1e-7)
+    assert abs(own - one) > 0.01 * one  # the control: a micro-batch's own mean is another objective
+    assert max(float((g_own[n] - g_one[n]).norm() / g_one[n].norm()) for n in g_one) > 0.05
+
+
 def test_bf16_gradients_stay_accurate_near_convergence():
     """bf16 drafter close to its teacher (W_d ~ W_t, y ~ t; drafter-teacher KL ~0.004): the shared-teacher
     path's gradients (torch path) against fp64 math stay within 1.5x of the standard error (fp32 math, the
