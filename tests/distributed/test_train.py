@@ -72,7 +72,7 @@ def logged_objective_gaps(base, name: str, weight: float = 0.8) -> list[float]:
     for r in read_metrics(base[0] / name / "train" / "metrics.jsonl"):
         if "loss_0" in r:
             want = sum(weight**k * r[f"loss_{k}"] for k in range(2) if r[f"loss_{k}"] == r[f"loss_{k}"])
-            gaps.append(abs(r["loss"] - want) / want)
+            gaps.append(abs(r["loss"] - want) / want if want else abs(r["loss"]))  # a step with no counted row
     return gaps
 
 
