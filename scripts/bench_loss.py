@@ -56,7 +56,7 @@ def _step(impl, ys, t, head, w_t, counted, chunk_size):
                                   impl="naive")[0] for k, y in enumerate(ys)]
     else:
         # train/loss.py's execution paths take per-step StepRows: step k scores row r against teacher row r+1+k.
-        rows = [StepRows(lead=1 + k, teacher_argmax=torch.zeros_like(c, dtype=torch.long), counted=c)
+        rows = [StepRows(lead=1 + k, teacher_argmax=torch.zeros_like(c, dtype=torch.long), counted=c, scored=c)
                 for k, c in enumerate(counted)]
         if impl == "per-step":
             loss_sum = SoftCrossEntropy(steps=len(ys), step_weight=0.8, chunk_size=chunk_size).loss_sum

@@ -27,8 +27,9 @@ def near_converged(n: int, h: int, vd: int, steps: int, eps: float, seed: int = 
     for k in range(steps):
         y = torch.roll(t, -(1 + k), 0) + eps * torch.randn(m, h, generator=g, dtype=torch.float64)
         ys.append(y.bfloat16().to(device))
+        counted = torch.arange(m, device=device) < n
         rows.append(StepRows(lead=1 + k, teacher_argmax=torch.zeros(m, dtype=torch.long, device=device),
-                             counted=torch.arange(m, device=device) < n))
+                             counted=counted, scored=counted))
     bf = lambda x: x.bfloat16().to(device)  # noqa: E731
     return dict(ys=ys, t=bf(t), w_d=bf(w_d), w_t=bf(w_t), rows=rows)
 

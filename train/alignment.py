@@ -7,9 +7,15 @@ Step k of the unroll (k = 0..K-1) treats row t as a draft made ``lead(k) = 1 + k
   feature ``A_t`` at step 0 and the state step k-1 fed back at row t after that;
 - it is scored against teacher row t+lead: the target's distribution of x_{t+lead+1}, from
   ``target_hidden[t+lead]``, whose argmax is ``target_argmax[t+lead]``;
-- it counts when x_{t+lead+1} is a loss-masked token of row t's document (so padding, a document's end
-  and the row's end never count) and that argmax lies in the draft vocab (``t2d``): a token the drafter
-  cannot emit says nothing about its quality.
+- it is *scored* when x_{t+lead+1} is a loss-masked token of row t's document (so padding, a document's
+  end and the row's end never are): the accuracies and the AL estimate are over scored rows;
+- it is *counted* (it enters the loss) when it is scored and that argmax lies in the draft vocab
+  (``t2d``). The two differ on purpose. The loss's teacher is the target's distribution renormalised over
+  the draft vocab; where the target's choice lies outside it, that distribution points at a token the
+  target would not write, so the row is left out of the loss. Drafting cannot get such a row right
+  (the drafter never proposes the token, so the engine rejects whatever it drafts there), so for the
+  accuracies and the estimate of acceptance it is a miss: leaving it out would overstate AL wherever the
+  target often writes tokens outside the draft vocab.
 
 Every consumer goes through :func:`step_inputs` and :func:`step_rows`, so the shift is defined here only.
 """
@@ -46,25 +52,28 @@ class StepRows:
     """What step ``k`` is scored against, per row ``[B, T]``.
 
     ``teacher_argmax[t]`` is the target's argmax at row t + ``lead`` (a target-vocab id); ``counted[t]``
-    says whether row t enters the loss and the accuracies. A counted row's teacher row t + lead lies in
-    the same sequence, so flat indices ``r + lead`` over ``B*T`` rows are safe for counted rows only.
+    says whether row t enters the loss, ``scored[t]`` whether it enters the accuracies (counted rows and
+    the rows whose teacher argmax is outside the draft vocab: misses; module docstring). A scored row's
+    teacher row t + lead lies in the same sequence, so flat indices ``r + lead`` over ``B*T`` rows are
+    safe for scored (and so counted) rows only.
     """
 
     lead: int
     teacher_argmax: torch.Tensor
     counted: torch.Tensor
+    scored: torch.Tensor
 
 
 def step_rows(loss_mask: torch.Tensor, document_ids: torch.Tensor, target_argmax: torch.Tensor,
               t2d: torch.Tensor, k: int) -> StepRows:
-    """Step ``k``'s teacher argmax and counted rows (module docstring); all inputs ``[B, T]`` but ``t2d``
-    (bool ``[V]``, true at draft-vocab ids). ``document_ids`` is -1 on padding."""
+    """Step ``k``'s teacher argmax, counted and scored rows (module docstring); all inputs ``[B, T]`` but
+    ``t2d`` (bool ``[V]``, true at draft-vocab ids). ``document_ids`` is -1 on padding."""
     s = lead(k)
     teacher = shift(target_argmax, s, 0)
     # -2 past the end: never a document id, never the padding id.
     same_doc = (document_ids >= 0) & (shift(document_ids, s + 1, -2) == document_ids)
-    counted = shift(loss_mask, s + 1, False) & same_doc & t2d[teacher]
-    return StepRows(lead=s, teacher_argmax=teacher, counted=counted)
+    scored = shift(loss_mask, s + 1, False) & same_doc
+    return StepRows(lead=s, teacher_argmax=teacher, counted=scored & t2d[teacher], scored=scored)
 
 
 def unroll(drafter, aux_hidden: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -74,7 +83,7 @@ def unroll(drafter, aux_hidden: torch.Tensor, input_ids: torch.Tensor, position_
 
     ``shard`` (a train/sequence_parallel.py ``RowShard``; None on one rank): the inputs are a shard's rows
     plus its halo; the drafter runs on the first ``shard.rows`` of them, attends over the whole row through
-    ``shard.sp.distribute``, and the halo's y are zeros (those rows never count: :func:`step_rows` callers
+    ``shard.sp.distribute``, and the halo's y are zeros (those rows never count nor score: :func:`step_rows` callers
     cut them)."""
     T = input_ids.shape[1]
     own = T if shard is None else shard.rows

@@ -90,6 +90,16 @@ def lr_lambda(cfg: Config, total_steps: int, decay_from: tuple[int, float] | Non
     return f
 
 
+def gradient_divisor(engine) -> float:
+    """How many micro-batch losses the gradient DeepSpeed hands its optimizer is the mean of: its
+    ``backward`` divides each loss by ``gradient_accumulation_steps`` and ZeRO divides the all-reduced
+    gradients by the data-parallel world (``dp_world_size`` over its own sequence-parallel size, 1 here:
+    Fledge's sequence parallelism, train/sequence_parallel.py, keeps every rank in DeepSpeed's data-parallel
+    group). So grad_accum x world size; read from the engine (DeepSpeed 0.19.8, runtime/engine.py
+    ``backward``, runtime/zero/stage_1_and_2.py and stage3.py) rather than from the config."""
+    return engine.gradient_accumulation_steps() * engine.dp_world_size / engine.sequence_parallel_size
+
+
 def decay_progress(cfg: Config, total_steps: int, step: int, decay_from: tuple[int, float] | None = None) -> float:
     """The fraction of the lr decay done at scheduler step ``step`` (1 at ``total_steps``). The decay runs
     from the end of warmup, or, with ``decay_from=(s, p)``, from fraction p at step s: a resume whose new

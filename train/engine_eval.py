@@ -219,7 +219,7 @@ def engine_markdown(report: dict) -> list[str]:
                      f"{_fmt(t['lookup'], 1)} | {_fmt(s['lookup_speedup'])}x |")
     ties = sum(s["greedy_ties"] for s in e["sets"].values())
     bad = sum(len(s["greedy_differences"]) for s in e["sets"].values())
-    lines += ["", (f"Engine greedy check: speculative output equal to plain output on every prompt"
+    lines += ["", ("Engine greedy check: speculative output equal to plain output on every prompt"
                    + (f" ({ties} divergence(s) at top-2 ties)." if ties else ".")) if not bad else
               f"Engine greedy check FAILED on {bad} prompt(s)."]
     if e["failures"]:

@@ -9,7 +9,8 @@ such as ``mt_bench`` or ``speed_bench_throughput_16k``) it runs, on the same pro
   and with rejection sampling when ``eval.temperature > 0``);
 - prompt lookup (n-gram copy from the context, same k): the drafter-free baseline that loops inflate.
 
-It also reports the distinct-3-gram ratio of the target's outputs and AL restricted to prompts whose
+It also reports the distinct-3-gram ratio of the target's outputs, the share of their tokens the draft
+vocab holds (the drafter can propose no other), and AL restricted to prompts whose
 output is not degenerate (ratio >= ``eval.degenerate_threshold``), the teacher-forced held-out per-step
 accuracy up to 2K steps (natural text: loops cannot inflate it), and the attention-drift curves.
 Outputs under the stage dir: report.json, report.md and PNG plots (train/report.py).
@@ -127,6 +128,13 @@ def distinct_ngram_ratio(tokens: Sequence[int], n: int = 3) -> float:
     return len(set(grams)) / len(grams) if grams else 1.0
 
 
+def draft_vocab_coverage(outputs: Sequence[Sequence[int]], t2d: torch.Tensor) -> float:
+    """The share of the tokens in ``outputs`` (target ids) that lie in the draft vocab (``t2d``, bool
+    ``[V]``): where the target writes any other token, no draft can be accepted (NaN: no tokens)."""
+    written = torch.tensor([t for out in outputs for t in out], dtype=torch.long)
+    return float(t2d.cpu()[written].float().mean()) if written.numel() else float("nan")
+
+
 def acceptance_stats(results, k: int) -> dict:
     """Mean AL (bonus included, max k + 1) and per-position acceptance over the rounds not cut by the
     token budget. ``accept_at[i]`` = P(accepted >= i+1) over those rounds (a prompt-lookup miss drafts
@@ -180,6 +188,7 @@ def evaluate_set(name: str, prompts: list[list[int]], target_model, drafter, eva
     d3 = [distinct_ngram_ratio(r) for r in refs]
     ok = [i for i, v in enumerate(d3) if v >= eval_cfg.degenerate_threshold]
     out = {"prompts": len(prompts), "prompt_tokens_mean": sum(map(len, prompts)) / max(1, len(prompts)),
+           "draft_vocab_coverage": draft_vocab_coverage(refs, drafter.t2d),
            "drafter": acceptance_stats(spec, k), "lookup": acceptance_stats(look, k),
            "distinct3_mean": sum(d3) / max(1, len(d3)), "distinct3": d3, "non_degenerate_prompts": len(ok),
            "drafter_non_degenerate": acceptance_stats([spec[i] for i in ok], k),
@@ -260,10 +269,10 @@ def pack_heldout(lengths: Sequence[int], row_len: int) -> list[list[int]]:
 def heldout_accuracy(drafter, frozen, samples: Sequence[tuple[list[int], list[int]]], steps: int,
                      chunk_tokens: int = 0) -> dict:
     """Teacher-forced per-step accuracy on held-out conversations (one document each), unrolled ``steps``
-    TTT steps, beyond the trained K too. Step j's inputs and counted rows are training's
-    (train/alignment.py). ``full_acc[j]`` counts, among step j's counted rows, those whose steps 0..j were
-    all right, where a step whose row did not count (its target outside the draft vocab, say) is a miss,
-    as it is when drafting: this is the offline side of the offline-vs-measured comparison.
+    TTT steps, beyond the trained K too. Step j's inputs and scored rows are training's
+    (train/alignment.py): a row whose teacher argmax lies outside the draft vocab is a miss, as it is when
+    drafting. ``full_acc[j]`` counts, among step j's scored rows, those whose steps 0..j were all right:
+    this is the offline side of the offline-vs-measured comparison. ``rows[j]``: step j's scored rows.
 
     The target reads each conversation alone; the drafter reads them packed as documents into rows of one
     length (``heldout_row_length``; padding is document -1 and never counts), which the TTT mask keeps
@@ -296,9 +305,9 @@ def heldout_accuracy(drafter, frozen, samples: Sequence[tuple[list[int], list[in
             step = alignment.step_rows(m, doc, argmax, drafter.t2d, j)
             ok = drafter.draft_to_target(drafter.lm_head(y).argmax(-1)) == step.teacher_argmax
             all_ok &= ok
-            hit[j] += float((ok & step.counted).sum())
-            full[j] += float((all_ok & step.counted).sum())
-            rows[j] += float(step.counted.sum())
+            hit[j] += float((ok & step.scored).sum())
+            full[j] += float((all_ok & step.scored).sum())
+            rows[j] += float(step.scored.sum())
     acc = (hit / rows.clamp_min(1)).tolist()
     full_acc = (full / rows.clamp_min(1)).tolist()
     return {"steps": steps, "acc": acc, "full_acc": full_acc, "rows": rows.tolist()}

@@ -4,7 +4,8 @@ A loss is a :class:`TTTLoss` subclass registered under a name. It writes one met
 summed loss of some rows given their drafter logits and teacher logits over the draft vocab (fp32
 ``[rows, Vd]`` each). Everything else is shared and written once here or in train/alignment.py: the
 unroll of K steps, which rows count at step k and against which teacher row, the step weights
-(``sum_k w^k L_k``, L_k the mean over step k's counted rows), the metrics, and the execution::
+(``sum_k w^k L_k``, L_k the mean over step k's counted rows of the whole optimizer step: every micro-batch
+on every rank, :func:`step_denominators`), the metrics, and the execution::
 
     @register_loss("my_loss")
     class MyLoss(TTTLoss):
@@ -36,6 +37,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fledge.conf.drafter_rules import drafter_problems, raise_problems
 from fledge.data.batch import FeatureBatch
+from fledge.distributed import all_reduce_sum
 from fledge.train import alignment
 from fledge.train.metrics import step_key
 
@@ -77,26 +79,29 @@ class TTTLoss(ABC):
         over its counted rows, those flat row indices, the drafter's argmax at them); None = no such path."""
         return None
 
-    def __call__(self, drafter, batch: FeatureBatch, teacher_head: torch.Tensor, shard=None) -> TTTResult:
+    def __call__(self, drafter, batch: FeatureBatch, teacher_head: torch.Tensor, shard=None,
+                 denominators: torch.Tensor | None = None) -> TTTResult:
         """Unroll ``self.steps`` TTT steps of ``drafter`` on ``batch`` and score them: returns the weighted
-        loss (L_k is 0 when step k counts no row) and numerator/denominator metrics; ``full_acc_k`` counts
-        rows whose steps 0..k are all counted, and is right when all of them are.
+        loss ``sum_k w^k S_k / denominators[k]`` (S_k the summed loss of step k's counted rows) and
+        numerator/denominator metrics: ``loss_k`` over step k's counted rows, ``acc_k`` over its scored
+        rows (train/alignment.py: a teacher argmax outside the draft vocab is a miss), ``full_acc_k`` over
+        the rows whose steps 0..k are all scored, right when all of them are.
+
+        ``denominators`` (``[K]``): the trainer's, from :func:`step_denominators`, so that an optimizer
+        step of many micro-batches on many ranks trains on the mean over all of their rows. None: this
+        batch is the whole optimizer step, L_k the mean over its counted rows.
 
         ``shard`` (sequence parallelism, train/sequence_parallel.py; None on one rank): ``batch`` is one
-        rank's shard plus halo; only its own rows count, L_k is normalised by the rows the whole group
-        counts, and the loss is scaled by the group size (DeepSpeed averages gradients over every rank)."""
+        rank's shard plus halo; only its own rows count, and without ``denominators`` L_k is normalised by
+        the rows the whole group counts and scaled by the group size (DeepSpeed averages gradients over
+        every rank): :func:`step_denominators` for a group that is the whole step."""
         Vd = drafter.spec.draft_vocab_size
         if teacher_head.shape[0] != Vd:
             raise ValueError(f"teacher_head has {teacher_head.shape[0]} rows; drafter.draft_vocab_size={Vd}")
         B, T = batch.input_ids.shape
         th_flat = batch.target_hidden.reshape(B * T, -1)
         ys = alignment.ttt_states(drafter, batch, self.steps, shard)
-        rows = [alignment.step_rows(batch.loss_mask, batch.document_ids, batch.target_argmax, drafter.t2d, k)
-                for k in range(self.steps)]
-        if shard is not None:
-            for s in rows:
-                s.counted[:, shard.rows:] = False  # the halo: the next shard's rows
-        rows = [_flat(s) for s in rows]
+        rows = [_flat(s) for s in self._step_rows(drafter, batch, shard)]
         ys_flat = [y.reshape(B * T, -1) for y in ys]
         scored = None
         if not _partitioned(drafter.lm_head):  # under ZeRO-3 only lm_head's own forward sees its weight
@@ -104,31 +109,64 @@ class TTTLoss(ABC):
         if scored is None:
             scored = _per_step_module_calls(self.loss_sum, ys_flat, rows, th_flat, drafter.lm_head, teacher_head,
                                             self.chunk_size)
-        return self._weigh(drafter, rows, scored, ys[0].device, shard)
+        return self._weigh(drafter, rows, scored, ys[0].device, shard, denominators)
 
-    def _weigh(self, drafter, rows, scored, device, shard=None) -> TTTResult:
+    def counted_rows(self, drafter, batch: FeatureBatch, shard=None) -> torch.Tensor:
+        """Per step k, how many rows of ``batch`` step k's loss trains on (``[K]`` int64, on the batch's
+        device; with ``shard``, this rank's own rows): summed over an optimizer step's micro-batches, what
+        :func:`step_denominators` takes."""
+        return torch.stack([s.counted.sum() for s in self._step_rows(drafter, batch, shard)])
+
+    def _step_rows(self, drafter, batch: FeatureBatch, shard=None) -> list[alignment.StepRows]:
+        t2d = drafter.t2d.to(batch.loss_mask.device)  # the trainer counts a step's rows before they move
+        rows = [alignment.step_rows(batch.loss_mask, batch.document_ids, batch.target_argmax, t2d, k)
+                for k in range(self.steps)]
+        if shard is not None:
+            for s in rows:  # the halo: the next shard's rows
+                s.counted[:, shard.rows:] = False
+                s.scored[:, shard.rows:] = False
+        return rows
+
+    def _weigh(self, drafter, rows, scored, device, shard=None, denominators=None) -> TTTResult:
         total = torch.zeros((), dtype=torch.float32, device=device)
         metrics: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        chain_counted = chain_right = None
+        chain_scored = chain_right = None
         f64 = lambda x: x.detach().to(torch.float64)  # noqa: E731
         counts = torch.stack([s.counted.sum() for s in rows])
-        # one rank: L_k = S_k / n_k; a group of N: rank r's share N S_k^r / n_k(group) (gradients are averaged)
-        if shard is None:
-            denominators = counts.clamp(min=1)
-        else:
-            denominators = shard.sp.group_sum(counts).clamp(min=1) / shard.sp.size
+        if denominators is None:  # this batch is the optimizer step: on one rank, or on one group of N
+            denominators = _nonzero(counts if shard is None else shard.sp.group_sum(counts) / shard.sp.size)
+        denominators = denominators.to(device, torch.float32)
         for k, (step, (loss_sum, r, pred)) in enumerate(zip(rows, scored)):
             right = torch.zeros_like(step.counted)
             if pred is not None:
                 right[r] = drafter.draft_to_target(pred) == step.teacher_argmax[r]
             n = counts[k]
             total = total + self.step_weight**k * loss_sum / denominators[k]
-            chain_counted = step.counted if chain_counted is None else chain_counted & step.counted
+            # scored rows outside the loss (teacher argmax outside the draft vocab) stay misses (alignment.py)
+            chain_scored = step.scored if chain_scored is None else chain_scored & step.scored
             chain_right = right if chain_right is None else chain_right & right
             metrics[step_key("loss", k)] = (f64(loss_sum), f64(n))
-            metrics[step_key("acc", k)] = (f64(right.sum()), f64(n))
-            metrics[step_key("full_acc", k)] = (f64((chain_right & chain_counted).sum()), f64(chain_counted.sum()))
+            metrics[step_key("acc", k)] = (f64(right.sum()), f64(step.scored.sum()))
+            metrics[step_key("full_acc", k)] = (f64((chain_right & chain_scored).sum()), f64(chain_scored.sum()))
         return TTTResult(loss=total, metrics=metrics)
+
+
+def step_denominators(counts: torch.Tensor, divisor: float) -> torch.Tensor:
+    """What every micro-batch of an optimizer step divides step k's summed loss S_k by (``[K]`` float64,
+    the same on every rank): ``N_k / divisor``. ``counts``: this rank's :meth:`TTTLoss.counted_rows`
+    summed over its micro-batches of the step; N_k is their sum over every rank (one all-reduce, so every
+    rank calls this). ``divisor``: how many micro-batch losses the optimizer's gradient is the mean of
+    (train/engine.py ``gradient_divisor``: DeepSpeed's grad_accum x data-parallel world).
+
+    Then the gradient the optimizer sees is that of ``sum_k w^k (sum of S_k over every micro-batch and
+    rank) / N_k``: the loss of one batch holding all of the step's rows, each row weighing the same
+    however the rows fall into micro-batches and ranks (a micro-batch's own mean would weigh one of 50
+    rows as much as one of 5,000). A step with no counted row at k divides by 1 (its S_k is 0)."""
+    return _nonzero(all_reduce_sum(counts.detach().to(torch.float64)) / divisor)
+
+
+def _nonzero(denominators: torch.Tensor) -> torch.Tensor:
+    return torch.where(denominators > 0, denominators, torch.ones_like(denominators))
 
 
 LOSSES: dict[str, type[TTTLoss]] = {}
@@ -187,7 +225,8 @@ def ttt_loss(drafter, batch: FeatureBatch, teacher_head: torch.Tensor, *, steps:
 
 # ---------------------------------------------------------------------------------------- execution
 def _flat(step: alignment.StepRows) -> alignment.StepRows:
-    return alignment.StepRows(step.lead, step.teacher_argmax.reshape(-1), step.counted.reshape(-1))
+    return alignment.StepRows(step.lead, step.teacher_argmax.reshape(-1), step.counted.reshape(-1),
+                              step.scored.reshape(-1))
 
 
 def _partitioned(lm_head) -> bool:

@@ -24,6 +24,10 @@ def _fmt(x, digits: int = 2) -> str:
     return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
 
 
+def _pct(x) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.1%}"
+
+
 def read_metrics(path: Path) -> list[dict]:
     """The train stage's JSON lines (skipping a torn last line); null values (no data) read as NaN."""
     if not path.exists():
@@ -58,6 +62,11 @@ def markdown(report: dict) -> str:
                      f"{_fmt(s['drafter_non_degenerate']['al'])} | {_fmt(s['lookup_non_degenerate']['al'])} | "
                      f"{_fmt(d['speedup'])}x | {_fmt(lk['speedup'])}x | {_fmt(d['draft_s'], 1)} | "
                      f"{_fmt(d['verify_s'], 1)} |")
+    coverage = {n: s["draft_vocab_coverage"] for n, s in report["sets"].items() if "draft_vocab_coverage" in s}
+    if coverage:
+        lines += ["", "Share of the target's greedy output tokens in the draft vocab (the drafter can propose no "
+                  "other token; the training-time estimate counts the rest as misses): "
+                  + ", ".join(f"{n} {_pct(v)}" for n, v in coverage.items()) + "."]
     lines += ["", "Acceptance per position (P(draft i accepted)):", "",
               "| set | " + " | ".join(f"pos {i + 1}" for i in range(k)) + " |", "|---" * (k + 1) + "|"]
     for name, s in report["sets"].items():

@@ -17,9 +17,10 @@ each rank computes on its shard:
   whether it counts reads row t+2+k), so a shard carries ``halo = K + 1`` rows of the next shard's inputs:
   never run through the drafter, never counted, only read.
 
-The loss of a step is normalised by the rows the whole group counts (one all-reduce of K integers), and
-each rank's loss is scaled by N: DeepSpeed averages gradients over all ranks (dp x N), which then equals
-the data-parallel mean of each row's exact gradient. The all-to-all's backward carries every rank's loss
+The loss of a step is normalised by the rows the whole optimizer step counts, every shard of every group
+included (train/loss.py ``step_denominators``: one all-reduce of K integers), and scaled by the number of
+losses DeepSpeed averages gradients over (grad_accum x all ranks, dp x N), so the step's gradient is that
+of one batch holding all its rows. The all-to-all's backward carries every rank's loss
 into the others' activations, so each rank's parameter gradient is the whole row's through its own shard,
 and the N of them sum to the one-rank gradient (tests/distributed/test_sequence_parallel.py: sp=2 equals
 sp=1 in loss and every gradient, EAGLE-3 and 3.1, with a document across the split).

@@ -10,6 +10,12 @@ global batches consumed, and a resume on any world size and grad_accum continues
 ``train.epochs`` counts data). Randomness is re-seeded from (seed, step, rank) every step, so a resumed
 run replays the uninterrupted one. Held-out eval reads the same global batches on every layout.
 
+The step optimises the loss of one batch holding all its rows: L_k is the mean over step k's counted rows
+of every micro-batch on every rank, not a mean of per-micro-batch means (train/loss.py
+``step_denominators``). So each rank reads its ``grad_accum`` micro-batches of the step first (held on the
+host, or on the device with ``capture.mode=online``), counts their rows, and one all-reduce of K integers
+gives every rank the step's denominators before the first forward. The logged ``loss`` is that objective.
+
 A non-finite loss skips its whole optimizer step, on every rank: every micro-batch still runs its
 backward and DeepSpeed step (so DeepSpeed's accumulation boundary never moves), the non-finite one with
 a NaN scale, and DeepSpeed's own check of the step's gradient norm, global over ranks, discards the
@@ -28,7 +34,7 @@ from tqdm import tqdm
 from fledge.train import checkpoint
 from fledge.conf.schema import Config
 from fledge.distributed import World, all_reduce_sum, any_rank, sequence_groups
-from fledge.train.engine import build_engine, use_bf16
+from fledge.train.engine import build_engine, gradient_divisor, use_bf16
 from fledge.train.metrics import MetricsLog, RatioMeter, StepAccuracy, al_estimate
 from fledge.train.runner import StageContext
 from fledge.train.sequence_parallel import SequenceParallel, check_heads
@@ -98,6 +104,7 @@ def run_training(ctx: StageContext) -> dict:
                  state["world_size"])
     step = plan.step
     train_data.seek(plan.batches)
+    divisor = gradient_divisor(engine)
 
     metrics_log = None
     if world.is_main:
@@ -112,17 +119,21 @@ def run_training(ctx: StageContext) -> dict:
         while step < total:
             torch.manual_seed(cfg.run.seed * 1_000_003 + step * world.world_size + world.rank)
             step_meter, step_tokens, positions, nonfinite = RatioMeter(), 0, [], []
-            for _ in range(cfg.train.grad_accum):
-                position, batch = train_data.next_batch()
-                batch = seq.split(batch) if seq else batch  # this rank's rows of it, before the device
-                out = engine(batch.to(world.device, dtype))
+            micro = [train_data.next_batch() for _ in range(cfg.train.grad_accum)]
+            micro = [(g, seq.split(b) if seq else b) for g, b in micro]  # this rank's rows, before the device
+            # the step's loss is the mean over all its rows, on every rank (train/loss.py step_denominators)
+            denominators = model.step_denominators([b for _, b in micro], divisor)
+            for position, batch in micro:
+                out = engine(batch.to(world.device, dtype), denominators)
                 bad = ~torch.isfinite(out.loss.detach())
                 # Skipping this backward would move DeepSpeed's accumulation boundary (the next micro-batch
                 # would close this step); a NaN scale instead makes sure the step's gradient is non-finite
                 # even where this loss's would not be, so DeepSpeed discards the whole step. x1 is exact.
                 engine.backward(out.loss * torch.where(bad, float("nan"), 1.0))
                 engine.step()
-                step_meter.add(out.metrics)  # kept apart until the step is known to count
+                # kept apart until the step is known to count. "loss": the mean over the step's grad_accum x
+                # world micro-batch losses, which is the objective the step optimised (gradient_divisor)
+                step_meter.add({**out.metrics, "loss": (out.loss.detach(), 1.0)})
                 step_tokens += batch.num_tokens
                 positions.append(position)
                 nonfinite.append(bad)
@@ -160,7 +171,7 @@ def run_training(ctx: StageContext) -> dict:
                 tokens, t_log = 0, now
                 if metrics_log:
                     metrics_log.write(record)
-                    bar.set_postfix(loss=f"{values.get('loss_0', float('nan')):.3f}",
+                    bar.set_postfix(loss=f"{values.get('loss', float('nan')):.3f}",
                                     al=f"{record['al_estimate']:.2f}")
             is_eval = step % cfg.train.eval_every == 0 or step == total
             if is_eval:

@@ -16,7 +16,7 @@ from torch import nn
 
 from fledge.conf.schema import Config
 from fledge.data.batch import FeatureBatch
-from fledge.train.loss import TTTLoss, TTTResult, build_loss
+from fledge.train.loss import TTTLoss, TTTResult, build_loss, step_denominators
 from fledge.train.sequence_parallel import RowShard
 
 log = logging.getLogger(__name__)
@@ -33,11 +33,22 @@ class TTTModel(nn.Module):
         self.register_buffer("teacher_head", teacher_head, persistent=False)
         self.loss = loss
 
-    def forward(self, batch: FeatureBatch | RowShard) -> TTTResult:
-        """A ``RowShard`` (train/sequence_parallel.py) is one rank's part of a row split over its group."""
+    def forward(self, batch: FeatureBatch | RowShard, denominators: torch.Tensor | None = None) -> TTTResult:
+        """A ``RowShard`` (train/sequence_parallel.py) is one rank's part of a row split over its group;
+        ``denominators``: the optimizer step's, from :meth:`step_denominators` (None: ``batch`` is the
+        whole step)."""
         if isinstance(batch, RowShard):
-            return self.loss(self.drafter, batch.batch, self.teacher_head, shard=batch)
-        return self.loss(self.drafter, batch, self.teacher_head)
+            return self.loss(self.drafter, batch.batch, self.teacher_head, shard=batch, denominators=denominators)
+        return self.loss(self.drafter, batch, self.teacher_head, denominators=denominators)
+
+    def step_denominators(self, batches: list[FeatureBatch | RowShard], divisor: float) -> torch.Tensor:
+        """The loss denominators of one optimizer step whose micro-batches on this rank are ``batches`` (on
+        any device; counted before they move to it), ``divisor`` the number of micro-batch losses the
+        optimizer averages (train/engine.py ``gradient_divisor``); train/loss.py ``step_denominators``.
+        Every rank calls it once per step, before the step's first forward."""
+        counts = sum(self.loss.counted_rows(self.drafter, b.batch, shard=b) if isinstance(b, RowShard)
+                     else self.loss.counted_rows(self.drafter, b) for b in batches)
+        return step_denominators(counts, divisor)
 
     def cast_teacher(self, dtype: torch.dtype) -> None:
         """DeepSpeed's bf16 mode casts parameters, not buffers: match the teacher head to the compute

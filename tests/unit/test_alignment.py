@@ -83,9 +83,39 @@ def test_a_planted_off_by_one_moves_loss_heldout_and_al_estimate(monkeypatch):
         assert held1["acc"][k] == pytest.approx(acc1.acc[k])
 
 
+def test_out_of_vocab_teacher_rows_are_misses_for_accuracy_and_the_estimate():
+    """A drafter right at every row of one document, except that at known rows the teacher's argmax is a
+    target id outside the draft vocab: those rows stay out of the loss but count as misses in acc_0, the AL
+    estimate and the held-out accuracy (the drafter can never propose that token, so an engine rejects it)."""
+    d, b = one_document()
+    with torch.no_grad():
+        pred = d.draft_to_target(d.lm_head(alignment.ttt_states(d, b, 1)[0]).argmax(-1))
+    T = b.input_ids.shape[1]
+    b.target_argmax[0, 1:] = pred[0, :-1]  # step 0 scores row t against the argmax at t+1: right everywhere
+    scored = [t for t in range(T - 2) if bool(b.loss_mask[0, t + 2])]  # one document, no padding
+    planted = scored[1::3]
+    for i, t in enumerate(planted):
+        b.target_argmax[0, t + 1] = 5 * (i % 9)  # multiples of 5 are outside the draft vocab
+    assert not d.t2d[b.target_argmax[0, [t + 1 for t in planted]]].any() and len(planted) >= 3
+    head = torch.randn(40, 32, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        res = ttt_loss(d, b, head, steps=1, step_weight=0.8, chunk_size=5)
+    meter = RatioMeter()
+    meter.add(res.metrics)
+    acc = StepAccuracy.from_values(meter.reduce(), 1)
+    want = 1 - len(planted) / len(scored)
+    assert float(res.metrics["loss_0"][1]) == len(scored) - len(planted)  # the loss keeps its rule
+    assert tuple(float(x) for x in res.metrics["acc_0"]) == (len(scored) - len(planted), len(scored))
+    assert acc.acc[0] == pytest.approx(want) and acc.full_acc[0] == pytest.approx(want)
+    assert al_estimate(acc) == pytest.approx(1 + want)
+    held = heldout_accuracy(d, _Target(b), [(b.input_ids[0].tolist(), b.loss_mask[0].tolist())], 1)
+    assert held["rows"] == [len(scored)] and held["acc"][0] == pytest.approx(want)
+    assert held["full_acc"][0] == pytest.approx(want)
+
+
 def test_step_rows_from_spec_section_4():
-    """Row t of step k: teacher row t+1+k; counted iff x_{t+2+k} is masked, in t's document and the teacher
-    argmax is in the draft vocab."""
+    """Row t of step k: teacher row t+1+k; scored iff x_{t+2+k} is masked and in t's document; counted (in
+    the loss) iff scored and the teacher argmax is in the draft vocab."""
     doc = torch.tensor([[0] * 6 + [1] * 3 + [-1]], dtype=torch.int32)
     mask = torch.tensor([[1, 1, 1, 1, 0, 1, 1, 1, 1, 1]], dtype=torch.bool)
     argmax = torch.arange(10)[None]
@@ -94,9 +124,11 @@ def test_step_rows_from_spec_section_4():
     assert s0.lead == 1 and s0.teacher_argmax.tolist() == [[1, 2, 3, 4, 5, 6, 7, 8, 9, 0]]
     # t=1: teacher 2 outside; t=2: x4 unmasked; t=4, 5: x6, x7 in the next document; t=7: x9 is padding
     assert s0.counted[0].nonzero().squeeze(1).tolist() == [0, 3, 6]
+    assert s0.scored[0].nonzero().squeeze(1).tolist() == [0, 1, 3, 6]  # t=1 is a miss, not left out
     s1 = alignment.step_rows(mask, doc, argmax, t2d, 1)
     assert s1.lead == 2 and s1.teacher_argmax.tolist() == [[2, 3, 4, 5, 6, 7, 8, 9, 0, 0]]
     # t=0: teacher 2 outside; t=1: x4 unmasked; t=3..5: x6..x8 in the next document; t=6: x9 padding
     assert s1.counted[0].nonzero().squeeze(1).tolist() == [2]
+    assert s1.scored[0].nonzero().squeeze(1).tolist() == [0, 2]
     tokens, positions = alignment.step_inputs(argmax, torch.arange(10)[None], 2)
     assert tokens.tolist() == [[3, 4, 5, 6, 7, 8, 9, 0, 0, 0]] and positions[0, :3].tolist() == [2, 3, 4]

@@ -122,6 +122,7 @@ def test_eval_stage_writes_report(evaluated):
         assert s["prompts"] == 3 and 0 <= s["non_degenerate_prompts"] <= 3
         assert abs(s["al_minus_lookup"] - (s["drafter"]["al"] - s["lookup"]["al"])) < 1e-9
         assert summary[f"al_{name}"] == s["drafter"]["al"]
+        assert 0 < s["draft_vocab_coverage"] <= 1
     sets = report["sets"]
     assert sets["long"]["prompt_tokens_mean"] >= 120 > sets["default"]["prompt_tokens_mean"]
     assert sets["perturbed"]["prompt_tokens_mean"] > sets["default"]["prompt_tokens_mean"]
@@ -135,6 +136,7 @@ def test_eval_stage_writes_report(evaluated):
     assert (stage_dir / "acceptance.png").read_bytes()[:4] == b"\x89PNG"
     md = (stage_dir / "report.md").read_text()
     assert "| default |" in md and "lookup" in md and "Attention drift" in md
+    assert f"default {sets['default']['draft_vocab_coverage']:.1%}" in md
 
 
 def test_eval_measures_the_drafter_config_json_describes(run, tmp_path, monkeypatch):
@@ -290,9 +292,9 @@ def _per_sample_heldout(drafter, frozen, samples, steps):
             step = alignment.step_rows(m, doc, argmax, drafter.t2d, j)
             ok = drafter.draft_to_target(drafter.lm_head(y).argmax(-1)) == step.teacher_argmax
             all_ok &= ok
-            hit[j] += float((ok & step.counted).sum())
-            full[j] += float((all_ok & step.counted).sum())
-            rows[j] += float(step.counted.sum())
+            hit[j] += float((ok & step.scored).sum())
+            full[j] += float((all_ok & step.scored).sum())
+            rows[j] += float(step.scored.sum())
     return (hit / rows.clamp_min(1)).tolist(), (full / rows.clamp_min(1)).tolist(), rows.tolist()
 
 
@@ -357,3 +359,30 @@ def test_json_writer_writes_null_for_non_finite_numbers(tmp_path):
     """Manifests, stores and reports all go through write_json_atomic: NaN and +-inf become null."""
     write_json_atomic(tmp_path / "m.json", {"al": float("nan"), "gap": [1.5, float("inf")], "x": {"y": -float("inf")}})
     assert _strict_json(tmp_path / "m.json") == {"al": None, "gap": [1.5, None], "x": {"y": None}}
+
+
+def test_the_report_says_how_much_of_the_target_output_the_draft_vocab_covers():
+    """Per set, the share of the target's greedy output tokens that lie in the draft vocab (the tokens the
+    drafter can propose at all), measured on the eval output and shown in report.md."""
+    from types import SimpleNamespace
+
+    import fledge.train.evaluate as ev
+    from conftest import random_drafter, random_llama
+    from fledge.models.speculative import TargetRunner, greedy_decode
+    from fledge.train.report import markdown
+
+    target = random_llama()
+    drafter = random_drafter(target, vd=48)  # half of the 96 target ids
+    cfg = SimpleNamespace(draft_tokens=2, max_new_tokens=16, lookup_max_ngram=3, temperature=0.0,
+                          degenerate_threshold=0.5)
+    prompts = [[1, 5, 9, 13, 5], [7, 3, 2], [40, 41, 42, 43]]
+    out = ev.evaluate_set("default", prompts, target, drafter, cfg, [], 0)
+    written = [t for p in prompts for t in greedy_decode(TargetRunner(target), p, 16, [])[0]]
+    want = sum(bool(drafter.t2d[t]) for t in written) / len(written)
+    assert 0 < want < 1  # the random vocab leaves some of what the target writes out
+    assert out["draft_vocab_coverage"] == pytest.approx(want)
+    report = {"k": 2, "flags": {"fc_norm": True, "norm_output": True}, "drafter": "d", "max_new_tokens": 16,
+              "degenerate_threshold": 0.5, "temperature": 0.0,
+              "sets": {"default": out, "long": {**out, "draft_vocab_coverage": 0.5}}}
+    md = markdown(report)
+    assert "draft vocab" in md and f"default {want:.1%}" in md and "long 50.0%" in md
