@@ -15,9 +15,9 @@ runs, each selected stage is planned against its manifest:
   line names what changed, old -> new, and the two ways on: ``run.force=[stage]`` starts it over, a new
   ``run.name`` starts another run beside it. Nothing is deleted unless the user asked.
 
-Keys that only change how the work is laid out are not inputs: train.sequence_parallel, and
-train.grad_accum with the world size as long as the global batch stays (``LAYOUT_KEYS``); nor are run
-length and cadence (train.max_steps, save_every, ...; ``Stage.done`` handles the length). ``run.force=[X]``
+Keys that only change how the work is laid out are not inputs: train.sequence_parallel, train.grad_accum
+and the world size (``LAYOUT_KEYS``; the trainer resumes at the global batches consumed, and warns when the
+optimizer step's size changes); nor are run length and cadence (train.max_steps, save_every, ...; ``Stage.done`` handles the length). ``run.force=[X]``
 clears X and runs it; its output is then new, so the stages after it see a changed input: the rebuildable
 ones rebuild, a costly one stops the run before anything runs unless it is forced too. A complete stage
 that is not selected and read an upstream output that has since been replaced is out of date: later
@@ -50,9 +50,11 @@ SCHEMA_VERSION = 1
 
 TRAIN_CADENCE = ("max_steps", "epochs", "save_every", "keep_last", "eval_every", "eval_batches", "log_every",
                  "max_nonfinite")
-# Designed to give the same result (tests/distributed/test_train.py checks each on a resumed run): the rows
-# split over a sequence-parallel group, and the global batch made of grad_accum micro-batches on each
-# data-parallel rank; the global batch itself (global_batches_per_step) is an input.
+# How the work is laid out over ranks (tests/distributed/test_train.py checks each on a resumed run): the rows
+# split over a sequence-parallel group, and the optimizer step made of grad_accum micro-batches on each
+# data-parallel rank. A run resumes at the global batches it consumed on any world size x grad_accum; a step
+# of another size is the trainer's warning (train/trainer.py), not a new run: a requeued job on fewer nodes
+# must be able to go on.
 LAYOUT_KEYS = ("sequence_parallel", "grad_accum")
 PUBLISH_KEYS = ("push_to_hub", "repo_id", "private")  # the publish stage's inputs; the export stage's are the rest
 ENGINE_KEYS = ("engine", "tensor_parallel_size", "expert_parallel", "data_parallel_size")
@@ -97,7 +99,7 @@ class Stage:
     done: Callable[[dict, Config], bool] = _always_done
 
 
-def config_slice(cfg: Config, stage: str, world_size: int = 1) -> dict[str, Any]:
+def config_slice(cfg: Config, stage: str) -> dict[str, Any]:
     """The config values a stage's output depends on (logging, layout and later stages excluded)."""
     d = dataclasses.asdict
     target = {k: v for k, v in d(cfg.target).items() if k != "config_overrides"}  # prepare/capture load the model
@@ -115,9 +117,8 @@ def config_slice(cfg: Config, stage: str, world_size: int = 1) -> dict[str, Any]
         return {"target": target, "capture": cap, "aux_layer_ids": cfg.aux_layer_ids()}
     if stage == "train":
         train = {k: v for k, v in d(cfg.train).items() if k not in TRAIN_CADENCE + LAYOUT_KEYS}
-        return {"drafter": d(cfg.drafter), "train": train, "global_batches_per_step": global_batches_per_step(
-                cfg, world_size), "deepspeed": d(cfg.deepspeed), "capture": {"mode": cfg.capture.mode},
-                "run": {"seed": cfg.run.seed}}
+        return {"drafter": d(cfg.drafter), "train": train, "deepspeed": d(cfg.deepspeed),
+                "capture": {"mode": cfg.capture.mode}, "run": {"seed": cfg.run.seed}}
     if stage == "export":
         # What export reads besides the checkpoint: the target's config (its local config.json, which the
         # fingerprint covers, else target.config_overrides, else the hub's: models/export.py
@@ -131,13 +132,7 @@ def config_slice(cfg: Config, stage: str, world_size: int = 1) -> dict[str, Any]
     raise AssertionError(stage)
 
 
-def global_batches_per_step(cfg: Config, world_size: int) -> int:
-    """Global batches (micro-batches of train.micro_batch_size rows) in one optimizer step: train.grad_accum
-    on each data-parallel rank (a sequence-parallel group of ranks is one)."""
-    return cfg.train.grad_accum * max(1, world_size // cfg.train.sequence_parallel)
-
-
-def stage_inputs(cfg: Config, stage: str, upstream_hashes: dict[str, str], world_size: int = 1) -> dict:
+def stage_inputs(cfg: Config, stage: str, upstream_hashes: dict[str, str]) -> dict:
     """Everything a stage's output depends on, as stored in its manifest (``inputs``) and hashed."""
     import torch
     import transformers
@@ -145,7 +140,7 @@ def stage_inputs(cfg: Config, stage: str, upstream_hashes: dict[str, str], world
     payload = {
         "schema": SCHEMA_VERSION,
         "stage": stage,
-        "config": config_slice(cfg, stage, world_size),
+        "config": config_slice(cfg, stage),
         "upstream": dict(upstream_hashes),
         "versions": {"torch": torch.__version__.split("+")[0], "transformers": transformers.__version__},
     }
@@ -158,9 +153,9 @@ def digest(inputs: dict) -> str:
     return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
-def inputs_hash(cfg: Config, stage: str, upstream: dict[str, dict], world_size: int = 1) -> str:
+def inputs_hash(cfg: Config, stage: str, upstream: dict[str, dict]) -> str:
     """The hash of a stage's inputs given the upstream manifests."""
-    return digest(stage_inputs(cfg, stage, {k: v["inputs_hash"] for k, v in upstream.items()}, world_size))
+    return digest(stage_inputs(cfg, stage, {k: v["inputs_hash"] for k, v in upstream.items()}))
 
 
 NEW = None  # the output id of a stage this command runs: not known until it completes
@@ -184,7 +179,7 @@ def run_stages(cfg: Config, world: World, stages: dict[str, Stage]) -> dict[str,
     if world.is_main:
         old = {s: read_json(run_dir / s / "manifest.json") for s in STAGES}
         try:
-            decided = {"old": old, "plans": plan_stages(cfg, world.world_size, stages, old)}
+            decided = {"old": old, "plans": plan_stages(cfg, stages, old)}
         except ValueError as e:
             decided = {"error": str(e)}
     decided = broadcast_object(decided)
@@ -245,7 +240,7 @@ def output_id(manifest: dict) -> str:
     return manifest.get("output_id", "")
 
 
-def plan_stages(cfg: Config, world_size: int, stages: dict[str, Stage], old: dict[str, Optional[dict]]
+def plan_stages(cfg: Config, stages: dict[str, Stage], old: dict[str, Optional[dict]]
                 ) -> dict[str, _Plan]:
     """Decide for every stage, before any runs, whether it is used as it is, skipped, run over its output or
     started over (the stages neither selected nor usable are left out); a change that would discard a
@@ -266,7 +261,7 @@ def plan_stages(cfg: Config, world_size: int, stages: dict[str, Stage], old: dic
                 f"stage '{stage}' needs the output of '{up}', which is missing, incomplete or out of date (a stage "
                 f"before it ran again) in {Path(cfg.run.output_root) / cfg.run.name}; add it to run.stages "
                 f"(e.g. run.stages=[{up},{stage}])")
-        inputs = stage_inputs(cfg, stage, {k: h for k, (h, _) in ahead.items()}, world_size)
+        inputs = stage_inputs(cfg, stage, {k: h for k, (h, _) in ahead.items()})
         h = digest(inputs)
         plan = _plan(cfg, stage, stages[stage], m, inputs, h, {k: out for k, (_, out) in ahead.items()})
         plans[stage] = plan
@@ -344,8 +339,6 @@ def _key_name(key: str) -> str:
     """A payload key as the user knows it: the config key, or what it stands for."""
     if key.startswith("config."):
         key = key[len("config."):]
-        if key == "global_batches_per_step":
-            return "global batch (train.grad_accum x data-parallel ranks, in micro-batches per optimizer step)"
         return SLICE_KEYS.get(key, key)
     if key == "target_fingerprint":
         return "the target's files (target.name_or_path)"

@@ -104,6 +104,12 @@ def run_training(ctx: StageContext) -> dict:
                  state["world_size"])
     step = plan.step
     train_data.seek(plan.batches)
+    was = state.get("batches_per_step")
+    if tag and was and was != per_step and world.is_main:
+        log.warning("train: the optimizer step now takes %d global batches (train.grad_accum=%d x %d data-parallel "
+                    "ranks) where the checkpoint's took %d: the run goes on from global batch %d with steps of the "
+                    "new size; set train.grad_accum to keep the old one", per_step, cfg.train.grad_accum,
+                    groups.dp_size, was, plan.batches)
     divisor = gradient_divisor(engine)
 
     metrics_log = None
