@@ -51,7 +51,7 @@ class DrafterConfig:
     # A loss registered in train/loss.py (the schema cannot import it: train/main.py checks the name at start).
     loss: str = "ttt_ce"
     attention: str = "auto"  # auto | flex | sdpa | dense (reference)
-    # Drafter layer kind (models/layers.py): auto (the target family's: llama for Llama/Qwen, mla for
+    # Drafter layer kind (models/layers/kind.py): auto (the target family's: llama for Llama/Qwen, mla for
     # DeepSeek-V3/Kimi-K2) | llama | qwen3 (per-head q/k norms) | mla (DeepSeek multi-head latent attention).
     layer: str = "auto"
     loss_chunk_size: int = 1024  # rows per chunk of the teacher/draft logits
@@ -74,7 +74,7 @@ class PerturbConfig:
     system_prompts: list[str] = field(default_factory=list)
     eval_split: bool = True  # also write a perturbed copy of the eval split
     seed: int = 0
-    system_modes: list[str] = field(default_factory=lambda: ["none", "default", "list"])  # data/perturb.py
+    system_modes: list[str] = field(default_factory=lambda: ["none", "default", "list"])  # data/prepare/perturb.py
     vary_date: bool = True  # draw a date_string template variable (Llama-3.1's date line)
     template_vars: dict[str, list[str]] = field(default_factory=dict)  # other template variables to draw
 
@@ -110,7 +110,7 @@ class CaptureConfig:
     # the slices into one store. Neither is in the stage's inputs hash (the tasks share one stage dir).
     num_slices: int = 1
     slice_index: Optional[int] = None
-    # Which engine computes the states (issue 19, data/engine_capture.py): hf (an in-process transformers
+    # Which engine computes the states (issue 19, data/capture/engine.py): hf (an in-process transformers
     # forward) | vllm (vLLM's extract_hidden_states in its own environment, prefill only, same store).
     engine: str = "hf"
     engine_python: Optional[str] = None  # vllm: its python (default $FLEDGE_ENGINE_PYTHON, .engine/venv)
@@ -170,7 +170,7 @@ class LoggingConfig:
 @dataclass
 class ExportConfig:
     checkpoint: str = "best"  # best | last | a path
-    format: str = "hf"  # an export dialect (fledge/models/dialects.py): hf | speculators | sglang
+    format: str = "hf"  # an export dialect (fledge/serving/dialects.py): hf | speculators | sglang
     max_shard_size: str = "5GB"
     # The publish stage (after eval) pushes the export with a card of that eval; token from HF_TOKEN only.
     push_to_hub: bool = False
@@ -191,13 +191,13 @@ class EvalConfig:
     degenerate_threshold: float = 0.5  # outputs with a distinct-3-gram ratio below this count as degenerate (loops)
     drift_depth: int = 0  # draft depth of the attention-drift diagnostics (0 -> max(draft_tokens, 2K))
     lookup_max_ngram: int = 3  # prompt-lookup baseline: longest n-gram matched in the context
-    # Acceptance vs context length (train/long_eval.py): prompt lengths in tokens, ascending (empty: off); the
+    # Acceptance vs context length (evaluation/long_context.py): prompt lengths in tokens, ascending (empty: off); the
     # same conversations cut to each, bucket_prompts of them, from long_context_source (a jsonl of
     # conversations with a long first user turn) or else the eval conversations grown with held-out context.
     context_buckets: list[int] = field(default_factory=list)
     bucket_prompts: int = 8
     long_context_source: Optional[str] = None
-    # The serving engine in the loop (train/engine_eval.py): hf = Fledge's in-process harness only; vllm also
+    # The serving engine in the loop (evaluation/engine_eval.py): hf = Fledge's in-process harness only; vllm also
     # serves the export with real vLLM (scripts/setup_engine.sh) and holds its AL to the in-process AL;
     # sglang runs only on CUDA GPUs.
     engine: str = "hf"  # hf | vllm | sglang
@@ -206,7 +206,7 @@ class EvalConfig:
     engine_batch_size: int = 0  # prompts per engine generate call (0: the whole set at once)
     engine_timeout_s: int = 1800  # the whole engine run, all three configurations
     engine_sets: list[str] = field(default_factory=list)  # the eval.sets vLLM serves (empty: every set)
-    # Named eval sets (data/eval_sets.py): eval.sets may also name public benchmarks (mt_bench, gsm8k, humaneval,
+    # Named eval sets (evaluation/eval_sets.py): eval.sets may also name public benchmarks (mt_bench, gsm8k, humaneval,
     # alpaca, cnn_dm, math500, speed_bench_<category>, speed_bench_throughput_<n>k, longbench_v2), loaded by hub id
     # with `datasets` and rendered through the target's chat template; eval.num_prompts bounds each set's prompts.
     set_paths: dict[str, str] = field(default_factory=dict)  # <set name> -> local file/dir or org/name[@revision]

@@ -9,7 +9,7 @@ Train both drafters on the same data and steps (same recipe, only the drafter gr
 (The two runs each prepare and capture their own copy; to share them, copy ``prepare/`` and ``capture/``
 from the first run directory into the second before its command: matching manifests are skipped.)
 
-Reads ``<run>/eval/report.json`` of each (train/evaluate.py) and writes to ``--out``: compare.md (also
+Reads ``<run>/eval/report.json`` of each (evaluation/evaluate.py) and writes to ``--out``: compare.md (also
 printed, ready for the README / recipes/tiny), compare.json, and plots: acceptance per position, drift
 curves and held-out accuracy per step (3.1 solid, 3 dashed), and the offline-estimate vs measured gap per
 position. Figures: AL(3.1)/AL(3) and drafter-minus-lookup AL per set (default / perturbed / long), held-out
@@ -86,7 +86,7 @@ def compare(r31: dict, r3: dict) -> dict:
 
 
 def _context_row(a: dict, b: dict) -> dict:
-    from fledge.train.long_eval import drift_at
+    from fledge.evaluation.long_context import drift_at
 
     row = {"bucket": a["bucket"], "prompts": a["prompts"], "prompt_tokens_mean": a["prompt_tokens_mean"],
            "al_31": a["al"], "al_3": b["al"], "al_ratio": _ratio(a["al"], b["al"]), "lookup_al": a["lookup_al"]}
@@ -234,7 +234,7 @@ def plots(c: dict, r31: dict, r3: dict, out: Path) -> None:
     _save(fig, out / "compare_gap.png")
     plt.close(fig)
     if c.get("context"):
-        from fledge.train.report import plot_context
+        from fledge.evaluation.report import plot_context
 
         plot_context({lab: r["context_buckets"] for lab, r in reports.items()}, out / "compare_al_vs_length.png",
                      styles)

@@ -3,7 +3,7 @@ prompts as the in-process harness and hold the two to each other.
 
 vLLM runs the target three ways on every prompt set (plain greedy; EAGLE-3 with the export at k =
 ``eval.draft_tokens``; its ``ngram`` prompt lookup at the same k) in the engine's own environment
-(fledge.models.serving_engine). From vLLM's own spec-decode counters it records drafts, drafted and
+(fledge.serving.engine). From vLLM's own spec-decode counters it records drafts, drafted and
 accepted tokens, AL = 1 + accepted / drafts and acceptance per position, plus output tokens/s of each run
 labelled with the engine's device. Two checks fail the stage (after the report is written):
 
@@ -26,7 +26,7 @@ import logging
 import math
 from pathlib import Path
 
-from fledge.models.serving_engine import (acceptance, draft_options, greedy_differences, run_driver,
+from fledge.serving.engine import (acceptance, draft_options, greedy_differences, run_driver,
                                           speculative_config)
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ def engine_attention_backend(cfg, device_type: str) -> str | None:
     float32; CPU_MLA (vllm/platforms/cpu.py get_attn_backend_cls) runs both. None: vLLM's own choice."""
     if device_type != "cpu":
         return None
-    from fledge.models.export import load_target_config
+    from fledge.serving.export import load_target_config
     from fledge.models.families import read_target
 
     try:
@@ -135,8 +135,8 @@ def run_engine_eval(cfg, sets: dict[str, list[list[int]]], report: dict, drafter
 def served_lint_errors(drafter_dir: Path, target_cfg) -> list[str]:
     """``fledge lint``'s errors for the export as served (against the target and the export's training
     record), formatted; warnings are left to the export stage's log."""
-    from fledge.models.export import load_target_config
-    from fledge.models.lint import format_findings, lint_drafter
+    from fledge.serving.export import load_target_config
+    from fledge.serving.lint import format_findings, lint_drafter
 
     return format_findings([f for f in lint_drafter(drafter_dir, load_target_config(target_cfg)) if f.level == "error"])
 

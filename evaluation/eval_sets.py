@@ -2,7 +2,7 @@
 
 One registry, ``EVAL_SETS``: for each name, which hub dataset (id, config, split, revision), which fields a
 row must have (the dataset card's schema) and how a row becomes the user turns of one conversation. The
-eval stage (train/evaluate.py) asks :func:`load_conversations` for a set's conversations and
+eval stage (evaluation/evaluate.py) asks :func:`load_conversations` for a set's conversations and
 :func:`render_prompts` for its prompt token ids, rendered through the target's own chat template.
 
 Where the rows come from: ``eval.set_paths.<name>`` when given (a local .jsonl / .json / .parquet file, a
@@ -52,7 +52,7 @@ class EvalSet:
 
 EVAL_SETS: dict[str, EvalSet] = {}
 BUILTIN_SETS = ("default", "perturbed", "long")
-LOCAL_SUFFIXES = (".jsonl", ".ndjson", ".json", ".parquet")  # the prepare stage's own splits (train/evaluate.py)
+LOCAL_SUFFIXES = (".jsonl", ".ndjson", ".json", ".parquet")  # the prepare stage's own splits (evaluation/evaluate.py)
 
 
 def register(s: EvalSet) -> EvalSet:
@@ -67,7 +67,7 @@ def check_set_names(names: Iterable[str], set_paths: dict | None = None) -> None
     known = sorted(BUILTIN_SETS) + sorted(EVAL_SETS)
     for n in names:
         if n not in known:
-            raise ValueError(f"eval.sets: unknown set {n!r}; known sets: {', '.join(known)} (data/eval_sets.py)")
+            raise ValueError(f"eval.sets: unknown set {n!r}; known sets: {', '.join(known)} (evaluation/eval_sets.py)")
     for n, path in (set_paths or {}).items():
         if n not in EVAL_SETS:
             raise ValueError(f"eval.set_paths.{n}: not a named eval set; named sets: {', '.join(sorted(EVAL_SETS))}")
@@ -169,7 +169,7 @@ def _rows(s: EvalSet, override: Optional[str]) -> tuple[Iterable[dict], str]:
         if local:
             p = Path(override).expanduser()
             if p.is_file():
-                from fledge.data.sources import iter_rows
+                from fledge.data.prepare.sources import iter_rows
 
                 rows = []
                 for r in iter_rows(str(p)):
@@ -261,7 +261,7 @@ def render_prompts(loaded: LoadedSet, renderer, max_prompt_tokens: int, policy: 
     """Prompt token ids of ``loaded`` (every user turn is a prompt; a later turn follows the target's own answer
     ``respond(prompt_ids)`` to the earlier ones), at most ``num_prompts``, each fitted to ``max_prompt_tokens``
     (``policy``: truncate | skip; a skipped turn ends its conversation). Returns (prompts, counts)."""
-    from fledge.data.chat import prompt_ids
+    from fledge.data.prepare.chat import prompt_ids
 
     prompts: list[list[int]] = []
     stats = {"source": loaded.source, "rows_read": loaded.rows_read, "filtered_rows": loaded.filtered,

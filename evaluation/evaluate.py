@@ -1,7 +1,7 @@
 """The ``eval`` stage: measured acceptance of the exported drafter, honest baselines, drift, held-out accuracy.
 
 For every prompt set (``eval.sets``: ``default``, ``perturbed`` = the data stage's perturbed templates,
-``long`` = prompts grown with more held-out context, and the named public benchmarks of data/eval_sets.py,
+``long`` = prompts grown with more held-out context, and the named public benchmarks of evaluation/eval_sets.py,
 such as ``mt_bench`` or ``speed_bench_throughput_16k``) it runs, on the same prompts:
 
 - plain greedy decoding of the target (the reference output and the baseline time);
@@ -13,7 +13,7 @@ It also reports the distinct-3-gram ratio of the target's outputs, the share of 
 vocab holds (the drafter can propose no other), and AL restricted to prompts whose
 output is not degenerate (ratio >= ``eval.degenerate_threshold``), the teacher-forced held-out per-step
 accuracy up to 2K steps (natural text: loops cannot inflate it), and the attention-drift curves.
-Outputs under the stage dir: report.json, report.md and PNG plots (train/report.py).
+Outputs under the stage dir: report.json, report.md and PNG plots (evaluation/report.py).
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ import torch
 from tqdm import tqdm
 
 from fledge.atomic import read_json
-from fledge.models.serving_engine import check_engine
-from fledge.models.speculative import (DrafterProposer, LookupProposer, TargetRunner, first_divergence, greedy_decode,
+from fledge.serving.engine import check_engine
+from fledge.evaluation.speculative import (DrafterProposer, LookupProposer, TargetRunner, first_divergence, greedy_decode,
                                 speculative_decode)
-from fledge.train import alignment
-from fledge.train.metrics import StepAccuracy, al_estimate
+from fledge.models import alignment
+from fledge.models.alignment import StepAccuracy, al_estimate
 
 log = logging.getLogger(__name__)
 SET_FILES = {"default": "eval_conversations.jsonl", "perturbed": "eval_perturbed_conversations.jsonl",
@@ -67,7 +67,7 @@ def prompt_upto(conv: dict) -> int:
 def lengthen(conv: dict, others: Sequence[dict], renderer, want_tokens: int) -> dict:
     """A copy of ``conv`` whose first user turn is prefixed with held-out text (the assistant answers of
     ``others``) until the prompt reaches about ``want_tokens`` tokens."""
-    from fledge.data.chat import prompt_ids
+    from fledge.data.prepare.chat import prompt_ids
 
     upto = prompt_upto(conv)
     first = next(i for i, m in enumerate(conv["messages"]) if m["role"] == "user")
@@ -86,10 +86,10 @@ def build_prompt_sets(eval_cfg, renderer, prepare_dir: Path, max_prompt_tokens: 
                       named_info: dict | None = None) -> dict[str, list[list[int]]]:
     """{set name: prompt token ids}; a set whose file is missing is skipped with a warning. Prompts longer
     than ``max_prompt_tokens`` are cut from the left (the generation prompt at the end is kept). A named set
-    (data/eval_sets.py) is loaded by hub id or from ``eval.set_paths``, its later turns asked after
+    (evaluation/eval_sets.py) is loaded by hub id or from ``eval.set_paths``, its later turns asked after
     ``respond(prompt_ids)`` (the target's own answer); its counts go to ``named_info[name]``."""
-    from fledge.data.chat import prompt_ids
-    from fledge.data.eval_sets import EVAL_SETS, check_set_names, load_conversations, render_prompts
+    from fledge.data.prepare.chat import prompt_ids
+    from fledge.evaluation.eval_sets import EVAL_SETS, check_set_names, load_conversations, render_prompts
 
     check_set_names(eval_cfg.sets, eval_cfg.set_paths)
     sets = {}
@@ -205,10 +205,10 @@ def evaluate_set(name: str, prompts: list[list[int]], target_model, drafter, eva
 
 
 def evaluate_buckets(cfg, renderer, prepare_dir: Path, target_model, drafter, eos, max_pos: int) -> list[dict]:
-    """The set harness and the drift probe on each of ``eval.context_buckets`` (train/long_eval.py)."""
-    from fledge.data.chat import prompt_ids
-    from fledge.models.drift import drift_curves
-    from fledge.train import long_eval
+    """The set harness and the drift probe on each of ``eval.context_buckets`` (evaluation/long_context.py)."""
+    from fledge.data.prepare.chat import prompt_ids
+    from fledge.evaluation.drift import drift_curves
+    from fledge.evaluation import long_context
 
     ev, K = cfg.eval, cfg.drafter.ttt_steps
     room = max_pos - ev.max_new_tokens - ev.draft_tokens - 2
@@ -217,12 +217,12 @@ def evaluate_buckets(cfg, renderer, prepare_dir: Path, target_model, drafter, eo
                          f"prompts can have at most {room} tokens (with eval.max_new_tokens={ev.max_new_tokens}); "
                          f"lower the largest bucket")
     if ev.long_context_source:
-        convs = long_eval.read_long_source(ev.long_context_source)
+        convs = long_context.read_long_source(ev.long_context_source)
     else:
         base = read_conversations(prepare_dir / SET_FILES["default"])
         convs = [lengthen(c, base[i + 1:] + base[:i], renderer, max(ev.context_buckets) + 64)
                  for i, c in enumerate(base[:ev.bucket_prompts])]
-    prompts = long_eval.bucket_prompts(convs, prompt_upto, lambda c, upto: prompt_ids(renderer, c, upto),
+    prompts = long_context.bucket_prompts(convs, prompt_upto, lambda c, upto: prompt_ids(renderer, c, upto),
                                        ev.context_buckets, ev.bucket_prompts)
     if not prompts[ev.context_buckets[0]]:
         src = ev.long_context_source or "the eval conversations with held-out context"
@@ -234,7 +234,7 @@ def evaluate_buckets(cfg, renderer, prepare_dir: Path, target_model, drafter, eo
         res = evaluate_set(f"context {b}", ps, target_model, drafter, ev, eos, cfg.run.seed)
         drift = drift_curves(drafter, TargetRunner(target_model, drafter.spec.aux_layer_ids), ps, depth,
                              desc=f"drift context {b}")
-        out.append(long_eval.summarize(b, res, drift))
+        out.append(long_context.summarize(b, res, drift))
     return out
 
 
@@ -270,7 +270,7 @@ def heldout_accuracy(drafter, frozen, samples: Sequence[tuple[list[int], list[in
                      chunk_tokens: int = 0) -> dict:
     """Teacher-forced per-step accuracy on held-out conversations (one document each), unrolled ``steps``
     TTT steps, beyond the trained K too. Step j's inputs and scored rows are training's
-    (train/alignment.py): a row whose teacher argmax lies outside the draft vocab is a miss, as it is when
+    (models/alignment.py): a row whose teacher argmax lies outside the draft vocab is a miss, as it is when
     drafting. ``full_acc[j]`` counts, among step j's scored rows, those whose steps 0..j were all right:
     this is the offline side of the offline-vs-measured comparison. ``rows[j]``: step j's scored rows.
 
@@ -319,7 +319,7 @@ def load_eval_models(cfg, drafter_dir: Path, device: torch.device, aux_layer_ids
     too, whatever the CPU: greedy tie gaps (TIE_GAP) and the golden AL then do not depend on whether the CPU
     has native bf16 (where it does not, FrozenTarget.load has already made it fp32). On CUDA the target
     keeps ``target.dtype``."""
-    from fledge.models.export import load_drafter
+    from fledge.serving.export import load_drafter
     from fledge.models.target import FrozenTarget
 
     frozen = FrozenTarget.load(cfg.target, device, aux_layer_ids)
@@ -332,11 +332,11 @@ def load_eval_models(cfg, drafter_dir: Path, device: torch.device, aux_layer_ids
 
 def evaluate_run(cfg, run_dir: Path, out_dir: Path, drafter_dir: Path, device: torch.device) -> dict:
     """Everything the eval stage measures, for an exported drafter in ``drafter_dir``."""
-    from fledge.data.chat import ChatRenderer, eot_ids_from_target
-    from fledge.data.prepare import load_tokenizer
-    from fledge.models.drift import drift_curves
-    from fledge.models.export import spec_from_export
-    from fledge.train.report import write_report
+    from fledge.data.prepare.chat import ChatRenderer, eot_ids_from_target
+    from fledge.data.prepare.build import load_tokenizer
+    from fledge.evaluation.drift import drift_curves
+    from fledge.serving.export import spec_from_export
+    from fledge.evaluation.report import write_report
 
     ev, K = cfg.eval, cfg.drafter.ttt_steps
     engine_python = check_engine(ev.engine, device.type, ev.engine_python)  # before any work: fail fast
@@ -386,12 +386,12 @@ def evaluate_run(cfg, run_dir: Path, out_dir: Path, drafter_dir: Path, device: t
                                          "gap": [m - o for m, o in zip(measured, offline.full_acc)],
                                          "offline_al": al_estimate(offline),
                                          "measured_al": report["sets"][first]["drafter"]["al"]}
-    if ev.context_buckets:  # AL and drift vs context length (train/long_eval.py)
+    if ev.context_buckets:  # AL and drift vs context length (evaluation/long_context.py)
         report["context_buckets"] = evaluate_buckets(cfg, renderer, prepare_dir, target_model, drafter, eos, max_pos)
     train_manifest = read_json(run_dir / "train" / "manifest.json") or {}
     report["train_al_estimate"] = (train_manifest.get("outputs") or {}).get("best_al_estimate")
-    if engine_python is not None:  # eval.engine=vllm: the same prompts served by the engine (train/engine_eval.py)
-        from fledge.train.engine_eval import run_engine_eval
+    if engine_python is not None:  # eval.engine=vllm: the same prompts served by the engine (evaluation/engine_eval.py)
+        from fledge.evaluation.engine_eval import run_engine_eval
 
         served = {n: p for n, p in sets.items() if not ev.engine_sets or n in ev.engine_sets}
         report["engine"] = run_engine_eval(cfg, served, report, drafter_dir, out_dir, eos, max_pos, device.type,

@@ -9,7 +9,7 @@ conversations whose full prompt reaches the largest bucket are used, each in eve
 of the first user turn (the request) is kept and whole lines are dropped after it, from the top of the
 context, until the prompt fits the bucket. The next tokens to generate are the same in every bucket.
 
-The eval stage (train/evaluate.py) runs the set harness and the drift probe on each bucket; this module
+The eval stage (evaluation/evaluate.py) runs the set harness and the drift probe on each bucket; this module
 builds the prompts and keeps the per-bucket summary the report and ``fledge compare`` read.
 """
 

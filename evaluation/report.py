@@ -42,7 +42,7 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def markdown(report: dict) -> str:
-    """The human summary of a report dict (see train/evaluate.py for its keys)."""
+    """The human summary of a report dict (see evaluation/evaluate.py for its keys)."""
     k = report["k"]
     flags = report["flags"]
     kind = "EAGLE-3.1" if flags["fc_norm"] and flags["norm_output"] else "EAGLE-3" if not any(flags.values()) \
@@ -79,7 +79,7 @@ def markdown(report: dict) -> str:
     ties = sum(s["greedy_ties"] for s in report["sets"].values())
     lines += ["", "Greedy output identical to plain greedy decoding on every prompt"
               + (f" ({ties} divergence(s) at numerical ties of the target's top-2 logits)." if ties else ".")]
-    if report.get("named_sets"):  # public benchmarks (data/eval_sets.py): where each set's prompts came from
+    if report.get("named_sets"):  # public benchmarks (evaluation/eval_sets.py): where each set's prompts came from
         lines += ["", "## Named eval sets", "",
                   "| set | measures | read from | conversations | prompts | later turns (after the target's own "
                   "answer) | truncated | skipped (too long) | placeholder rows | other-category rows |",
@@ -91,8 +91,8 @@ def markdown(report: dict) -> str:
         lines += ["", f"Prompts longer than {next(iter(report['named_sets'].values()))['max_prompt_tokens']} tokens: "
                   f"{next(iter(report['named_sets'].values()))['length_policy']} (truncate keeps the head and the "
                   "tail, cutting the middle)."]
-    if report.get("engine"):  # eval.engine=vllm: in-process vs engine side by side (train/engine_eval.py)
-        from fledge.train.engine_eval import engine_markdown
+    if report.get("engine"):  # eval.engine=vllm: in-process vs engine side by side (evaluation/engine_eval.py)
+        from fledge.evaluation.engine_eval import engine_markdown
 
         lines += engine_markdown(report)
     if "heldout" in report:
@@ -125,7 +125,7 @@ def markdown(report: dict) -> str:
 
 
 def context_markdown(buckets: list[dict]) -> list[str]:
-    """The AL-vs-context-length table (train/long_eval.py): per bucket, AL, prompt lookup and the drift
+    """The AL-vs-context-length table (evaluation/long_context.py): per bucket, AL, prompt lookup and the drift
     figures (attention mass at depth 0, then averaged over the fed-back depths; fed-back RMS)."""
     sampled = any(s.get("al_sampled") is not None for s in buckets)  # eval.temperature > 0
     lines = ["## Acceptance vs context length", "",

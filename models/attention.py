@@ -188,7 +188,7 @@ def document_segments(document_ids: torch.Tensor) -> list[tuple[slice, int, int]
         if len(bounds) - 1 != row.unique().numel():
             raise ValueError(
                 f"document_ids row {r}: a document id occurs in two separate runs; packed documents must be "
-                "contiguous (as data/packing.py writes them), or use drafter.attention=dense"
+                "contiguous (as data/features/packing.py writes them), or use drafter.attention=dense"
             )
         rows = slice(0, B) if same else slice(r, r + 1)
         segments += [(rows, a, b) for a, b in zip(bounds[:-1], bounds[1:])]
@@ -216,7 +216,7 @@ def _flex(q, k0, v0, kd, vd, block_mask):
     if q.device.type == "cuda":
         if _compiled_flex is None:
             # One compile per key length (J + 1) * T: K steps of training plus the 2K held-out steps (at one
-            # row length per eval run, train/evaluate.py) pass dynamo's default limit of 8, past which it would
+            # row length per eval run, evaluation/evaluate.py) pass dynamo's default limit of 8, past which it would
             # silently run the eager flex_attention, which materialises the full score matrix.
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             _compiled_flex = torch.compile(flex_attention, dynamic=False)

@@ -35,7 +35,7 @@ from fledge.conf.drafter_rules import drafter_problems, raise_problems
 from fledge.models.attention import cached_attention, resolve_attention, ttt_attention
 from fledge.models.families import read_target, rope_of, text_config_dict
 from fledge.models.kernels.rmsnorm import RMSNorm
-from fledge.models.layers import LAYER_KINDS, get_layer_kind, layer_settings, resolve_layer_kind
+from fledge.models.layers.kind import LAYER_KINDS, get_layer_kind, layer_settings, resolve_layer_kind
 
 
 @dataclass
@@ -59,8 +59,8 @@ class DrafterSpec:
     fc_norm: bool = True
     norm_output: bool = True
     norm_before_fc: bool = False
-    layer: str = "llama"  # drafter layer kind (models/layers.py)
-    # MLA widths (layer "mla" only; models/layers.py): null q_lora_rank = a plain q_proj
+    layer: str = "llama"  # drafter layer kind (models/layers/kind.py)
+    # MLA widths (layer "mla" only; models/layers/kind.py): null q_lora_rank = a plain q_proj
     q_lora_rank: Optional[int] = None
     kv_lora_rank: int = 0
     qk_nope_head_dim: int = 0
@@ -84,7 +84,7 @@ class DrafterSpec:
         family, shape = read_target(hf_config)
         if family.layer_kind not in LAYER_KINDS:
             raise ValueError(f"target family {family.name!r} needs drafter layer kind {family.layer_kind!r}, which "
-                             f"models/layers.py does not register (it has {sorted(LAYER_KINDS)})")
+                             f"models/layers/kind.py does not register (it has {sorted(LAYER_KINDS)})")
         kind = resolve_layer_kind(getattr(drafter_cfg, "layer", "auto"), family.layer_kind)
         layer = layer_settings(kind, family.drafter_layer(shape), text_config_dict(hf_config))
         theta, scaling = rope_of(layer)

@@ -24,7 +24,7 @@ and a test to tests/unit/test_families.py. What the shared reader already handle
 
 DeepSeek-V3 / Kimi-K2 (MLA attention, MoE): ``read_mla_config`` keeps the MLA widths in
 ``TargetShape.mla`` (q/kv LoRA ranks, nope/rope/v head dims); the family's ``layer_kind="mla"`` builds vLLM's
-deepseek_eagle3.py layer (models/layers.py reads those widths). transformers' ``head_dim`` of these configs is
+deepseek_eagle3.py layer (models/layers/kind.py reads those widths). transformers' ``head_dim`` of these configs is
 the RoPE width (``qk_rope_head_dim``), not an attention head's, so a Llama drafter layer chosen with
 ``drafter.layer=llama`` gets ``hidden_size // num_attention_heads``.
 
@@ -201,7 +201,7 @@ def llama_drafter_layer(shape: TargetShape) -> dict:
 class TargetFamily:
     """How drafters are shaped for targets of the listed transformers ``model_type`` values.
 
-    ``layer_kind`` names the drafter layer kind (models/layers.py) ``drafter.layer=auto`` builds for them; ``read`` turns the target's
+    ``layer_kind`` names the drafter layer kind (models/layers/kind.py) ``drafter.layer=auto`` builds for them; ``read`` turns the target's
     text config dict into a TargetShape; ``drafter_layer`` turns that into the drafter layer's config keys
     (``model_type``, widths, heads, RoPE, ...), which both the drafter spec and the serving config use.
     """

@@ -31,7 +31,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import torch
 
-from fledge.data.capture import capture_rows, capture_split, dataset_lengths, pad_batch, plan_batches, store_meta
+from fledge.data.capture.offline import capture_rows, capture_split, dataset_lengths, pad_batch, plan_batches, store_meta
 from fledge.models.target import FrozenTarget
 from fledge.conf.schema import Config
 from fledge.distributed import World
@@ -166,10 +166,10 @@ def main() -> None:
 
 def bench_vllm(args, cfg, world, tmp: Path, ds, plan, tokens: int, t_hf: float, H: int, hf) -> None:
     """vLLM's prefill-only floor and the vLLM capture of the same samples (one engine start each)."""
-    from fledge.data.capture import SplitCapture, describe_store
-    from fledge.data.engine_capture import EngineRun, build_request, capture_with_engine, engine_env, write_job
+    from fledge.data.capture.offline import SplitCapture, describe_store
+    from fledge.data.capture.engine import EngineRun, build_request, capture_with_engine, engine_env, write_job
     from fledge.models.precision import compute_dtype
-    from fledge.models.serving_engine import engine_python
+    from fledge.engine_process import engine_python
 
     python = engine_python(args.engine_python)
     if not python.exists():

@@ -34,11 +34,11 @@ import torch
 
 def in_process_al(cfg, run: Path, drafter_dir: Path, ks: list[int], max_new: int, device: torch.device):
     """(prompts, stop ids, max positions, {k: AL}, {k: greedy-equal count}) from Fledge's harness."""
-    from fledge.data.chat import ChatRenderer, eot_ids_from_target
-    from fledge.data.prepare import load_tokenizer
-    from fledge.models.export import spec_from_export
-    from fledge.models.speculative import DrafterProposer, TargetRunner, greedy_decode, speculative_decode
-    from fledge.train.evaluate import acceptance_stats, build_prompt_sets, load_eval_models
+    from fledge.data.prepare.chat import ChatRenderer, eot_ids_from_target
+    from fledge.data.prepare.build import load_tokenizer
+    from fledge.serving.export import spec_from_export
+    from fledge.evaluation.speculative import DrafterProposer, TargetRunner, greedy_decode, speculative_decode
+    from fledge.evaluation.evaluate import acceptance_stats, build_prompt_sets, load_eval_models
 
     renderer = ChatRenderer(load_tokenizer(cfg.target, cfg.data.chat_template),
                             extra_eot_ids=eot_ids_from_target(cfg.target.name_or_path, cfg.target.revision))
@@ -74,8 +74,8 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
 
     from fledge.conf.compose import compose
-    from fledge.models.serving_engine import acceptance, check_engine, run_driver, speculative_config
-    from fledge.train.engine_eval import build_request
+    from fledge.serving.engine import acceptance, check_engine, run_driver, speculative_config
+    from fledge.evaluation.engine_eval import build_request
 
     try:
         cfg = compose(args.overrides)

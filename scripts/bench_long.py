@@ -57,7 +57,7 @@ def _machine(device: str) -> str:
 def _rank(rank: int, size: int, T: int, args, port: int, out) -> None:
     import torch
 
-    from fledge.data.batch import FeatureBatch
+    from fledge.data.features.batch import FeatureBatch
     from fledge.models.drafter import DrafterSpec, Eagle3Drafter
     from fledge.train.loss import SoftCrossEntropy
 

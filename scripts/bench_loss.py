@@ -29,7 +29,7 @@ import time
 import torch
 
 from fledge.models.kernels.fused_loss import fused_draft_loss
-from fledge.train.alignment import StepRows
+from fledge.models.alignment import StepRows
 from fledge.train.loss import SoftCrossEntropy, _per_step_module_calls, _shared_teacher_steps
 
 IMPLS = ("shared-triton", "shared-chunked", "per-step", "naive")

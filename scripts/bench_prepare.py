@@ -22,10 +22,10 @@ def main() -> None:
     import datasets
     import torch
 
-    from fledge.train.stages import prepare as run_stage
+    from fledge.train.pipeline import prepare as run_stage
     from fledge.conf.schema import Config, DataConfig, PerturbConfig, SourceConfig
     from fledge.distributed import World
-    from fledge.train.stages import StageContext
+    from fledge.train.pipeline import StageContext
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default=".cache/tiny_target/quick", help="a dir with the target's tokenizer")

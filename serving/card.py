@@ -1,8 +1,8 @@
 """The model card's engine section: the AL table vLLM measured (eval.engine=vllm) and the exact vLLM call
-that reproduces it; SGLang marked as not measured here (its command is the dialect's, models/dialects.py,
+that reproduces it; SGLang marked as not measured here (its command is the dialect's, serving/dialects.py,
 given only for an export SGLang reads as trained).
 
-Reads the eval stage's ``report.json`` (its ``engine`` section, train/engine_eval.py) and the request the
+Reads the eval stage's ``report.json`` (its ``engine`` section, evaluation/engine_eval.py) and the request the
 engine ran (``eval/engine/request.json``: target, dtype, max_model_len, seed, stop ids, the prompts).
 """
 

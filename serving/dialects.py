@@ -12,7 +12,7 @@ is one ``register_dialect`` here plus its test (tests/unit/test_dialects.py).
   one layer deeper, so its card gives no SGLang command). Also what a config no dialect recognises is
   read as (public EAGLE-3 checkpoints), so the linter reports what is off instead of failing to read it.
 - ``sglang``: the ``hf`` layout without explicit aux ids, the one config.json SGLang and vLLM both read
-  as trained (models/engine_aux.py: SGLang adds 1 to every explicit id, while both engines' default is
+  as trained (serving/engine_aux.py: SGLang adds 1 to every explicit id, while both engines' default is
   the (2, L//2, L-3) Fledge trains on by default). Only a drafter trained on the default ids has it;
   ``target_num_hidden_layers`` records the depth those defaults resolve against, for Fledge's readers.
 - ``speculators``: vLLM's speculators format, which ``vllm serve <dir>`` runs alone (``Eagle3Speculator``,
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
 
 from fledge.conf.schema import default_aux_layer_ids
-from fledge.models.layers import LAYER_KINDS, kind_of_architecture, kind_of_config
+from fledge.models.layers.kind import LAYER_KINDS, kind_of_architecture, kind_of_config
 
 TRAINING_PREFIX = "midlayer."  # the decoder layer's prefix in the drafter's own state_dict
 # Keys read back under the HF dialect's names, whatever the dialect (layer keys come along unnamed).
@@ -50,7 +50,7 @@ class ServingFields:
     target_num_hidden_layers: Optional[int] = None  # the target's L (MTP layers excluded)
 
 
-Finding = tuple[str, str, str, str]  # (level, code, message, fix), as models/lint.py reports them
+Finding = tuple[str, str, str, str]  # (level, code, message, fix), as serving/lint.py reports them
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class Dialect:
     commands: Callable[[str, str, int], dict[str, str]]
     header_checks: Callable[[Mapping], list[Finding]] = lambda config: []
     architecture_of: Optional[Callable[[Mapping], str]] = None  # per config (the hf dialect: per layer kind)
-    # The engines (models/engine_aux.py ENGINES) this format is made for: an engine among them that would
+    # The engines (serving/engine_aux.py ENGINES) this format is made for: an engine among them that would
     # capture other layers than the drafter was trained on is a lint error, any other engine a warning.
     engines: tuple[str, ...] = ()
 
@@ -97,7 +97,7 @@ FALLBACK = "hf"
 def register_dialect(dialect: Dialect, replace: bool = False) -> Dialect:
     """Add ``dialect`` under its name (an existing one is kept unless ``replace``)."""
     if dialect.name in DIALECTS and not replace:
-        raise ValueError(f"export dialect {dialect.name!r} is already registered (fledge/models/dialects.py)")
+        raise ValueError(f"export dialect {dialect.name!r} is already registered (fledge/serving/dialects.py)")
     DIALECTS[dialect.name] = dialect
     return dialect
 
@@ -106,7 +106,7 @@ def get_dialect(name: str) -> Dialect:
     """The dialect ``export.format`` names; ValueError listing the registered ones otherwise."""
     if name not in DIALECTS:
         raise ValueError(f"export.format={name!r}: expected one of {sorted(DIALECTS)} (a new serving format is "
-                         "a register_dialect entry in fledge/models/dialects.py)")
+                         "a register_dialect entry in fledge/serving/dialects.py)")
     return DIALECTS[name]
 
 
@@ -136,7 +136,7 @@ def serving_commands(dialect: Dialect, drafter: str, target: str, k: int = 5) ->
 
 
 def _hf_architecture(config: Mapping) -> str:
-    """The layer kind's architecture (models/layers.py), by the config's model_type; llama's when unknown."""
+    """The layer kind's architecture (models/layers/kind.py), by the config's model_type; llama's when unknown."""
     kind = kind_of_config(config) or LAYER_KINDS["llama"]
     return kind.architecture
 
@@ -177,7 +177,7 @@ def _sglang_command(drafter: str, target: str, k: int) -> str:
             f"    --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}")
 
 
-# Why an export with explicit aux ids gets no SGLang command (models/engine_aux.py).
+# Why an export with explicit aux ids gets no SGLang command (serving/engine_aux.py).
 SGLANG_SHIFT_NOTE = ("# not this export: SGLang adds 1 to every explicit eagle_aux_hidden_state_layer_ids entry and "
                      "would feed the drafter\n# other layers than it was trained on; export.format=sglang writes the "
                      "one it reads right (default aux ids)")

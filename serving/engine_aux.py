@@ -18,7 +18,7 @@ differently, so the same config.json makes them feed the drafter different layer
   serve the speculators format at all.
 
 Hence the one config.json both engines read as trained is the one without explicit ids, for a drafter
-trained on the default ids (the ``sglang`` export dialect, models/dialects.py).
+trained on the default ids (the ``sglang`` export dialect, serving/dialects.py).
 """
 
 from __future__ import annotations

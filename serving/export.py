@@ -1,7 +1,7 @@
 """Export a trained drafter to a serving directory, and load one (ours or a public EAGLE-3) back.
 
 The drafter's state_dict already uses the HF/EAGLE serving names (SPEC.md section 6), so the adapters are
-small: a dialect (models/dialects.py) renames the layer prefix (``midlayer.`` <-> ``layers.0.`` for
+small: a dialect (serving/dialects.py) renames the layer prefix (``midlayer.`` <-> ``layers.0.`` for
 speculators); floats go to bf16 while ``d2t`` (int64) and ``t2d`` (bool) keep their dtypes;
 ``embed_tokens.weight`` (a frozen copy of the target's) is left out unless asked for, since both engines
 share the target's embedding. Weights are read through models/weights.py.
@@ -22,10 +22,10 @@ from typing import Any
 import torch
 
 from fledge.atomic import atomic_path, read_json, write_json_atomic
-from fledge.models.dialects import DIALECTS, dialect_of, get_dialect
+from fledge.serving.dialects import DIALECTS, dialect_of, get_dialect
 from fledge.models.families import read_target, text_config_dict
-from fledge.models.layers import get_layer_kind, kind_of_architecture, kind_of_config
-from fledge.models.serving_config import layer_config, serving_config
+from fledge.models.layers.kind import get_layer_kind, kind_of_architecture, kind_of_config
+from fledge.serving.serving_config import layer_config, serving_config
 from fledge.models.weights import load_input_embeddings, read_tensors
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Publish an exported drafter to the Hugging Face Hub with a generated model card.
 
-The pipeline's publish stage (train/stages.py, after eval) and ``fledge push`` call :func:`push_to_hub`;
+The pipeline's publish stage (train/pipeline.py, after eval) and ``fledge push`` call :func:`push_to_hub`;
 the card's acceptance figures come only from an eval of the very export pushed. The token comes from
 ``HF_TOKEN`` (``fledge push`` also takes huggingface_hub's own login) and is never printed or logged. An
 export that fails the linter is refused. Transient failures (HTTP 5xx / 429, connection errors and
@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from fledge.atomic import read_json
-from fledge.models.dialects import dialect_of, serving_commands
-from fledge.models.engine_card import engine_section, sglang_note
-from fledge.models.serving_config import layer_config
+from fledge.serving.dialects import dialect_of, serving_commands
+from fledge.serving.card import engine_section, sglang_note
+from fledge.serving.serving_config import layer_config
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -179,7 +179,7 @@ def push_to_hub(drafter_dir: str | Path, repo_id: str, private: bool = True, run
     Refuses an export with linter errors. ``token`` defaults to ``HF_TOKEN``."""
     from huggingface_hub import CommitOperationAdd, HfApi
 
-    from fledge.models.lint import format_findings, has_errors, lint_drafter
+    from fledge.serving.lint import format_findings, has_errors, lint_drafter
 
     d = Path(drafter_dir)
     findings = lint_drafter(d, target_config)
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=5, help="num_speculative_tokens in the card's serving commands")
     ap.add_argument("--endpoint", help="Hub endpoint (default HF_ENDPOINT or huggingface.co)")
     args = ap.parse_args(argv)
-    from fledge.models.lint import resolve_target_config
+    from fledge.serving.lint import resolve_target_config
 
     drafter = Path(args.drafter_dir)
     run_dir = args.run_dir or (drafter.parent.parent if drafter.parent.name == "export" else None)

@@ -4,7 +4,7 @@
 against its target's config.json and, when present, the ``fledge_training.json`` record of how it was
 trained. Each finding says what is wrong and how to fix it; ``error`` means an engine will load something
 that runs differently from training (or will not load it at all), ``warning`` means it cannot be verified or
-is merely unusual. The aux ids are checked as each engine reads them (models/engine_aux.py): an engine the
+is merely unusual. The aux ids are checked as each engine reads them (serving/engine_aux.py): an engine the
 export's dialect is made for that would capture other layers than in training is an error, another a warning.
 """
 
@@ -21,12 +21,12 @@ import torch
 from fledge.atomic import read_json
 from fledge.conf.drafter_rules import drafter_problems
 from fledge.conf.schema import default_aux_layer_ids
-from fledge.models.dialects import dialect_of
-from fledge.models.engine_aux import ENGINES, captured_layers
-from fledge.models.export import RECORD
+from fledge.serving.dialects import dialect_of
+from fledge.serving.engine_aux import ENGINES, captured_layers
+from fledge.serving.export import RECORD
 from fledge.models.families import TargetShape, read_target, rope_of, text_config_dict
-from fledge.models.layers import kind_of_config
-from fledge.models.serving_config import expected_tensors, layer_config
+from fledge.models.layers.kind import kind_of_config
+from fledge.serving.serving_config import expected_tensors, layer_config
 from fledge.models.weights import read_tensors, tensor_headers
 
 _ST_DTYPE = {torch.bfloat16: "BF16", torch.int64: "I64", torch.bool: "BOOL"}
@@ -133,7 +133,7 @@ def _check_aux_ids(c: dict, t: TargetShape | None, record: dict | None, add) -> 
 
 
 def _check_engine_readings(config: dict, c: dict, t: TargetShape | None, record: dict | None, add) -> None:
-    """The layers each engine would capture for this config.json (models/engine_aux.py) against those the
+    """The layers each engine would capture for this config.json (serving/engine_aux.py) against those the
     drafter was trained on: an error for an engine the export's dialect is made for, else a warning."""
     dialect = dialect_of(config)
     L = t.num_hidden_layers if t is not None else c.get("target_num_hidden_layers")
@@ -338,7 +338,7 @@ def resolve_target_config(target: str | None = None, recipe: str | None = None,
     import json
 
     if recipe:
-        from fledge.models.export import load_target_config
+        from fledge.serving.export import load_target_config
 
         return load_target_config(compose_recipe(recipe).target)
     if target is None and drafter_dir is not None:

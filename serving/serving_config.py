@@ -1,7 +1,7 @@
 """The serving layout of a drafter, computed from the target's config alone (SPEC.md section 6).
 
 The target's family (models/families.py) gives the drafter layer's settings; the export dialect
-(models/dialects.py) wraps them with the Eagle-3 fields into config.json and names the tensors.
+(serving/dialects.py) wraps them with the Eagle-3 fields into config.json and names the tensors.
 
 Decisions (the model card and the linter rely on them):
 - ``fc_norm`` and ``norm_output`` are always written, true or false. Engines read an absent key as false,
@@ -18,9 +18,9 @@ from typing import Any, Mapping
 import torch
 
 from fledge.conf.drafter_rules import drafter_problems, raise_problems
-from fledge.models.dialects import ServingFields, dialect_of, get_dialect
+from fledge.serving.dialects import ServingFields, dialect_of, get_dialect
 from fledge.models.families import read_target, text_config_dict
-from fledge.models.layers import get_layer_kind, kind_of_config, layer_settings, resolve_layer_kind
+from fledge.models.layers.kind import get_layer_kind, kind_of_config, layer_settings, resolve_layer_kind
 
 
 def _flag(drafter: Any, name: str) -> bool:
@@ -41,7 +41,7 @@ def serving_config(
     target_name: str | None = None,
     speculative_tokens: int = 5,
 ) -> dict:
-    """The drafter's config.json in dialect ``fmt`` (a name in models/dialects.py's DIALECTS).
+    """The drafter's config.json in dialect ``fmt`` (a name in serving/dialects.py's DIALECTS).
 
     ``drafter`` is anything carrying the flags ``fc_norm``, ``norm_output``, ``norm_before_fc`` (a
     ``DrafterConfig``, a ``DrafterSpec`` or its dict); when it also carries ``hidden_size`` /

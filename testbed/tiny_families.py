@@ -1,5 +1,5 @@
 """The tiny MoE and MLA targets' shapes: a Qwen3-MoE-shaped and a DeepSeek-V3-shaped causal LM of a few
-million parameters, built and trained by data/tiny_target.py (``fledge tiny-target --family moe|mla``) on
+million parameters, built and trained by testbed/tiny_target.py (``fledge tiny-target --family moe|mla``) on
 the same corpus and tokenizer as the tiny Llama, so a drafter's acceptance on them means something.
 
 Each keeps what makes its real family different for a drafter, at CI size:

@@ -6,7 +6,7 @@ The tiny target's chat data (tiny_corpus.py) is cut into answers of ~1,100 chara
 on it never needs more than a few hundred tokens of context. The ``long`` build (tiny_target.py) mixes in
 *whole files* asked for by name: code whose later lines depend on names defined thousands of tokens
 earlier. The long eval split asks to continue a held-out file from deep inside it, with everything before
-the cut as the prompt; ``train/long_eval.py`` cuts those prompts to each context-length bucket.
+the cut as the prompt; ``evaluation/long_context.py`` cuts those prompts to each context-length bucket.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-from fledge.data import tiny_corpus
-from fledge.data.tiny_corpus import SourceFile
+from fledge.testbed import tiny_corpus
+from fledge.testbed.tiny_corpus import SourceFile
 
 # ~3 characters per token: 14,000 characters is ~4,500 tokens, past the long target's 2,048-token rows.
 LONG_DOC_CHARS = 14000

@@ -4,14 +4,14 @@
 
 Writes, under ``--out`` (default: the repo's .cache/tiny_target, gitignored):
     data/{train,eval}.jsonl   the tiny recipes' conversations (OpenAI ``messages`` form)
-    long_eval/long_eval.jsonl continuations from deep inside long held-out files (data/tiny_long.py): the
+    long_eval/long_eval.jsonl continuations from deep inside long held-out files (testbed/tiny_long.py): the
                               prompts of the AL-vs-context-length eval (eval.long_context_source)
     long_data/train.jsonl     (--budget long) drafter training conversations from the long target's stream,
                               half of them whole files (data=tiny_long, recipe=tiny_long)
     tokenizer/                the BPE tokenizer with its chat template (cached apart: seconds to build)
     <budget>/                 the tiny Llama (LlamaForCausalLM) + metrics.json
     <family>-<budget>/        the tiny MoE (Qwen3MoeForCausalLM) or MLA (DeepseekV3ForCausalLM) target
-All families share the data and the tokenizer (data/tiny_families.py holds the MoE and MLA shapes).
+All families share the data and the tokenizer (testbed/tiny_families.py holds the MoE and MLA shapes).
 Every artifact carries a build.json holding a hash of its settings; a matching one means "done", so
 re-running returns at once. Each is written to a temporary sibling and renamed, so a kill leaves nothing
 half-written. Seeded and deterministic by step count (bitwise only for the same thread count).
@@ -42,7 +42,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch
 import torch.nn.functional as F
 
-from fledge.data import tiny_corpus, tiny_families
+from fledge.testbed import tiny_corpus, tiny_families
 from fledge.models.precision import describe_cpu
 from fledge.atomic import atomic_path, read_json, write_json_atomic
 
@@ -64,7 +64,7 @@ MODEL = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden
 BUDGETS = {
     "quick": dict(steps=120, seq_len=512, batch_size=4, lr=2e-3, warmup=12),
     "testbed": dict(steps=560, seq_len=512, batch_size=8, lr=2e-3, warmup=40),
-    # Long context (issue 20, data/tiny_long.py): 2,048-token rows, half of the conversations whole files,
+    # Long context (issue 20, testbed/tiny_long.py): 2,048-token rows, half of the conversations whole files,
     # positions to 4,096. Fewer tokens than testbed (1.0M vs 2.3M) since a 2K row costs more per token.
     "long": dict(steps=240, seq_len=2048, batch_size=2, lr=2e-3, warmup=24, long_share=0.5),
 }
@@ -198,8 +198,8 @@ def save_random_target(out: Path, root: Path | None = None, seed: int = SEED) ->
 
 def _batches(tok, files, seed: int, seq_len: int, batch_size: int, long_share: float = 0.0) -> Iterator[torch.Tensor]:
     """(batch, seq_len + 1) windows of chat-rendered conversations packed end to end (with ``long_share``
-    of them whole files: data/tiny_long.py)."""
-    from fledge.data import tiny_long
+    of them whole files: testbed/tiny_long.py)."""
+    from fledge.testbed import tiny_long
 
     stream = (tiny_long.mixed_stream(files, seed, long_share) if long_share
               else tiny_corpus.conversation_stream(files, seed))
@@ -343,8 +343,8 @@ def build_tiny_target(budget: str = "quick", root: Path | None = None, steps: in
 
 def build_long_eval(root: Path | None = None) -> Path:
     """Write (once) ``root/long_eval/long_eval.jsonl``: continuations from deep inside long held-out
-    stdlib files (data/tiny_long.py), the prompts of the long-context eval (``eval.long_context_source``)."""
-    from fledge.data import tiny_long
+    stdlib files (testbed/tiny_long.py), the prompts of the long-context eval (``eval.long_context_source``)."""
+    from fledge.testbed import tiny_long
 
     out = Path(root or default_root()) / "long_eval"
     key = _key(kind="long_eval", seed=LONG_EVAL_SEED, min_chars=tiny_long.LONG_EVAL_MIN_CONTEXT_CHARS,
@@ -358,9 +358,9 @@ def build_long_eval(root: Path | None = None) -> Path:
 
 def build_long_data(root: Path | None = None) -> Path:
     """Write (once) ``root/long_data/train.jsonl``: N_LONG_TRAIN conversations of the stream the long target
-    trained on (data/tiny_long.py mixed_stream, the long budget's long_share), conf/data/tiny_long.yaml's
+    trained on (testbed/tiny_long.py mixed_stream, the long budget's long_share), conf/data/tiny_long.yaml's
     sources. Apart from the target's build, so its key (and a built long target) is unchanged by it."""
-    from fledge.data import tiny_long
+    from fledge.testbed import tiny_long
 
     out = Path(root or default_root()) / "long_data"
     share = BUDGETS["long"]["long_share"]
@@ -381,7 +381,7 @@ def long_position_loss(path: Path, root: Path | None = None) -> dict:
     """Held-out loss of the target in ``path`` per position bucket over the long eval files (fp32)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fledge.data import tiny_long
+    from fledge.testbed import tiny_long
 
     convs = [json.loads(line) for line in (build_long_eval(root) / "long_eval.jsonl").read_text().splitlines()]
     first = {}

@@ -15,9 +15,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from transformers import LlamaConfig  # noqa: E402
 
-import fledge.data.tiny_target as tiny_target_builder  # noqa: E402
+import fledge.testbed.tiny_target as tiny_target_builder  # noqa: E402
 from fledge.conf.schema import DrafterConfig  # noqa: E402
-from fledge.data.batch import FeatureBatch  # noqa: E402
+from fledge.data.features.batch import FeatureBatch  # noqa: E402
 from fledge.models.drafter import DrafterSpec, Eagle3Drafter  # noqa: E402
 from recipe_runs import run_family, run_recipe  # noqa: E402
 
@@ -48,7 +48,7 @@ def _needs(item) -> int:
 
 @pytest.fixture(scope="session")
 def tiny_target_script():
-    """The fledge.data.tiny_target module (build_tiny_target, build_data, build_tokenizer, ...)."""
+    """The fledge.testbed.tiny_target module (build_tiny_target, build_data, build_tokenizer, ...)."""
     return tiny_target_builder
 
 
@@ -231,8 +231,8 @@ def random_drafter(target, norm_output=True, seed=1, vd=64, layer="auto"):
 def random_state_dict(config: dict, seed: int = 0, include_embed: bool = True) -> dict[str, torch.Tensor]:
     """A random fp32 drafter state_dict (drafter names) matching an exported config.json of any dialect,
     with a valid random draft vocab: exercises export, lint and load without a trained drafter."""
-    from fledge.models.export import from_serving_state_dict
-    from fledge.models.serving_config import expected_tensors, layer_config
+    from fledge.serving.export import from_serving_state_dict
+    from fledge.serving.serving_config import expected_tensors, layer_config
 
     g = torch.Generator().manual_seed(seed)
     c = layer_config(config)
@@ -273,7 +273,7 @@ def engine_marks() -> list:
     """pytestmark of a module that needs the serving engine (.engine/venv): skipped where it is missing on a
     developer's machine; a missing engine fails collection under CI=true or FLEDGE_ENGINE=1, unless
     FLEDGE_ENGINE_OPTIONAL=1 marks an offline CI."""
-    from fledge.models.serving_engine import engine_python
+    from fledge.engine_process import engine_python
 
     engine = engine_python()
     missing = f"no serving engine at {engine} (bash scripts/setup_engine.sh)"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from fledge.train.alignment import StepRows
+from fledge.models.alignment import StepRows
 
 
 def near_converged(n: int, h: int, vd: int, steps: int, eps: float, seed: int = 0, device: str = "cpu") -> dict:

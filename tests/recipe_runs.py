@@ -24,7 +24,7 @@ def run_recipe(recipe: str, target, out: Path) -> tuple[Path, str]:
     (run dir, log). With the serving engine installed (.engine/venv) the eval stage also serves the export
     with vLLM (eval.engine=vllm): the default set in CI (its 30-minute budget), every set with
     FLEDGE_ENGINE_FULL=1."""
-    from fledge.models.serving_engine import engine_python
+    from fledge.engine_process import engine_python
 
     full = os.environ.get("FLEDGE_ENGINE_FULL") == "1"
     engine = (["eval.engine=vllm"] + ([] if full else ["eval.engine_sets=[default]"])) if engine_python().exists() else []
@@ -39,7 +39,7 @@ def run_recipe(recipe: str, target, out: Path) -> tuple[Path, str]:
 
 def run_family(family: str, out: Path) -> tuple[Path, str]:
     """Build the tiny ``family`` target (once, into .cache) and run ``recipe=tiny_<family>`` on it."""
-    from fledge.data.tiny_target import build_tiny_target
+    from fledge.testbed.tiny_target import build_tiny_target
 
     target = build_tiny_target("quick", family=family)
     return run_recipe(f"tiny_{family}", target, out / family)

@@ -35,7 +35,7 @@ from safetensors.torch import save_file
 from fledge.atomic import atomic_path, read_json, write_bytes_atomic, write_json_atomic
 from fledge.conf.schema import Config
 from fledge.distributed import World
-from fledge.train.engine import decay_progress
+from fledge.train.deepspeed_setup import decay_progress
 
 log = logging.getLogger(__name__)
 TAG = re.compile(r"step_\d{8}")
@@ -64,7 +64,7 @@ def trainer_state(ckpt_dir: Path, tag: str) -> dict:
 @dataclass
 class ResumePlan:
     """Where a run starts: ``step`` optimizer steps done, ``batches`` global batches consumed (the loaders'
-    position), ``total`` the step the run ends at, ``decay_from`` the lr decay's start (train/engine.py
+    position), ``total`` the step the run ends at, ``decay_from`` the lr decay's start (train/deepspeed_setup.py
     ``decay_progress``; None: the end of warmup)."""
 
     step: int
@@ -77,7 +77,7 @@ def planned_steps(max_steps: int, epochs: int, step: int, batches: int, per_step
     """The optimizer step a run ends at, from where it is (``step`` steps done, ``batches`` global batches
     consumed) and today's step size ``per_step``: ``max_steps`` counts optimizer steps, whatever their size;
     ``epochs`` (with max_steps 0) counts data, so the steps left are the whole steps the batches left make.
-    The one rule for the trainer's resume and the runner's "is this run long enough" (train/stages.py)."""
+    The one rule for the trainer's resume and the runner's "is this run long enough" (train/pipeline.py)."""
     if max_steps:
         return max_steps
     return max(1, step + max(0, epochs * batches_per_epoch - batches) // per_step)

@@ -2,7 +2,7 @@
 
 A loss is a :class:`TTTLoss` subclass registered under a name. It writes one method, ``loss_sum``: the
 summed loss of some rows given their drafter logits and teacher logits over the draft vocab (fp32
-``[rows, Vd]`` each). Everything else is shared and written once here or in train/alignment.py: the
+``[rows, Vd]`` each). Everything else is shared and written once here or in models/alignment.py: the
 unroll of K steps, which rows count at step k and against which teacher row, the step weights
 (``sum_k w^k L_k``, L_k the mean over step k's counted rows of the whole optimizer step: every micro-batch
 on every rank, :func:`step_denominators`), the metrics, and the execution::
@@ -36,10 +36,10 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from fledge.conf.drafter_rules import drafter_problems, raise_problems
-from fledge.data.batch import FeatureBatch
+from fledge.data.features.batch import FeatureBatch
 from fledge.distributed import all_reduce_sum
-from fledge.train import alignment
-from fledge.train.metrics import step_key
+from fledge.models import alignment
+from fledge.models.alignment import step_key
 
 
 @dataclass
@@ -84,7 +84,7 @@ class TTTLoss(ABC):
         """Unroll ``self.steps`` TTT steps of ``drafter`` on ``batch`` and score them: returns the weighted
         loss ``sum_k w^k S_k / denominators[k]`` (S_k the summed loss of step k's counted rows) and
         numerator/denominator metrics: ``loss_k`` over step k's counted rows, ``acc_k`` over its scored
-        rows (train/alignment.py: a teacher argmax outside the draft vocab is a miss), ``full_acc_k`` over
+        rows (models/alignment.py: a teacher argmax outside the draft vocab is a miss), ``full_acc_k`` over
         the rows whose steps 0..k are all scored, right when all of them are.
 
         ``denominators`` (``[K]``): the trainer's, from :func:`step_denominators`, so that an optimizer
@@ -156,7 +156,7 @@ def step_denominators(counts: torch.Tensor, divisor: float) -> torch.Tensor:
     the same on every rank): ``N_k / divisor``. ``counts``: this rank's :meth:`TTTLoss.counted_rows`
     summed over its micro-batches of the step; N_k is their sum over every rank (one all-reduce, so every
     rank calls this). ``divisor``: how many micro-batch losses the optimizer's gradient is the mean of
-    (train/engine.py ``gradient_divisor``: DeepSpeed's grad_accum x data-parallel world).
+    (train/deepspeed_setup.py ``gradient_divisor``: DeepSpeed's grad_accum x data-parallel world).
 
     Then the gradient the optimizer sees is that of ``sum_k w^k (sum of S_k over every micro-batch and
     rank) / N_k``: the loss of one batch holding all of the step's rows, each row weighing the same

@@ -2,7 +2,7 @@
 ``fledge run recipe=NAME``).
 
 Hydra composes conf/ over the dataclass schema (fledge.conf); this file turns the result into typed
-objects once, sets up the process group, and runs the selected stages (train/stages.py).
+objects once, sets up the process group, and runs the selected stages (train/pipeline.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def run(cfg: Config) -> dict:
     from fledge.atomic import write_bytes_atomic
     from fledge.distributed import destroy_world, init_world, setup_logging
     from fledge.train.runner import run_stages
-    from fledge.train.stages import STAGES
+    from fledge.train.pipeline import STAGES
 
     world = init_world()
     setup_logging(world)
@@ -72,13 +72,13 @@ def user_error(e: BaseException, all_ranks_agree: bool = False) -> None:
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
 def main(dcfg: DictConfig) -> None:
-    from fledge.data.eval_sets import check_set_names
+    from fledge.evaluation.eval_sets import check_set_names
     from fledge.distributed import check_sequence_parallel
-    from fledge.models.dialects import check_export_format
-    from fledge.models.layers import check_layer_format
+    from fledge.serving.dialects import check_export_format
+    from fledge.models.layers.kind import check_layer_format
     from fledge.train.loss import check_loss_name
     from fledge.train.runner import Refused
-    from fledge.train.stages import check_publish
+    from fledge.train.pipeline import check_publish
     from fledge.train.trainer import PREEMPTED_EXIT_CODE, Preempted
 
     try:

@@ -1,4 +1,5 @@
-"""Training metrics: exact cross-rank reduction, a local jsonl log, optional Weights & Biases.
+"""Training metrics: exact cross-rank reduction, a local jsonl log, optional Weights & Biases (the
+per-step accuracies and the AL estimate they feed are models/alignment.py's).
 
 Every ratio metric travels as a (numerator, denominator) pair and is summed over micro-batches and
 ranks before dividing, so a rank with more masked tokens weighs more, exactly as one big batch would.
@@ -10,7 +11,6 @@ import json
 import logging
 import math
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,37 +44,6 @@ class RatioMeter:
         total = all_reduce_sum(torch.stack([self.sums[n] for n in names]))
         self.sums = {}
         return {n: (float(num / den) if den > 0 else float("nan")) for n, (num, den) in zip(names, total.tolist())}
-
-
-def step_key(name: str, k: int) -> str:
-    """The logged name of per-step metric ``name`` at TTT step k ("full_acc_2")."""
-    return f"{name}_{k}"
-
-
-@dataclass
-class StepAccuracy:
-    """Teacher-forced accuracy per TTT step k = 0..K-1 (SPEC.md section 4): ``acc[k]`` (drafter argmax =
-    teacher argmax over step k's counted rows) and ``full_acc[k]`` (steps 0..k all right). NaN = no row."""
-
-    acc: list[float]
-    full_acc: list[float]
-
-    @classmethod
-    def from_values(cls, values: dict[str, float], steps: int, prefix: str = "") -> "StepAccuracy":
-        """From reduced metrics (``RatioMeter.reduce``) named by :func:`step_key`, e.g. ``eval/acc_0``."""
-        get = lambda name, k: values.get(prefix + step_key(name, k), float("nan"))  # noqa: E731
-        return cls([get("acc", k) for k in range(steps)], [get("full_acc", k) for k in range(steps)])
-
-
-def al_estimate(accuracy: StepAccuracy) -> float:
-    """Offline chain acceptance-length estimate: 1 + sum_k full_acc_k (SPEC.md section 4), summed up to
-    the first step without a value (NaN or None)."""
-    total = 1.0
-    for v in accuracy.full_acc:
-        if v is None or v != v:
-            break
-        total += v
-    return total
 
 
 class MetricsLog:

@@ -2,8 +2,8 @@
 
 A stage here is glue only: it reads what it needs from the context (config, world, run and stage
 directories, upstream manifests), decides which ranks work, and calls the library that owns the work
-(``fledge.data.prepare``, ``fledge.data.capture``, the trainer, ``fledge.models.export``, the evaluator,
-``fledge.models.hub``). The runner (train/runner.py) orders them, hashes their inputs and records their
+(``fledge.data.prepare.build``, ``fledge.data.capture.offline``, the trainer, ``fledge.serving.export``, the evaluator,
+``fledge.serving.hub``). The runner (train/runner.py) orders them, hashes their inputs and records their
 manifests; ``STAGES`` tells it which outputs are rebuilt on a change (export, eval, publish) and when a
 complete train stage is not done (a longer run asked).
 """
@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 def prepare(ctx: StageContext) -> dict:
     """Tokenize the chat data with assistant-only masks and build the draft vocab (rank 0 works)."""
-    from fledge.data.prepare import prepare as build
+    from fledge.data.prepare.build import prepare as build
 
     cfg = ctx.cfg
     try:
@@ -37,7 +37,7 @@ def prepare(ctx: StageContext) -> dict:
 
 def capture(ctx: StageContext) -> dict:
     """Capture the target's states for every prepared split into the feature store (all ranks)."""
-    from fledge.data.capture import capture as run_capture
+    from fledge.data.capture.offline import capture as run_capture
 
     cfg, prep = ctx.cfg, ctx.dir_of("prepare")
     if cfg.capture.mode == "offline" and not (prep / "train").exists():
@@ -87,7 +87,7 @@ def export(ctx: StageContext) -> dict:
 def evaluate(ctx: StageContext) -> dict:
     """Measure the exported drafter: acceptance, baselines, drift (rank 0 works; its outcome, summary or
     error, reaches every rank, so a failed check, e.g. the engine's, does not leave the others waiting)."""
-    from fledge.train.evaluate import evaluate_run
+    from fledge.evaluation.evaluate import evaluate_run
 
     return _on_main(ctx, lambda: evaluate_run(ctx.cfg, ctx.run_dir, ctx.stage_dir, drafter_dir_of(ctx),
                                               ctx.world.device))
@@ -116,8 +116,8 @@ def check_publish(cfg: Config) -> None:
 
 
 def _publish(ctx: StageContext) -> dict:
-    from fledge.models.export import load_target_config
-    from fledge.models.hub import push_to_hub
+    from fledge.serving.export import load_target_config
+    from fledge.serving.hub import push_to_hub
 
     cfg = ctx.cfg
     check_publish(cfg)  # the token may have gone since the command started
@@ -143,8 +143,8 @@ def _on_main(ctx: StageContext, work: Callable[[], dict]) -> dict:
 
 
 def _export(cfg: Config, out: Path, ckpt: Path) -> dict:
-    from fledge.models.export import export_checkpoint, load_target_config
-    from fledge.models.lint import format_findings, lint_drafter
+    from fledge.serving.export import export_checkpoint, load_target_config
+    from fledge.serving.lint import format_findings, lint_drafter
 
     target = load_target_config(cfg.target)
     export_checkpoint(ckpt, out, target, fmt=cfg.export.format, max_shard_size=cfg.export.max_shard_size,

@@ -1,4 +1,4 @@
-"""The stage runner: prepare -> capture -> train -> export -> eval -> publish (train/stages.py), resumable by
+"""The stage runner: prepare -> capture -> train -> export -> eval -> publish (train/pipeline.py), resumable by
 manifest.
 
 Each stage writes ``<run_dir>/<stage>/manifest.json``: its inputs (its config slice, the upstream stages'
@@ -121,7 +121,7 @@ def config_slice(cfg: Config, stage: str) -> dict[str, Any]:
                 "capture": {"mode": cfg.capture.mode}, "run": {"seed": cfg.run.seed}}
     if stage == "export":
         # What export reads besides the checkpoint: the target's config (its local config.json, which the
-        # fingerprint covers, else target.config_overrides, else the hub's: models/export.py
+        # fingerprint covers, else target.config_overrides, else the hub's: serving/export.py
         # load_target_config), the target's name and the draft length (the speculators dialect writes both).
         return {"export": {k: v for k, v in d(cfg.export).items() if k not in PUBLISH_KEYS},
                 "target": d(cfg.target), "speculative_tokens": cfg.eval.draft_tokens}
@@ -170,7 +170,7 @@ class _Plan:
 
 
 def run_stages(cfg: Config, world: World, stages: dict[str, Stage]) -> dict[str, dict]:
-    """Run the selected stages in pipeline order (``stages``: train/stages.py's STAGES); return the manifest
+    """Run the selected stages in pipeline order (``stages``: train/pipeline.py's STAGES); return the manifest
     of every stage that is complete and current, each with ``action``: what this command did with it."""
     run_dir = Path(cfg.run.output_root) / cfg.run.name
     check_target_path(cfg.target.name_or_path)
@@ -357,7 +357,7 @@ def check_target_path(name_or_path: str) -> None:
     otherwise transformers reads it as a malformed hub id and fails deep inside a stage."""
     if name_or_path.startswith(("/", ".", "~")) and not Path(name_or_path).expanduser().is_dir():
         hint = ""
-        if "tiny_target" in name_or_path:  # .cache/tiny_target/<budget> or <family>-<budget> (data/tiny_target.py)
+        if "tiny_target" in name_or_path:  # .cache/tiny_target/<budget> or <family>-<budget> (testbed/tiny_target.py)
             family, _, budget = Path(name_or_path).name.rpartition("-")
             hint = f" (build it with `fledge tiny-target --budget {budget}{f' --family {family}' if family else ''}`)"
         raise ValueError(f"target.name_or_path={name_or_path}: no such directory{hint}; give a model directory "

@@ -35,7 +35,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from fledge.data.batch import FeatureBatch
+from fledge.data.features.batch import FeatureBatch
 from fledge.distributed import SequenceGroups, all_reduce_sum, backend
 
 KEY = "train.sequence_parallel"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from fledge.data.feature_reader import BatchIterator
+from fledge.data.features.reader import BatchIterator
 from fledge.conf.schema import Config
 from fledge.train.runner import StageContext
 
@@ -23,14 +23,14 @@ def build_loaders(cfg: Config, ctx: StageContext, dtype: torch.dtype, rank: int 
     rank = w.rank if rank is None else rank
     world_size = w.world_size if world_size is None else world_size
     if cfg.capture.mode == "offline":
-        from fledge.data.feature_reader import FeatureLoader
+        from fledge.data.features.reader import FeatureLoader
 
         loaders = tuple(FeatureLoader(ctx.run_dir / "capture" / split, rank, world_size, t.micro_batch_tokens,
                                       t.micro_batch_size, cfg.run.seed, dtype=dtype) for split in ("train", "eval"))
         for loader in loaders:
             loader.store.check_compatible(cfg.target, cfg.aux_layer_ids())
         return loaders
-    from fledge.data.capture import OnlineFeatureSource
+    from fledge.data.capture.offline import OnlineFeatureSource
     from fledge.models.target import FrozenTarget
 
     target = FrozenTarget.load(cfg.target, w.device, cfg.aux_layer_ids(), cfg.capture.device_map)

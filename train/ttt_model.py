@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from fledge.conf.schema import Config
-from fledge.data.batch import FeatureBatch
+from fledge.data.features.batch import FeatureBatch
 from fledge.train.loss import TTTLoss, TTTResult, build_loss, step_denominators
 from fledge.train.sequence_parallel import RowShard
 
@@ -44,7 +44,7 @@ class TTTModel(nn.Module):
     def step_denominators(self, batches: list[FeatureBatch | RowShard], divisor: float) -> torch.Tensor:
         """The loss denominators of one optimizer step whose micro-batches on this rank are ``batches`` (on
         any device; counted before they move to it), ``divisor`` the number of micro-batch losses the
-        optimizer averages (train/engine.py ``gradient_divisor``); train/loss.py ``step_denominators``.
+        optimizer averages (train/deepspeed_setup.py ``gradient_divisor``); train/loss.py ``step_denominators``.
         Every rank calls it once per step, before the step's first forward."""
         counts = sum(self.loss.counted_rows(self.drafter, b.batch, shard=b) if isinstance(b, RowShard)
                      else self.loss.counted_rows(self.drafter, b) for b in batches)
@@ -74,7 +74,7 @@ def build_ttt_model(cfg: Config, run_dir: Path, device: torch.device) -> TTTMode
     the target's weights (read directly, without instantiating the target)."""
     from transformers import AutoConfig
 
-    from fledge.data.vocab import DraftVocab
+    from fledge.data.prepare.vocab import DraftVocab
     from fledge.models.drafter import DrafterSpec, Eagle3Drafter
     from fledge.models.weights import load_input_embeddings, load_lm_head_rows
 
@@ -126,7 +126,7 @@ def init_from(drafter: nn.Module, source: str | Path, embedding: torch.Tensor) -
     final normed state, so the target's own output row is the one prior that fits; else the default
     init). The embedding stays the target's. A drafter whose aux ids, norm flags or target sizes differ
     from the run's is refused (ValueError naming the key): its weights would be silently wrong here."""
-    from fledge.models.export import load_drafter
+    from fledge.serving.export import load_drafter
 
     loaded = load_drafter(source, embed_weight=embedding)
     for key, field in _SAME:

@@ -1,6 +1,6 @@
 """``capture.engine=vllm``: the target's states from a serving engine, into the same feature store.
 
-vLLM runs in its own environment (``models/engine_capture_driver.py`` under the engine's python, talking
+vLLM runs in its own environment (``data/capture/vllm_side/capture_driver.py`` under the engine's python, talking
 through files; Fledge never imports vLLM). It prefills each sample once with the speculative method
 ``extract_hidden_states`` and its hidden-states connector, which hand back the residual stream at the
 requested layer ids. What the store holds beyond those (the final *normed* state, the full-vocab argmax)
@@ -30,10 +30,10 @@ from typing import Iterator, Optional
 
 import torch
 
-from fledge.models.engine_process import DriverProcess
+from fledge.engine_process import DriverProcess
 from fledge.models.weights import final_norm_name, input_embedding_name, load_lm_head_rows, read_tensors, weight_map
 
-DRIVER = Path(__file__).resolve().parents[1] / "models" / "engine_capture_driver.py"
+DRIVER = Path(__file__).resolve().parent / "vllm_side" / "capture_driver.py"  # package data, run by the engine
 ARGMAX_TIE = {torch.float32: 1e-3, torch.float64: 1e-6}  # logit gap below which two tokens tie
 HALF_TIE = 0.05  # bf16 / fp16 engines
 
@@ -151,7 +151,7 @@ def build_request(target: str, revision: Optional[str], trust_remote_code: bool,
                   floor: bool = False, data_parallel_rank: int = 0, done_dir: Optional[Path] = None) -> dict:
     """The driver's JSON request. ``jobs``: [{"name", "spool", "batches": [[[id, token ids], ...], ...]}].
     With data parallelism, ``done_dir`` is where each DP rank's driver says its jobs are done (the
-    driver keeps its engine in the group until every rank has: models/engine_capture_driver.py)."""
+    driver keeps its engine in the group until every rank has: data/capture/vllm_side/capture_driver.py)."""
     target = str(Path(target).resolve()) if Path(target).exists() else target
     dp = None
     if data_parallel_size > 1:
@@ -191,7 +191,7 @@ class EngineRun:
 
     A batch is read once the driver has written ``batch-K.json``; its files are deleted as they are read,
     so the spool holds at most a few batches. A dead driver, or one silent for ``timeout_s``, is an error
-    naming its log; either way the engine's whole process group is ended (models/engine_process.py)."""
+    naming its log; either way the engine's whole process group is ended (fledge/engine_process.py)."""
 
     def __init__(self, python: Path, request: dict, workdir: Path, timeout_s: float):
         self.workdir = Path(workdir).resolve()
@@ -291,7 +291,7 @@ class EngineRun:
 def capture_with_engine(splits: dict, python: Path, target, revision, trust_remote_code: bool, dtype: torch.dtype,
                         aux_layer_ids: list[int], num_layers: int, rms_norm_eps: float, parallel: dict,
                         env: dict, workdir: Path, timeout_s: float, device) -> dict:
-    """Capture every split of ``splits`` ({name: SplitCapture of data/capture.py}) through one engine run;
+    """Capture every split of ``splits`` ({name: SplitCapture of data/capture/offline.py}) through one engine run;
     returns the driver's result (vLLM version, load time, per-split tokens and engine wall time).
 
     ``parallel``: tensor_parallel_size, expert_parallel, data_parallel_size, and with data parallelism
@@ -300,7 +300,7 @@ def capture_with_engine(splits: dict, python: Path, target, revision, trust_remo
 
     Without data parallelism a rank with nothing left to capture starts no engine. With it, the rank's
     engine is one of a vLLM data-parallel group whose engines step together, so it starts anyway and
-    takes part until every rank's engine is done (models/engine_capture_driver.py)."""
+    takes part until every rank's engine is done (data/capture/vllm_side/capture_driver.py)."""
     eng_ids = engine_layer_ids(aux_layer_ids, num_layers)
     workdir = Path(workdir).resolve()
     for leftover in ("spool", "connector"):

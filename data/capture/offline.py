@@ -31,9 +31,9 @@ from typing import Optional
 
 import torch
 
-from fledge.data.feature_reader import BatchIterator
+from fledge.data.features.reader import BatchIterator
 from fledge.atomic import read_json, write_json_atomic
-from fledge.data.features import (SCHEMA_VERSION, STORE_MANIFEST, ShardWriter, bytes_per_token, encode_sample,
+from fledge.data.features.store import (SCHEMA_VERSION, STORE_MANIFEST, ShardWriter, bytes_per_token, encode_sample,
                                   index_problem, rank_dir, slice_dir, store_manifest, write_store_manifest)
 from fledge.conf.schema import CaptureConfig, TargetConfig
 from fledge.distributed import World, broadcast_object
@@ -304,14 +304,14 @@ def _fresh_done_dir(work: Path, world: World) -> Path:
 
 def capture_engine(target_cfg: TargetConfig, cap: CaptureConfig, aux_layer_ids: list[int], world: World,
                    prep: Path, stage_dir: Path, splits: list[str], prepare_manifest: Optional[dict]) -> tuple[dict, dict]:
-    """``capture.engine=vllm``: every split through one vLLM run on this rank (data/engine_capture.py).
+    """``capture.engine=vllm``: every split through one vLLM run on this rank (data/capture/engine.py).
     Returns (store meta, {split: summary})."""
     from transformers import AutoConfig
 
-    from fledge.data.engine_capture import capture_with_engine, check_parallel, engine_env
+    from fledge.data.capture.engine import capture_with_engine, check_parallel, engine_env
     from fledge.models.families import read_target
     from fledge.models.precision import compute_dtype
-    from fledge.models.serving_engine import SETUP_HINT, engine_python
+    from fledge.engine_process import SETUP_HINT, engine_python
 
     python = engine_python(cap.engine_python)
     if not python.exists():

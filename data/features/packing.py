@@ -13,7 +13,7 @@ import random
 
 import torch
 
-from fledge.data.batch import FeatureBatch
+from fledge.data.features.batch import FeatureBatch
 
 _FIELDS = ("input_ids", "loss_mask", "aux_hidden", "target_hidden", "target_argmax")
 

@@ -1,12 +1,12 @@
 """Reading the feature store for training: memory-mapped, rank-sharded, shuffled, exactly resumable.
 
-``FeatureStore`` is a read-only view of one split's store (data/features.py): the manifest, the sample
+``FeatureStore`` is a read-only view of one split's store (data/features/store.py): the manifest, the sample
 table from the ranks' indexes, and shards opened on demand with safetensors' mmap (a sample read touches
 only its own byte ranges). A shard's sha256 is checked the first time it is opened. Every path the
 manifest and the indexes name is relative to the store and must stay inside it (no ``..``, not absolute):
 a copied or hand-edited store must not make training read files it was never pointed at.
 ``FeatureLoader`` turns the store into FeatureBatch objects with data.packing.plan_rows/collate; the online
-source (data/capture.py) shares its batching through ``BatchIterator``.
+source (data/capture/offline.py) shares its batching through ``BatchIterator``.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import torch
 
 from fledge.atomic import read_json, sha256_file
 from fledge.conf.schema import TargetConfig
-from fledge.data.batch import FeatureBatch
-from fledge.data.features import INDEX, SCHEMA_VERSION, STORE_MANIFEST, decode_aux, rank_dir, recapture_advice
+from fledge.data.features.batch import FeatureBatch
+from fledge.data.features.store import INDEX, SCHEMA_VERSION, STORE_MANIFEST, decode_aux, rank_dir, recapture_advice
 from fledge.models.weights import is_contained
 
 
@@ -151,7 +151,7 @@ class BatchIterator:
     def global_plan(self, epoch: int) -> list[list[list[int]]]:
         """All batches of ``epoch``: a list of batches, each a list of rows of sample indices."""
         if self._plan_cache is None or self._plan_cache[0] != epoch:
-            from fledge.data.packing import plan_rows
+            from fledge.data.features.packing import plan_rows
 
             rows = plan_rows(self.lengths, self.row_tokens, self.seed + epoch)
             batches = [rows[i:i + self.rows_per_batch] for i in range(0, len(rows), self.rows_per_batch)]
@@ -180,7 +180,7 @@ class BatchIterator:
 
     def batch_at(self, g: int) -> FeatureBatch:
         """Global batch ``g`` (counted across epochs)."""
-        from fledge.data.packing import collate
+        from fledge.data.features.packing import collate
 
         epoch, i = divmod(g, self.global_batches_per_epoch)
         rows = self.global_plan(epoch)[i]

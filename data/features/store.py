@@ -1,4 +1,4 @@
-"""The feature store: what the capture stage writes and the trainer reads (data/feature_reader.py).
+"""The feature store: what the capture stage writes and the trainer reads (data/features/reader.py).
 
 Layout of one split's store (e.g. ``<run>/capture/train/``)::
 
@@ -6,7 +6,7 @@ Layout of one split's store (e.g. ``<run>/capture/train/``)::
     rank00000/index.json         this rank's finished shards, each with its samples [id, offset, length]
     rank00000/shard-00000.safetensors
 
-An array-job capture (``capture.slice_index``, data/capture.py) writes ``slice00003/rank00000/...``
+An array-job capture (``capture.slice_index``, data/capture/offline.py) writes ``slice00003/rank00000/...``
 instead, one directory per slice since every task numbers its ranks from 0; the merge lists those
 rank directories in ``store.json["indexes"]``. Sample ids are always global (prepared-row numbers),
 so a reader sees one store in global sample order however it was written.
@@ -200,7 +200,7 @@ def store_manifest(store_dir: str | Path, parts: list[str], meta: dict, num_samp
     """The ``store.json`` content over the finished indexes in ``parts`` (rank dirs relative to the store,
     e.g. ``rank00000`` or ``slice00003/rank00001``). Checks that every index is complete and that the
     parts hold each sample id in [0, num_samples) exactly once (ValueError naming the fix); reads only
-    the small index files. An array capture checks each slice first (data/capture.py merge_slices), so
+    the small index files. An array capture checks each slice first (data/capture/offline.py merge_slices), so
     this advice is the plain store's."""
     store_dir = Path(store_dir)
     problem = index_problem(store_dir, parts, range(num_samples))

@@ -9,7 +9,7 @@ half-written under a final name):
 * ``eval_conversations.jsonl`` / ``eval_perturbed_conversations.jsonl``: the eval rows' normalised
   conversations, one ``{"messages", "tools"?, "template_kwargs"?, "perturbation"?, "source", "index"}``
   per line (pass ``template_kwargs`` to the chat template when building prompts);
-* ``vocab.safetensors`` + ``vocab.json``: the draft vocab (data/vocab.py), counted over ``train/``.
+* ``vocab.safetensors`` + ``vocab.json``: the draft vocab (data/prepare/vocab.py), counted over ``train/``.
 
 Sources are mixed by ``weight`` as a repeat factor (2.0 = every row twice, 0.5 = a seeded half). Without
 ``eval_sources`` a seeded ``eval_fraction`` of the rows is held out before weighting, so no eval row
@@ -30,10 +30,10 @@ from typing import Optional
 import numpy as np
 
 from fledge.atomic import write_json_atomic
-from fledge.data.chat import ChatRenderer, describe, eot_ids_from_target
-from fledge.data.perturb import chosen, perturb
-from fledge.data.sources import DataError, iter_rows, normalize
-from fledge.data.vocab import DraftVocab, count_masked, load_cached, save_with_key, tokenizer_fingerprint, vocab_key
+from fledge.data.prepare.chat import ChatRenderer, describe, eot_ids_from_target
+from fledge.data.prepare.perturb import chosen, perturb
+from fledge.data.prepare.sources import DataError, iter_rows, normalize
+from fledge.data.prepare.vocab import DraftVocab, count_masked, load_cached, save_with_key, tokenizer_fingerprint, vocab_key
 from fledge.conf.schema import DataConfig, SourceConfig, TargetConfig
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from typing import Any, Iterable
 
-from fledge.data.sources import DataError
+from fledge.data.prepare.sources import DataError
 
 _MARKER_RE = re.compile(r"\{%-?\s*generation\s*-?%\}")
 # A thinking block with the whitespace that separates it from the answer ("</think>\n\n"): with
@@ -29,7 +29,7 @@ _PROBE = "fledge probe answer"
 
 
 class ChatRenderer:
-    """Tokenize normalised conversations (see data/sources.py) into ``(input_ids, loss_mask)``.
+    """Tokenize normalised conversations (see data/prepare/sources.py) into ``(input_ids, loss_mask)``.
 
     ``tokenizer`` is the target's (a fast tokenizer: offsets are needed); ``extra_eot_ids`` adds ids
     that end a turn (e.g. the target's ``generation_config.eos_token_id``).

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Iterable, Protocol
 
-from fledge.data.sources import DataError, iter_rows, normalize
+from fledge.data.prepare.sources import DataError, iter_rows, normalize
 
 log = logging.getLogger(__name__)
 API_KEY_ENV = "FLEDGE_API_KEY"  # the OpenAI-compatible server's key; never taken from argv (ps shows argv)

@@ -40,7 +40,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from fledge.models.kernels.rmsnorm import RMSNorm
 
-Finding = tuple[str, str, str, str]  # (level, code, message, fix), as models/lint.py reports them
+Finding = tuple[str, str, str, str]  # (level, code, message, fix), as serving/lint.py reports them
 MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
@@ -261,7 +261,7 @@ LAYER_KINDS: dict[str, LayerKind] = {}
 
 def register_layer_kind(kind: LayerKind, replace: bool = False) -> LayerKind:
     if kind.name in LAYER_KINDS and not replace:
-        raise ValueError(f"drafter layer kind {kind.name!r} is already registered (fledge/models/layers.py)")
+        raise ValueError(f"drafter layer kind {kind.name!r} is already registered (fledge/models/layers/kind.py)")
     LAYER_KINDS[kind.name] = kind
     return kind
 
@@ -269,7 +269,7 @@ def register_layer_kind(kind: LayerKind, replace: bool = False) -> LayerKind:
 def get_layer_kind(name: str) -> LayerKind:
     if name not in LAYER_KINDS:
         raise ValueError(f"drafter.layer={name!r}: expected auto or one of {sorted(LAYER_KINDS)} (a new kind is a "
-                         "register_layer_kind entry in fledge/models/layers.py)")
+                         "register_layer_kind entry in fledge/models/layers/kind.py)")
     return LAYER_KINDS[name]
 
 

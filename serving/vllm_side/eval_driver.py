@@ -3,7 +3,7 @@ node's vLLM environment), never inside Fledge's process, and imports nothing of 
 
     <engine python> -I engine_vllm_driver.py REQUEST.json RESULT.json
 
-Fledge (fledge.models.serving_engine) writes the request and reads the result; both are plain JSON (no
+Fledge (fledge.serving.engine) writes the request and reads the result; both are plain JSON (no
 pickle crosses the boundary). The request names the target, the engine settings and a list of engine
 configurations (``plain``: no drafter; others carry a vLLM ``speculative_config``), and the prompt sets as
 token ids. For every configuration the driver builds one ``vllm.LLM``, generates greedily on each set and
@@ -94,7 +94,7 @@ def run_engine(req: dict, conf: dict) -> dict:
                   gpu_memory_utilization=req.get("gpu_memory_utilization", 0.85))
     if req.get("revision"):
         kwargs["revision"] = req["revision"]
-    if req.get("attention_backend"):  # e.g. CPU_MLA for an MLA target on CPU (train/engine_eval.py)
+    if req.get("attention_backend"):  # e.g. CPU_MLA for an MLA target on CPU (evaluation/engine_eval.py)
         kwargs["attention_backend"] = req["attention_backend"]
     if conf.get("speculative_config"):
         kwargs["speculative_config"] = conf["speculative_config"]

@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from conftest import FLAGS, make_drafter, packed_batch  # noqa: E402  (tests/ is on PYTHONPATH: the test puts it there)
 
-from fledge.data.batch import FeatureBatch  # noqa: E402
-from fledge.train.engine import gradient_divisor  # noqa: E402
+from fledge.data.features.batch import FeatureBatch  # noqa: E402
+from fledge.train.deepspeed_setup import gradient_divisor  # noqa: E402
 from fledge.train.loss import SoftCrossEntropy  # noqa: E402
 from fledge.train.ttt_model import TTTModel  # noqa: E402
 

@@ -4,7 +4,7 @@ FLEDGE_TEST_SLOW seconds (so the test can kill -9 the run in the middle of the c
 import os
 import time
 
-import fledge.data.capture as capture
+import fledge.data.capture.offline as capture
 from fledge.train import main
 
 _delay = float(os.environ.get("FLEDGE_TEST_SLOW", "0"))

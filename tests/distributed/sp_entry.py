@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from conftest import FLAGS, make_drafter  # noqa: E402  (tests/ is on PYTHONPATH: the test puts it there)
 
-from fledge.data.batch import FeatureBatch  # noqa: E402
+from fledge.data.features.batch import FeatureBatch  # noqa: E402
 from fledge.distributed import World, all_reduce_sum, sequence_groups  # noqa: E402
 from fledge.train.loss import SoftCrossEntropy  # noqa: E402
 from fledge.train.sequence_parallel import RowShard, SequenceParallel  # noqa: E402

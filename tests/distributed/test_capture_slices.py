@@ -35,7 +35,7 @@ def _cfg(root: Path, run: str, *extra: str):
 def _run_here(root: Path, run: str, *extra: str) -> dict:
     from fledge.distributed import World
     from fledge.train.runner import run_stages
-    from fledge.train.stages import STAGES
+    from fledge.train.pipeline import STAGES
 
     return run_stages(_cfg(root, run, *extra), World(0, 1, 0, torch.device("cpu")), STAGES)
 
@@ -45,7 +45,7 @@ def _manifest(root: Path, run: str) -> dict:
 
 
 def test_slices_then_merge_equal_a_plain_capture(tmp_path):
-    from fledge.data.feature_reader import FeatureLoader, FeatureStore
+    from fledge.data.features.reader import FeatureLoader, FeatureStore
 
     _prepare(tmp_path)  # prepared runs "a" and "b" with the same data
     _run_here(tmp_path, "a", "run.stages=[capture]")  # the plain reference
@@ -123,7 +123,7 @@ def test_a_broken_slice_is_one_line_whose_advice_merges(tmp_path):
     shutil.rmtree(slice1)  # the advice: delete the slice's rank directories, rerun it, merge
     _run_here(tmp_path, "b", *task, "capture.slice_index=1")
     assert _run_here(tmp_path, "b", *task)["capture"]["complete"]
-    from fledge.data.feature_reader import FeatureStore
+    from fledge.data.features.reader import FeatureStore
 
     assert FeatureStore(tmp_path / "b" / "capture" / "train").sample_ids == list(range(N))
 

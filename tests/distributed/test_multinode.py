@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from fledge.train.report import read_metrics
+from fledge.evaluation.report import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -77,7 +77,7 @@ def _wait(procs: list[subprocess.Popen], logs: list[Path], timeout: float = 600)
 def _run_one_node_two_ranks(root: Path, stages: list[str], inputs: list[str], tmp: Path) -> str:
     log = tmp / "ref.log"
     with open(log, "w") as f:
-        p = subprocess.Popen([sys.executable, "-m", "fledge.train.launch", "--nproc-per-node", "2",
+        p = subprocess.Popen([sys.executable, "-m", "fledge.train.slurm.launch", "--nproc-per-node", "2",
                               *_launch_args(root, stages, inputs)], cwd=REPO, env=_env(), stdout=f, stderr=subprocess.STDOUT)
     return _wait([p], [log])[0]
 
@@ -92,7 +92,7 @@ def _run_two_nodes_one_rank(root: Path, stages: list[str], inputs: list[str], tm
         logs.append(tmp / f"node{node}.log")
         with open(logs[-1], "w") as f:  # node 0 starts first: the lower pid, so c10d makes it group rank 0
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "fledge.train.launch", "--nproc-per-node", "1", *_launch_args(root, stages, inputs)],
+                [sys.executable, "-m", "fledge.train.slurm.launch", "--nproc-per-node", "1", *_launch_args(root, stages, inputs)],
                 cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT))
     return _wait(procs, logs)
 

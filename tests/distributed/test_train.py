@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from fledge.train.report import read_metrics
+from fledge.evaluation.report import read_metrics
 
 pytestmark = pytest.mark.distributed
 ROOT = Path(__file__).resolve().parents[2]
@@ -210,7 +210,7 @@ def _poison(run_dir: Path, g: int, cfg) -> None:
     from safetensors.torch import load_file, save_file
 
     from fledge.atomic import sha256_file
-    from fledge.data.feature_reader import FeatureLoader
+    from fledge.data.features.reader import FeatureLoader
 
     store_dir = run_dir / "capture" / "train"
     loader = FeatureLoader(store_dir, 0, 1, cfg.train.micro_batch_tokens, cfg.train.micro_batch_size, cfg.run.seed)
@@ -287,7 +287,7 @@ def test_one_rank_resumes_two_at_the_first_global_batch_not_consumed(base, two_s
     and names it), not batch 2 (step x today's batches per step replayed 2 and 3). With train.epochs the run
     ends where the epoch's data ends: 4 batches in 2 steps, then 1 per step."""
     from fledge.conf import compose
-    from fledge.data.feature_reader import FeatureLoader
+    from fledge.data.features.reader import FeatureLoader
 
     args = resumed_run(base, two_steps_on_two_ranks, "w1") + [
         "deepspeed=zero2", "train.max_steps=0", "train.epochs=1", "train.save_every=1000", "train.eval_every=1000"]

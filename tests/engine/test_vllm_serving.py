@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from fledge.models.serving_engine import acceptance, engine_python, run_driver, speculative_config
+from fledge.serving.engine import acceptance, engine_python, run_driver, speculative_config
 from conftest import engine_marks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -115,7 +115,7 @@ def eagle3_run(served, tiny_target) -> Path:
 
 @pytest.fixture(scope="module")
 def qwen3_run(served, tiny_target):
-    """A drafter of the qwen3 layer kind (models/layers.py: per-head q/k norms, vLLM's qwen3_eagle3.py) trained
+    """A drafter of the qwen3 layer kind (models/layers/kind.py: per-head q/k norms, vLLM's qwen3_eagle3.py) trained
     on the shared run's features. The mla kind is served beside an MLA target only (vLLM 0.32's MLA attention
     takes its head size from the target's config): tests/engine/test_vllm_families.py serves it with tiny_mla."""
     def train() -> Path:  # called only when served (FLEDGE_ENGINE_FULL=1): CI's budget
@@ -140,7 +140,7 @@ def variants(served, eagle3_run, qwen3_run, tmp_path_factory, tiny_target):
     from faults import FAULTS, plant
 
     from fledge.conf.compose import compose
-    from fledge.models.export import export_checkpoint, load_target_config
+    from fledge.serving.export import export_checkpoint, load_target_config
 
     cfg = compose(_overrides(served, tiny_target))
     target_cfg, k = load_target_config(cfg.target), cfg.eval.draft_tokens
@@ -189,7 +189,7 @@ def test_eagle3_without_the_31_flags_is_served_with_its_in_process_acceptance(se
     import torch
 
     from fledge.conf.compose import compose
-    from fledge.train.evaluate import evaluate_set, load_eval_models
+    from fledge.evaluation.evaluate import evaluate_set, load_eval_models
 
     got, dirs = variants
     cfg = compose(_overrides(served, tiny_target))
@@ -215,7 +215,7 @@ def test_a_planted_serving_fault_fails_the_engine_checks_with_the_causes(served,
     """vLLM loads each faulted export without a word and serves it losslessly but differently; the eval
     stage's checks on what it measured (engine AL, the served export's lint) name the causes."""
     from fledge.conf.compose import compose
-    from fledge.train.engine_eval import collapse_failures, lint_failures, served_lint_errors
+    from fledge.evaluation.engine_eval import collapse_failures, lint_failures, served_lint_errors
 
     got, dirs = variants
     rep = _report(served)
@@ -244,7 +244,7 @@ def test_the_eval_stage_fails_on_a_served_fault_with_the_causes(served, tmp_path
     from faults import plant
 
     from fledge.conf.compose import compose
-    from fledge.train.evaluate import evaluate_run
+    from fledge.evaluation.evaluate import evaluate_run
 
     bad = plant(served / "export" / "drafter", "norm_output_flipped", tmp_path / "drafter")
     cfg = compose(_overrides(served, tiny_target) + ["eval.engine=vllm", "eval.sets=[default]", "eval.num_prompts=4",

@@ -1,4 +1,4 @@
-"""Each drafter layer kind (models/layers.py) trained through the GPU's compiled flex attention: one TTT unroll
+"""Each drafter layer kind (models/layers/kind.py) trained through the GPU's compiled flex attention: one TTT unroll
 forward and backward equals the dense reference's (outputs and every gradient), for llama, qwen3 and mla
 (whose q/k heads are 192 wide and v 128, padded to one width for the attention call).
 
@@ -12,9 +12,9 @@ import torch
 from conftest import target_config
 
 from fledge.conf.schema import DrafterConfig
-from fledge.data.batch import FeatureBatch
+from fledge.data.features.batch import FeatureBatch
 from fledge.models.drafter import DrafterSpec, Eagle3Drafter
-from fledge.train.alignment import ttt_states
+from fledge.models.alignment import ttt_states
 
 pytestmark = pytest.mark.gpu
 

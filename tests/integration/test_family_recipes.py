@@ -1,5 +1,5 @@
 """recipe=tiny_moe and recipe=tiny_mla end to end through the README's main command (torchrun, 2 gloo ranks) on
-the project's own tiny Qwen3-MoE-shaped and DeepSeek-V3-shaped targets (data/tiny_families.py), checked against
+the project's own tiny Qwen3-MoE-shaped and DeepSeek-V3-shaped targets (testbed/tiny_families.py), checked against
 recipes/tiny_<family>/golden.json. tests/engine/test_vllm_families.py checks what vLLM made of the same runs.
 
 Both targets are as degenerate as the quick tiny Llama (their greedy output is a loop), so the measured AL is
@@ -43,7 +43,7 @@ def test_family_recipe_runs_end_to_end_and_matches_its_golden_numbers(tiny_famil
     for name in gold["sets"]:
         assert evals[f"al_{name}"] == pytest.approx(gold[f"al_{name}"], abs=gold["al_tolerance"]), name
     # Lossless: the eval stage fails on a speculative greedy output that differs from plain greedy decoding
-    # (train/evaluate.py); its report says so for the sets it measured.
+    # (evaluation/evaluate.py); its report says so for the sets it measured.
     assert "Greedy output identical to plain greedy decoding on every prompt" in (run / "eval" / "report.md").read_text()
 
 

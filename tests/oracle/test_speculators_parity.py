@@ -49,9 +49,9 @@ def _inputs(target_cfg: dict, n_aux: int, T: int = 24, seed: int = 0) -> dict[st
 
 
 def _fledge_logits(drafter_dir: Path, x: dict) -> list[torch.Tensor]:
-    from fledge.data.batch import FeatureBatch
-    from fledge.models.export import load_drafter
-    from fledge.train.alignment import ttt_states
+    from fledge.data.features.batch import FeatureBatch
+    from fledge.serving.export import load_drafter
+    from fledge.models.alignment import ttt_states
 
     d = load_drafter(drafter_dir).eval()
     T = x["input_ids"].shape[1]
@@ -83,8 +83,8 @@ def _run_speculators(drafter_dir: Path, x: dict, tmp: Path, decay: float | None 
 def _export(target: Path, flags: dict, draft_vocab: int, out: Path, seed: int = 3) -> tuple[Path, dict, list[int]]:
     """A random drafter (norm weights near 1) for the target, exported in the speculators dialect."""
     from conftest import random_state_dict
-    from fledge.models.export import write_drafter
-    from fledge.models.serving_config import serving_config
+    from fledge.serving.export import write_drafter
+    from fledge.serving.serving_config import serving_config
 
     tcfg = json.loads((target / "config.json").read_text())
     L = tcfg["num_hidden_layers"]
@@ -133,10 +133,10 @@ def test_speculators_training_loss_has_fledges_gradients(random_tiny_target, tmp
     import torch.nn.functional as F
     from safetensors.torch import load_file
 
-    from fledge.data.batch import FeatureBatch
-    from fledge.models.export import load_drafter
+    from fledge.data.features.batch import FeatureBatch
+    from fledge.serving.export import load_drafter
     from fledge.models.weights import load_lm_head_rows
-    from fledge.train.alignment import shift as _shift
+    from fledge.models.alignment import shift as _shift
     from fledge.train.loss import ttt_loss
 
     target = Path(random_tiny_target)

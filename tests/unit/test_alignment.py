@@ -1,4 +1,4 @@
-"""The TTT alignment of train/alignment.py is the one the loss, the held-out accuracy and the AL estimate use:
+"""The TTT alignment of models/alignment.py is the one the loss, the held-out accuracy and the AL estimate use:
 they count the same rows, and a planted off-by-one in it moves all three together."""
 
 from dataclasses import fields
@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from conftest import make_drafter, packed_batch
-from fledge.data.batch import FeatureBatch
-from fledge.train import alignment
-from fledge.train.evaluate import heldout_accuracy
+from fledge.data.features.batch import FeatureBatch
+from fledge.models import alignment
+from fledge.evaluation.evaluate import heldout_accuracy
 from fledge.train.loss import ttt_loss
-from fledge.train.metrics import RatioMeter, StepAccuracy, al_estimate
+from fledge.models.alignment import StepAccuracy, al_estimate
+from fledge.train.metrics import RatioMeter
 
 K = 3
 

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from chat_templates import CHATML, LLAMA3, MARKERS, MISTRAL, QWEN3, make_tokenizer
-from fledge.data.chat import ChatRenderer
-from fledge.data.sources import DataError, normalize
+from fledge.data.prepare.chat import ChatRenderer
+from fledge.data.prepare.sources import DataError, normalize
 
 G = True  # a segment the target generates
 

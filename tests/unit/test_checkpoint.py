@@ -8,7 +8,7 @@ import pytest
 
 from fledge.conf import compose
 from fledge.train import checkpoint
-from fledge.train.engine import lr_lambda
+from fledge.train.deepspeed_setup import lr_lambda
 
 
 def _checkpoint(ckpt_dir, tag, universal=False):

@@ -1,4 +1,4 @@
-"""Export dialects (models/dialects.py): every registered dialect round-trips through export, lint and
+"""Export dialects (serving/dialects.py): every registered dialect round-trips through export, lint and
 load; a dialect registered in a test is picked up by all of them; export.format is checked against the
 registry before a run starts."""
 
@@ -12,13 +12,13 @@ from safetensors.torch import save_file
 
 from conftest import random_state_dict
 from fledge.conf.schema import DrafterConfig
-from fledge.models import dialects
-from fledge.models.dialects import Dialect, ServingFields, dialect_of, get_dialect, register_dialect
+from fledge.serving import dialects
+from fledge.serving.dialects import Dialect, ServingFields, dialect_of, get_dialect, register_dialect
 from fledge.models.drafter import DrafterSpec, Eagle3Drafter
-from fledge.models.export import export_checkpoint, load_drafter, training_record, write_drafter
-from fledge.models.hub import build_model_card
-from fledge.models.lint import format_findings, has_errors, lint_drafter
-from fledge.models.serving_config import expected_tensors, layer_config, serving_config
+from fledge.serving.export import export_checkpoint, load_drafter, training_record, write_drafter
+from fledge.serving.hub import build_model_card
+from fledge.serving.lint import format_findings, has_errors, lint_drafter
+from fledge.serving.serving_config import expected_tensors, layer_config, serving_config
 from fledge.models.weights import read_tensors, tensor_headers
 
 TARGET = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,

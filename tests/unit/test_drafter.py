@@ -8,10 +8,10 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from fledge.data.batch import FeatureBatch
+from fledge.data.features.batch import FeatureBatch
 from fledge.models.drafter import DraftCache, DrafterSpec, Eagle3Drafter
 from fledge.conf.schema import DrafterConfig
-from fledge.train.alignment import ttt_states
+from fledge.models.alignment import ttt_states
 
 from conftest import FLAGS, make_drafter, packed_batch, target_config
 

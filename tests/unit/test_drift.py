@@ -5,14 +5,14 @@ is the post-norm state's (about 1) for EAGLE-3.1 and the pre-norm residual's for
 import pytest
 import torch
 
-from fledge.models.drift import DriftProbe, drift_curves
-from fledge.models.speculative import DrafterProposer, TargetRunner
+from fledge.evaluation.drift import DriftProbe, drift_curves
+from fledge.evaluation.speculative import DrafterProposer, TargetRunner
 from conftest import random_drafter, random_llama
 
 
 @pytest.mark.parametrize("layer", ["llama", "qwen3", "mla"])
 def test_probe_probabilities_reproduce_attention_output(layer):
-    """For every layer kind (models/layers.py): q/k norms (qwen3), MLA's scale and padded width included."""
+    """For every layer kind (models/layers/kind.py): q/k norms (qwen3), MLA's scale and padded width included."""
     target = random_llama()
     drafter = random_drafter(target, layer=layer)
     attn = drafter.midlayer.self_attn

@@ -10,13 +10,13 @@ import torch
 
 from conftest import random_state_dict
 from fledge.conf.schema import DrafterConfig, default_aux_layer_ids
-from fledge.models import dialects
-from fledge.models.dialects import get_dialect
+from fledge.serving import dialects
+from fledge.serving.dialects import get_dialect
 from fledge.models.drafter import DrafterSpec
-from fledge.models.export import load_drafter, spec_from_export, training_record, write_drafter
-from fledge.models.hub import build_model_card
-from fledge.models.lint import format_findings, has_errors, lint_drafter
-from fledge.models.serving_config import layer_config, serving_config
+from fledge.serving.export import load_drafter, spec_from_export, training_record, write_drafter
+from fledge.serving.hub import build_model_card
+from fledge.serving.lint import format_findings, has_errors, lint_drafter
+from fledge.serving.serving_config import layer_config, serving_config
 
 
 def sglang_captures(config: dict, num_layers: int) -> list[int] | None:
@@ -86,7 +86,7 @@ def test_sglang_reads_the_hf_exports_ids_one_layer_deeper():
 
 
 def test_fledges_engine_rules_are_the_engines_rules():
-    from fledge.models.engine_aux import captured_layers
+    from fledge.serving.engine_aux import captured_layers
 
     configs = [{}, {"eagle_config": {"use_aux_hidden_state": True}},
                {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 4, 5]}},
@@ -129,7 +129,7 @@ def test_the_sglang_form_is_read_back_by_fledge_as_trained(tmp_path):
 
 
 def test_the_sglang_form_is_refused_for_ids_sglang_cannot_read(tmp_path):
-    from fledge.models.dialects import check_export_format
+    from fledge.serving.dialects import check_export_format
 
     with pytest.raises(ValueError, match=r"export.format=sglang with aux layer ids \[2, 3, 4\]: SGLang adds 1.*\[2, 4, 5\]"):
         serving_config(_target(8), _spec(8, [2, 3, 4]), [2, 3, 4], 128, fmt="sglang")

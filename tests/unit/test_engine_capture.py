@@ -12,7 +12,7 @@ import torch
 
 from conftest import random_llama
 from fledge.conf.compose import compose
-from fledge.data.engine_capture import (TargetHead, check_boundary_convention, check_parallel, engine_env,
+from fledge.data.capture.engine import (DRIVER, TargetHead, check_boundary_convention, check_parallel, engine_env,
                                         engine_layer_ids, split_columns)
 from fledge.models.target import FrozenTarget
 
@@ -21,7 +21,7 @@ AUX, L = [2, 3, 4], 6
 
 
 def _driver():
-    spec = importlib.util.spec_from_file_location("engine_capture_driver", ROOT / "models" / "engine_capture_driver.py")
+    spec = importlib.util.spec_from_file_location("engine_capture_driver", DRIVER)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -3,9 +3,9 @@
 import json
 
 from conftest import CARD_SPEC as SPEC, CARD_TARGET as TARGET, random_state_dict
-from fledge.models.export import training_record, write_drafter
-from fledge.models.hub import build_model_card
-from fledge.models.serving_config import serving_config
+from fledge.serving.export import training_record, write_drafter
+from fledge.serving.hub import build_model_card
+from fledge.serving.serving_config import serving_config
 
 
 
@@ -30,7 +30,7 @@ def _run(tmp_path, engine: bool):
             "target": "org/target-model", "dtype": "float32", "max_model_len": 600, "seed": 0, "max_new_tokens": 32,
             "stop_token_ids": [5], "env": {"VLLM_CPU_KVCACHE_SPACE": "1"}, "sets": {"default": [[1, 2]]}}))
     (run / "eval" / "report.json").write_text(json.dumps(report))
-    # a complete eval of this export: the card takes figures from nothing else (models/hub.py)
+    # a complete eval of this export: the card takes figures from nothing else (serving/hub.py)
     (run / "eval" / "manifest.json").write_text(json.dumps({"complete": True, "outputs": {
         "sets": {"default": {"al": 2.3}}}}))
     return run

@@ -1,4 +1,4 @@
-"""The engine drivers' processes (models/engine_process.py), with a stand-in engine: a driver whose children
+"""The engine drivers' processes (fledge/engine_process.py), with a stand-in engine: a driver whose children
 outlive it (vLLM's EngineCore and GPU workers do) is ended as a whole process group on a timeout, one of
 them ignoring SIGTERM; the timeout says what happened. And vLLM data parallelism: a rank with no work left
 still starts its engine and takes part until every rank's engine is done (tests/engine/ runs real vLLM)."""
@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from conftest import descendants, random_llama
+from fledge.data.capture.engine import DRIVER
 
 ROOT = Path(__file__).resolve().parents[2]
 # A driver that starts a worker ignoring SIGTERM (with a child of its own) and a second child, then waits:
@@ -29,7 +30,7 @@ wait
 
 @pytest.fixture
 def stand_in(tmp_path, monkeypatch) -> Path:
-    monkeypatch.setattr("fledge.models.engine_process.GRACE_S", 1.0)  # the SIGTERM-deaf worker waits this long
+    monkeypatch.setattr("fledge.engine_process.GRACE_S", 1.0)  # the SIGTERM-deaf worker waits this long
     fake = tmp_path / "python"
     fake.write_text(TREE)
     fake.chmod(0o755)
@@ -57,7 +58,7 @@ def _tree_of_this_test(n: int = 3, wait_s: float = 60) -> list[int]:
 
 
 def test_eval_engine_timeout_ends_every_process_the_driver_started(stand_in, tmp_path):
-    from fledge.models.serving_engine import EngineError, run_driver
+    from fledge.serving.engine import EngineError, run_driver
 
     caught: list[BaseException] = []
 
@@ -80,7 +81,7 @@ def test_eval_engine_timeout_ends_every_process_the_driver_started(stand_in, tmp
 
 
 def _capture_request(tmp_path: Path) -> tuple[dict, dict]:
-    from fledge.data.engine_capture import build_request
+    from fledge.data.capture.engine import build_request
 
     import numpy as np
 
@@ -92,7 +93,7 @@ def _capture_request(tmp_path: Path) -> tuple[dict, dict]:
 
 
 def test_capture_engine_timeout_ends_every_process_the_driver_started(stand_in, tmp_path):
-    from fledge.data.engine_capture import EngineRun
+    from fledge.data.capture.engine import EngineRun
 
     req, job = _capture_request(tmp_path)
     run = EngineRun(stand_in, req, tmp_path / "engine", timeout_s=3)
@@ -107,7 +108,7 @@ def test_capture_engine_timeout_ends_every_process_the_driver_started(stand_in, 
 
 
 def test_capture_engine_that_does_not_exit_is_a_user_error_and_is_ended(stand_in, tmp_path):
-    from fledge.data.engine_capture import EngineRun
+    from fledge.data.capture.engine import EngineRun
 
     req, _ = _capture_request(tmp_path)
     run = EngineRun(stand_in, req, tmp_path / "engine", timeout_s=2)
@@ -120,7 +121,7 @@ def test_capture_engine_that_does_not_exit_is_a_user_error_and_is_ended(stand_in
 def test_a_data_parallel_rank_with_no_work_left_still_starts_its_engine(tmp_path):
     """On resume a rank may have captured everything; its engine is one rank of the vLLM DP group the
     others' engines wait for, so it starts (with no jobs) instead of being skipped."""
-    from fledge.data.engine_capture import capture_with_engine
+    from fledge.data.capture.engine import capture_with_engine
 
     model_dir = tmp_path / "target"
     random_llama(seed=3).save_pretrained(model_dir)
@@ -139,7 +140,7 @@ def test_a_data_parallel_rank_with_no_work_left_still_starts_its_engine(tmp_path
 
 
 def _driver():
-    spec = importlib.util.spec_from_file_location("engine_capture_driver", ROOT / "models" / "engine_capture_driver.py")
+    spec = importlib.util.spec_from_file_location("engine_capture_driver", DRIVER)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -1,4 +1,4 @@
-"""Named eval sets (data/eval_sets.py), offline: every registered set reads a small fixture written in its hub
+"""Named eval sets (evaluation/eval_sets.py), offline: every registered set reads a small fixture written in its hub
 dataset's own schema (tests/fixtures/eval_sets/), renders through a chat template, multi-turn sets ask later
 turns after the target's own answer, prompts are bounded in number and length, and a set that cannot be
 loaded is one line naming the set, the hub id and the fix. Nothing is downloaded."""
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fledge.data.eval_sets import (EVAL_SETS, SPEED_BENCH_CATEGORIES, SPEED_BENCH_LENGTHS, check_set_names,
+from fledge.evaluation.eval_sets import (EVAL_SETS, SPEED_BENCH_CATEGORIES, SPEED_BENCH_LENGTHS, check_set_names,
                                    fit_prompt, load_conversations, render_prompts)
 from test_evaluate import _eval_cfg, _tokenizer, run  # noqa: F401  (run: the random target + export fixture)
 
@@ -30,7 +30,7 @@ EXPECT = {"mt_bench": "garden party", "gsm8k": "A baker makes 12 rolls", "humane
 
 @pytest.fixture(scope="module")
 def renderer():
-    from fledge.data.chat import ChatRenderer
+    from fledge.data.prepare.chat import ChatRenderer
 
     return ChatRenderer(_tokenizer())
 
@@ -194,8 +194,8 @@ def test_config_keys():
 def test_eval_stage_reports_named_sets(run, tmp_path, monkeypatch):  # noqa: F811
     """The eval stage on named sets: per-set in-process AL, the later MT-Bench turn asked after the target's own
     answer, and where each set came from, in report.json and report.md (the plots are test_evaluate's)."""
-    import fledge.train.evaluate as E
-    import fledge.train.report as R
+    import fledge.evaluation.evaluate as E
+    import fledge.evaluation.report as R
 
     monkeypatch.setattr(R, "plot_report", lambda *a, **k: [])
     cfg = _eval_cfg(run)
@@ -222,5 +222,5 @@ def test_entry_point_refuses_an_unknown_set_before_any_stage(tmp_path):
     from test_user_errors import assert_one_line, fledge_run
 
     assert_one_line(fledge_run(tmp_path, "eval.sets=[default,mtbench]"), "config: eval.sets: unknown set 'mtbench'",
-                    "mt_bench", "data/eval_sets.py")
+                    "mt_bench", "evaluation/eval_sets.py")
     assert not (tmp_path / "out").exists()

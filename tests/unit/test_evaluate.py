@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from fledge.atomic import write_json_atomic
-from fledge.models.speculative import DecodeResult, Round
-from fledge.train.evaluate import acceptance_stats, distinct_ngram_ratio
+from fledge.evaluation.speculative import DecodeResult, Round
+from fledge.evaluation.evaluate import acceptance_stats, distinct_ngram_ratio
 
 TEXTS = ["def add(a, b):\n    return a + b\n", "for i in range(10):\n    print(i * i)\n",
          "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
@@ -29,7 +29,7 @@ def _tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from fledge.data.tiny_corpus import BOS, CHAT_TEMPLATE, END, PAD, SPECIAL_TOKENS
+    from fledge.testbed.tiny_corpus import BOS, CHAT_TEMPLATE, END, PAD, SPECIAL_TOKENS
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -45,9 +45,9 @@ def _tokenizer():
 def run(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from fledge.models.export import training_record, write_drafter
+    from fledge.serving.export import training_record, write_drafter
     from fledge.models.families import text_config_dict
-    from fledge.models.serving_config import serving_config
+    from fledge.serving.serving_config import serving_config
     from conftest import random_drafter
 
     root = tmp_path_factory.mktemp("evalrun")
@@ -98,13 +98,13 @@ def _eval_cfg(run):
 def evaluated(run):
     """The eval stage run once on ``run``: (its stage dir, the stage's summary)."""
     from fledge.distributed import World
-    from fledge.train.stages import evaluate as run_stage
-    from fledge.train.stages import StageContext
+    from fledge.train.pipeline import evaluate as run_stage
+    from fledge.train.pipeline import StageContext
 
     stage_dir = run / "run/eval"
     stage_dir.mkdir()
     cfg = _eval_cfg(run)
-    cfg.eval.context_buckets, cfg.eval.bucket_prompts = [32, 64], 1  # AL vs context length (train/long_eval.py)
+    cfg.eval.context_buckets, cfg.eval.bucket_prompts = [32, 64], 1  # AL vs context length (evaluation/long_context.py)
     ctx = StageContext(cfg, World(0, 1, 0, torch.device("cpu")), run / "run", stage_dir,
                        {"export": {"outputs": {"drafter": str(run / "run/export/drafter")}}})
     return stage_dir, run_stage(ctx)
@@ -144,8 +144,8 @@ def test_eval_measures_the_drafter_config_json_describes(run, tmp_path, monkeypa
     measures the drafter an engine would build from config.json + weights, not the record's."""
     import shutil
 
-    import fledge.train.evaluate as E
-    from fledge.models.export import load_drafter
+    import fledge.evaluation.evaluate as E
+    from fledge.serving.export import load_drafter
 
     drafter_dir = tmp_path / "drafter"
     shutil.copytree(run / "run/export/drafter", drafter_dir)
@@ -208,7 +208,7 @@ def test_eval_reports_al_vs_context_length(evaluated):
 
 def test_compare_script(evaluated, tmp_path):
     """``fledge compare`` on two runs' reports (the eval stage's report, flags set per kind)."""
-    import fledge.train.compare as cmp
+    import fledge.evaluation.compare as cmp
 
     base = json.loads((evaluated[0] / "report.json").read_text())
     for name, flag, scale in (("r31", True, 1.0), ("r3", False, 0.5)):
@@ -241,7 +241,7 @@ def test_greedy_mismatch_is_an_error(monkeypatch):
     """A speculative output that leaves plain greedy decoding (not at a numerical tie) fails the stage."""
     from types import SimpleNamespace
 
-    import fledge.train.evaluate as ev
+    import fledge.evaluation.evaluate as ev
     from conftest import random_drafter, random_llama
 
     target = random_llama()
@@ -279,7 +279,7 @@ class _FeatureTarget:
 
 def _per_sample_heldout(drafter, frozen, samples, steps):
     """held-out accuracy as it was written before rows were packed: one unpadded row per sample."""
-    from fledge.train import alignment
+    from fledge.models import alignment
 
     hit, full, rows = torch.zeros(steps), torch.zeros(steps), torch.zeros(steps)
     for ids, mask in samples:
@@ -303,7 +303,7 @@ def test_heldout_accuracy_shows_flex_a_bounded_set_of_lengths(monkeypatch):
     key length) sees one row length, not one per sample; the numbers equal one unpadded row per sample."""
     import fledge.models.attention as A
     from conftest import make_drafter
-    from fledge.train.evaluate import heldout_accuracy
+    from fledge.evaluation.evaluate import heldout_accuracy
 
     g = torch.Generator().manual_seed(0)
     lengths = [4 + 3 * i for i in range(50)]
@@ -335,8 +335,8 @@ def _strict_json(path: Path):
 def test_report_and_compare_are_strict_json_when_no_prompt_is_non_degenerate(run, tmp_path):
     """A set with no non-degenerate prompt has no non-degenerate AL: report.json (and compare.json made from
     two such reports) carry null there, never NaN, which strict parsers refuse."""
-    import fledge.train.compare as cmp
-    import fledge.train.evaluate as E
+    import fledge.evaluation.compare as cmp
+    import fledge.evaluation.evaluate as E
 
     cfg = _eval_cfg(run)
     cfg.eval.sets, cfg.eval.num_prompts, cfg.eval.temperature = ["default"], 2, 0.0
@@ -366,10 +366,10 @@ def test_the_report_says_how_much_of_the_target_output_the_draft_vocab_covers():
     drafter can propose at all), measured on the eval output and shown in report.md."""
     from types import SimpleNamespace
 
-    import fledge.train.evaluate as ev
+    import fledge.evaluation.evaluate as ev
     from conftest import random_drafter, random_llama
-    from fledge.models.speculative import TargetRunner, greedy_decode
-    from fledge.train.report import markdown
+    from fledge.evaluation.speculative import TargetRunner, greedy_decode
+    from fledge.evaluation.report import markdown
 
     target = random_llama()
     drafter = random_drafter(target, vd=48)  # half of the 96 target ids

@@ -8,12 +8,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from fledge.train.stages import export as run_stage
+from fledge.train.pipeline import export as run_stage
 from conftest import random_state_dict
-from fledge.models.export import from_serving_state_dict, to_serving_state_dict, write_drafter
+from fledge.serving.export import from_serving_state_dict, to_serving_state_dict, write_drafter
 from fledge.models.families import rope_of
-from fledge.models.lint import compose_recipe, has_errors, lint_drafter
-from fledge.models.serving_config import expected_tensors, serving_config
+from fledge.serving.lint import compose_recipe, has_errors, lint_drafter
+from fledge.serving.serving_config import expected_tensors, serving_config
 from fledge.models.weights import read_tensors
 
 TINY_TARGET = {
@@ -226,7 +226,7 @@ def _bf16_copy(model):
 
 @pytest.mark.parametrize("fmt", ["hf", "speculators"])
 def test_export_load_reproduces_training_logits(tmp_path, fmt):
-    from fledge.models.export import export_checkpoint, load_drafter
+    from fledge.serving.export import export_checkpoint, load_drafter
 
     spec, model = _trained_like_drafter()
     ckpt = tmp_path / "ckpt"
@@ -247,7 +247,7 @@ def test_export_load_reproduces_training_logits(tmp_path, fmt):
 def test_loader_imports_public_eagle3_layout(tmp_path):
     """A public EAGLE-3 checkpoint: HF layout, no fc_norm, no embed_tokens, no t2d, no training record;
     the embedding comes from the target's own safetensors."""
-    from fledge.models.export import load_drafter
+    from fledge.serving.export import load_drafter
 
     spec, model = _trained_like_drafter(fc_norm=False, norm_output=False, seed=3)
     config = serving_config(TINY_TARGET, spec, [2, 4, 5], 128)

@@ -13,10 +13,10 @@ from conftest import random_state_dict
 from fledge.conf.schema import DrafterConfig
 from fledge.models import families
 from fledge.models.drafter import DrafterSpec, Eagle3Drafter
-from fledge.models.export import export_checkpoint, load_drafter
+from fledge.serving.export import export_checkpoint, load_drafter
 from fledge.models.families import TargetFamily, read_decoder_config, read_target, register_family
-from fledge.models.lint import compose_recipe, format_findings, has_errors, lint_drafter
-from fledge.models.serving_config import layer_config, serving_config
+from fledge.serving.lint import compose_recipe, format_findings, has_errors, lint_drafter
+from fledge.serving.serving_config import layer_config, serving_config
 from fledge.models.weights import read_tensors
 
 BASE = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8,
@@ -139,7 +139,7 @@ def test_mtp_layers_do_not_count(register):
 
 def test_family_layer_kind_must_be_registered(register):
     register(TargetFamily("odd_test", ("odd_test",), layer_kind="rwkv"))
-    with pytest.raises(ValueError, match="layer kind 'rwkv'.*models/layers.py"):
+    with pytest.raises(ValueError, match="layer kind 'rwkv'.*models/layers/kind.py"):
         DrafterSpec.from_target_config({**BASE, "model_type": "odd_test"}, DCFG, [2, 4, 5])
 
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from fledge.atomic import sha256_file
-from fledge.data.feature_reader import BatchIterator, FeatureStore
-from fledge.data.features import INDEX, SCHEMA_VERSION, STORE_MANIFEST
+from fledge.data.features.reader import BatchIterator, FeatureStore
+from fledge.data.features.store import INDEX, SCHEMA_VERSION, STORE_MANIFEST
 
 ROW = 8
 

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from fledge.train.stages import capture as run_stage
-from fledge.data.feature_reader import FeatureLoader, FeatureStore
-from fledge.data.features import INDEX, STORE_MANIFEST, bytes_per_token
+from fledge.train.pipeline import capture as run_stage
+from fledge.data.features.reader import FeatureLoader, FeatureStore
+from fledge.data.features.store import INDEX, STORE_MANIFEST, bytes_per_token
 from fledge.models.target import FrozenTarget
 from fledge.conf.schema import Config
 from fledge.distributed import World
-from fledge.train.stages import StageContext
+from fledge.train.pipeline import StageContext
 
 L, H, V, IDS = 6, 32, 96, [2, 3, 4]
 N_TRAIN, N_EVAL = 14, 4
@@ -206,7 +206,7 @@ def test_loader_ranks_and_exact_resume(bf16_store):
 
 
 def test_online_source_yields_the_offline_batches(root, bf16_store):
-    from fledge.data.capture import OnlineFeatureSource
+    from fledge.data.capture.offline import OnlineFeatureSource
 
     cfg = make_cfg(root, "bf16")
     target = FrozenTarget.load(cfg.target, torch.device("cpu"), cfg.aux_layer_ids())

@@ -7,9 +7,9 @@ import pytest
 
 from conftest import CARD_SPEC as SPEC, CARD_TARGET as TARGET, random_state_dict
 from hub_stub import Stub, commit_files, serve
-from fledge.models.export import training_record, write_drafter
-from fledge.models.hub import build_model_card, push_to_hub
-from fledge.models.serving_config import serving_config
+from fledge.serving.export import training_record, write_drafter
+from fledge.serving.hub import build_model_card, push_to_hub
+from fledge.serving.serving_config import serving_config
 
 TOKEN = "hf_secret_token_for_the_stub"
 
@@ -122,7 +122,7 @@ def test_the_publish_stage_pushes_after_eval_what_this_eval_measured(hub, tmp_pa
     import huggingface_hub.constants as constants
 
     import fledge.train.runner as runner
-    import fledge.train.stages as stages
+    import fledge.train.pipeline as stages
     from fledge.conf import compose
     from fledge.conf.schema import STAGES
     from fledge.distributed import init_world
@@ -167,7 +167,7 @@ def test_the_publish_stage_pushes_after_eval_what_this_eval_measured(hub, tmp_pa
 
 def test_publishing_needs_hf_token(monkeypatch, tmp_path):
     from fledge.conf import compose
-    from fledge.train.stages import check_publish
+    from fledge.train.pipeline import check_publish
 
     monkeypatch.delenv("HF_TOKEN", raising=False)
     with pytest.raises(ValueError, match="HF_TOKEN only"):

@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import save_file
 
 from fledge.conf import compose
-from fledge.data.vocab import DraftVocab
-from fledge.models.export import export_checkpoint, load_target_config
+from fledge.data.prepare.vocab import DraftVocab
+from fledge.serving.export import export_checkpoint, load_target_config
 from fledge.train.ttt_model import TTTModel, build_ttt_model, drafter_meta
 
 VD = 64

@@ -1,4 +1,4 @@
-"""Drafter layer kinds (models/layers.py): llama, qwen3 (per-head q/k norms), mla (DeepSeek latent attention).
+"""Drafter layer kinds (models/layers/kind.py): llama, qwen3 (per-head q/k norms), mla (DeepSeek latent attention).
 
 For every kind and both flag sets: the TTT unroll equals the engine-style cached decode row by row; the
 memory-linear CPU path equals the dense reference forward and backward, flex's forward equals it; the
@@ -20,13 +20,13 @@ from conftest import FLAGS, packed_batch, target_config
 
 from fledge.conf.schema import DrafterConfig
 from fledge.models.drafter import DraftCache, DrafterSpec, Eagle3Drafter
-from fledge.models.export import load_drafter, write_drafter, training_record
+from fledge.serving.export import load_drafter, write_drafter, training_record
 from fledge.models.families import TargetFamily
-from fledge.models.layers import MLA_DEFAULTS, check_layer_format, mla_softmax_scale, rope_interleaved
-from fledge.models.lint import has_errors, lint_drafter
-from fledge.models.serving_config import expected_tensors, serving_config
+from fledge.models.layers.kind import MLA_DEFAULTS, check_layer_format, mla_softmax_scale, rope_interleaved
+from fledge.serving.lint import has_errors, lint_drafter
+from fledge.serving.serving_config import expected_tensors, serving_config
 from fledge.models.weights import tensor_headers
-from fledge.train.alignment import ttt_states
+from fledge.models.alignment import ttt_states
 
 KINDS = ("llama", "qwen3", "mla")
 ARCH = {"llama": "LlamaForCausalLMEagle3", "qwen3": "Eagle3Qwen3ForCausalLM", "mla": "Eagle3DeepseekV2ForCausalLM"}
@@ -45,7 +45,7 @@ def drafter(kind, flags="eagle31", attention="sdpa", seed=0, target=None):
 
 
 def unroll(d, b, K):
-    """[K, B, T, H] normed states of the training unroll (train/alignment.py's shift)."""
+    """[K, B, T, H] normed states of the training unroll (models/alignment.py's shift)."""
     return torch.stack(ttt_states(d, b, K))
 
 
@@ -186,7 +186,7 @@ def test_auto_takes_the_family_kind(monkeypatch):
     t = {**target_config().to_dict(), "model_type": "mla_test"}
     assert drafter("auto", target=t).spec.layer == "mla"
     assert drafter("qwen3", target=t).spec.layer == "qwen3"  # an explicit kind wins
-    with pytest.raises(ValueError, match=r"drafter.layer='gpt'.*models/layers.py"):
+    with pytest.raises(ValueError, match=r"drafter.layer='gpt'.*models/layers/kind.py"):
         drafter("gpt")
 
 
@@ -271,7 +271,7 @@ def test_old_specs_without_a_layer_load_as_llama():
 
 
 def test_mla_asks_vllm_for_its_cpu_mla_attention_on_cpu_only(tmp_path):
-    from fledge.models.serving_engine import draft_options
+    from fledge.serving.engine import draft_options
 
     out, _ = _export(drafter("mla"), tmp_path)
     assert draft_options(out, "cpu") == {"attention_backend": "CPU_MLA"}

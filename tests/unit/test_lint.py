@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import random_state_dict
-from fledge.models.export import training_record, write_drafter
-from fledge.models.lint import format_findings, has_errors, lint_drafter
-from fledge.models.serving_config import serving_config
+from fledge.serving.export import training_record, write_drafter
+from fledge.serving.lint import format_findings, has_errors, lint_drafter
+from fledge.serving.serving_config import serving_config
 
 ROOT = Path(__file__).resolve().parents[2]
 TARGET = {

@@ -1,11 +1,11 @@
-"""AL vs context length (train/long_eval.py): the same conversations cut to each bucket, the request kept,
-the cut within a line of the bucket; the long tiny split and whole-file documents (data/tiny_long.py)."""
+"""AL vs context length (evaluation/long_context.py): the same conversations cut to each bucket, the request kept,
+the cut within a line of the bucket; the long tiny split and whole-file documents (testbed/tiny_long.py)."""
 
 import random
 
 import pytest
 
-from fledge.train.long_eval import bucket_prompts, cut_to
+from fledge.evaluation.long_context import bucket_prompts, cut_to
 
 
 def _encode(conv, upto):  # one token per word, plus 2 for the template around each message
@@ -45,7 +45,7 @@ def test_buckets_hold_the_same_conversations():
 
 
 def test_long_eval_split_and_whole_files():
-    from fledge.data import tiny_corpus, tiny_long
+    from fledge.testbed import tiny_corpus, tiny_long
 
     train, held = tiny_corpus.split_sources(tiny_corpus.list_sources())
     rows = tiny_long.long_eval_conversations(held, seed=7)
@@ -79,7 +79,7 @@ def test_position_loss_buckets_every_predicted_token(random_tiny_target):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fledge.data import tiny_long
+    from fledge.testbed import tiny_long
 
     tok = AutoTokenizer.from_pretrained(random_tiny_target)
     model = AutoModelForCausalLM.from_pretrained(random_tiny_target, dtype=torch.float32).eval()
@@ -94,7 +94,7 @@ def test_long_training_data_is_the_long_stream_and_cached(tmp_path, monkeypatch)
     half whole files, the same rows on a rebuild, and a finished build is reused, not rewritten."""
     import json
 
-    from fledge.data import tiny_long, tiny_target
+    from fledge.testbed import tiny_long, tiny_target
 
     monkeypatch.setattr(tiny_target, "N_LONG_TRAIN", 60)
     out = tiny_target.build_long_data(tmp_path)
@@ -116,7 +116,7 @@ def test_long_recipe_fits_the_long_target():
     """recipe=tiny_long reads the long data and target; its rows fit a micro-batch and its largest context bucket
     plus the generation fits the long target's positions (the builder's MODEL_FOR)."""
     from fledge.conf import compose
-    from fledge.data import tiny_target
+    from fledge.testbed import tiny_target
 
     cfg = compose(["recipe=tiny_long"])
     assert cfg.data.sources[0].path.endswith("long_data/train.jsonl") and cfg.target.name_or_path.endswith("/long")
@@ -134,7 +134,7 @@ def test_missing_tiny_target_names_its_build_command():
         with pytest.raises(ValueError, match="target.name_or_path") as e:
             check_target_path(f"/nonexistent/{path}")
         assert f"fledge tiny-target {cmd}" in str(e.value)
-    from fledge.data.sources import iter_rows
+    from fledge.data.prepare.sources import iter_rows
 
     with pytest.raises(ValueError, match="fledge tiny-target --budget long`"):  # recipe=tiny_long's data
         next(iter_rows("/nonexistent/.cache/tiny_target/long_data/train.jsonl"))

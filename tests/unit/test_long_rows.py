@@ -5,7 +5,7 @@ the eval harness's prefill keeps only the last row's logits, in pieces too."""
 import pytest
 import torch
 
-from fledge.data.capture import capture_rows
+from fledge.data.capture.offline import capture_rows
 from fledge.models.target import FrozenTarget
 
 L, H, V = 4, 64, 160
@@ -73,7 +73,7 @@ def test_chunked_capture_scores_are_chunk_by_T(eager):
 
 
 def test_prefill_in_pieces_keeps_only_the_last_logits():
-    from fledge.models.speculative import TargetRunner
+    from fledge.evaluation.speculative import TargetRunner
 
     model = _llama()
     prompt = torch.randint(0, V, (50,), generator=torch.Generator().manual_seed(3)).tolist()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import FLAGS, make_drafter, packed_batch
-from fledge.train.alignment import ttt_states
+from fledge.models.alignment import ttt_states
 from fledge.train.loss import ttt_loss
 
 K, W = 3, 0.8
@@ -189,7 +189,7 @@ def _two_micro_batches():
     """A two-row batch and its rows as two micro-batches, one with few counted rows and one with many."""
     from dataclasses import fields
 
-    from fledge.data.batch import FeatureBatch
+    from fledge.data.features.batch import FeatureBatch
 
     whole = packed_batch()
     whole.target_argmax = torch.randint(0, 50, whole.target_argmax.shape, generator=torch.Generator().manual_seed(3))
@@ -276,7 +276,7 @@ def double_ce():
 
 def _batch_for(spec, T=24, seed=5):
     """A one-row FeatureBatch (two packed documents) shaped for a drafter with ``spec``."""
-    from fledge.data.batch import FeatureBatch
+    from fledge.data.features.batch import FeatureBatch
 
     g = torch.Generator().manual_seed(seed)
     doc = torch.tensor([[0] * (T // 2) + [1] * (T // 2)], dtype=torch.int32)
@@ -293,7 +293,7 @@ def test_a_registered_loss_is_what_the_trainer_builds_and_runs(double_ce, random
     """drafter.loss=double_ce through build_ttt_model (what run_training calls): the model holds the toy loss,
     and its loss and every gradient are twice those of the default ttt_ce."""
     from fledge.conf import compose
-    from fledge.data.vocab import DraftVocab
+    from fledge.data.prepare.vocab import DraftVocab
     from fledge.train.ttt_model import build_ttt_model
 
     counts = torch.randint(0, 100, (4096,), generator=torch.Generator().manual_seed(0))

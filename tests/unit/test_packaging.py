@@ -46,9 +46,12 @@ def test_wheel_ships_one_namespace_and_its_config(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"fledge"}, f"the wheel installs top-level {sorted(tops - {'fledge'})}"
-    for need in ("fledge/train/main.py", "fledge/data/prepare.py", "fledge/models/drafter.py",
+    for need in ("fledge/train/main.py", "fledge/data/prepare/build.py", "fledge/models/drafter.py",
                  "fledge/conf/config.yaml", "fledge/conf/recipe/tiny.yaml", "fledge/conf/target/llama31_8b.yaml",
-                 "fledge/train/slurm/train.sbatch"):
+                 "fledge/train/slurm/train.sbatch", "fledge/serving/export.py", "fledge/evaluation/evaluate.py",
+                 "fledge/testbed/tiny_target.py", "fledge/serving/vllm_side/eval_driver.py",
+                 "fledge/data/capture/vllm_side/capture_driver.py",
+                 "fledge/data/capture/vllm_side/fledge_capture_connector.py"):
         assert need in names, need
     entry = next(n for n in names if n.endswith("entry_points.txt"))
     assert "fledge = fledge.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()

@@ -4,7 +4,7 @@ import random
 
 import torch
 
-from fledge.data.packing import collate, collate_stats, plan_rows
+from fledge.data.features.packing import collate, collate_stats, plan_rows
 
 
 def test_plan_rows_fits_and_is_deterministic():

@@ -1,6 +1,6 @@
 """Template perturbation: system-prompt modes, template variables, deterministic per key."""
 
-from fledge.data.perturb import chosen, perturb
+from fledge.data.prepare.perturb import chosen, perturb
 from fledge.conf.schema import PerturbConfig
 
 CONV = {"messages": [{"role": "system", "content": "orig"}, {"role": "user", "content": "q"},

@@ -112,7 +112,7 @@ def test_tiny_target_build_computes_fp32_on_every_cpu(force, native, random_tiny
     """train_target and evaluate_target (the whole build but its save) are fp32 whatever the CPU."""
     from transformers import AutoTokenizer
 
-    from fledge.data import tiny_corpus, tiny_target
+    from fledge.testbed import tiny_corpus, tiny_target
 
     force(native)
     tok = AutoTokenizer.from_pretrained(random_tiny_target)
@@ -156,11 +156,11 @@ def test_eval_computes_fp32_on_cpu(force, native, random_tiny_target, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from conftest import random_drafter
-    from fledge.models.export import training_record, write_drafter
+    from fledge.serving.export import training_record, write_drafter
     from fledge.models.families import text_config_dict as target_config_dict
-    from fledge.models.serving_config import serving_config
-    from fledge.models.speculative import DrafterProposer, TargetRunner, speculative_decode
-    from fledge.train.evaluate import load_eval_models
+    from fledge.serving.serving_config import serving_config
+    from fledge.evaluation.speculative import DrafterProposer, TargetRunner, speculative_decode
+    from fledge.evaluation.evaluate import load_eval_models
 
     target = AutoModelForCausalLM.from_pretrained(random_tiny_target, dtype=torch.float32)
     drafter = random_drafter(target, vd=256)
@@ -179,7 +179,7 @@ def test_eval_computes_fp32_on_cpu(force, native, random_tiny_target, tmp_path):
 
 
 def test_regenerate_in_process_follows_the_rule(force, random_tiny_target):
-    from fledge.data.regenerate import TransformersBackend
+    from fledge.data.prepare.regenerate import TransformersBackend
 
     force("0")
     assert TransformersBackend.from_pretrained(str(random_tiny_target)).model.dtype == torch.float32
@@ -188,7 +188,7 @@ def test_regenerate_in_process_follows_the_rule(force, random_tiny_target):
 
 
 def test_deepspeed_bf16_true_on_cpu_follows_the_rule(force, caplog):
-    from fledge.train.engine import deepspeed_config, use_bf16
+    from fledge.train.deepspeed_setup import deepspeed_config, use_bf16
 
     cfg = compose(["recipe=tiny", "deepspeed.bf16=true"])
     force("0")

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from chat_templates import QWEN3, make_tokenizer
-from fledge.train.stages import prepare as run_stage
-from fledge.data.vocab import DraftVocab
+from fledge.train.pipeline import prepare as run_stage
+from fledge.data.prepare.vocab import DraftVocab
 from fledge.conf.schema import Config, DataConfig, PerturbConfig, SourceConfig
 from fledge.distributed import World
-from fledge.train.stages import StageContext
+from fledge.train.pipeline import StageContext
 
 WORLD = World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 WORDS = "hello there the quick brown fox jumps over lazy dog weather Paris sunny answer question".split()

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from fledge.models.families import read_target, text_config_dict
-from fledge.models.lint import compose_recipe, format_findings, has_errors, lint_drafter
-from fledge.models.serving_config import expected_tensors, serving_config
+from fledge.serving.lint import compose_recipe, format_findings, has_errors, lint_drafter
+from fledge.serving.serving_config import expected_tensors, serving_config
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = {  # recipe: (family, drafter intermediate_size, drafter head_dim, aux ids)
@@ -127,6 +127,6 @@ def test_kimi_k26_nested_text_config_reads_as_the_same_shape():
                                                    ("deepseek_v3", "cuda", None), ("qwen3_moe", "cpu", None)])
 def test_engine_attention_backend_for_mla_targets_on_cpu(recipe, device, backend):
     """vLLM picks AMX_MLA (bf16 only) for MLA targets on an AMX CPU; the fp32 CPU engine asks for CPU_MLA."""
-    from fledge.train.engine_eval import engine_attention_backend
+    from fledge.evaluation.engine_eval import engine_attention_backend
 
     assert engine_attention_backend(compose_recipe(recipe), device) == backend

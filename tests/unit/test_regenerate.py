@@ -6,8 +6,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from fledge.data import regenerate as cli
-from fledge.data.regenerate import OpenAIBackend, TransformersBackend, done_indices, regenerate
+from fledge.data.prepare import regenerate as cli
+from fledge.data.prepare.regenerate import OpenAIBackend, TransformersBackend, done_indices, regenerate
 
 
 class Stub(BaseHTTPRequestHandler):

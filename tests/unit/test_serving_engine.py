@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from fledge.conf.schema import Config
-from fledge.models.serving_engine import (EngineError, acceptance, check_engine, engine_python, greedy_differences,
+from fledge.serving.engine import (EngineError, acceptance, check_engine, engine_python, greedy_differences,
                                           run_driver, speculative_config)
 
 
@@ -93,7 +93,7 @@ def test_driver_failures_become_engine_errors(tmp_path):
 
 
 def _section(al_engine: float, diffs=()) -> dict:
-    from fledge.train.engine_eval import engine_failures
+    from fledge.evaluation.engine_eval import engine_failures
 
     s = {"prompts": 2, "in_process_al": 3.0, "in_process_lookup_al": 1.5, "al_gap": al_engine - 3.0,
          "drafter": acceptance({"drafts": 4, "draft_tokens": 8, "accepted": round((al_engine - 1) * 4),
@@ -107,7 +107,7 @@ def _section(al_engine: float, diffs=()) -> dict:
 
 
 def test_an_al_gap_beyond_tolerance_fails_with_causes_and_lint():
-    from fledge.train.engine_eval import engine_failures
+    from fledge.evaluation.engine_eval import engine_failures
 
     assert _section(3.0)["failures"] == []
     (msg,) = _section(1.25)["failures"]
@@ -120,7 +120,7 @@ def test_an_al_gap_beyond_tolerance_fails_with_causes_and_lint():
 
 
 def test_a_collapse_on_every_set_fails_and_a_weak_set_alone_does_not():
-    from fledge.train.engine_eval import collapse_failures
+    from fledge.evaluation.engine_eval import collapse_failures
 
     def sets(*als):
         return {f"s{i}": {**_section(al)["sets"]["default"], "in_process_al": al} for i, al in enumerate(als)}
@@ -133,7 +133,7 @@ def test_a_collapse_on_every_set_fails_and_a_weak_set_alone_does_not():
 
 
 def test_lint_errors_of_the_served_export_fail_with_causes(tmp_path):
-    from fledge.train.engine_eval import lint_failures
+    from fledge.evaluation.engine_eval import lint_failures
 
     assert lint_failures([], tmp_path, "tgt") == []
     (msg,) = lint_failures(["ERROR [aux-ids-trained] config says aux ids [3, 5, 6] but ...\n    fix: ..."],
@@ -143,7 +143,7 @@ def test_lint_errors_of_the_served_export_fail_with_causes(tmp_path):
 
 
 def test_report_shows_engine_next_to_in_process_and_the_failure():
-    from fledge.train.report import markdown
+    from fledge.evaluation.report import markdown
 
     report = {"k": 2, "flags": {"fc_norm": True, "norm_output": True}, "drafter": "d", "max_new_tokens": 8,
               "degenerate_threshold": 0.5, "temperature": 0.0, "train_al_estimate": 2.5, "sets": {},
@@ -154,7 +154,7 @@ def test_report_shows_engine_next_to_in_process_and_the_failure():
 
 
 def test_request_names_a_local_target_absolutely_and_a_hub_id_as_is(tmp_path, monkeypatch):
-    from fledge.train.engine_eval import build_request
+    from fledge.evaluation.engine_eval import build_request
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tgt").mkdir()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fledge.train.launch import (
+from fledge.train.slurm.launch import (
     PORT_BASE, PORT_SPAN, build_command, capture_slice_overrides, expand_nodelist, from_slurm_env,
     nproc_per_node, parse_args,
 )
@@ -23,9 +23,9 @@ SLURM_DIR = REPO / "train" / "slurm"
 
 
 def _submit_module():
-    import fledge.train.submit
+    import fledge.train.slurm.submit
 
-    return fledge.train.submit
+    return fledge.train.slurm.submit
 
 
 # ---- node lists -------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from fledge.data.sources import DataError, iter_rows, normalize
+from fledge.data.prepare.sources import DataError, iter_rows, normalize
 
 SHAREGPT = {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "hi"},
                               {"from": "gpt", "value": "hello"}]}

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import fledge.models.speculative as spec_mod
+import fledge.evaluation.speculative as spec_mod
 from fledge.models.drafter import DrafterSpec, Eagle3Drafter
-from fledge.models.speculative import (DrafterProposer, LookupProposer, TargetRunner, greedy_decode, speculative_decode,
+from fledge.evaluation.speculative import (DrafterProposer, LookupProposer, TargetRunner, greedy_decode, speculative_decode,
                                 verify)
 
 from conftest import random_drafter, random_llama

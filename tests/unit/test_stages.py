@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fledge.train.runner as runner
-import fledge.train.stages as stages
+import fledge.train.pipeline as stages
 import fledge.train.checkpoint as checkpoint
 from fledge.conf import compose
 from fledge.conf.schema import STAGES
@@ -28,7 +28,7 @@ class _Calls(list):
 @pytest.fixture
 def calls(monkeypatch):
     """The runner with stand-in stages: each logs its name, writes out.txt, and is planned like the real one
-    (rebuild flags and train's done check from train/stages.py); the stand-in train reports the steps it was
+    (rebuild flags and train's done check from train/pipeline.py); the stand-in train reports the steps it was
     asked for, as the trainer does."""
     log = _Calls()
     kill = []

@@ -1,6 +1,6 @@
 """The tiny MoE (Qwen3-MoE) and MLA (DeepSeek-V3) targets' shapes go through what Fledge reads of a target:
 the family registry, FrozenTarget's capture, the teacher rows (tied head for moe), the serving config and the
-linter. Untrained models of the real shapes (data/tiny_families.py), saved and loaded as the recipes do;
+linter. Untrained models of the real shapes (testbed/tiny_families.py), saved and loaded as the recipes do;
 seconds, no training."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from transformers import AutoModelForCausalLM
 
 from conftest import random_state_dict
 from fledge.conf.schema import DrafterConfig, TargetConfig
-from fledge.data import tiny_families
-from fledge.models.export import write_drafter
+from fledge.testbed import tiny_families
+from fledge.serving.export import write_drafter
 from fledge.models.families import read_target
-from fledge.models.lint import format_findings, has_errors, lint_drafter
-from fledge.models.serving_config import serving_config
+from fledge.serving.lint import format_findings, has_errors, lint_drafter
+from fledge.serving.serving_config import serving_config
 from fledge.models.target import FrozenTarget
 from fledge.models.weights import load_input_embeddings, load_lm_head_rows
 

@@ -10,7 +10,7 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from fledge.data import tiny_corpus
+from fledge.testbed import tiny_corpus
 
 REPO = Path(__file__).resolve().parents[2]
 CONV = [

@@ -145,7 +145,7 @@ def test_the_mask_is_built_once_per_batch(monkeypatch):
     outputs at every step equal the dense drafter's (multi-document rows)."""
     import fledge.models.attention as A
     from conftest import make_drafter, packed_batch
-    from fledge.train.alignment import ttt_states
+    from fledge.models.alignment import ttt_states
 
     import torch.nn.attention.flex_attention as FA
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from fledge.data.vocab import DraftVocab, count_masked, load_cached, save_with_key, vocab_key
+from fledge.data.prepare.vocab import DraftVocab, count_masked, load_cached, save_with_key, vocab_key
 
 
 def test_build_matches_spec():

@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import random_state_dict
-from fledge.models.export import load_drafter, write_drafter
-from fledge.models.lint import lint_drafter
-from fledge.models.serving_config import serving_config
+from fledge.serving.export import load_drafter, write_drafter
+from fledge.serving.lint import lint_drafter
+from fledge.serving.serving_config import serving_config
 from fledge.models.weights import (INDEX, load_input_embeddings, load_lm_head_rows, read_tensors, tensor_headers,
                                    weight_map)
 
@@ -165,7 +165,7 @@ def test_a_tied_target_has_no_head_and_an_ambiguous_layout_is_refused():
 
 def test_engine_capture_head_takes_the_decoder_norm_of_a_vlm_target(tmp_path):
     """A VLM whose projector norm has the hidden width: picking it would make a wrong teacher silently."""
-    from fledge.data.engine_capture import TargetHead
+    from fledge.data.capture.engine import TargetHead
 
     V, H = 16, 8
     save_file({"language_model.model.embed_tokens.weight": torch.randn(V, H),

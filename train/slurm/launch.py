@@ -1,4 +1,4 @@
-"""Slurm -> torchrun: ``srun python -m fledge.train.launch fledge.train.main recipe=NAME [overrides]``.
+"""Slurm -> torchrun: ``srun python -m fledge.train.slurm.launch fledge.train.main recipe=NAME [overrides]``.
 
 Under Slurm, srun starts ONE task per node running this module; it reads the SLURM_* variables, works
 out the rendezvous (first node of the allocation, node rank, nodes, workers per node) and execs
@@ -206,7 +206,7 @@ def capture_slice_overrides(env: Mapping[str, str], num_slices: int) -> list[str
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m fledge.train.launch", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m fledge.train.slurm.launch", description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc-per-node", type=int, default=None, help="workers per node (default: GPUs on node)")
     p.add_argument("--rdzv-backend", default="c10d", choices=["c10d", "static"])
     p.add_argument("--capture-slices", type=int, default=None, metavar="N",

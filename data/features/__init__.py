@@ -1,0 +1,2 @@
+"""The feature store: its on-disk format and writer (store.py), the reader and global-plan loaders
+(reader.py), the batch type (batch.py) and row packing (packing.py)."""
