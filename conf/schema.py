@@ -51,7 +51,7 @@ class DrafterConfig:
     # A loss registered in train/loss.py (the schema cannot import it: train/main.py checks the name at start).
     loss: str = "ttt_ce"
     attention: str = "auto"  # auto | flex | sdpa | dense (reference)
-    # Drafter layer kind (models/layers/kind.py): auto (the target family's: llama for Llama/Qwen, mla for
+    # Drafter layer kind (models/layers/): auto (the target family's: llama for Llama/Qwen, mla for
     # DeepSeek-V3/Kimi-K2) | llama | qwen3 (per-head q/k norms) | mla (DeepSeek multi-head latent attention).
     layer: str = "auto"
     loss_chunk_size: int = 1024  # rows per chunk of the teacher/draft logits

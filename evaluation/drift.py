@@ -12,7 +12,7 @@ With pre-norm feedback (EAGLE-3) the fed-back RMS grows with depth and the mass 
 context to the drafted rows; post-norm feedback (EAGLE-3.1) keeps the RMS at about 1.
 
 The probabilities are recomputed exactly from what the engine path uses: the attention's own ``project``
-(every layer kind of models/layers/kind.py has one) gives the query as the attention sees it, wrapped while the
+(every layer kind of models/layers/ has one) gives the query as the attention sees it, wrapped while the
 probe is open, and the ``DraftCache`` holds the keys after RoPE. Nothing in the drafter changes.
 """
 
@@ -33,7 +33,7 @@ class DriftProbe:
         self.drafter = drafter
         self.attn = drafter.midlayer.self_attn
         self._q: torch.Tensor | None = None
-        # Every layer kind (models/layers/kind.py) makes its q, k, v in ``project``: keep the last query as the
+        # Every layer kind (models/layers/) makes its q, k, v in ``project``: keep the last query as the
         # attention sees it (RoPE, q/k norms, MLA's scale and padding applied) while the probe is open.
         project = self.attn.project
 

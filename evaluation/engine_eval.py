@@ -26,6 +26,10 @@ import logging
 import math
 from pathlib import Path
 
+from fledge.models.families import read_target
+from fledge.models.layers.kind import get_layer_kind
+from fledge.serving.export import load_target_config
+from fledge.serving.lint import format_findings, lint_drafter
 from fledge.serving.engine import (acceptance, draft_options, greedy_differences, run_driver,
                                           speculative_config)
 
@@ -50,19 +54,16 @@ def engine_dtype(cfg, device_type: str) -> str:
 
 
 def engine_attention_backend(cfg, device_type: str) -> str | None:
-    """vLLM's attention backend for the target, when its own choice cannot run: on an AMX CPU vLLM picks
-    AMX_MLA for an MLA target (DeepSeek-V3 family), which computes in bf16 only, while the CPU engine runs in
-    float32; CPU_MLA (vllm/platforms/cpu.py get_attn_backend_cls) runs both. None: vLLM's own choice."""
-    if device_type != "cpu":
+    """vLLM's attention backend for the target when vLLM's own choice cannot run: on a CPU, the one the target
+    family's attention kind needs there (``LayerKind.cpu_attention_backend``, models/layers/). None: vLLM's
+    own choice."""
+    if device_type == "cuda":
         return None
-    from fledge.serving.export import load_target_config
-    from fledge.models.families import read_target
-
     try:
-        shape = read_target(load_target_config(cfg.target))[1]
+        family = read_target(load_target_config(cfg.target))[0]
     except (ValueError, OSError):  # the eval stage loaded this target already: only a stand-in target gets here
         return None
-    return "CPU_MLA" if shape.mla else None
+    return get_layer_kind(family.layer_kind).cpu_attention_backend
 
 
 def build_request(cfg, sets: dict[str, list[list[int]]], drafter_dir: Path, eos: list[int], max_pos: int,
@@ -135,9 +136,6 @@ def run_engine_eval(cfg, sets: dict[str, list[list[int]]], report: dict, drafter
 def served_lint_errors(drafter_dir: Path, target_cfg) -> list[str]:
     """``fledge lint``'s errors for the export as served (against the target and the export's training
     record), formatted; warnings are left to the export stage's log."""
-    from fledge.serving.export import load_target_config
-    from fledge.serving.lint import format_findings, lint_drafter
-
     return format_findings([f for f in lint_drafter(drafter_dir, load_target_config(target_cfg)) if f.level == "error"])
 
 

@@ -1,6 +1,6 @@
 """Named evaluation sets: the public benchmarks speculative-decoding results are quoted on.
 
-One registry, ``EVAL_SETS``: for each name, which hub dataset (id, config, split, revision), which fields a
+One registry, ``EVAL_SETS`` (fledge/registry.py): for each name, which hub dataset (id, config, split, revision), which fields a
 row must have (the dataset card's schema) and how a row becomes the user turns of one conversation. The
 eval stage (evaluation/evaluate.py) asks :func:`load_conversations` for a set's conversations and
 :func:`render_prompts` for its prompt token ids, rendered through the target's own chat template.
@@ -23,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Optional
+
+from fledge.registry import Registry
 
 # SPEED-Bench ships some rows' turns as this placeholder (their sources' licences forbid redistribution); the
 # full text is rebuilt from the sources by its own preparation script (Model-Optimizer's specdec_bench).
@@ -50,27 +52,24 @@ class EvalSet:
     fix: str = ""  # extra advice when it cannot be loaded
 
 
-EVAL_SETS: dict[str, EvalSet] = {}
-BUILTIN_SETS = ("default", "perturbed", "long")
-LOCAL_SUFFIXES = (".jsonl", ".ndjson", ".json", ".parquet")  # the prepare stage's own splits (evaluation/evaluate.py)
+BUILTIN_SETS = ("default", "perturbed", "long")  # the prepare stage's own (evaluation/evaluate.py)
+EVAL_SETS: Registry[EvalSet] = Registry("eval.sets", "evaluation/eval_sets.py", reserved=BUILTIN_SETS)
+LOCAL_SUFFIXES = (".jsonl", ".ndjson", ".json", ".parquet")
 
 
 def register(s: EvalSet) -> EvalSet:
-    if s.name in EVAL_SETS or s.name in BUILTIN_SETS:
+    if s.name in EVAL_SETS:
         raise ValueError(f"eval set {s.name!r} is registered twice")
-    EVAL_SETS[s.name] = s
-    return s
+    return EVAL_SETS.register(s.name, s)
 
 
 def check_set_names(names: Iterable[str], set_paths: dict | None = None) -> None:
     """Raise ValueError naming ``eval.sets`` / ``eval.set_paths`` when a name is not a known set."""
-    known = sorted(BUILTIN_SETS) + sorted(EVAL_SETS)
     for n in names:
-        if n not in known:
-            raise ValueError(f"eval.sets: unknown set {n!r}; known sets: {', '.join(known)} (evaluation/eval_sets.py)")
+        EVAL_SETS.check(n)
     for n, path in (set_paths or {}).items():
         if n not in EVAL_SETS:
-            raise ValueError(f"eval.set_paths.{n}: not a named eval set; named sets: {', '.join(sorted(EVAL_SETS))}")
+            raise ValueError(f"eval.set_paths.{n}: not a named eval set; named sets: {', '.join(EVAL_SETS.names())}")
         if _is_local(path) and not Path(path).expanduser().exists():  # caught before the pipeline, not after it
             raise ValueError(f"eval.set_paths.{n}={path}: no such file or directory")
 
@@ -216,7 +215,7 @@ def _rows(s: EvalSet, override: Optional[str]) -> tuple[Iterable[dict], str]:
 
 def load_conversations(name: str, override: Optional[str] = None, limit: Optional[int] = None) -> LoadedSet:
     """The first conversations of set ``name`` (user turns each), up to ``limit`` conversations."""
-    s = EVAL_SETS[name]
+    s = EVAL_SETS.get(name)
     rows, source = _rows(s, override)
     out = LoadedSet(name, source)
     for i, row in enumerate(rows):

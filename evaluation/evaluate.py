@@ -103,7 +103,8 @@ def build_prompt_sets(eval_cfg, renderer, prepare_dir: Path, max_prompt_tokens: 
                 raise ValueError(f"eval set {name!r}: every prompt is longer than {limit} tokens and "
                                  f"eval.prompt_length_policy=skip; raise eval.max_prompt_tokens or use truncate")
             if named_info is not None:
-                named_info[name] = {**info, "hub_id": EVAL_SETS[name].hub_id, "measures": EVAL_SETS[name].measures}
+                s = EVAL_SETS.get(name)
+                named_info[name] = {**info, "hub_id": s.hub_id, "measures": s.measures}
             log.info("eval set %s: %d prompt(s) from %s (%d truncated, %d skipped as too long, %d placeholder rows)",
                      name, len(sets[name]), info["source"], info["truncated"], info["skipped_too_long"],
                      info["placeholder_rows"])

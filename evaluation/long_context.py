@@ -15,6 +15,7 @@ builds the prompts and keeps the per-bucket summary the report and ``fledge comp
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Callable, Sequence
@@ -71,16 +72,19 @@ def bucket_prompts(convs: Sequence[dict], prompt_upto: Callable[[dict], int], en
     return out
 
 
+def check_long_source(path: str, key: str = "eval.long_context_source", hint: str = "") -> None:
+    """ValueError naming ``key`` and the fix when ``path`` does not exist (``hint``: the caller's way to make
+    it, e.g. the testbed's build command)."""
+    if not Path(path).exists():
+        raise ValueError(f"{key}={path}: no such file; " + (f"{hint}, or point" if hint else "point")
+                         + " it at a jsonl of conversations with a long first user turn")
+
+
 def read_long_source(path: str, key: str = "eval.long_context_source") -> list[dict]:
     """The conversations of a jsonl file; a missing file is a ValueError naming ``key`` and the fix."""
-    import json
-
-    p = Path(path)
-    if not p.exists():
-        raise ValueError(f"{key}={path}: no such file; for the tiny target run `fledge tiny-target` (it writes "
-                         f".cache/tiny_target/long_eval/long_eval.jsonl), else point it at a jsonl of conversations")
+    check_long_source(path, key)
     convs = []
-    for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+    for i, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
         if line.strip():
             try:
                 convs.append(json.loads(line))

@@ -41,16 +41,17 @@ def usage() -> str:
 
 
 def print_config(argv: list[str]) -> int:
-    """``fledge config recipe=NAME [overrides]``: the Config train/main.py would run, as YAML."""
+    """``fledge config recipe=NAME [overrides]``: the Config train/main.py would run, as YAML (or the one line
+    saying why `fledge run` would refuse it)."""
     from omegaconf import OmegaConf
 
-    from fledge.conf import compose
+    from fledge.train.preflight import compose_checked
 
     if any(a in ("-h", "--help") for a in argv):
         print("usage: fledge config recipe=NAME [overrides]")
         return 0
     try:
-        cfg = compose(argv)
+        cfg = compose_checked(argv)  # refused exactly as `fledge run` refuses it
     except ValueError as e:
         print(f"fledge: config error: {e}", file=sys.stderr)
         return 2

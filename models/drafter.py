@@ -59,8 +59,8 @@ class DrafterSpec:
     fc_norm: bool = True
     norm_output: bool = True
     norm_before_fc: bool = False
-    layer: str = "llama"  # drafter layer kind (models/layers/kind.py)
-    # MLA widths (layer "mla" only; models/layers/kind.py): null q_lora_rank = a plain q_proj
+    layer: str = "llama"  # drafter layer kind (models/layers/)
+    # MLA widths (layer "mla" only; models/layers/): null q_lora_rank = a plain q_proj
     q_lora_rank: Optional[int] = None
     kv_lora_rank: int = 0
     qk_nope_head_dim: int = 0
@@ -84,7 +84,7 @@ class DrafterSpec:
         family, shape = read_target(hf_config)
         if family.layer_kind not in LAYER_KINDS:
             raise ValueError(f"target family {family.name!r} needs drafter layer kind {family.layer_kind!r}, which "
-                             f"models/layers/kind.py does not register (it has {sorted(LAYER_KINDS)})")
+                             f"models/layers/ does not register (it has {sorted(LAYER_KINDS)})")
         kind = resolve_layer_kind(getattr(drafter_cfg, "layer", "auto"), family.layer_kind)
         layer = layer_settings(kind, family.drafter_layer(shape), text_config_dict(hf_config))
         theta, scaling = rope_of(layer)
@@ -145,14 +145,14 @@ class DrafterSpec:
         return cls(**dict(d))
 
     def layer_config(self) -> LlamaConfig:
-        """A LlamaConfig carrying the target's RoPE and MLP settings, for transformers' own modules (an MLA
-        layer's RoPE spans its qk_rope_head_dim)."""
+        """A LlamaConfig carrying the target's RoPE and MLP settings, for transformers' own modules (RoPE
+        spans the kind's ``rope_dim``: an MLA layer's qk_rope_head_dim)."""
         return LlamaConfig(
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
             num_attention_heads=self.num_attention_heads,
             num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.qk_rope_head_dim if self.layer == "mla" else self.head_dim,
+            head_dim=get_layer_kind(self.layer).rope_dim(self),
             hidden_act=self.hidden_act,
             rms_norm_eps=self.rms_norm_eps,
             max_position_embeddings=self.max_position_embeddings,

@@ -24,7 +24,7 @@ and a test to tests/unit/test_families.py. What the shared reader already handle
 
 DeepSeek-V3 / Kimi-K2 (MLA attention, MoE): ``read_mla_config`` keeps the MLA widths in
 ``TargetShape.mla`` (q/kv LoRA ranks, nope/rope/v head dims); the family's ``layer_kind="mla"`` builds vLLM's
-deepseek_eagle3.py layer (models/layers/kind.py reads those widths). transformers' ``head_dim`` of these configs is
+deepseek_eagle3.py layer (models/layers/mla.py reads those widths). transformers' ``head_dim`` of these configs is
 the RoPE width (``qk_rope_head_dim``), not an attention head's, so a Llama drafter layer chosen with
 ``drafter.layer=llama`` gets ``hidden_size // num_attention_heads``.
 
@@ -37,6 +37,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
+
+from fledge.registry import Registry
 
 _REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "max_position_embeddings",
              "rms_norm_eps")
@@ -201,7 +203,7 @@ def llama_drafter_layer(shape: TargetShape) -> dict:
 class TargetFamily:
     """How drafters are shaped for targets of the listed transformers ``model_type`` values.
 
-    ``layer_kind`` names the drafter layer kind (models/layers/kind.py) ``drafter.layer=auto`` builds for them; ``read`` turns the target's
+    ``layer_kind`` names the drafter layer kind (models/layers/) ``drafter.layer=auto`` builds for them; ``read`` turns the target's
     text config dict into a TargetShape; ``drafter_layer`` turns that into the drafter layer's config keys
     (``model_type``, widths, heads, RoPE, ...), which both the drafter spec and the serving config use.
     """
@@ -213,17 +215,18 @@ class TargetFamily:
     drafter_layer: Callable[[TargetShape], dict] = llama_drafter_layer
 
 
-FAMILIES: dict[str, TargetFamily] = {}
+# Keyed by the transformers model_type a family reads (one family may read several).
+FAMILIES: Registry[TargetFamily] = Registry("the target's model_type", "models/families.py")
 
 
 def register_family(family: TargetFamily, replace: bool = False) -> TargetFamily:
     """Make ``family`` the one for each of its model types; an existing entry is kept unless ``replace``."""
-    taken = [mt for mt in family.model_types if mt in FAMILIES and FAMILIES[mt] is not family]
+    taken = [mt for mt in family.model_types if mt in FAMILIES and FAMILIES.get(mt) is not family]
     if taken and not replace:
-        raise ValueError(f"model_type {taken} already registered to family {FAMILIES[taken[0]].name!r} "
+        raise ValueError(f"model_type {taken} already registered to family {FAMILIES.get(taken[0]).name!r} "
                          "(fledge/models/families.py); pass replace=True to override it")
     for mt in family.model_types:
-        FAMILIES[mt] = family
+        FAMILIES.register(mt, family, replace=True)
     return family
 
 
@@ -236,11 +239,11 @@ def family_of(config: Any) -> TargetFamily:
                          "config.json, or add model_type to target.config_overrides")
     if mt not in FAMILIES:
         raise ValueError(
-            f"target model_type={mt!r} has no target family (known: {sorted(FAMILIES)}). If its decoder is "
+            f"target model_type={mt!r} has no target family (known: {FAMILIES.names()}). If its decoder is "
             "Llama-shaped (RMSNorm, SiLU-gated MLP, RoPE, GQA), add the model_type to a family in "
             "fledge/models/families.py (models/families.py in the repository) with a test; see that file's "
             "docstring for MoE, MTP and MLA targets")
-    return FAMILIES[mt]
+    return FAMILIES.get(mt)
 
 
 def read_target(config: Any) -> tuple[TargetFamily, TargetShape]:

@@ -1,9 +1,9 @@
 """Benchmark one TTT training step (K steps, forward + backward with the ttt_ce loss) per drafter layer kind.
 
-Per kind (models/layers/kind.py: llama, qwen3, mla): tokens/s and peak memory at T = 2048, K = 7, each as a
+Per kind (models/layers/: llama, qwen3, mla): tokens/s and peak memory at T = 2048, K = 7, each as a
 ratio to the Llama layer measured in the same run. The drafter is the scaled-down Llama-3-8B shape of
 scripts/bench_drafter.py: H = 1024, 8 heads / 2 kv heads of 128, intermediate 3584, 3 aux states,
-Vd = 8000, V = 16000. The MLA layer takes the widths a Llama target implies (models/layers/kind.py MLA_DEFAULTS,
+Vd = 8000, V = 16000. The MLA layer takes the widths a Llama target implies (models/layers/mla.py MLA_DEFAULTS,
 DeepSeek-V3's: q_lora_rank 1536, kv_lora_rank 512, qk_nope 128, qk_rope 64, v 128).
 
 - ``--device cpu``: fp32, the memory-linear attention path (``sdpa``); each kind runs in a fresh

@@ -5,7 +5,7 @@ The drafter's state_dict already uses the HF/EAGLE names (``fc.weight``, ``midla
 built from the drafter layer's settings plus the Eagle-3 fields (and read back), the prefix of the decoder
 layer's tensors, the header checks the linter adds, and the command lines that serve it. Export, load,
 lint, the Hub model card and the pipeline's ``export.format`` check all read ``DIALECTS``; adding a dialect
-is one ``register_dialect`` here plus its test (tests/unit/test_dialects.py).
+is one ``register_dialect`` here plus its test (tests/unit/serving/test_dialects.py).
 
 - ``hf``: the HF/EAGLE layout vLLM and SGLang load as a draft model (``LlamaForCausalLMEagle3``,
   ``midlayer.*``, aux ids in ``eagle_config``, boundary ids as vLLM reads them; SGLang would read each
@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
 
 from fledge.conf.schema import default_aux_layer_ids
-from fledge.models.layers.kind import LAYER_KINDS, kind_of_architecture, kind_of_config
+from fledge.models.layers.kind import DEFAULT_KIND, get_layer_kind, kind_of_architecture, kind_of_config
+from fledge.registry import Registry
 
 TRAINING_PREFIX = "midlayer."  # the decoder layer's prefix in the drafter's own state_dict
 # Keys read back under the HF dialect's names, whatever the dialect (layer keys come along unnamed).
@@ -72,6 +73,9 @@ class Dialect:
     # The engines (serving/engine_aux.py ENGINES) this format is made for: an engine among them that would
     # capture other layers than the drafter was trained on is a lint error, any other engine a warning.
     engines: tuple[str, ...] = ()
+    # ``check_aux_ids(aux_layer_ids, num_hidden_layers)``: ValueError when the format cannot carry these ids
+    # (the sglang form carries only the default ones); None: any ids.
+    check_aux_ids: Optional[Callable[[list[int], Optional[int]], None]] = None
 
     def expected_architecture(self, config: Mapping) -> str:
         """The ``architectures`` entry this dialect writes for ``config``."""
@@ -90,24 +94,18 @@ class Dialect:
         return name
 
 
-DIALECTS: dict[str, Dialect] = {}
+DIALECTS: Registry[Dialect] = Registry("export.format", "serving/dialects.py")
 FALLBACK = "hf"
 
 
 def register_dialect(dialect: Dialect, replace: bool = False) -> Dialect:
     """Add ``dialect`` under its name (an existing one is kept unless ``replace``)."""
-    if dialect.name in DIALECTS and not replace:
-        raise ValueError(f"export dialect {dialect.name!r} is already registered (fledge/serving/dialects.py)")
-    DIALECTS[dialect.name] = dialect
-    return dialect
+    return DIALECTS.register(dialect.name, dialect, replace=replace)
 
 
 def get_dialect(name: str) -> Dialect:
     """The dialect ``export.format`` names; ValueError listing the registered ones otherwise."""
-    if name not in DIALECTS:
-        raise ValueError(f"export.format={name!r}: expected one of {sorted(DIALECTS)} (a new serving format is "
-                         "a register_dialect entry in fledge/serving/dialects.py)")
-    return DIALECTS[name]
+    return DIALECTS.get(name)
 
 
 def dialect_of(config: Mapping) -> Dialect:
@@ -116,12 +114,12 @@ def dialect_of(config: Mapping) -> Dialect:
     for d in DIALECTS.values():
         if d.name != FALLBACK and d.detect(config):
             return d
-    return DIALECTS[FALLBACK]
+    return DIALECTS.get(FALLBACK)
 
 
 def names() -> list[str]:
     """Registered dialect names (the values ``export.format`` accepts)."""
-    return sorted(DIALECTS)
+    return DIALECTS.names()
 
 
 def serving_commands(dialect: Dialect, drafter: str, target: str, k: int = 5) -> str:
@@ -136,8 +134,8 @@ def serving_commands(dialect: Dialect, drafter: str, target: str, k: int = 5) ->
 
 
 def _hf_architecture(config: Mapping) -> str:
-    """The layer kind's architecture (models/layers/kind.py), by the config's model_type; llama's when unknown."""
-    kind = kind_of_config(config) or LAYER_KINDS["llama"]
+    """The layer kind's architecture (models/layers/), by the config's model_type; llama's when unknown."""
+    kind = kind_of_config(config) or get_layer_kind(DEFAULT_KIND)
     return kind.architecture
 
 
@@ -160,7 +158,7 @@ def _hf_checks(config: Mapping) -> list[Finding]:
     # vLLM builds the layer through the transformers config of model_type: it must be the kind's
     kind, by_arch = kind_of_config(config), kind_of_architecture(config.get("architectures") or [])
     if kind is None or (by_arch is not None and by_arch is not kind):
-        want = (by_arch or LAYER_KINDS["llama"]).model_type
+        want = (by_arch or get_layer_kind(DEFAULT_KIND)).model_type
         return [("error", "model-type", f"model_type={config.get('model_type')!r} does not match architectures="
                  f"{config.get('architectures')}", f'set "model_type": "{want}"')]
     return kind.checks(config)
@@ -291,9 +289,9 @@ def _sglang_commands(drafter: str, target: str, k: int) -> dict[str, str]:
 def check_export_format(fmt: str, aux_layer_ids: list[int], num_hidden_layers: int) -> None:
     """``export.format`` names a dialect, and one that can carry the drafter's aux ids (the sglang form
     only the default ids): ValueError before any stage runs, not after training."""
-    get_dialect(fmt)
-    if fmt == "sglang":
-        _check_sglang_ids(aux_layer_ids, num_hidden_layers)
+    dialect = get_dialect(fmt)
+    if dialect.check_aux_ids is not None:
+        dialect.check_aux_ids(aux_layer_ids, num_hidden_layers)
 
 
 register_dialect(Dialect("hf", "LlamaForCausalLMEagle3", "midlayer.", _hf_build, _hf_read,
@@ -305,4 +303,4 @@ register_dialect(Dialect("speculators", "Eagle3Speculator", "layers.0.", _specul
                          commands=_speculators_commands, header_checks=_speculators_checks, engines=("vLLM",)))
 register_dialect(Dialect("sglang", "LlamaForCausalLMEagle3", "midlayer.", _sglang_build, _sglang_read,
                          detect=_sglang_detect, commands=_sglang_commands, header_checks=_hf_checks,
-                         architecture_of=_hf_architecture, engines=("vLLM", "SGLang")))
+                         architecture_of=_hf_architecture, engines=("vLLM", "SGLang"), check_aux_ids=_check_sglang_ids))

@@ -57,10 +57,9 @@ def speculative_config(method: str, k: int, drafter_dir: Optional[Path] = None, 
 
 
 def draft_options(drafter_dir: Path, device_type: str) -> dict:
-    """Keys a drafter needs in vLLM's speculative_config beyond method, model and k. An MLA drafter
-    (models/layers/kind.py) on CPU gets vLLM's reference CPU_MLA attention (``attention_backend``, the draft's
-    own): on a CPU with AMX vLLM otherwise picks AMX_MLA, whose weight packing takes only bf16 / fp16 /
-    int8 weights, and the engine runs in float32 on CPU."""
+    """Keys a drafter needs in vLLM's speculative_config beyond method, model and k: on a CPU, the draft's own
+    ``attention_backend`` when its layer kind names one (``LayerKind.cpu_attention_backend``: an MLA drafter
+    gets vLLM's reference CPU_MLA, models/layers/mla.py says why)."""
     from fledge.models.layers.kind import kind_of_config
 
     path = Path(drafter_dir) / "config.json"
@@ -69,8 +68,8 @@ def draft_options(drafter_dir: Path, device_type: str) -> dict:
     config = json.loads(path.read_text())
     layer = config.get("transformer_layer_config") or config
     kind = kind_of_config(layer)
-    if device_type != "cuda" and kind is not None and kind.name == "mla":
-        return {"attention_backend": "CPU_MLA"}
+    if device_type != "cuda" and kind is not None and kind.cpu_attention_backend:
+        return {"attention_backend": kind.cpu_attention_backend}
     return {}
 
 

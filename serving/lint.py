@@ -77,10 +77,8 @@ def lint_drafter(drafter_dir: str | Path, target_config: Any = None) -> list[Fin
     if t is not None:
         _check_against_target(c, t, add)
         kind = kind_of_config(c)
-        if kind is not None and kind.name == "mla" and not text_config_dict(target_config).get("kv_lora_rank"):
-            add("warning", "mla-target", "an MLA drafter of a non-MLA target: vLLM 0.32 serves MLA drafters only "
-                "beside MLA targets (its MLA metadata takes the target's head size)",
-                "train drafter.layer=llama (or qwen3) for this target")
+        for finding in kind.target_checks(c, text_config_dict(target_config)) if kind is not None else []:
+            add(*finding)
     _check_flags(c, record, add)
     _check_layer_trained(c, record, add)
     _check_tensors(d, config, c, add)

@@ -40,6 +40,7 @@ from fledge.data.features.batch import FeatureBatch
 from fledge.distributed import all_reduce_sum
 from fledge.models import alignment
 from fledge.models.alignment import step_key
+from fledge.registry import Registry
 
 
 @dataclass
@@ -169,33 +170,23 @@ def _nonzero(denominators: torch.Tensor) -> torch.Tensor:
     return torch.where(denominators > 0, denominators, torch.ones_like(denominators))
 
 
-LOSSES: dict[str, type[TTTLoss]] = {}
+LOSSES: Registry[type[TTTLoss]] = Registry("drafter.loss", "train/loss.py")
 
 
 def register_loss(name: str):
     """Class decorator: make a :class:`TTTLoss` subclass selectable as ``drafter.loss=<name>``."""
 
     def add(cls: type[TTTLoss]) -> type[TTTLoss]:
-        if name in LOSSES and LOSSES[name] is not cls:
-            raise ValueError(f"loss {name!r} is already registered ({LOSSES[name].__qualname__})")
+        LOSSES.register(name, cls)
         cls.name = name
-        LOSSES[name] = cls
         return cls
 
     return add
 
 
-def check_loss_name(name: str) -> None:
-    """ValueError unless ``name`` is a registered loss (the config's ``drafter.loss``)."""
-    if name not in LOSSES:
-        raise ValueError(f"drafter.loss={name!r}: expected one of {sorted(LOSSES)} (losses registered in "
-                         "fledge.train.loss)")
-
-
 def build_loss(drafter_cfg) -> TTTLoss:
     """The loss ``drafter_cfg`` (a ``DrafterConfig``) selects, with its K, w, chunk size and impl."""
-    check_loss_name(drafter_cfg.loss)
-    return LOSSES[drafter_cfg.loss](steps=drafter_cfg.ttt_steps, step_weight=drafter_cfg.step_weight,
+    return LOSSES.get(drafter_cfg.loss)(steps=drafter_cfg.ttt_steps, step_weight=drafter_cfg.step_weight,
                                     chunk_size=drafter_cfg.loss_chunk_size, impl=drafter_cfg.loss_impl)
 
 

@@ -72,25 +72,14 @@ def user_error(e: BaseException, all_ranks_agree: bool = False) -> None:
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
 def main(dcfg: DictConfig) -> None:
-    from fledge.evaluation.eval_sets import check_set_names
-    from fledge.distributed import check_sequence_parallel
-    from fledge.serving.dialects import check_export_format
-    from fledge.models.layers.kind import check_layer_format
-    from fledge.train.loss import check_loss_name
+    from fledge.train.preflight import check_config, check_environment
     from fledge.train.runner import Refused
-    from fledge.train.pipeline import check_publish
     from fledge.train.trainer import PREEMPTED_EXIT_CODE, Preempted
 
     try:
         cfg = to_config(dcfg)
-        # The registries live above conf (the schema cannot import them): check their keys here, before any stage.
-        check_loss_name(cfg.drafter.loss)
-        check_export_format(cfg.export.format, cfg.aux_layer_ids(), cfg.target.num_hidden_layers)
-        check_set_names(cfg.eval.sets, cfg.eval.set_paths if "eval" in cfg.run.stages else {})
-        check_layer_format(cfg.drafter.layer, cfg.export.format)
-        if "train" in cfg.run.stages:  # before any stage runs, not after hours of capture
-            check_sequence_parallel(int(os.environ.get("WORLD_SIZE", "1")), cfg.train.sequence_parallel)
-        check_publish(cfg)  # a missing token stops the command now, not after training
+        check_config(cfg)  # the registries' keys and the rules across them (also `fledge config`, `fledge submit`)
+        check_environment(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # world size, Hub token: before any stage
     except ValueError as e:
         if debugging():
             raise

@@ -26,10 +26,13 @@ def prepare(ctx: StageContext) -> dict:
     """Tokenize the chat data with assistant-only masks and build the draft vocab (rank 0 works)."""
     from fledge.data.prepare.build import prepare as build
 
+    from fledge.train.preflight import check_sources
+
     cfg = ctx.cfg
     try:
         if not ctx.world.is_main:
             return {}
+        check_sources(cfg)
         return build(cfg.data, cfg.target, cfg.drafter.draft_vocab_size, cfg.run.seed, Path(ctx.stage_dir))
     finally:
         ctx.world.barrier()
@@ -101,23 +104,11 @@ def publish(ctx: StageContext) -> dict:
     return _on_main(ctx, lambda: _publish(ctx))
 
 
-def check_publish(cfg: Config) -> None:
-    """Before any stage runs: a run that will publish needs a token in HF_TOKEN and the Hub reachable."""
-    if not (cfg.export.push_to_hub and "publish" in cfg.run.stages):
-        return
-    import huggingface_hub.constants
-
-    if not os.environ.get("HF_TOKEN"):
-        raise ValueError("export.push_to_hub=true: the publish stage reads the Hub token from HF_TOKEN only, and "
-                         "it is not set; export HF_TOKEN (a write token), or set export.push_to_hub=false")
-    if huggingface_hub.constants.HF_HUB_OFFLINE:
-        raise ValueError("export.push_to_hub=true with HF_HUB_OFFLINE=1: publishing needs the Hub; unset "
-                         "HF_HUB_OFFLINE for this command, or set export.push_to_hub=false")
-
-
 def _publish(ctx: StageContext) -> dict:
     from fledge.serving.export import load_target_config
     from fledge.serving.hub import push_to_hub
+
+    from fledge.train.preflight import check_publish
 
     cfg = ctx.cfg
     check_publish(cfg)  # the token may have gone since the command started

@@ -172,6 +172,8 @@ class _Plan:
 def run_stages(cfg: Config, world: World, stages: dict[str, Stage]) -> dict[str, dict]:
     """Run the selected stages in pipeline order (``stages``: train/pipeline.py's STAGES); return the manifest
     of every stage that is complete and current, each with ``action``: what this command did with it."""
+    from fledge.train.preflight import check_target_path
+
     run_dir = Path(cfg.run.output_root) / cfg.run.name
     check_target_path(cfg.target.name_or_path)
     # Rank 0 reads the manifests and decides for all, before any is written; its refusal reaches every rank.
@@ -350,18 +352,6 @@ def _key_name(key: str) -> str:
 def _short(v: Any, width: int = 60) -> str:
     s = json.dumps(v, sort_keys=True, default=str) if not isinstance(v, str) else v
     return s if len(s) <= width else s[: width - 3] + "..."
-
-
-def check_target_path(name_or_path: str) -> None:
-    """A target written as a path (absolute, or starting with . or ~) must exist before any stage runs;
-    otherwise transformers reads it as a malformed hub id and fails deep inside a stage."""
-    if name_or_path.startswith(("/", ".", "~")) and not Path(name_or_path).expanduser().is_dir():
-        hint = ""
-        if "tiny_target" in name_or_path:  # .cache/tiny_target/<budget> or <family>-<budget> (testbed/tiny_target.py)
-            family, _, budget = Path(name_or_path).name.rpartition("-")
-            hint = f" (build it with `fledge tiny-target --budget {budget}{f' --family {family}' if family else ''}`)"
-        raise ValueError(f"target.name_or_path={name_or_path}: no such directory{hint}; give a model directory "
-                         "or a hub id (org/name)")
 
 
 def _skippable_upstream(cfg: Config, stage: str) -> bool:

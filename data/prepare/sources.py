@@ -48,6 +48,21 @@ class RawRow:
     error: str | None = None
 
 
+def is_hub_id(path: str) -> bool:
+    """Whether a source that is no local file or directory reads as a hub dataset id (``org/name``)."""
+    p = Path(path)
+    return not (p.is_file() or p.is_dir() or p.exists() or path.startswith((".", "/")) or path.count("/") != 1)
+
+
+def check_source(path: str, hint: str = "") -> None:
+    """ValueError when ``path`` is neither a local file or directory nor a hub id; ``hint`` (the caller's:
+    how to make the file) ends the message."""
+    p = Path(path)
+    if not (p.is_file() or p.is_dir() or is_hub_id(path)):
+        raise ValueError(f"data source {path!r}: no such file or directory (nor a hub id of the form org/name)"
+                         + (f"; {hint}" if hint else ""))
+
+
 def iter_rows(path: str, split: str = "train", max_samples: int | None = None) -> Iterator[RawRow]:
     """Rows of a jsonl / json / parquet file, a local ``datasets`` directory, or a hub dataset id.
 
@@ -69,12 +84,8 @@ def iter_rows(path: str, split: str = "train", max_samples: int | None = None) -
             raise ValueError(f"data source {p}: unknown file type '{suffix}' (use .jsonl, .json or .parquet)")
     elif p.is_dir():
         rows = _iter_datasets_dir(p, split)
-    elif p.exists() or path.startswith((".", "/")) or path.count("/") != 1:
-        # the tiny recipes' conversations: long_data/ comes with the long target's build, data/ with any build
-        hint = ("; build it with `fledge tiny-target --budget long`" if "tiny_target/long_data" in path
-                else "; build it with `fledge tiny-target`" if "tiny_target" in path else "")
-        raise ValueError(f"data source {path!r}: no such file or directory (nor a hub id of the form org/name){hint}")
     else:
+        check_source(path)  # a missing local path raises here
         rows = _iter_hub(path, split)
     n = 0
     for row in rows:

@@ -115,7 +115,7 @@ def eagle3_run(served, tiny_target) -> Path:
 
 @pytest.fixture(scope="module")
 def qwen3_run(served, tiny_target):
-    """A drafter of the qwen3 layer kind (models/layers/kind.py: per-head q/k norms, vLLM's qwen3_eagle3.py) trained
+    """A drafter of the qwen3 layer kind (models/layers/: per-head q/k norms, vLLM's qwen3_eagle3.py) trained
     on the shared run's features. The mla kind is served beside an MLA target only (vLLM 0.32's MLA attention
     takes its head size from the target's config): tests/engine/test_vllm_families.py serves it with tiny_mla."""
     def train() -> Path:  # called only when served (FLEDGE_ENGINE_FULL=1): CI's budget

@@ -1,4 +1,4 @@
-"""Each drafter layer kind (models/layers/kind.py) trained through the GPU's compiled flex attention: one TTT unroll
+"""Each drafter layer kind (models/layers/) trained through the GPU's compiled flex attention: one TTT unroll
 forward and backward equals the dense reference's (outputs and every gradient), for llama, qwen3 and mla
 (whose q/k heads are 192 wide and v 128, padded to one width for the attention call).
 

@@ -88,12 +88,11 @@ def _commands(drafter, target, k):
 
 @pytest.fixture
 def test_dialect():
-    d = register_dialect(Dialect("testfmt", TEST_ARCH, "blocks.0.", _build, _read,
-                                 detect=lambda c: TEST_ARCH in (c.get("architectures") or []),
-                                 commands=_commands,
-                                 header_checks=_checks))
-    yield d
-    dialects.DIALECTS.pop("testfmt")
+    d = Dialect("testfmt", TEST_ARCH, "blocks.0.", _build, _read,
+                detect=lambda c: TEST_ARCH in (c.get("architectures") or []), commands=_commands,
+                header_checks=_checks)
+    with dialects.DIALECTS.temporary("testfmt", d):
+        yield d
 
 
 def test_registered_dialect_exports_lints_and_loads(test_dialect, tmp_path):

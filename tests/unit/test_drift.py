@@ -12,7 +12,7 @@ from conftest import random_drafter, random_llama
 
 @pytest.mark.parametrize("layer", ["llama", "qwen3", "mla"])
 def test_probe_probabilities_reproduce_attention_output(layer):
-    """For every layer kind (models/layers/kind.py): q/k norms (qwen3), MLA's scale and padded width included."""
+    """For every layer kind (models/layers/): q/k norms (qwen3), MLA's scale and padded width included."""
     target = random_llama()
     drafter = random_drafter(target, layer=layer)
     attn = drafter.midlayer.self_attn

@@ -167,7 +167,7 @@ def test_the_publish_stage_pushes_after_eval_what_this_eval_measured(hub, tmp_pa
 
 def test_publishing_needs_hf_token(monkeypatch, tmp_path):
     from fledge.conf import compose
-    from fledge.train.pipeline import check_publish
+    from fledge.train.preflight import check_publish
 
     monkeypatch.delenv("HF_TOKEN", raising=False)
     with pytest.raises(ValueError, match="HF_TOKEN only"):

@@ -1,4 +1,4 @@
-"""Drafter layer kinds (models/layers/kind.py): llama, qwen3 (per-head q/k norms), mla (DeepSeek latent attention).
+"""Drafter layer kinds (models/layers/): llama, qwen3 (per-head q/k norms), mla (DeepSeek latent attention).
 
 For every kind and both flag sets: the TTT unroll equals the engine-style cached decode row by row; the
 memory-linear CPU path equals the dense reference forward and backward, flex's forward equals it; the
@@ -22,7 +22,8 @@ from fledge.conf.schema import DrafterConfig
 from fledge.models.drafter import DraftCache, DrafterSpec, Eagle3Drafter
 from fledge.serving.export import load_drafter, write_drafter, training_record
 from fledge.models.families import TargetFamily
-from fledge.models.layers.kind import MLA_DEFAULTS, check_layer_format, mla_softmax_scale, rope_interleaved
+from fledge.models.layers.kind import check_layer_format
+from fledge.models.layers.mla import MLA_DEFAULTS, mla_softmax_scale, rope_interleaved
 from fledge.serving.lint import has_errors, lint_drafter
 from fledge.serving.serving_config import expected_tensors, serving_config
 from fledge.models.weights import tensor_headers
@@ -177,16 +178,16 @@ def test_mla_takes_the_targets_widths_and_yarn_scale():
                                    atol=1e-5, rtol=1e-5)
 
 
-def test_auto_takes_the_family_kind(monkeypatch):
+def test_auto_takes_the_family_kind():
     from fledge.models import families
 
     assert drafter("auto").spec.layer == "llama"
     fam = TargetFamily("mla_test", ("mla_test",), layer_kind="mla")
-    monkeypatch.setitem(families.FAMILIES, "mla_test", fam)
     t = {**target_config().to_dict(), "model_type": "mla_test"}
-    assert drafter("auto", target=t).spec.layer == "mla"
-    assert drafter("qwen3", target=t).spec.layer == "qwen3"  # an explicit kind wins
-    with pytest.raises(ValueError, match=r"drafter.layer='gpt'.*models/layers/kind.py"):
+    with families.FAMILIES.temporary("mla_test", fam):
+        assert drafter("auto", target=t).spec.layer == "mla"
+        assert drafter("qwen3", target=t).spec.layer == "qwen3"  # an explicit kind wins
+    with pytest.raises(ValueError, match=r"drafter.layer='gpt'.*models/layers/"):
         drafter("gpt")
 
 
@@ -277,3 +278,33 @@ def test_mla_asks_vllm_for_its_cpu_mla_attention_on_cpu_only(tmp_path):
     assert draft_options(out, "cpu") == {"attention_backend": "CPU_MLA"}
     assert draft_options(out, "cuda") == {}
     assert draft_options(_export(drafter("qwen3"), tmp_path)[0], "cpu") == {}
+
+
+def test_no_layer_kind_is_special_cased_by_name_outside_its_own_file():
+    """A kind's differences are fields of its LayerKind (models/layers/<kind>.py): code elsewhere that compares
+    a kind or layer setting with a kind's name (``kind.name == "mla"``) would have to change with every new
+    kind. The scan covers the product's rooms; the testbed's own target families share some names."""
+    import ast
+    from pathlib import Path
+
+    from fledge.models.layers.kind import LAYER_KINDS
+
+    root = Path(__file__).resolve().parents[2]
+    names = set(LAYER_KINDS.names())
+    offenders = []
+    for room in ("fledge", "conf", "models", "data", "serving", "evaluation", "train"):
+        for path in sorted((root / room).rglob("*.py")):
+            rel = path.relative_to(root).as_posix()
+            if rel.startswith("models/layers/"):
+                continue
+            text = path.read_text()
+            for node in ast.walk(ast.parse(text)):
+                if not isinstance(node, ast.Compare):
+                    continue
+                sides = [node.left, *node.comparators]
+                consts = [s.value for s in sides if isinstance(s, ast.Constant) and isinstance(s.value, str)]
+                consts += [e.value for s in sides if isinstance(s, (ast.Tuple, ast.List, ast.Set)) for e in s.elts
+                           if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+                if names & set(consts) and any(w in ast.get_source_segment(text, node) for w in ("kind", "layer")):
+                    offenders.append(f"{rel}:{node.lineno}: {ast.get_source_segment(text, node)}")
+    assert not offenders, offenders

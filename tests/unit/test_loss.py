@@ -263,15 +263,16 @@ def double_ce():
     the generic path on every ZeRO stage), unregistered afterwards."""
     import torch.nn.functional as F
 
-    from fledge.train.loss import LOSSES, TTTLoss, register_loss
+    from fledge.train.loss import LOSSES, TTTLoss
 
-    @register_loss("double_ce")
     class DoubleCE(TTTLoss):
+        name = "double_ce"
+
         def loss_sum(self, logits, teacher_logits):
             return -2 * (F.softmax(teacher_logits, -1) * F.log_softmax(logits, -1)).sum()
 
-    yield DoubleCE
-    LOSSES.pop("double_ce")
+    with LOSSES.temporary("double_ce", DoubleCE):
+        yield DoubleCE
 
 
 def _batch_for(spec, T=24, seed=5):
@@ -332,11 +333,14 @@ def test_the_shared_teacher_path_is_only_for_the_formula_it_rewrites():
 
 def test_unknown_loss_names_the_key_and_the_choices():
     from fledge.conf import compose
-    from fledge.train.loss import build_loss, check_loss_name
+    from fledge.train.loss import LOSSES, build_loss
+    from fledge.train.preflight import check_config
 
-    with pytest.raises(ValueError, match=r"drafter\.loss='nope': expected one of \[.*'ttt_ce'"):
-        check_loss_name("nope")
+    with pytest.raises(ValueError, match=r"drafter\.loss='nope': expected one of \[.*'ttt_ce'.*train/loss.py"):
+        LOSSES.check("nope")
     cfg = compose(["recipe=tiny", "drafter.loss=nope"])  # the schema cannot see the registry ...
     with pytest.raises(ValueError, match=r"drafter\.loss='nope'"):
-        build_loss(cfg.drafter)  # ... the pipeline refuses it before any work (train/main.py, build_ttt_model)
+        check_config(cfg)  # ... every entry point refuses it before any work (train/preflight.py)
+    with pytest.raises(ValueError, match=r"drafter\.loss='nope'"):
+        build_loss(cfg.drafter)
     assert build_loss(compose(["recipe=tiny"]).drafter).name == "ttt_ce"

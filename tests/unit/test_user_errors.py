@@ -120,3 +120,11 @@ def test_failed_universal_conversion_is_one_line_whose_advice_resumes(tmp_path, 
     res = fledge_run(tmp_path, *ov)
     assert res.returncode == 0, res.stderr[-4000:]
     assert json.loads((ckpt / "step_00000002" / "trainer.json").read_text())["world_size"] == 1
+
+
+def test_fledge_config_refuses_what_fledge_run_refuses(tmp_path):
+    """`fledge config` composes through the same start-up checks as `fledge run` (train/preflight.py): a loss
+    no registry holds is one line naming the key, the choices and where losses are registered."""
+    res = subprocess.run([sys.executable, "-m", "fledge", "config", "recipe=tiny", "drafter.loss=nope"],
+                         cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    assert_one_line(res, "drafter.loss='nope': expected one of ['ttt_ce']", "train/loss.py")

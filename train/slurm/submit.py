@@ -83,10 +83,10 @@ def render(template: str, sbatch: dict[str, Optional[str]], knobs: dict[str, Uni
 
 
 def compose(overrides: list[str]):
-    """The validated Config train/main.py would build from these overrides."""
-    from fledge.conf import compose as compose_config
+    """The validated Config train/main.py would build from these overrides, refused as it would refuse it."""
+    from fledge.train.preflight import compose_checked
 
-    return compose_config(overrides)
+    return compose_checked(overrides)
 
 
 def plan(kind: str, args: argparse.Namespace, overrides: list[str]) -> list[Job]:
