@@ -27,12 +27,13 @@ import sys
 from pathlib import Path
 
 from fledge.atomic import write_bytes_atomic, write_json_atomic
+from fledge.run_layout import RunLayout
 
 LABELS = ("EAGLE-3.1", "EAGLE-3")
 
 
 def load_report(run_dir: Path, want_31: bool) -> dict:
-    path = Path(run_dir) / "eval" / "report.json"
+    path = RunLayout(run_dir).eval.report_json
     if not path.exists():
         raise SystemExit(f"{path} not found: run the pipeline through the eval stage for {run_dir}")
     report = json.loads(path.read_text())

@@ -96,14 +96,15 @@ def build_request(cfg, sets: dict[str, list[list[int]]], drafter_dir: Path, eos:
             "sets": sets}
 
 
-def run_engine_eval(cfg, sets: dict[str, list[list[int]]], report: dict, drafter_dir: Path, out_dir: Path,
+def run_engine_eval(cfg, sets: dict[str, list[list[int]]], report: dict, drafter_dir: Path, workdir: Path,
                     eos: list[int], max_pos: int, device_type: str, python: Path) -> dict:
     """Serve the export, measure, compare with ``report["sets"]`` (the in-process results); returns the
-    report's ``engine`` section, its ``failures`` listing what must fail the stage."""
+    report's ``engine`` section, its ``failures`` listing what must fail the stage. The engine's request,
+    result and log stay in ``workdir``."""
     ev = cfg.eval
     request = build_request(cfg, sets, drafter_dir, eos, max_pos, device_type)
     log.info("eval: serving %s with vLLM (%s) on %d prompt set(s)", drafter_dir, python, len(sets))
-    res = run_driver(ev.engine, python, request, Path(out_dir) / "engine", ev.engine_timeout_s)
+    res = run_driver(ev.engine, python, request, workdir, ev.engine_timeout_s)
     engines, k = res["engines"], ev.draft_tokens
     tie = TIE_GAP.get(request["dtype"], HALF_TIE_GAP)
     section = {"engine": ev.engine, "version": res["vllm_version"], "device": res["device"], "k": k,

@@ -13,7 +13,7 @@ It also reports the distinct-3-gram ratio of the target's outputs, the share of 
 vocab holds (the drafter can propose no other), and AL restricted to prompts whose
 output is not degenerate (ratio >= ``eval.degenerate_threshold``), the teacher-forced held-out per-step
 accuracy up to 2K steps (natural text: loops cannot inflate it), and the attention-drift curves.
-Outputs under the stage dir: report.json, report.md and PNG plots (evaluation/report.py).
+Outputs: the report (report.json, report.md) and PNG plots (evaluation/report.py), where the stage says.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Sequence
 import torch
 from tqdm import tqdm
 
-from fledge.atomic import read_json
+from fledge.run_layout import EvalDir, PrepareDir
 from fledge.serving.engine import check_engine
 from fledge.evaluation.speculative import (DrafterProposer, LookupProposer, TargetRunner, first_divergence, greedy_decode,
                                 speculative_decode)
@@ -34,8 +34,8 @@ from fledge.models import alignment
 from fledge.models.alignment import StepAccuracy, al_estimate
 
 log = logging.getLogger(__name__)
-SET_FILES = {"default": "eval_conversations.jsonl", "perturbed": "eval_perturbed_conversations.jsonl",
-             "long": "eval_conversations.jsonl"}
+# The prepare stage's eval split each built-in set's prompts come from.
+SET_SPLITS = {"default": "eval", "perturbed": "eval_perturbed", "long": "eval"}
 # A greedy divergence where the target's top-2 logits are closer than this is a numerical tie (the k+1-token
 # verify forward and the 1-token decode round differently), not a harness bug. bf16/fp16 logits carry ~3
 # significant digits, so their ties are wider.
@@ -82,7 +82,7 @@ def lengthen(conv: dict, others: Sequence[dict], renderer, want_tokens: int) -> 
     return out
 
 
-def build_prompt_sets(eval_cfg, renderer, prepare_dir: Path, max_prompt_tokens: int, respond=None,
+def build_prompt_sets(eval_cfg, renderer, prepared: PrepareDir, max_prompt_tokens: int, respond=None,
                       named_info: dict | None = None) -> dict[str, list[list[int]]]:
     """{set name: prompt token ids}; a set whose file is missing is skipped with a warning. Prompts longer
     than ``max_prompt_tokens`` are cut from the left (the generation prompt at the end is kept). A named set
@@ -109,7 +109,7 @@ def build_prompt_sets(eval_cfg, renderer, prepare_dir: Path, max_prompt_tokens: 
                      name, len(sets[name]), info["source"], info["truncated"], info["skipped_too_long"],
                      info["placeholder_rows"])
             continue
-        path = prepare_dir / SET_FILES[name]
+        path = prepared.conversations(SET_SPLITS[name])
         if not path.exists():
             log.warning("eval: no %s, skipping the %r set", path, name)
             continue
@@ -205,7 +205,7 @@ def evaluate_set(name: str, prompts: list[list[int]], target_model, drafter, eva
     return out
 
 
-def evaluate_buckets(cfg, renderer, prepare_dir: Path, target_model, drafter, eos, max_pos: int) -> list[dict]:
+def evaluate_buckets(cfg, renderer, prepared: PrepareDir, target_model, drafter, eos, max_pos: int) -> list[dict]:
     """The set harness and the drift probe on each of ``eval.context_buckets`` (evaluation/long_context.py)."""
     from fledge.data.prepare.chat import prompt_ids
     from fledge.evaluation.drift import drift_curves
@@ -220,7 +220,7 @@ def evaluate_buckets(cfg, renderer, prepare_dir: Path, target_model, drafter, eo
     if ev.long_context_source:
         convs = long_context.read_long_source(ev.long_context_source)
     else:
-        base = read_conversations(prepare_dir / SET_FILES["default"])
+        base = read_conversations(prepared.conversations(SET_SPLITS["default"]))
         convs = [lengthen(c, base[i + 1:] + base[:i], renderer, max(ev.context_buckets) + 64)
                  for i, c in enumerate(base[:ev.bucket_prompts])]
     prompts = long_context.bucket_prompts(convs, prompt_upto, lambda c, upto: prompt_ids(renderer, c, upto),
@@ -331,8 +331,12 @@ def load_eval_models(cfg, drafter_dir: Path, device: torch.device, aux_layer_ids
     return frozen, drafter
 
 
-def evaluate_run(cfg, run_dir: Path, out_dir: Path, drafter_dir: Path, device: torch.device) -> dict:
-    """Everything the eval stage measures, for an exported drafter in ``drafter_dir``."""
+def evaluate_run(cfg, prepared: PrepareDir, out: EvalDir, drafter_dir: Path, device: torch.device,
+                 metrics_path: Path | None = None, train_al_estimate: float | None = None) -> dict:
+    """Everything the eval stage measures, for an exported drafter in ``drafter_dir``, on the prompts of the
+    prepare stage's outputs ``prepared``; the report goes to ``out``. ``metrics_path``: the train stage's log
+    (the report plots it); ``train_al_estimate``: its best AL estimate (the report and the engine's collapse
+    check compare the measured AL with it)."""
     from fledge.data.prepare.chat import ChatRenderer, eot_ids_from_target
     from fledge.data.prepare.build import load_tokenizer
     from fledge.evaluation.drift import drift_curves
@@ -350,7 +354,6 @@ def evaluate_run(cfg, run_dir: Path, out_dir: Path, drafter_dir: Path, device: t
     frozen, drafter = load_eval_models(cfg, drafter_dir, device, served.aux_layer_ids)
     target_model = frozen.model
     max_pos = int(getattr(target_model.config, "max_position_embeddings", 1 << 30))
-    prepare_dir = run_dir / "prepare"
     plain = TargetRunner(target_model)
 
     def respond(prompt: list[int]) -> str:  # a multi-turn set's earlier answers: the target's own, greedy
@@ -358,10 +361,10 @@ def evaluate_run(cfg, run_dir: Path, out_dir: Path, drafter_dir: Path, device: t
         return renderer.tok.decode([t for t in out if t not in renderer.eot_ids], skip_special_tokens=True)
 
     named: dict = {}
-    sets = build_prompt_sets(ev, renderer, prepare_dir, max_pos - ev.max_new_tokens - ev.draft_tokens - 2, respond,
+    sets = build_prompt_sets(ev, renderer, prepared, max_pos - ev.max_new_tokens - ev.draft_tokens - 2, respond,
                              named)
     if not sets:
-        raise ValueError(f"eval: no prompt set could be built from {prepare_dir} (eval.sets={ev.sets}); run prepare")
+        raise ValueError(f"eval: no prompt set could be built from {prepared.root} (eval.sets={ev.sets}); run prepare")
     report: dict = {"drafter": str(drafter_dir), "k": ev.draft_tokens, "ttt_steps": K,
                     "max_new_tokens": ev.max_new_tokens, "temperature": ev.temperature,
                     "degenerate_threshold": ev.degenerate_threshold,
@@ -373,7 +376,7 @@ def evaluate_run(cfg, run_dir: Path, out_dir: Path, drafter_dir: Path, device: t
     depth = ev.drift_depth or max(ev.draft_tokens, 2 * K)
     report["drift"] = {name: drift_curves(drafter, TargetRunner(target_model, drafter.spec.aux_layer_ids), prompts,
                                           depth, desc=f"drift {name}") for name, prompts in sets.items()}
-    default = prepare_dir / SET_FILES["default"]
+    default = prepared.conversations(SET_SPLITS["default"])
     if default.exists():
         samples = [renderer.encode(c, f"{default}:{i + 1}")
                    for i, c in enumerate(read_conversations(default)[:ev.num_prompts])]
@@ -388,19 +391,18 @@ def evaluate_run(cfg, run_dir: Path, out_dir: Path, drafter_dir: Path, device: t
                                          "offline_al": al_estimate(offline),
                                          "measured_al": report["sets"][first]["drafter"]["al"]}
     if ev.context_buckets:  # AL and drift vs context length (evaluation/long_context.py)
-        report["context_buckets"] = evaluate_buckets(cfg, renderer, prepare_dir, target_model, drafter, eos, max_pos)
-    train_manifest = read_json(run_dir / "train" / "manifest.json") or {}
-    report["train_al_estimate"] = (train_manifest.get("outputs") or {}).get("best_al_estimate")
+        report["context_buckets"] = evaluate_buckets(cfg, renderer, prepared, target_model, drafter, eos, max_pos)
+    report["train_al_estimate"] = train_al_estimate
     if engine_python is not None:  # eval.engine=vllm: the same prompts served by the engine (evaluation/engine_eval.py)
         from fledge.evaluation.engine_eval import run_engine_eval
 
         served = {n: p for n, p in sets.items() if not ev.engine_sets or n in ev.engine_sets}
-        report["engine"] = run_engine_eval(cfg, served, report, drafter_dir, out_dir, eos, max_pos, device.type,
-                                           engine_python)
-    write_report(report, out_dir, run_dir / "train" / "metrics.jsonl")
+        report["engine"] = run_engine_eval(cfg, served, report, drafter_dir, out.engine_work, eos, max_pos,
+                                           device.type, engine_python)
+    write_report(report, out, metrics_path)
     if report.get("engine", {}).get("failures"):  # after the report is written, so the numbers can be read
-        raise ValueError("\n".join(report["engine"]["failures"]) + f"\n(report: {out_dir / 'report.md'})")
+        raise ValueError("\n".join(report["engine"]["failures"]) + f"\n(report: {out.report_md})")
     return {**{f"al_engine_{n}": s["drafter"]["al"] for n, s in report.get("engine", {}).get("sets", {}).items()},
-            "report": str(out_dir / "report.md"), "json": str(out_dir / "report.json"),
+            "report": str(out.report_md), "json": str(out.report_json),
             **{f"al_{n}": s["drafter"]["al"] for n, s in report["sets"].items()},
             **{f"al_lookup_{n}": s["lookup"]["al"] for n, s in report["sets"].items()}}

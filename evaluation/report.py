@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from fledge.atomic import write_bytes_atomic, write_json_atomic
+from fledge.run_layout import EvalDir
 
 
 def _fmt(x, digits: int = 2) -> str:
@@ -258,13 +259,12 @@ def plot_report(report: dict, out_dir: Path, metrics: list[dict]) -> list[str]:
     return names
 
 
-def write_report(report: dict, out_dir: Path, metrics_path: Optional[Path] = None) -> None:
-    """report.json + report.md + the PNGs, each written atomically."""
-    out_dir = Path(out_dir)
+def write_report(report: dict, out: EvalDir, metrics_path: Optional[Path] = None) -> None:
+    """The report as json and markdown and the PNGs beside them (``out``), each written atomically."""
     metrics = read_metrics(metrics_path) if metrics_path else []
-    report["plots"] = plot_report(report, out_dir, metrics)
-    write_json_atomic(out_dir / "report.json", report)
+    report["plots"] = plot_report(report, out.root, metrics)
+    write_json_atomic(out.report_json, report)
     md = markdown(report)
     if "training.png" in report["plots"]:
         md += "\n![training](training.png)\n"
-    write_bytes_atomic(out_dir / "report.md", md.encode())
+    write_bytes_atomic(out.report_md, md.encode())

@@ -24,7 +24,7 @@ COMMANDS = {
     "run": ("fledge.train.main", "cli", "run the pipeline in this process: fledge run recipe=NAME [overrides]"),
     "tiny-target": ("fledge.testbed.tiny_target", "main", "build the tiny recipe's target and data under .cache/"),
     "lint": ("fledge.serving.lint", "main", "check an exported drafter against its target"),
-    "push": ("fledge.serving.hub", "main", "upload a drafter with a generated model card"),
+    "push": ("fledge.train.publish", "main", "upload a drafter with a generated model card"),
     "submit": ("fledge.train.slurm.submit", "main", "fill the Slurm templates and print the sbatch commands"),
     "regenerate": ("fledge.data.prepare.regenerate", "main", "re-answer a chat data set with the target"),
     "compare": ("fledge.evaluation.compare", "main", "EAGLE-3.1 vs EAGLE-3 report from two runs"),

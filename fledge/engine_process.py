@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 GRACE_S = 10.0  # how long the engine's processes get to exit on SIGTERM before SIGKILL
+REQUEST, RESULT, LOG = "request.json", "result.json", "engine.log"  # a driver's files in its work directory
 # torchrun's rendezvous variables: the engine is a process of its own, and vLLM's workers would otherwise
 # read RANK / WORLD_SIZE / MASTER_* meant for Fledge's process group.
 RENDEZVOUS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
@@ -36,6 +37,12 @@ def engine_python(explicit: Optional[str] = None) -> Path:
         return Path(named)
     checkout = Path(__file__).resolve().parents[1] / ENGINE_VENV / "bin" / "python"
     return checkout if checkout.exists() else Path.cwd() / ENGINE_VENV / "bin" / "python"
+
+
+def read_request(workdir: Path) -> Optional[dict]:
+    """The request a driver ran in ``workdir`` (None when none ran there): what reproduces its run."""
+    path = Path(workdir) / REQUEST
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def engine_env() -> dict:
@@ -65,8 +72,8 @@ class DriverProcess:
     def __init__(self, python: Path, driver: Path, workdir: Path, request: dict):
         self.workdir = Path(workdir).resolve()  # the driver runs in it: every path handed over is absolute
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.req_path, self.res_path = self.workdir / "request.json", self.workdir / "result.json"
-        self.log_path = self.workdir / "engine.log"
+        self.req_path, self.res_path = self.workdir / REQUEST, self.workdir / RESULT
+        self.log_path = self.workdir / LOG
         self.req_path.write_text(json.dumps(request))
         self.res_path.unlink(missing_ok=True)
         self._log = open(self.log_path, "w", encoding="utf-8")

@@ -31,8 +31,10 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import torch
 
+from fledge.run_layout import RunLayout
 
-def in_process_al(cfg, run: Path, drafter_dir: Path, ks: list[int], max_new: int, device: torch.device):
+
+def in_process_al(cfg, run: RunLayout, drafter_dir: Path, ks: list[int], max_new: int, device: torch.device):
     """(prompts, stop ids, max positions, {k: AL}, {k: greedy-equal count}) from Fledge's harness."""
     from fledge.data.prepare.chat import ChatRenderer, eot_ids_from_target
     from fledge.data.prepare.build import load_tokenizer
@@ -46,7 +48,7 @@ def in_process_al(cfg, run: Path, drafter_dir: Path, ks: list[int], max_new: int
     frozen, drafter = load_eval_models(cfg, drafter_dir, device, spec_from_export(drafter_dir, serving=True).aux_layer_ids)
     model = frozen.model
     max_pos = int(getattr(model.config, "max_position_embeddings", 1 << 30))
-    prompts = build_prompt_sets(cfg.eval, renderer, run / "prepare", max_pos - max_new - max(ks) - 2)["default"]
+    prompts = build_prompt_sets(cfg.eval, renderer, run.prepare, max_pos - max_new - max(ks) - 2)["default"]
     runner, plain, prop = TargetRunner(model, drafter.spec.aux_layer_ids), TargetRunner(model), DrafterProposer(drafter)
     with torch.inference_mode():
         refs = [greedy_decode(plain, p, max_new, eos)[0] for p in prompts]
@@ -81,8 +83,8 @@ def main(argv: list[str]) -> int:
         cfg = compose(args.overrides)
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         python = check_engine("vllm", device.type, cfg.eval.engine_python)
-        run = Path(cfg.run.output_root) / cfg.run.name
-        drafter_dir = run / "export" / "drafter"
+        run = RunLayout.of(cfg.run)
+        drafter_dir = run.export.drafter
         if not (drafter_dir / "config.json").exists():
             raise ValueError(f"{drafter_dir}: no export; run the pipeline with these overrides first")
     except ValueError as e:
@@ -97,7 +99,7 @@ def main(argv: list[str]) -> int:
     req["engines"] = [{"name": "plain"}] + [
         {"name": f"k{k}", "speculative_config": speculative_config("eagle3", k, drafter_dir)} for k in args.ks]
     t0 = time.perf_counter()
-    res = run_driver("vllm", python, req, run / "bench_engine", 3600)
+    res = run_driver("vllm", python, req, run.root / "bench_engine", 3600)
     engine_s = time.perf_counter() - t0
     plain = res["engines"]["plain"]["sets"]["default"]
     plain_tps = plain["tokens"] / plain["wall_s"]

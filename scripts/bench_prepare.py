@@ -20,12 +20,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 def main() -> None:
     import datasets
-    import torch
 
-    from fledge.train.pipeline import prepare as run_stage
     from fledge.conf.schema import Config, DataConfig, PerturbConfig, SourceConfig
-    from fledge.distributed import World
-    from fledge.train.pipeline import StageContext
+    from fledge.data.prepare.build import prepare
+    from fledge.run_layout import RunLayout
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default=".cache/tiny_target/quick", help="a dir with the target's tokenizer")
@@ -39,7 +37,6 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     AutoTokenizer.from_pretrained(a.target)  # warm the imports so the first timed run is not charged for them
-    world = World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     rows = []
     for n in [int(x) for x in a.procs.split(",")]:
         cfg = Config()
@@ -50,10 +47,10 @@ def main() -> None:
                               max_length=512, num_proc=n,
                               perturb=PerturbConfig(fraction=0.25, system_prompts=["You are a helpful assistant."]))
         with tempfile.TemporaryDirectory() as d:
-            stage = Path(d) / "prepare"
-            stage.mkdir()
+            out = RunLayout(d).prepare
+            out.root.mkdir()
             t0 = time.perf_counter()
-            s = run_stage(StageContext(cfg, world, Path(d), stage, {}))
+            s = prepare(cfg.data, cfg.target, cfg.drafter.draft_vocab_size, cfg.run.seed, out)
             dt = time.perf_counter() - t0
         convs = sum(v["conversations"] for v in s["splits"].values())
         rows.append((n, convs, s["tokens"], dt, convs / dt, s["draft_vocab_coverage"]))

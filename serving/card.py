@@ -1,34 +1,48 @@
-"""The model card's engine section: the AL table vLLM measured (eval.engine=vllm) and the exact vLLM call
-that reproduces it; SGLang marked as not measured here (its command is the dialect's, serving/dialects.py,
-given only for an export SGLang reads as trained).
+"""The model card of an exported drafter: what it is, how to serve it, and what a run measured about it.
 
-Reads the eval stage's ``report.json`` (its ``engine`` section, evaluation/engine_eval.py) and the request the
-engine ran (``eval/engine/request.json``: target, dtype, max_model_len, seed, stop ids, the prompts).
+The card is built from content, never from a run directory: the pipeline's publish stage (and ``fledge push
+--run-dir``) gathers what the run measured of this very export into a :class:`Measured` (train/publish.py)
+and hands it here. Its engine section is the AL table vLLM measured (eval.engine=vllm) with the exact vLLM
+call that reproduces it; SGLang is marked as not measured here (its command is the dialect's,
+serving/dialects.py, given only for an export SGLang reads as trained).
 """
 
 from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 from fledge.atomic import read_json
+from fledge.serving.dialects import dialect_of, serving_commands
+from fledge.serving.serving_config import layer_config
+
+
+@dataclass
+class Measured:
+    """What a run measured about the export a card is for: the eval stage's summary (``outputs``) and plots,
+    the engine section of its report (``engine``) and the request the engine ran (``engine_request``), and
+    the run's config as YAML text (``run_config``). Empty: nothing measured (the card says so)."""
+
+    outputs: Optional[dict] = None
+    plots: list[Path] = field(default_factory=list)
+    engine: Optional[dict] = None
+    engine_request: Optional[dict] = None
+    run_config: str = ""
 
 
 def _f(x, digits: int = 2) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
-def engine_section(run_dir: Optional[Path], repo_or_dir: str) -> str:
-    """Markdown for the card, or "" when the run's eval did not serve the export with an engine."""
-    if run_dir is None:
-        return ""
-    report = read_json(Path(run_dir) / "eval" / "report.json") or {}
-    e = report.get("engine")
+def engine_section(e: Optional[dict], request: Optional[dict], repo_or_dir: str) -> str:
+    """Markdown for the card from the eval report's engine section ``e`` and the engine's ``request``, or ""
+    when the eval did not serve the export with an engine."""
     if not e:
         return ""
-    request = read_json(Path(run_dir) / "eval" / "engine" / "request.json") or {}
+    request = request or {}
     k = e["k"]
     lines = [f"Measured by serving this drafter with **{e['engine']} {e['version']}** on {e['device']} "
              f"(dtype {e['dtype']}, greedy, k={k}); AL = 1 + accepted / drafts from vLLM's own spec-decode "
@@ -69,3 +83,83 @@ def sglang_note() -> str:
     return ("SGLang: **not measured** here (SGLang's speculative decoding needs a CUDA GPU). The card gives its "
             "command only for an export SGLang reads as trained (export.format=sglang): SGLang adds 1 to every "
             "explicit aux-layer id, so it would feed an export.format=hf drafter other layers than in training.")
+
+
+# ------------------------------------------------------------------------------------------ the card
+def _al_table(outputs: dict) -> str:
+    """A markdown table of the measured acceptance lengths: one row per eval set when the eval stage
+    reports ``{"sets": {name: {...metrics}}}``, else one row of its scalar outputs."""
+    sets = outputs.get("sets") if isinstance(outputs.get("sets"), dict) else {"all": outputs}
+    rows = {name: {k: v for k, v in m.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            for name, m in sets.items() if isinstance(m, dict)}
+    cols = sorted({k for m in rows.values() for k in m})
+    if not cols:
+        return ""
+    lines = ["| set | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+    for name, m in rows.items():
+        cells = [f"{m[c]:.3f}" if isinstance(m.get(c), float) else str(m.get(c, "")) for c in cols]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def build_model_card(drafter_dir: str | Path, repo_id: str, measured: Optional[Measured] = None,
+                     speculative_tokens: int = 5, plot_prefix: str = "eval"):
+    """(a ``huggingface_hub.ModelCard``, the plots it shows) for an exported drafter: target, data, training
+    config, the eval stage's AL table and plots when ``measured`` has them, and the serving commands of its
+    dialect."""
+    from huggingface_hub import ModelCard, ModelCardData  # the Hub client, only for a card
+
+    measured = measured or Measured()
+    d = Path(drafter_dir)
+    config = read_json(d / "config.json") or {}
+    record = read_json(d / "fledge_training.json") or {}
+    c = layer_config(config)
+    dialect = dialect_of(config)
+    target = (record.get("target") or {}).get("name_or_path") or c.get("target_name") or "<target>"
+    run_cfg = measured.run_config.strip()
+    datasets = _datasets(run_cfg)
+    flavour = "EAGLE-3.1" if c.get("fc_norm") or c.get("norm_output") else "EAGLE-3"
+    card_data = ModelCardData(
+        base_model=target if "/" in target and not Path(target).exists() else None,
+        library_name="fledge", tags=["speculative-decoding", "eagle3", "drafter", flavour.lower()],
+        datasets=datasets or None, pipeline_tag="text-generation")
+    outputs, plots = measured.outputs, list(measured.plots)
+    parts = [
+        f"# {repo_id.split('/')[-1]}\n",
+        f"An {flavour} speculative-decoding drafter for **{target}**, trained with Fledge. It proposes "
+        "tokens that the target verifies, so outputs are the target's own.\n",
+        "## Drafter\n",
+        f"- format: `{dialect.name}` ({', '.join(config.get('architectures') or [])})",
+        f"- aux layers (boundary convention): `{c.get('aux_layer_ids')}`",
+        f"- flags: fc_norm={bool(c.get('fc_norm'))}, norm_output={bool(c.get('norm_output'))}",
+        f"- draft vocab: {c.get('draft_vocab_size')} of {c.get('vocab_size')} target tokens",
+        f"- trained steps: {record.get('step')}\n",
+        "## Serving\n",
+        serving_commands(dialect, repo_id, target, speculative_tokens) + "\n",
+        "## Measured acceptance\n",
+    ]
+    table = _al_table(outputs) if outputs else ""
+    parts.append(table + "\n" if table else "No eval-stage results were found for this export.\n")
+    engine = engine_section(measured.engine, measured.engine_request, repo_id) if outputs else ""  # eval.engine=vllm
+    parts += ["## Measured by the serving engine\n", engine, sglang_note() + "\n"] if engine else []
+    parts += [f"![{p.stem}]({plot_prefix}/{p.name})" for p in plots]
+    if record.get("metrics"):
+        parts += ["\n## Training metrics (held-out, offline)\n",
+                  "\n".join(f"- {k}: {v}" for k, v in sorted(record["metrics"].items()))]
+    if datasets:
+        parts += ["\n## Data\n", "\n".join(f"- {x}" for x in datasets)]
+    if run_cfg:
+        parts += ["\n## Training configuration\n", f"```yaml\n{run_cfg}\n```"]
+    content = f"---\n{card_data.to_yaml()}\n---\n\n" + "\n".join(parts) + "\n"
+    return ModelCard(content), plots
+
+
+def _datasets(run_config: str) -> list[str]:
+    """Data source paths from the run's config (YAML text; hub ids become card metadata)."""
+    if not run_config:
+        return []
+    import yaml  # only for a card with a run's config
+
+    cfg = yaml.safe_load(run_config) or {}
+    srcs = (cfg.get("data") or {}).get("sources") or []
+    return [s["path"] for s in srcs if isinstance(s, dict) and s.get("path")]

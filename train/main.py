@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -21,19 +20,23 @@ log = logging.getLogger("fledge")
 
 
 def run(cfg: Config) -> dict:
+    """Set up the process group and run the pipeline's selected stages (train/pipeline.py); returns the
+    manifests of the stages that are complete and current."""
     from fledge.atomic import write_bytes_atomic
     from fledge.distributed import destroy_world, init_world, setup_logging
+    from fledge.run_layout import RunLayout
+    from fledge.train.pipeline import PIPELINE
     from fledge.train.runner import run_stages
-    from fledge.train.pipeline import STAGES
 
     world = init_world()
     setup_logging(world)
-    run_dir = Path(cfg.run.output_root) / cfg.run.name
+    layout = RunLayout.of(cfg.run)
     if world.is_main:
-        write_bytes_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(cfg)).encode())
-        log.info("recipe %s, run directory %s, world %d on %s", cfg.recipe, run_dir, world.world_size, world.device)
+        write_bytes_atomic(layout.config, OmegaConf.to_yaml(OmegaConf.structured(cfg)).encode())
+        log.info("recipe %s, run directory %s, world %d on %s", cfg.recipe, layout.root, world.world_size,
+                 world.device)
     try:
-        manifests = run_stages(cfg, world, STAGES)
+        manifests = run_stages(cfg, world, PIPELINE)
     finally:
         destroy_world()
     if world.is_main:

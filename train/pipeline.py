@@ -1,59 +1,112 @@
-"""The six pipeline stages, each an ordinary function of a typed :class:`StageContext`.
+"""The pipeline, defined once: one :class:`~fledge.train.runner.Stage` record per stage in :data:`PIPELINE`.
 
-A stage here is glue only: it reads what it needs from the context (config, world, run and stage
-directories, upstream manifests), decides which ranks work, and calls the library that owns the work
-(``fledge.data.prepare.build``, ``fledge.data.capture.offline``, the trainer, ``fledge.serving.export``, the evaluator,
-``fledge.serving.hub``). The runner (train/runner.py) orders them, hashes their inputs and records their
-manifests; ``STAGES`` tells it which outputs are rebuilt on a change (export, eval, publish) and when a
-complete train stage is not done (a longer run asked).
+A record says everything the runner needs (train/runner.py): the stage's work, the stage it reads, the
+config values its output depends on (its inputs: a slice of the config, hashed), whether a changed input
+rebuilds it or stops the run, when a complete stage has more to do, and what must hold before it runs.
+The schema's list of stage names (conf/schema.py ``STAGES``, which cannot import this module) is held to
+these records by tests/unit/train/test_pipeline.py. Adding a stage is one record here and its name there.
+
+A stage function is glue only: it reads what it needs from its context (config, world, the run's layout,
+upstream manifests), decides which ranks work, and hands the library that owns the work the paths it reads
+and writes (fledge/run_layout.py names them): data/prepare, data/capture, the trainer, serving/export.py,
+evaluation/evaluate.py, train/publish.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import os
 from pathlib import Path
 from typing import Any, Callable
 
 from fledge.conf.schema import Config
 from fledge.distributed import broadcast_object
-from fledge.train.runner import Stage, StageContext
+from fledge.train.runner import Stage, StageContext, digest
 
 log = logging.getLogger(__name__)
 
+TRAIN_CADENCE = ("max_steps", "epochs", "save_every", "keep_last", "eval_every", "eval_batches", "log_every",
+                 "max_nonfinite")
+# How the work is laid out over ranks (tests/distributed/test_train.py checks each on a resumed run): the rows
+# split over a sequence-parallel group, and the optimizer step made of grad_accum micro-batches on each
+# data-parallel rank. A run resumes at the global batches it consumed on any world size x grad_accum; a step
+# of another size is the trainer's warning (train/trainer.py), not a new run: a requeued job on fewer nodes
+# must be able to go on.
+LAYOUT_KEYS = ("sequence_parallel", "grad_accum")
+PUBLISH_KEYS = ("push_to_hub", "repo_id", "private")  # the publish stage's inputs; the export stage's are the rest
+ENGINE_KEYS = ("engine", "tensor_parallel_size", "expert_parallel", "data_parallel_size")
 
+
+# ------------------------------------------------------------------------------------------ prepare
 def prepare(ctx: StageContext) -> dict:
     """Tokenize the chat data with assistant-only masks and build the draft vocab (rank 0 works)."""
     from fledge.data.prepare.build import prepare as build
-
-    from fledge.train.preflight import check_sources
 
     cfg = ctx.cfg
     try:
         if not ctx.world.is_main:
             return {}
-        check_sources(cfg)
-        return build(cfg.data, cfg.target, cfg.drafter.draft_vocab_size, cfg.run.seed, Path(ctx.stage_dir))
+        return build(cfg.data, cfg.target, cfg.drafter.draft_vocab_size, cfg.run.seed, ctx.layout.prepare)
     finally:
         ctx.world.barrier()
 
 
+def _target(cfg: Config) -> dict:
+    # prepare and capture load the model itself, so its inline config (for export tests) is not theirs
+    return {k: v for k, v in dataclasses.asdict(cfg.target).items() if k != "config_overrides"}
+
+
+def prepare_inputs(cfg: Config) -> dict:
+    return {"target": _target(cfg), "data": dataclasses.asdict(cfg.data),
+            "draft_vocab_size": cfg.drafter.draft_vocab_size, "seed": cfg.run.seed}
+
+
+def check_sources(cfg: Config) -> None:
+    """Before prepare runs: every local data source exists (a tiny recipe's names its build command)."""
+    from fledge.data.prepare.sources import check_source
+    from fledge.testbed.hints import build_hint
+
+    for src in [*cfg.data.sources, *cfg.data.eval_sources]:
+        check_source(src.path, build_hint(src.path))
+
+
+# ------------------------------------------------------------------------------------------ capture
 def capture(ctx: StageContext) -> dict:
     """Capture the target's states for every prepared split into the feature store (all ranks)."""
     from fledge.data.capture.offline import capture as run_capture
 
-    cfg, prep = ctx.cfg, ctx.dir_of("prepare")
-    if cfg.capture.mode == "offline" and not (prep / "train").exists():
-        raise ValueError(f"{prep / 'train'} does not exist: run the prepare stage first (run.stages=[prepare,capture])")
-    return run_capture(cfg.target, cfg.capture, cfg.aux_layer_ids(), ctx.world, prep, ctx.stage_dir,
-                       ctx.upstream.get("prepare"), array_script=ctx.run_dir / "slurm" / "capture_array.sbatch")
+    cfg, prep = ctx.cfg, ctx.layout.prepare
+    if cfg.capture.mode == "offline" and not prep.split("train").exists():
+        raise ValueError(f"{prep.split('train')} does not exist: run the prepare stage first "
+                         "(run.stages=[prepare,capture])")
+    return run_capture(cfg.target, cfg.capture, cfg.aux_layer_ids(), ctx.world, prep, ctx.layout.capture,
+                       ctx.upstream.get("prepare"), array_script=ctx.layout.slurm_script("capture_array"))
 
 
+def capture_inputs(cfg: Config) -> dict:
+    # The slice fields are left out: the array tasks of one capture and its merge must agree on the hash (and
+    # slicing does not change the store's content).
+    cap = {k: v for k, v in dataclasses.asdict(cfg.capture).items() if k not in ("num_slices", "slice_index")}
+    # The engine's python and patience do not change the store; with engine=hf none of the vLLM keys exist for
+    # the hash, so HF stores keep the hash they had before capture.engine existed.
+    drop = ("engine_python", "engine_timeout_s") + (ENGINE_KEYS if cfg.capture.engine == "hf" else ())
+    cap = {k: v for k, v in cap.items() if k not in drop}
+    return {"target": _target(cfg), "capture": cap, "aux_layer_ids": cfg.aux_layer_ids()}
+
+
+# ------------------------------------------------------------------------------------------ train
 def train(ctx: StageContext) -> dict:
     """Train the drafter with training-time test under DeepSpeed (all ranks)."""
     from fledge.train.trainer import run_training
 
     return run_training(ctx)
+
+
+def train_inputs(cfg: Config) -> dict:
+    d = dataclasses.asdict
+    train = {k: v for k, v in d(cfg.train).items() if k not in TRAIN_CADENCE + LAYOUT_KEYS}
+    return {"drafter": d(cfg.drafter), "train": train, "deepspeed": d(cfg.deepspeed),
+            "capture": {"mode": cfg.capture.mode}, "run": {"seed": cfg.run.seed}}
 
 
 def trained_enough(manifest: dict, cfg: Config) -> bool:
@@ -81,56 +134,28 @@ def trained_enough(manifest: dict, cfg: Config) -> bool:
     return asked == done
 
 
+def hash_before_layout_keys(cfg: Config, inputs: dict) -> tuple[str, ...]:
+    """The hash a train stage's manifest got before LAYOUT_KEYS existed (grad_accum was cadence then,
+    sequence_parallel an input, the global batch not one), so that a train run from then trains on."""
+    c = inputs["config"]
+    train = {**c["train"], "sequence_parallel": cfg.train.sequence_parallel}
+    return (digest({**inputs, "config": {"drafter": c["drafter"], "train": train, "deepspeed": c["deepspeed"],
+                                         "capture_mode": c["capture"]["mode"], "seed": c["run"]["seed"]}}),)
+
+
+# ------------------------------------------------------------------------------------------ export
 def export(ctx: StageContext) -> dict:
     """Checkpoint -> serving directory, linted (rank 0 works; its outcome, summary or error, reaches every
     rank so none waits on a failed one)."""
-    return _on_main(ctx, lambda: _export(ctx.cfg, ctx.stage_dir / "drafter", checkpoint_of(ctx)))
+    return _on_main(ctx, lambda: _export(ctx.cfg, ctx.layout.export.drafter, checkpoint_of(ctx)))
 
 
-def evaluate(ctx: StageContext) -> dict:
-    """Measure the exported drafter: acceptance, baselines, drift (rank 0 works; its outcome, summary or
-    error, reaches every rank, so a failed check, e.g. the engine's, does not leave the others waiting)."""
-    from fledge.evaluation.evaluate import evaluate_run
-
-    return _on_main(ctx, lambda: evaluate_run(ctx.cfg, ctx.run_dir, ctx.stage_dir, drafter_dir_of(ctx),
-                                              ctx.world.device))
-
-
-def publish(ctx: StageContext) -> dict:
-    """With export.push_to_hub: push the export and a model card of this run's own eval to the Hub (rank 0;
-    after eval, so the card carries what was measured). Without: nothing."""
-    if not ctx.cfg.export.push_to_hub:
-        return {"pushed": False}
-    return _on_main(ctx, lambda: _publish(ctx))
-
-
-def _publish(ctx: StageContext) -> dict:
-    from fledge.serving.export import load_target_config
-    from fledge.serving.hub import push_to_hub
-
-    from fledge.train.preflight import check_publish
-
-    cfg = ctx.cfg
-    check_publish(cfg)  # the token may have gone since the command started
-    url = push_to_hub(drafter_dir_of(ctx), cfg.export.repo_id, private=cfg.export.private, run_dir=ctx.run_dir,
-                      target_config=load_target_config(cfg.target), speculative_tokens=cfg.eval.draft_tokens,
-                      token=os.environ["HF_TOKEN"])
-    return {"pushed": True, "repo_id": cfg.export.repo_id, "private": cfg.export.private, "hub_url": url}
-
-
-def _on_main(ctx: StageContext, work: Callable[[], dict]) -> dict:
-    """Run ``work`` on rank 0 and give every rank its outcome: the summary, or its user error re-raised, so
-    no rank waits at a collective for a rank 0 that failed."""
-    result: dict[str, Any] = {}
-    if ctx.world.is_main:
-        try:
-            result = {"summary": work()}
-        except ValueError as e:
-            result = {"error": str(e)}
-    result = broadcast_object(result)
-    if "error" in result:
-        raise ValueError(result["error"])
-    return result["summary"]
+def export_inputs(cfg: Config) -> dict:
+    # What export reads besides the checkpoint: the target's config (its local config.json, which the
+    # fingerprint covers, else target.config_overrides, else the hub's: serving/export.py load_target_config),
+    # the target's name and the draft length (the speculators dialect writes both).
+    return {"export": {k: v for k, v in dataclasses.asdict(cfg.export).items() if k not in PUBLISH_KEYS},
+            "target": dataclasses.asdict(cfg.target), "speculative_tokens": cfg.eval.draft_tokens}
 
 
 def _export(cfg: Config, out: Path, ckpt: Path) -> dict:
@@ -153,14 +178,8 @@ def _export(cfg: Config, out: Path, ckpt: Path) -> dict:
     return summary
 
 
-STAGES: dict[str, Stage] = {
-    "prepare": Stage(prepare), "capture": Stage(capture), "train": Stage(train, done=trained_enough),
-    "export": Stage(export, rebuild=True), "eval": Stage(evaluate, rebuild=True),
-    "publish": Stage(publish, rebuild=True)}
-
-
 def checkpoint_of(ctx: StageContext) -> Path:
-    """export.checkpoint = best | last | a path -> the checkpoint directory."""
+    """export.checkpoint = best | last | a path (relative: to the run directory) -> the checkpoint directory."""
     which = ctx.cfg.export.checkpoint
     if which in ("best", "last"):
         outputs = (ctx.upstream.get("train") or {}).get("outputs") or {}
@@ -170,11 +189,36 @@ def checkpoint_of(ctx: StageContext) -> Path:
     else:
         path = which
     p = Path(path)
-    if not p.is_absolute() and not p.exists() and (ctx.run_dir / p).exists():
-        p = ctx.run_dir / p
+    if not p.is_absolute() and not p.exists() and (ctx.layout.root / p).exists():
+        p = ctx.layout.root / p
     if not p.is_dir():
         raise ValueError(f"export.checkpoint={which}: {p} is not a directory")
     return p
+
+
+# ------------------------------------------------------------------------------------------ eval
+def evaluate(ctx: StageContext) -> dict:
+    """Measure the exported drafter: acceptance, baselines, drift (rank 0 works; its outcome, summary or
+    error, reaches every rank, so a failed check, e.g. the engine's, does not leave the others waiting)."""
+    from fledge.evaluation.evaluate import evaluate_run
+
+    train_out = (ctx.upstream.get("train") or {}).get("outputs") or {}
+    return _on_main(ctx, lambda: evaluate_run(ctx.cfg, ctx.layout.prepare, ctx.layout.eval, drafter_dir_of(ctx),
+                                              ctx.world.device, metrics_path=ctx.layout.train.metrics,
+                                              train_al_estimate=train_out.get("best_al_estimate")))
+
+
+def eval_inputs(cfg: Config) -> dict:
+    return {"eval": dataclasses.asdict(cfg.eval)}
+
+
+def check_eval_sources(cfg: Config) -> None:
+    """Before eval runs: eval.long_context_source exists when set (a tiny recipe's names its build command)."""
+    from fledge.evaluation.long_context import check_long_source
+    from fledge.testbed.hints import build_hint
+
+    if cfg.eval.context_buckets and cfg.eval.long_context_source:
+        check_long_source(cfg.eval.long_context_source, hint=build_hint(cfg.eval.long_context_source))
 
 
 def drafter_dir_of(ctx: StageContext) -> Path:
@@ -185,3 +229,53 @@ def drafter_dir_of(ctx: StageContext) -> Path:
         raise ValueError("eval: the export stage's manifest names no drafter directory; run the export stage "
                          "(run.stages=[export,eval])")
     return Path(path)
+
+
+# ------------------------------------------------------------------------------------------ publish
+def publish(ctx: StageContext) -> dict:
+    """With export.push_to_hub: push the export and a model card of this run's own eval to the Hub (rank 0;
+    after eval, so the card carries what was measured). Without: nothing."""
+    from fledge.train.publish import publish_run
+
+    if not ctx.cfg.export.push_to_hub:
+        return {"pushed": False}
+    return _on_main(ctx, lambda: publish_run(ctx.cfg, ctx.layout, drafter_dir_of(ctx)))
+
+
+def publish_inputs(cfg: Config) -> dict:
+    return {"export": {k: getattr(cfg.export, k) for k in PUBLISH_KEYS}}
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def _on_main(ctx: StageContext, work: Callable[[], dict]) -> dict:
+    """Run ``work`` on rank 0 and give every rank its outcome: the summary, or its user error re-raised, so
+    no rank waits at a collective for a rank 0 that failed."""
+    result: dict[str, Any] = {}
+    if ctx.world.is_main:
+        try:
+            result = {"summary": work()}
+        except ValueError as e:
+            result = {"error": str(e)}
+    result = broadcast_object(result)
+    if "error" in result:
+        raise ValueError(result["error"])
+    return result["summary"]
+
+
+def _reads_the_store(cfg: Config) -> bool:
+    return cfg.capture.mode != "online"  # online training reads the target live: it needs prepare, not capture
+
+
+PIPELINE: tuple[Stage, ...] = (
+    Stage("prepare", prepare, prepare_inputs, target_files=True, check=check_sources,
+          key_names={"draft_vocab_size": "drafter.draft_vocab_size", "seed": "run.seed"}),
+    Stage("capture", capture, capture_inputs, upstream="prepare", target_files=True,
+          key_names={"aux_layer_ids": "drafter.aux_layer_ids"}),
+    Stage("train", train, train_inputs, upstream="capture", needs_upstream=_reads_the_store, done=trained_enough,
+          older_hashes=hash_before_layout_keys),
+    Stage("export", export, export_inputs, upstream="train", rebuild=True, target_files=True,
+          key_names={"speculative_tokens": "eval.draft_tokens"}),
+    Stage("eval", evaluate, eval_inputs, upstream="export", rebuild=True, check=check_eval_sources),
+    Stage("publish", publish, publish_inputs, upstream="eval", rebuild=True),
+)
+STAGES: dict[str, Stage] = {s.name: s for s in PIPELINE}

@@ -82,14 +82,6 @@ def check_publish(cfg: Config) -> None:
                          "HF_HUB_OFFLINE for this command, or set export.push_to_hub=false")
 
 
-def check_sources(cfg: Config) -> None:
-    """Every local data source exists (a testbed one names the command that builds it)."""
-    from fledge.data.prepare.sources import check_source
-
-    for src in [*cfg.data.sources, *cfg.data.eval_sources]:
-        check_source(src.path, build_hint(src.path))
-
-
 def check_target_path(name_or_path: str) -> None:
     """A target written as a path (absolute, or starting with . or ~) must exist before any stage runs;
     otherwise transformers reads it as a malformed hub id and fails deep inside a stage. A testbed target

@@ -25,8 +25,9 @@ def build_loaders(cfg: Config, ctx: StageContext, dtype: torch.dtype, rank: int 
     if cfg.capture.mode == "offline":
         from fledge.data.features.reader import FeatureLoader
 
-        loaders = tuple(FeatureLoader(ctx.run_dir / "capture" / split, rank, world_size, t.micro_batch_tokens,
-                                      t.micro_batch_size, cfg.run.seed, dtype=dtype) for split in ("train", "eval"))
+        loaders = tuple(FeatureLoader(ctx.layout.capture.store(split), rank, world_size, t.micro_batch_tokens,
+                                      t.micro_batch_size, cfg.run.seed, dtype=dtype,
+                                      stage_manifest=ctx.layout.manifest("capture")) for split in ("train", "eval"))
         for loader in loaders:
             loader.store.check_compatible(cfg.target, cfg.aux_layer_ids())
         return loaders
@@ -34,7 +35,7 @@ def build_loaders(cfg: Config, ctx: StageContext, dtype: torch.dtype, rank: int 
     from fledge.models.target import FrozenTarget
 
     target = FrozenTarget.load(cfg.target, w.device, cfg.aux_layer_ids(), cfg.capture.device_map)
-    return tuple(OnlineFeatureSource(ctx.run_dir / "prepare" / split, target, rank, world_size,
+    return tuple(OnlineFeatureSource(ctx.layout.prepare.split(split), target, rank, world_size,
                                      t.micro_batch_tokens, t.micro_batch_size, cfg.run.seed,
                                      chunk_tokens=cfg.capture.chunk_tokens)
                  for split in ("train", "eval"))

@@ -70,7 +70,7 @@ def run_training(ctx: StageContext) -> dict:
     """The train stage: build the TTT model and DeepSpeed engine, resume, train, checkpoint, evaluate."""
     cfg, world = ctx.cfg, ctx.world
     groups = sequence_groups(world, cfg.train.sequence_parallel)  # a bad size fails before any weight is read
-    model = build_ttt_model(cfg, ctx.run_dir, world.device)
+    model = build_ttt_model(cfg, ctx.layout.prepare.vocab, world.device)
     spec = model.drafter.spec
     check_heads(groups.size, spec.num_key_value_heads, spec.num_attention_heads)
     seq = SequenceParallel(groups, cfg.drafter.ttt_steps) if groups.size > 1 else None
@@ -85,7 +85,8 @@ def run_training(ctx: StageContext) -> dict:
     train_data, eval_data = build_loaders(cfg, ctx, dtype, groups.dp_rank, groups.dp_size)
     per_step = cfg.train.grad_accum * groups.dp_size  # global batches per optimizer step
 
-    ckpt_dir = ctx.stage_dir / "checkpoints"
+    paths = ctx.layout.train
+    ckpt_dir = paths.checkpoints
     tag = checkpoint.latest_tag(ckpt_dir)
     state = checkpoint.trainer_state(ckpt_dir, tag) if tag else {"step": 0, "best_al": None, "best_step": None}
     plan = checkpoint.resume_plan(state, cfg, per_step, train_data.global_batches_per_epoch)
@@ -115,7 +116,7 @@ def run_training(ctx: StageContext) -> dict:
 
     metrics_log = None
     if world.is_main:
-        metrics_log = MetricsLog(ctx.stage_dir / "metrics.jsonl", step, cfg.logging, cfg.run.name,
+        metrics_log = MetricsLog(paths.metrics, step, cfg.logging, cfg.run.name,
                                  {"recipe": cfg.recipe, "drafter": vars(cfg.drafter), "train": vars(cfg.train)})
     sigterm = _SigtermFlag()
     meter, tokens, nonfinite_run, skipped = RatioMeter(), 0, 0, int(state.get("skipped", 0))
@@ -195,7 +196,7 @@ def run_training(ctx: StageContext) -> dict:
                                                    {k: v for k, v in state.items() if k != "best_pending"},
                                                    meta, TTTModel.PREFIX, cfg.train.keep_last)
                 if state.pop("best_pending", False) and world.is_main:
-                    checkpoint.promote_best(last_drafter_dir, ctx.stage_dir / "best")
+                    checkpoint.promote_best(last_drafter_dir, paths.best)
                 world.barrier()
             if preempt:
                 raise Preempted(step)
@@ -204,8 +205,8 @@ def run_training(ctx: StageContext) -> dict:
         sigterm.restore()
         if metrics_log:
             metrics_log.close()
-    best = ctx.stage_dir / "best"
-    return {"steps": step, "last": str(last_drafter_dir), "best": str(best if best.exists() else last_drafter_dir),
+    return {"steps": step, "last": str(last_drafter_dir),
+            "best": str(paths.best if paths.best.exists() else last_drafter_dir),
             "best_step": state["best_step"], "best_al_estimate": state["best_al"], "skipped_steps": skipped,
             "global_batches": train_data.position, "global_batches_per_epoch": train_data.global_batches_per_epoch,
             "global_batches_per_step": per_step}

@@ -69,9 +69,9 @@ def drafter_meta(cfg: Config, spec) -> dict:
     }
 
 
-def build_ttt_model(cfg: Config, run_dir: Path, device: torch.device) -> TTTModel:
-    """Drafter from the target's config + the prepared draft vocab; embedding and teacher head from
-    the target's weights (read directly, without instantiating the target)."""
+def build_ttt_model(cfg: Config, vocab_path: Path, device: torch.device) -> TTTModel:
+    """Drafter from the target's config + the prepared draft vocab (``vocab_path``, the prepare stage's);
+    embedding and teacher head from the target's weights (read directly, without instantiating the target)."""
     from transformers import AutoConfig
 
     from fledge.data.prepare.vocab import DraftVocab
@@ -84,9 +84,9 @@ def build_ttt_model(cfg: Config, run_dir: Path, device: torch.device) -> TTTMode
     loss = build_loss(cfg.drafter)  # an unknown drafter.loss fails before any weight is read
     t = cfg.target
     hf_config = AutoConfig.from_pretrained(t.name_or_path, revision=t.revision, trust_remote_code=t.trust_remote_code)
-    vocab = DraftVocab.load(run_dir / "prepare" / "vocab.safetensors")
+    vocab = DraftVocab.load(vocab_path)
     if len(vocab.d2t) != cfg.drafter.draft_vocab_size:
-        raise ValueError(f"{run_dir / 'prepare'}: draft vocab has {len(vocab.d2t)} ids but "
+        raise ValueError(f"{vocab_path}: draft vocab has {len(vocab.d2t)} ids but "
                          f"drafter.draft_vocab_size={cfg.drafter.draft_vocab_size}; re-run prepare")
     spec = DrafterSpec.from_target_config(hf_config, cfg.drafter, cfg.aux_layer_ids())
     torch.manual_seed(cfg.run.seed)

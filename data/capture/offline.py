@@ -38,6 +38,7 @@ from fledge.data.features.store import (SCHEMA_VERSION, STORE_MANIFEST, ShardWri
 from fledge.conf.schema import CaptureConfig, TargetConfig
 from fledge.distributed import World, broadcast_object
 from fledge.models.target import FrozenTarget, check_target_config, target_fingerprint
+from fledge.run_layout import CaptureDir, PrepareDir
 
 log = logging.getLogger(__name__)
 SPLITS = ("train", "eval", "eval_perturbed")
@@ -170,11 +171,6 @@ def capture_split(target: FrozenTarget, dataset_dir: Path, store_dir: Path, cap:
     return sc.finish()
 
 
-def slice_record(stage_dir: Path, index: int) -> Path:
-    """The file that says slice ``index`` of an array capture finished (every split, every rank)."""
-    return stage_dir / "slices" / f"slice{index:05d}.json"
-
-
 def _array_spec(ids: list[int]) -> str:
     """[0, 1, 2, 5] -> "0-2,5" (sbatch --array syntax)."""
     runs: list[list[int]] = []
@@ -186,36 +182,36 @@ def _array_spec(ids: list[int]) -> str:
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def merge_slices(n: int, world: World, stage_dir: Path, splits: list[str], array_script: Path) -> dict:
+def merge_slices(n: int, world: World, stores: CaptureDir, splits: list[str], array_script: Path) -> dict:
     """Make the finished slices of an array capture one store per split (``store.json`` over every
     slice's rank indexes); raises ValueError naming the slices still missing and how to rerun them."""
-    records = [read_json(slice_record(stage_dir, i)) for i in range(n)]
+    records = [read_json(stores.slice_record(i)) for i in range(n)]
     missing = [i for i, r in enumerate(records) if not r or r.get("num_slices") != n]
     if missing:
         spec = _array_spec(missing)
         raise ValueError(
-            f"capture.num_slices={n}: slices {spec} have not finished (no {slice_record(stage_dir, missing[0])} "
+            f"capture.num_slices={n}: slices {spec} have not finished (no {stores.slice_record(missing[0])} "
             f"and the like); rerun them with `sbatch --array={spec} {array_script}` "
             f"(or run.stages=[capture] capture.slice_index=I for each), then run this again")
     meta = records[0]["meta"]
     odd = [i for i, r in enumerate(records) if r["meta"] != meta or sorted(r["splits"]) != sorted(splits)]
     if odd:
         raise ValueError(f"capture slices {_array_spec(odd)} were captured from another target or prepared data "
-                         f"than slice 0 ({slice_record(stage_dir, odd[0])}); delete those records and rerun "
+                         f"than slice 0 ({stores.slice_record(odd[0])}); delete those records and rerun "
                          f"them: sbatch --array={_array_spec(odd)} {array_script}")
     out: dict = {"mode": "offline", "capture_dtype": meta["capture_dtype"], "bytes_per_token": meta["bytes_per_token"],
                  "slices": n}
     slice_parts = [[f"{slice_dir('', i).name}/{rank_dir('', r).name}" for r in range(rec["world_size"])]
                    for i, rec in enumerate(records)]
     for split in splits:  # each slice whole first, so the message names the slices to redo
-        problems = [index_problem(stage_dir / split, ps, range(*rec["splits"][split]["range"]))
+        problems = [index_problem(stores.store(split), ps, range(*rec["splits"][split]["range"]))
                     for ps, rec in zip(slice_parts, records)]
         bad = [i for i, p in enumerate(problems) if p]
         if bad:
             spec = _array_spec(bad)
             raise ValueError(
                 f"capture.num_slices={n}: the {split} store's slices {spec} do not hold their samples exactly once "
-                f"({problems[bad[0]]}); delete {' and '.join(str(slice_dir(stage_dir / split, i)) for i in bad)}, "
+                f"({problems[bad[0]]}); delete {' and '.join(str(slice_dir(stores.store(split), i)) for i in bad)}, "
                 f"rerun them with `sbatch --array={spec} {array_script}` (or run.stages=[capture] "
                 f"capture.slice_index=I for each: {', '.join(f'capture.slice_index={i}' for i in bad)}), then run "
                 "this again")
@@ -223,9 +219,9 @@ def merge_slices(n: int, world: World, stage_dir: Path, splits: list[str], array
         total = records[0]["splits"][split]["of"]
         fields = dict(num_slices=n, slice_world_sizes=[r["world_size"] for r in records])
         # Every rank checks the indexes (so all raise together); rank 0 writes.
-        m = store_manifest(stage_dir / split, parts, meta, total, **fields)
+        m = store_manifest(stores.store(split), parts, meta, total, **fields)
         if world.is_main:
-            write_store_manifest(stage_dir / split, parts, meta, total, **fields)
+            write_store_manifest(stores.store(split), parts, meta, total, **fields)
         out.update({f"{split}_samples": m["num_samples"], f"{split}_tokens": m["num_tokens"],
                     f"{split}_bytes": sum(s["bytes"] for s in m["shards"]), f"{split}_shards": len(m["shards"])})
     world.barrier()
@@ -281,13 +277,11 @@ def describe_store(t: TargetConfig, aux_dtype: str, aux_layer_ids: list[int], nu
     }
 
 
-def engine_workdir(stage_dir: Path, slice_index: Optional[int]) -> Path:
+def engine_workdir(out: CaptureDir, slice_index: Optional[int]) -> Path:
     """Where ``capture.engine=vllm`` keeps its engines' files (request, token files, spool, connector,
-    log; one ``rankNNNNN`` directory per rank): ``capture/engine/``, or ``capture/engine/sliceNNNNN/``
-    for an array task, since the tasks of one capture run at the same time and each numbers its ranks
-    from 0."""
-    work = stage_dir / "engine"
-    return work if slice_index is None else slice_dir(work, slice_index)
+    log; one ``rankNNNNN`` directory per rank): the stage's engine directory, or its ``sliceNNNNN/`` for an
+    array task, since the tasks of one capture run at the same time and each numbers its ranks from 0."""
+    return out.engine_work if slice_index is None else slice_dir(out.engine_work, slice_index)
 
 
 def _fresh_done_dir(work: Path, world: World) -> Path:
@@ -303,7 +297,8 @@ def _fresh_done_dir(work: Path, world: World) -> Path:
 
 
 def capture_engine(target_cfg: TargetConfig, cap: CaptureConfig, aux_layer_ids: list[int], world: World,
-                   prep: Path, stage_dir: Path, splits: list[str], prepare_manifest: Optional[dict]) -> tuple[dict, dict]:
+                   prep: PrepareDir, out: CaptureDir, splits: list[str],
+                   prepare_manifest: Optional[dict]) -> tuple[dict, dict]:
     """``capture.engine=vllm``: every split through one vLLM run on this rank (data/capture/engine.py).
     Returns (store meta, {split: summary})."""
     from transformers import AutoConfig
@@ -329,13 +324,13 @@ def capture_engine(target_cfg: TargetConfig, cap: CaptureConfig, aux_layer_ids: 
     meta = describe_store(target_cfg, cap.dtype, aux_layer_ids, shape.num_hidden_layers, shape.hidden_size,
                           shape.vocab_size, str(dtype), prepare_manifest)
     meta["engine"] = "vllm"
-    states = {split: SplitCapture(prep / split, stage_dir / split, cap, world, meta) for split in splits}
+    states = {split: SplitCapture(prep.split(split), out.store(split), cap, world, meta) for split in splits}
     env = engine_env(world.device.type, world.rank, world.local_rank, world.world_size, cap.tensor_parallel_size,
                      cap.data_parallel_size, os.environ.get("MASTER_ADDR", "127.0.0.1"),
                      int(os.environ.get("MASTER_PORT", "29500")) + 1)
     parallel = {"tensor_parallel_size": cap.tensor_parallel_size, "expert_parallel": cap.expert_parallel,
                 "data_parallel_size": cap.data_parallel_size}
-    work = engine_workdir(stage_dir, cap.slice_index)
+    work = engine_workdir(out, cap.slice_index)
     if cap.data_parallel_size > 1:
         parallel.update(data_parallel_rank=world.rank, data_parallel_done=str(_fresh_done_dir(work, world)))
     result = capture_with_engine(states, python, target_cfg.name_or_path, target_cfg.revision,
@@ -348,10 +343,10 @@ def capture_engine(target_cfg: TargetConfig, cap: CaptureConfig, aux_layer_ids: 
     return meta, per_split
 
 
-def capture(target_cfg: TargetConfig, cap: CaptureConfig, aux_layer_ids: list[int], world: World, prep: Path,
-            stage_dir: Path, prepare_manifest: dict | None, array_script: Path) -> dict:
+def capture(target_cfg: TargetConfig, cap: CaptureConfig, aux_layer_ids: list[int], world: World, prep: PrepareDir,
+            out_dir: CaptureDir, prepare_manifest: dict | None, array_script: Path) -> dict:
     """Capture the states at ``aux_layer_ids`` of the target ``target_cfg`` names for every prepared split
-    of ``prep`` into ``stage_dir/<split>/`` (``cap.mode=offline``); a no-op online.
+    of ``prep`` into the feature stores of ``out_dir`` (``cap.mode=offline``); a no-op online.
 
     Array capture: with ``cap.slice_index`` set, capture that slice only, record it in
     ``capture/slices/`` and return a partial summary (the stage stays incomplete); with
@@ -359,24 +354,25 @@ def capture(target_cfg: TargetConfig, cap: CaptureConfig, aux_layer_ids: list[in
     if cap.mode == "online":
         log.warning("capture.mode=online: no feature store is written; the trainer runs the target itself")
         return {"mode": "online"}
-    if not (prep / "train").exists():
-        raise ValueError(f"{prep / 'train'} does not exist: run the prepare stage first (run.stages=[prepare,capture])")
-    splits = [s for s in SPLITS if (prep / s).exists()]
+    if not prep.split("train").exists():
+        raise ValueError(f"{prep.split('train')} does not exist: run the prepare stage first "
+                         "(run.stages=[prepare,capture])")
+    splits = [s for s in SPLITS if prep.split(s).exists()]
     part = cap.slice_index
     if part is None and cap.num_slices > 1:
-        out = merge_slices(cap.num_slices, world, stage_dir, splits, array_script)
+        out = merge_slices(cap.num_slices, world, out_dir, splits, array_script)
     else:
         if part is not None and world.is_main:
-            slice_record(stage_dir, part).unlink(missing_ok=True)  # this slice is being (re)written
+            out_dir.slice_record(part).unlink(missing_ok=True)  # this slice is being (re)written
         t0 = time.time()
         if cap.engine == "vllm":
-            meta, per_split = capture_engine(target_cfg, cap, aux_layer_ids, world, prep, stage_dir, splits,
+            meta, per_split = capture_engine(target_cfg, cap, aux_layer_ids, world, prep, out_dir, splits,
                                              prepare_manifest)
         else:
             target = FrozenTarget.load(target_cfg, world.device, aux_layer_ids, cap.device_map)
             meta = store_meta(target_cfg, cap.dtype, target, prepare_manifest)
             t0 = time.time()  # the forward's speed, not the load's
-            per_split = {split: capture_split(target, prep / split, stage_dir / split, cap, world, meta)
+            per_split = {split: capture_split(target, prep.split(split), out_dir.store(split), cap, world, meta)
                          for split in splits}
         out = {"mode": "offline", "capture_dtype": cap.dtype, "bytes_per_token": meta["bytes_per_token"],
                **({"engine": cap.engine} if cap.engine != "hf" else {})}
@@ -385,13 +381,13 @@ def capture(target_cfg: TargetConfig, cap: CaptureConfig, aux_layer_ids: list[in
         out["tokens_per_s"] = round(out.get("train_tokens", 0) / max(time.time() - t0, 1e-9), 1)
         if part is not None:
             if world.is_main:
-                write_json_atomic(slice_record(stage_dir, part), {
+                write_json_atomic(out_dir.slice_record(part), {
                     "slice_index": part, "num_slices": cap.num_slices, "world_size": world.world_size,
                     "meta": meta, "splits": per_split})
             log.info("capture slice %d of %d done; merge with capture.num_slices=%d (no slice_index) when all are",
                      part, cap.num_slices, cap.num_slices)
             return dict(out, complete=False, slice_index=part, num_slices=cap.num_slices)
-    out["store"] = {s: str(stage_dir / s / STORE_MANIFEST) for s in splits}
+    out["store"] = {s: str(out_dir.store(s) / STORE_MANIFEST) for s in splits}
     return out
 
 

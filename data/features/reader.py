@@ -27,15 +27,19 @@ from fledge.models.weights import is_contained
 class FeatureStore:
     """A finished store: ``len(store)`` samples, sorted by prepared-sample id; ``store[i]`` is a dict."""
 
-    def __init__(self, store_dir: str | Path, max_open_shards: int = 16, dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, store_dir: str | Path, max_open_shards: int = 16, dtype: torch.dtype = torch.bfloat16,
+                 stage_manifest: Path | None = None):
+        """``stage_manifest``: the manifest of the stage that wrote the store, named in the advice on capturing
+        a slice again (the pipeline's, fledge/run_layout.py)."""
         self.dir = Path(store_dir)
+        self.stage_manifest = stage_manifest
         m = read_json(self.dir / STORE_MANIFEST)
         if not m or not m.get("complete"):
             raise ValueError(f"{self.dir}: no complete {STORE_MANIFEST}; run the capture stage "
                              f"(run.stages=[capture]) to finish the store")
         if m.get("schema_version") != SCHEMA_VERSION:
             raise ValueError(f"{self.dir / STORE_MANIFEST}: schema_version={m.get('schema_version')}, this code "
-                             f"reads {SCHEMA_VERSION}; {recapture_advice(self.dir, m)}")
+                             f"reads {SCHEMA_VERSION}; {recapture_advice(self.dir, m, stage_manifest=stage_manifest)}")
         self.manifest = m
         self.dtype = dtype
         self.num_aux = len(m["aux_layer_ids"])
@@ -78,7 +82,7 @@ class FeatureStore:
                 continue  # not written in the recipe: nothing to compare
             if have[key] != v:
                 raise ValueError(f"feature store {self.dir} was captured with {key}={have[key]!r} but the "
-                                 f"config has {key}={v!r}; {recapture_advice(self.dir, m)} or fix {key}")
+                                 f"config has {key}={v!r}; {recapture_advice(self.dir, m, stage_manifest=self.stage_manifest)} or fix {key}")
 
     def _shard(self, path: str):
         from safetensors import safe_open
@@ -90,12 +94,12 @@ class FeatureStore:
         if path not in self._verified:
             if path not in self._sha:
                 raise ValueError(f"feature shard {full} is in an index but not in {self.dir / STORE_MANIFEST}; "
-                                 f"{recapture_advice(self.dir, self.manifest, path)}")
+                                 f"{recapture_advice(self.dir, self.manifest, path, self.stage_manifest)}")
             if not full.exists():
-                raise ValueError(f"feature shard {full} is missing; {recapture_advice(self.dir, self.manifest, path)}")
+                raise ValueError(f"feature shard {full} is missing; {recapture_advice(self.dir, self.manifest, path, self.stage_manifest)}")
             if sha256_file(full) != self._sha[path]:
                 raise ValueError(f"feature shard {full} fails its sha256 checksum (corrupt or modified); "
-                                 f"{recapture_advice(self.dir, self.manifest, path)}")
+                                 f"{recapture_advice(self.dir, self.manifest, path, self.stage_manifest)}")
             self._verified.add(path)
         handle = safe_open(str(full), framework="pt")  # mmap: slices read only their byte ranges
         self._open[path] = handle
@@ -216,8 +220,8 @@ class FeatureLoader(BatchIterator):
     store against the run with ``loader.store.check_compatible`` first."""
 
     def __init__(self, store_dir: str | Path, rank: int, world: int, row_tokens: int, rows_per_batch: int,
-                 seed: int, dtype: torch.dtype = torch.bfloat16):
-        self.store = FeatureStore(store_dir, dtype=dtype)
+                 seed: int, dtype: torch.dtype = torch.bfloat16, stage_manifest: Path | None = None):
+        self.store = FeatureStore(store_dir, dtype=dtype, stage_manifest=stage_manifest)
         super().__init__(self.store.lengths, rank, world, row_tokens, rows_per_batch, seed)
 
     def fetch(self, indices: list[int]) -> list[dict]:

@@ -49,22 +49,24 @@ def slice_dir(store_dir: str | Path, index: int) -> Path:
     return Path(store_dir) / f"slice{index:05d}"
 
 
-def recapture_advice(store_dir: str | Path, manifest: Optional[dict], shard: Optional[str] = None) -> str:
+def recapture_advice(store_dir: str | Path, manifest: Optional[dict], shard: Optional[str] = None,
+                     stage_manifest: Optional[Path] = None) -> str:
     """How to capture a bad store (or the slice holding ``shard``, a path relative to the store) again.
     run.force=[capture] for a plain store; an array-captured store refuses it (conf/schema.py), so there
-    the slice is deleted and rerun, and merged again."""
+    the slice is deleted and rerun, and merged again. ``stage_manifest``: the capture stage's manifest, which
+    must go too so the stage runs again (the pipeline passes its path)."""
     n = int((manifest or {}).get("num_slices") or 1)
     if n <= 1:
         return "capture again (run.force=[capture])"
-    stage = Path(store_dir).parent
     part = Path(shard).parts[0] if shard else ""
     if part.startswith("slice") and part[5:].isdigit():
         i = int(part[5:])
-        return (f"capture that slice again: delete {slice_dir(store_dir, i)} and {stage / 'manifest.json'}, run "
+        manifest_path = stage_manifest or "the capture stage's manifest"
+        return (f"capture that slice again: delete {slice_dir(store_dir, i)} and {manifest_path}, run "
                 f"run.stages=[capture] capture.num_slices={n} capture.slice_index={i}, then merge "
                 f"(run.stages=[capture] capture.num_slices={n})")
-    return (f"capture again: delete {stage}, run every slice (run.stages=[capture] capture.num_slices={n} "
-            f"capture.slice_index=I), then merge (capture.num_slices={n})")
+    return (f"capture again: delete {Path(store_dir).parent}, run every slice (run.stages=[capture] "
+            f"capture.num_slices={n} capture.slice_index=I), then merge (capture.num_slices={n})")
 
 
 def bytes_per_token(num_aux: int, hidden_size: int, aux_dtype: str) -> int:

@@ -1,7 +1,7 @@
 """The ``prepare`` stage: chat data -> tokenized conversations with assistant-only loss masks + draft vocab.
 
-Output under ``ctx.stage_dir`` (built in ``.build`` and renamed into place, so a failure leaves nothing
-half-written under a final name):
+Output in the prepare stage's directory (fledge/run_layout.py ``PrepareDir``; built in its staging
+directory and renamed into place, so a failure leaves nothing half-written under a final name):
 
 * ``train/``, ``eval/``, ``eval_perturbed/`` (when perturbation is on): ``datasets`` Arrow datasets with
   ``input_ids`` (int32), ``loss_mask`` (int8 0/1), ``source`` (the source path as configured) and
@@ -35,6 +35,7 @@ from fledge.data.prepare.perturb import chosen, perturb
 from fledge.data.prepare.sources import DataError, iter_rows, normalize
 from fledge.data.prepare.vocab import DraftVocab, count_masked, load_cached, save_with_key, tokenizer_fingerprint, vocab_key
 from fledge.conf.schema import DataConfig, SourceConfig, TargetConfig
+from fledge.run_layout import PrepareDir
 
 log = logging.getLogger(__name__)
 SHOW_ERRORS = 5
@@ -158,28 +159,28 @@ def tokenize_split(convs: list[dict], renderer: ChatRenderer, data: DataConfig, 
     return out, [convs[i] for i in keep], counts
 
 
-def prepare(data: DataConfig, target: TargetConfig, draft_vocab_size: int, run_seed: int, stage_dir: Path) -> dict:
-    """Build the prepare outputs (see the module docstring) of ``data`` for ``target`` in ``stage_dir``, with a
+def prepare(data: DataConfig, target: TargetConfig, draft_vocab_size: int, run_seed: int, out: PrepareDir) -> dict:
+    """Build the prepare outputs (see the module docstring) of ``data`` for ``target`` in ``out``, with a
     draft vocab of ``draft_vocab_size`` ids; returns the summary. ``run_seed`` (run.seed) is added to
     ``data.seed``. One process does this (the pipeline runs it on rank 0)."""
     seed = data.seed + run_seed
-    build = stage_dir / ".build"
-    shutil.rmtree(build, ignore_errors=True)
-    build.mkdir(parents=True)
+    build = out.staging()
+    shutil.rmtree(build.root, ignore_errors=True)
+    build.root.mkdir(parents=True)
     try:
-        summary = _build(data, target, draft_vocab_size, seed, stage_dir, build)
-        for name in sorted(os.listdir(build)):
+        summary = _build(data, target, draft_vocab_size, seed, out, build)
+        for name in sorted(os.listdir(build.root)):
             if not name.startswith("."):
-                dest = stage_dir / name
+                dest = out.root / name
                 shutil.rmtree(dest, ignore_errors=True) if dest.is_dir() else dest.unlink(missing_ok=True)
-                os.replace(build / name, dest)
+                os.replace(build.root / name, dest)
     finally:
-        shutil.rmtree(build, ignore_errors=True)
+        shutil.rmtree(build.root, ignore_errors=True)
     return summary
 
 
-def _build(data: DataConfig, target: TargetConfig, draft_vocab_size: int, seed: int, stage_dir: Path,
-           build: Path) -> dict:
+def _build(data: DataConfig, target: TargetConfig, draft_vocab_size: int, seed: int, out: PrepareDir,
+           build: PrepareDir) -> dict:
     tok = load_tokenizer(target, data.chat_template)
     renderer = ChatRenderer(tok, data.last_turn_only, data.thinking_in_mask,
                             eot_ids_from_target(target.name_or_path, target.revision))
@@ -203,10 +204,10 @@ def _build(data: DataConfig, target: TargetConfig, draft_vocab_size: int, seed: 
     for name, convs in splits.items():
         if not convs:
             continue
-        ds, kept, counts[name] = tokenize_split(convs, renderer, data, errors, build, name)
-        ds.save_to_disk(str(build / name))
+        ds, kept, counts[name] = tokenize_split(convs, renderer, data, errors, build.root, name)
+        ds.save_to_disk(str(build.split(name)))
         if name != "train":
-            _write_jsonl(build / f"{name}_conversations.jsonl", kept)
+            _write_jsonl(build.conversations(name), kept)
         lengths = np.fromiter((len(x) for x in ds["input_ids"]), dtype=np.int64, count=len(ds))
         stats[name] = {"conversations": len(ds), "tokens": int(lengths.sum())}
         if name == "train":
@@ -215,14 +216,14 @@ def _build(data: DataConfig, target: TargetConfig, draft_vocab_size: int, seed: 
             for ids, mask in zip(ds["input_ids"], ds["loss_mask"]):
                 count_masked(ids, mask, V, vc)
             stats[name]["masked_tokens"] = int(vc.sum())
-    vocab_meta = _draft_vocab(vc, draft_vocab_size, tok, stage_dir, build)
+    vocab_meta = _draft_vocab(vc, draft_vocab_size, tok, out, build)
     tc = counts["train"]
     summary = {
         "kept": tc["ok"] + tc["truncated"], "truncated": tc["truncated"], "dropped": tc["dropped"],
         "skipped": errors.count, "tokens": stats["train"]["tokens"], "masked_tokens": stats["train"]["masked_tokens"],
         "draft_vocab_coverage": vocab_meta["coverage"], "splits": stats, "status_counts": counts,
         "errors_first": errors.first, **describe(renderer),
-        "paths": {name: str(stage_dir / name) for name in sorted(os.listdir(build)) if not name.startswith(".")},
+        "paths": {name: str(out.root / name) for name in sorted(os.listdir(build.root)) if not name.startswith(".")},
     }
     log.info("prepare: kept %d, truncated %d, dropped %d, skipped %d bad rows; %d tokens, %d masked; draft vocab "
              "%d covers %.2f%% of masked tokens", summary["kept"], summary["truncated"], summary["dropped"],
@@ -230,22 +231,22 @@ def _build(data: DataConfig, target: TargetConfig, draft_vocab_size: int, seed: 
              100 * vocab_meta["coverage"])
     for e in errors.first:
         log.warning("prepare: skipped %s", e)
-    write_json_atomic(build / "summary.json", summary)
+    write_json_atomic(build.summary, summary)
     return summary
 
 
-def _draft_vocab(counts: np.ndarray, Vd: int, tok, stage_dir: Path, build: Path) -> dict:
+def _draft_vocab(counts: np.ndarray, Vd: int, tok, out: PrepareDir, build: PrepareDir) -> dict:
     """Build (or reuse, when the key matches) the draft vocab of ``Vd`` ids over the training counts."""
     import hashlib
 
     if Vd > len(counts):
         raise ValueError(f"drafter.draft_vocab_size={Vd} exceeds the target's vocab ({len(counts)})")
     key = vocab_key(hashlib.sha256(counts.tobytes()).hexdigest(), tokenizer_fingerprint(tok), Vd)
-    vocab = load_cached(stage_dir, key)
+    vocab = load_cached(out.vocab, out.vocab_meta, key)
     reused = vocab is not None
     if vocab is None:
         vocab = DraftVocab.build(counts, Vd)
-    return save_with_key(vocab, build, key, {"reused": reused})
+    return save_with_key(vocab, build.vocab, build.vocab_meta, key, {"reused": reused})
 
 
 def _write_jsonl(path: Path, convs: list[dict]) -> None:

@@ -3,8 +3,9 @@
 ``selected`` holds them in ascending order; ``d2t[i] = selected[i] - i`` (the offset engines add to a draft
 id), ``t2d`` is a bool mask over the target vocab. Ties in frequency break toward the smaller id, and
 when fewer than ``Vd`` ids were seen the rest is filled the same way (count 0, ascending id), so a map is
-a pure function of (counts, Vd). On disk: ``vocab.safetensors`` (d2t, t2d, counts) beside ``vocab.json``
-whose ``key`` hashes the data, the tokenizer and Vd; :func:`load_cached` refuses a map with another key.
+a pure function of (counts, Vd). On disk: a safetensors file (d2t, t2d, counts) beside a json whose ``key``
+hashes the data, the tokenizer and Vd (the prepare stage's ``vocab.safetensors`` and ``vocab.json``,
+fledge/run_layout.py); :func:`load_cached` refuses a map with another key.
 """
 
 from __future__ import annotations
@@ -101,21 +102,21 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return h.hexdigest()[:20]
 
 
-def load_cached(directory: str | Path, key: str) -> DraftVocab | None:
-    """The draft vocab saved in ``directory`` if its key matches ``key``; None when absent or stale."""
-    d = Path(directory)
-    meta = read_json(d / "vocab.json")
-    if not meta or meta.get("key") != key or not (d / "vocab.safetensors").exists():
+def load_cached(path: str | Path, meta_path: str | Path, key: str) -> DraftVocab | None:
+    """The draft vocab saved at ``path`` if its key (in ``meta_path``) matches ``key``; None when absent or
+    stale."""
+    meta = read_json(meta_path)
+    if not meta or meta.get("key") != key or not Path(path).exists():
         return None
-    return DraftVocab.load(d / "vocab.safetensors")
+    return DraftVocab.load(path)
 
 
-def save_with_key(vocab: DraftVocab, directory: str | Path, key: str, extra: dict | None = None) -> dict:
-    """Write ``vocab.safetensors`` and ``vocab.json`` (key, Vd, V, coverage); returns the json."""
-    d = Path(directory)
-    vocab.save(d / "vocab.safetensors")
+def save_with_key(vocab: DraftVocab, path: str | Path, meta_path: str | Path, key: str,
+                  extra: dict | None = None) -> dict:
+    """Write the vocab to ``path`` and its key, Vd, V and coverage to ``meta_path``; returns that json."""
+    vocab.save(path)
     meta = {"key": key, "draft_vocab_size": vocab.size, "vocab_size": len(vocab.t2d),
             "coverage": round(vocab.coverage(), 6), "masked_tokens": int(vocab.counts.sum()),
             "distinct_ids": int((vocab.counts > 0).sum()), **(extra or {})}
-    write_json_atomic(d / "vocab.json", meta)
+    write_json_atomic(meta_path, meta)
     return meta

@@ -34,10 +34,10 @@ def _cfg(root: Path, run: str, *extra: str):
 
 def _run_here(root: Path, run: str, *extra: str) -> dict:
     from fledge.distributed import World
+    from fledge.train.pipeline import PIPELINE
     from fledge.train.runner import run_stages
-    from fledge.train.pipeline import STAGES
 
-    return run_stages(_cfg(root, run, *extra), World(0, 1, 0, torch.device("cpu")), STAGES)
+    return run_stages(_cfg(root, run, *extra), World(0, 1, 0, torch.device("cpu")), PIPELINE)
 
 
 def _manifest(root: Path, run: str) -> dict:
@@ -127,10 +127,13 @@ def test_a_broken_slice_is_one_line_whose_advice_merges(tmp_path):
 
     assert FeatureStore(tmp_path / "b" / "capture" / "train").sample_ids == list(range(N))
 
-    # A merged store's corrupt shard: the reader's advice names that slice (run.force is refused here too).
+    # A merged store's corrupt shard: the reader's advice names that slice and the stage's manifest, as the
+    # trainer opens the store (train/train_data.py); run.force is refused here too.
+    from fledge.run_layout import RunLayout
+
     shard = slice1 / "rank00000" / "shard-00000.safetensors"
     shard.write_bytes(shard.read_bytes()[:-1] + b"x")
-    store = FeatureStore(tmp_path / "b" / "capture" / "train")
+    store = FeatureStore(tmp_path / "b" / "capture" / "train", stage_manifest=RunLayout(tmp_path / "b").manifest("capture"))
     with pytest.raises(ValueError, match="sha256") as err:
         [store[i] for i in range(len(store))]
     advice = str(err.value)

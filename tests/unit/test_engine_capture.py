@@ -140,11 +140,11 @@ def test_config_keys():
 def test_capture_inputs_hash():
     """HF stores keep their hash (no engine key exists for them); the engine's python and patience never
     re-run a capture; switching the engine does."""
-    from fledge.train.runner import config_slice
+    from fledge.train.pipeline import capture_inputs
 
-    hf = config_slice(compose(["recipe=tiny"]), "capture")["capture"]
+    hf = capture_inputs(compose(["recipe=tiny"]))["capture"]
     assert not {"engine", "tensor_parallel_size", "engine_python", "engine_timeout_s"} & set(hf)
-    vllm = config_slice(compose(["recipe=tiny", "capture.engine=vllm"]), "capture")
-    moved = config_slice(compose(["recipe=tiny", "capture.engine=vllm", "capture.engine_python=/x/python",
-                                  "capture.engine_timeout_s=5"]), "capture")
+    vllm = capture_inputs(compose(["recipe=tiny", "capture.engine=vllm"]))
+    moved = capture_inputs(compose(["recipe=tiny", "capture.engine=vllm", "capture.engine_python=/x/python",
+                                    "capture.engine_timeout_s=5"]))
     assert vllm == moved and vllm["capture"]["engine"] == "vllm"

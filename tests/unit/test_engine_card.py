@@ -4,9 +4,16 @@ import json
 
 from conftest import CARD_SPEC as SPEC, CARD_TARGET as TARGET, random_state_dict
 from fledge.serving.export import training_record, write_drafter
-from fledge.serving.hub import build_model_card
+from fledge.run_layout import RunLayout
+from fledge.serving.card import build_model_card
+from fledge.train.publish import measured_by_run
 from fledge.serving.serving_config import serving_config
 
+
+
+def _measured(run):
+    """What the run measured of its export, as the publish stage hands it to the card (train/publish.py)."""
+    return measured_by_run(RunLayout(run), run / "export" / "drafter")
 
 
 def _acc(al, per_pos, drafts=10):
@@ -30,7 +37,7 @@ def _run(tmp_path, engine: bool):
             "target": "org/target-model", "dtype": "float32", "max_model_len": 600, "seed": 0, "max_new_tokens": 32,
             "stop_token_ids": [5], "env": {"VLLM_CPU_KVCACHE_SPACE": "1"}, "sets": {"default": [[1, 2]]}}))
     (run / "eval" / "report.json").write_text(json.dumps(report))
-    # a complete eval of this export: the card takes figures from nothing else (serving/hub.py)
+    # a complete eval of this export: the card takes figures from nothing else (train/publish.py)
     (run / "eval" / "manifest.json").write_text(json.dumps({"complete": True, "outputs": {
         "sets": {"default": {"al": 2.3}}}}))
     return run
@@ -38,7 +45,7 @@ def _run(tmp_path, engine: bool):
 
 def test_card_carries_the_engine_table_and_the_reproducing_call(tmp_path):
     run = _run(tmp_path, engine=True)
-    text = str(build_model_card(run / "export" / "drafter", "org/drafter", run, speculative_tokens=2)[0])
+    text = str(build_model_card(run / "export" / "drafter", "org/drafter", _measured(run), speculative_tokens=2)[0])
     assert "## Measured by the serving engine" in text and "**vllm 0.32.0** on CPU: Xeon, 2 cores" in text
     assert "| default | 8 | 2.25 | 2.30 | 1.50 | 0.75 0.50 | 40.0 -> 81.5 |" in text
     assert ("LLM(model='org/target-model', dtype='float32', max_model_len=600, seed=0" in text
@@ -51,5 +58,5 @@ def test_card_carries_the_engine_table_and_the_reproducing_call(tmp_path):
 
 def test_card_without_an_engine_run_has_no_engine_section(tmp_path):
     run = _run(tmp_path, engine=False)
-    text = str(build_model_card(run / "export" / "drafter", "org/drafter", run)[0])
+    text = str(build_model_card(run / "export" / "drafter", "org/drafter", _measured(run))[0])
     assert "Measured by the serving engine" not in text and "not measured" not in text

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fledge.run_layout import EvalDir, RunLayout
 from fledge.evaluation.eval_sets import (EVAL_SETS, SPEED_BENCH_CATEGORIES, SPEED_BENCH_LENGTHS, check_set_names,
                                    fit_prompt, load_conversations, render_prompts)
 from test_evaluate import _eval_cfg, _tokenizer, run  # noqa: F401  (run: the random target + export fixture)
@@ -205,7 +206,8 @@ def test_eval_stage_reports_named_sets(run, tmp_path, monkeypatch):  # noqa: F81
     cfg.eval.num_prompts, cfg.eval.temperature, cfg.eval.heldout_steps, cfg.eval.max_new_tokens = 2, 0.0, 1, 8
     cfg.eval.max_prompt_tokens, cfg.eval.drift_depth = 200, 1
     out = tmp_path / "eval"
-    summary = E.evaluate_run(cfg, run / "run", out, run / "run/export/drafter", torch.device("cpu"))
+    summary = E.evaluate_run(cfg, RunLayout(run / "run").prepare, EvalDir(out), run / "run/export/drafter",
+                             torch.device("cpu"))
     report = json.loads((out / "report.json").read_text())
     assert list(report["sets"]) == ["mt_bench", "speed_bench_coding"]
     for name in ("mt_bench", "speed_bench_coding"):

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fledge.run_layout import EvalDir, RunLayout
 from fledge.atomic import write_json_atomic
 from fledge.evaluation.speculative import DecodeResult, Round
 from fledge.evaluation.evaluate import acceptance_stats, distinct_ngram_ratio
@@ -98,14 +99,15 @@ def _eval_cfg(run):
 def evaluated(run):
     """The eval stage run once on ``run``: (its stage dir, the stage's summary)."""
     from fledge.distributed import World
+    from fledge.run_layout import RunLayout
     from fledge.train.pipeline import evaluate as run_stage
-    from fledge.train.pipeline import StageContext
+    from fledge.train.runner import StageContext
 
     stage_dir = run / "run/eval"
     stage_dir.mkdir()
     cfg = _eval_cfg(run)
     cfg.eval.context_buckets, cfg.eval.bucket_prompts = [32, 64], 1  # AL vs context length (evaluation/long_context.py)
-    ctx = StageContext(cfg, World(0, 1, 0, torch.device("cpu")), run / "run", stage_dir,
+    ctx = StageContext(cfg, World(0, 1, 0, torch.device("cpu")), RunLayout(run / "run"), "eval",
                        {"export": {"outputs": {"drafter": str(run / "run/export/drafter")}}})
     return stage_dir, run_stage(ctx)
 
@@ -162,7 +164,8 @@ def test_eval_measures_the_drafter_config_json_describes(run, tmp_path, monkeypa
 
     monkeypatch.setattr(E, "evaluate_set", first_set)
     with pytest.raises(Measured) as seen:
-        E.evaluate_run(_eval_cfg(run), run / "run", tmp_path / "eval", drafter_dir, torch.device("cpu"))
+        E.evaluate_run(_eval_cfg(run), RunLayout(run / "run").prepare, EvalDir(tmp_path / "eval"), drafter_dir,
+                       torch.device("cpu"))
     measured = seen.value.args[0]
     assert {k: getattr(measured.spec, k) for k in planted} == planted
     trained = load_drafter(drafter_dir, embed_weight=measured.embed_tokens.weight)  # the record's drafter
@@ -341,7 +344,8 @@ def test_report_and_compare_are_strict_json_when_no_prompt_is_non_degenerate(run
     cfg = _eval_cfg(run)
     cfg.eval.sets, cfg.eval.num_prompts, cfg.eval.temperature = ["default"], 2, 0.0
     cfg.eval.degenerate_threshold = 1.01  # no output's distinct-3-gram ratio reaches it: every prompt degenerate
-    E.evaluate_run(cfg, run / "run", tmp_path / "r31" / "eval", run / "run/export/drafter", torch.device("cpu"))
+    E.evaluate_run(cfg, RunLayout(run / "run").prepare, EvalDir(tmp_path / "r31" / "eval"), run / "run/export/drafter",
+                   torch.device("cpu"))
     report = _strict_json(tmp_path / "r31" / "eval" / "report.json")
     s = report["sets"]["default"]
     assert s["non_degenerate_prompts"] == 0 and s["drafter_non_degenerate"]["al"] is None

@@ -8,7 +8,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from fledge.run_layout import RunLayout
 from fledge.train.pipeline import export as run_stage
+from fledge.train.runner import StageContext
 from conftest import random_state_dict
 from fledge.serving.export import from_serving_state_dict, to_serving_state_dict, write_drafter
 from fledge.models.families import rope_of
@@ -142,10 +144,8 @@ class _World:
         pass
 
 
-class _Ctx:
-    def __init__(self, cfg, run_dir, upstream):
-        self.cfg, self.world, self.run_dir, self.upstream = cfg, _World(), run_dir, upstream
-        self.stage_dir = run_dir / "export"
+def _ctx(cfg, run_dir, upstream) -> StageContext:
+    return StageContext(cfg, _World(), RunLayout(run_dir), "export", upstream)
 
 
 def _checkpoint(path: Path, config: dict, spec: dict, target_name: str) -> Path:
@@ -164,7 +164,7 @@ def test_export_stage_writes_lints_and_summarises(tmp_path):
                                   "drafter.draft_vocab_size=128"])
     config = serving_config(TINY_TARGET, TINY_SPEC, [2, 4, 5], 128)
     ckpt = _checkpoint(tmp_path / "run" / "train" / "best", config, TINY_SPEC, str(target_dir))
-    ctx = _Ctx(cfg, tmp_path / "run", {"train": {"outputs": {"best": str(ckpt), "last": str(ckpt)}}})
+    ctx = _ctx(cfg, tmp_path / "run", {"train": {"outputs": {"best": str(ckpt), "last": str(ckpt)}}})
     summary = run_stage(ctx)
     out = Path(summary["drafter"])
     assert summary["lint_errors"] == 0 and "config.json" in summary["files"]

@@ -8,7 +8,10 @@ import pytest
 from conftest import CARD_SPEC as SPEC, CARD_TARGET as TARGET, random_state_dict
 from hub_stub import Stub, commit_files, serve
 from fledge.serving.export import training_record, write_drafter
-from fledge.serving.hub import build_model_card, push_to_hub
+from fledge.run_layout import RunLayout
+from fledge.serving.card import build_model_card
+from fledge.serving.hub import push_to_hub
+from fledge.train.publish import measured_by_run
 from fledge.serving.serving_config import serving_config
 
 TOKEN = "hf_secret_token_for_the_stub"
@@ -41,7 +44,8 @@ def run_dir(tmp_path):
 
 
 def test_model_card_content(run_dir):
-    card, plots = build_model_card(run_dir / "export" / "drafter", "org/drafter", run_dir, speculative_tokens=4)
+    drafter = run_dir / "export" / "drafter"
+    card, plots = build_model_card(drafter, "org/drafter", measured_by_run(RunLayout(run_dir), drafter), speculative_tokens=4)
     text = str(card)
     assert card.data.base_model == "org/target-model" and card.data.datasets == ["org/chat-data"]
     assert "vllm serve org/target-model --speculative-config" in text
@@ -56,7 +60,8 @@ def test_model_card_content(run_dir):
 def test_push_uploads_export_and_card(hub, run_dir, caplog, capsys):
     caplog.set_level(logging.DEBUG)
     drafter = run_dir / "export" / "drafter"
-    url = push_to_hub(drafter, "org/drafter", private=True, run_dir=run_dir, target_config=TARGET,
+    url = push_to_hub(drafter, "org/drafter", private=True, measured=measured_by_run(RunLayout(run_dir), drafter),
+                      target_config=TARGET,
                       endpoint=hub, base_delay=0.0)
     assert url.endswith("/commit/abc")
     create = [json.loads(b) for p, _, b in Stub.calls if p == "/api/repos/create"][0]
@@ -104,13 +109,15 @@ def test_the_card_leaves_out_an_eval_of_another_export(run_dir, stale):
     else:
         (run_dir / "eval" / "report.json").write_text(json.dumps({"drafter": str(run_dir / "elsewhere")}))
     (run_dir / "eval" / "manifest.json").write_text(json.dumps(m))
-    card, plots = build_model_card(run_dir / "export" / "drafter", "org/drafter", run_dir)
+    drafter = run_dir / "export" / "drafter"
+    card, plots = build_model_card(drafter, "org/drafter", measured_by_run(RunLayout(run_dir), drafter))
     assert "2.875" not in str(card) and "No eval-stage results" in str(card) and plots == []
     m["read"] = {"export": "new"}
     (run_dir / "eval" / "manifest.json").write_text(json.dumps(m))
     (run_dir / "eval" / "report.json").write_text(json.dumps({"drafter": str(run_dir / "export" / "drafter")}))
-    assert "| default | 0.710 | 2.875 |" in str(build_model_card(run_dir / "export" / "drafter", "org/drafter",
-                                                                   run_dir)[0])  # its own eval: shown
+    drafter = run_dir / "export" / "drafter"
+    assert "| default | 0.710 | 2.875 |" in str(build_model_card(drafter, "org/drafter",
+                                                                   measured_by_run(RunLayout(run_dir), drafter))[0])
 
 
 def test_the_publish_stage_pushes_after_eval_what_this_eval_measured(hub, tmp_path, monkeypatch):
@@ -124,7 +131,6 @@ def test_the_publish_stage_pushes_after_eval_what_this_eval_measured(hub, tmp_pa
     import fledge.train.runner as runner
     import fledge.train.pipeline as stages
     from fledge.conf import compose
-    from fledge.conf.schema import STAGES
     from fledge.distributed import init_world
 
     monkeypatch.setattr(constants, "ENDPOINT", hub)  # what HF_ENDPOINT sets
@@ -146,7 +152,8 @@ def test_the_publish_stage_pushes_after_eval_what_this_eval_measured(hub, tmp_pa
             return {}
         return run
 
-    fns = {s: stages.STAGES[s] if s == "publish" else replace(stages.STAGES[s], run=fake(s)) for s in STAGES}
+    fns = tuple(s if s.name == "publish" else replace(s, run=fake(s.name), check=lambda cfg: None)
+                for s in stages.PIPELINE)
     cfg = lambda *o: compose(["recipe=tiny", f"run.output_root={tmp_path}", f"target.name_or_path={tmp_path}",
                               "export.repo_id=org/drafter", *o])
     world = init_world()

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from fledge.run_layout import RunLayout
 from safetensors.torch import save_file
 
 from fledge.conf import compose
@@ -28,7 +30,7 @@ def _overrides(target: Path, vd: int = VD, *extra: str) -> list[str]:
 
 def _vocab(run: Path, counts: torch.Tensor, vd: int) -> DraftVocab:
     vocab = DraftVocab.build(counts, vd)
-    vocab.save(run / "prepare" / "vocab.safetensors")
+    vocab.save(RunLayout(run).prepare.vocab)
     return vocab
 
 
@@ -40,7 +42,7 @@ def exported(random_tiny_target, tmp_path_factory):
     counts = torch.randint(1, 1000, (V,), generator=torch.Generator().manual_seed(0))
     vocab = _vocab(root / "a", counts, VD)
     cfg = compose(_overrides(random_tiny_target))
-    model = build_ttt_model(cfg, root / "a", torch.device("cpu"))
+    model = build_ttt_model(cfg, RunLayout(root / "a").prepare.vocab, torch.device("cpu"))
     torch.manual_seed(1)
     with torch.no_grad():
         for p in model.drafter.parameters():
@@ -70,7 +72,7 @@ def test_fine_tuning_keeps_the_runs_vocab_and_moves_the_rows(random_tiny_target,
     new_vocab = _vocab(tmp_path, _other_vocab(counts, old_vocab, vd), vd)
     assert not torch.equal(new_vocab.t2d, old_vocab.t2d)
     cfg = compose(_overrides(random_tiny_target, vd, f"drafter.init_from={root / 'export'}"))
-    model: TTTModel = build_ttt_model(cfg, tmp_path, torch.device("cpu"))
+    model: TTTModel = build_ttt_model(cfg, RunLayout(tmp_path).prepare.vocab, torch.device("cpu"))
     d = model.drafter
     # The old code loaded the export's d2t/t2d over the run's: the teacher head (new vocab) and the
     # drafter's own map disagreed from the first step.
@@ -100,4 +102,4 @@ def test_a_drafter_of_another_layout_is_refused_naming_the_key(random_tiny_targe
     _vocab(tmp_path, counts, VD)
     cfg = compose(_overrides(random_tiny_target, VD, f"drafter.init_from={root / 'export'}", override))
     with pytest.raises(ValueError, match=rf"init_from=.* has {key}=.* but this run has {key}="):
-        build_ttt_model(cfg, tmp_path, torch.device("cpu"))
+        build_ttt_model(cfg, RunLayout(tmp_path).prepare.vocab, torch.device("cpu"))

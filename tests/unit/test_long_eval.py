@@ -130,7 +130,8 @@ def test_missing_tiny_target_names_its_build_command():
     """Before any stage runs, a testbed target or data file that is not built yet names its build command
     (testbed/hints.py); the libraries below say only that the path is missing."""
     from fledge.conf import compose
-    from fledge.train.preflight import check_sources, check_target_path
+    from fledge.train.pipeline import check_sources
+    from fledge.train.preflight import check_target_path
 
     for path, cmd in ((".cache/tiny_target/long", "--budget long`"), (".cache/tiny_target/quick", "--budget quick`"),
                       (".cache/tiny_target/moe-quick", "--budget quick --family moe`")):

@@ -5,6 +5,8 @@ import math
 import pytest
 import torch
 
+from fledge.run_layout import RunLayout
+
 from conftest import FLAGS, make_drafter, packed_batch
 from fledge.models.alignment import ttt_states
 from fledge.train.loss import ttt_loss
@@ -298,12 +300,13 @@ def test_a_registered_loss_is_what_the_trainer_builds_and_runs(double_ce, random
     from fledge.train.ttt_model import build_ttt_model
 
     counts = torch.randint(0, 100, (4096,), generator=torch.Generator().manual_seed(0))
-    DraftVocab.build(counts, 64).save(tmp_path / "prepare" / "vocab.safetensors")
+    DraftVocab.build(counts, 64).save(RunLayout(tmp_path).prepare.vocab)
     base = ["recipe=tiny", f"target.name_or_path={random_tiny_target}", "drafter.draft_vocab_size=64",
             "drafter.loss_chunk_size=7"]
     out = {}
     for name in ("ttt_ce", "double_ce"):
-        model = build_ttt_model(compose([*base, f"drafter.loss={name}"]), tmp_path, torch.device("cpu"))
+        model = build_ttt_model(compose([*base, f"drafter.loss={name}"]), RunLayout(tmp_path).prepare.vocab,
+                                torch.device("cpu"))
         assert model.loss.name == name
         res = model(_batch_for(model.drafter.spec))
         res.loss.backward()

@@ -4,16 +4,13 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from chat_templates import QWEN3, make_tokenizer
-from fledge.train.pipeline import prepare as run_stage
+from fledge.data.prepare.build import prepare
 from fledge.data.prepare.vocab import DraftVocab
 from fledge.conf.schema import Config, DataConfig, PerturbConfig, SourceConfig
-from fledge.distributed import World
-from fledge.train.pipeline import StageContext
+from fledge.run_layout import PrepareDir
 
-WORLD = World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 WORDS = "hello there the quick brown fox jumps over lazy dog weather Paris sunny answer question".split()
 
 
@@ -54,7 +51,7 @@ def _cfg(target, src, out, **data):
 
 def _run(cfg, out):
     out.mkdir(parents=True, exist_ok=True)
-    return run_stage(StageContext(cfg, WORLD, out.parent, out, {}))
+    return prepare(cfg.data, cfg.target, cfg.drafter.draft_vocab_size, cfg.run.seed, PrepareDir(out))
 
 
 def test_prepare_outputs(target, tmp_path):

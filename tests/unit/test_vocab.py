@@ -29,12 +29,13 @@ def test_save_load_and_key(tmp_path):
     counts = rng.integers(0, 50, size=100)
     v = DraftVocab.build(counts, 17)
     k = vocab_key("data-a", "tok", 17)
-    meta = save_with_key(v, tmp_path, k)
+    path, meta_path = tmp_path / "v.safetensors", tmp_path / "v.json"
+    meta = save_with_key(v, path, meta_path, k)
     assert meta["coverage"] == pytest.approx(v.coverage(), abs=1e-6)
-    w = load_cached(tmp_path, k)
+    w = load_cached(path, meta_path, k)
     assert torch.equal(w.d2t, v.d2t) and torch.equal(w.t2d, v.t2d) and torch.equal(w.counts, v.counts)
-    assert load_cached(tmp_path, vocab_key("data-b", "tok", 17)) is None  # other data: stale
-    assert load_cached(tmp_path, vocab_key("data-a", "tok", 16)) is None  # other Vd: stale
-    assert load_cached(tmp_path, vocab_key("data-a", "tok2", 17)) is None  # other tokenizer: stale
+    assert load_cached(path, meta_path, vocab_key("data-b", "tok", 17)) is None  # other data: stale
+    assert load_cached(path, meta_path, vocab_key("data-a", "tok", 16)) is None  # other Vd: stale
+    assert load_cached(path, meta_path, vocab_key("data-a", "tok2", 17)) is None  # other tokenizer: stale
     with pytest.raises(ValueError, match="outside the target vocab"):
         count_masked([3, 200], [1, 1], 100)

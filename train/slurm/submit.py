@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from fledge.conf.schema import STAGES
+from fledge.run_layout import RunLayout
 
 SLURM_DIR = Path(__file__).resolve().parent  # the templates beside this file ship with the package
 ALL_STAGES = "[" + ",".join(STAGES) + "]"  # publish does nothing without export.push_to_hub
@@ -59,6 +60,7 @@ class Job:
     path: Path
     text: str
     depends_on: Optional[str] = None  # shell variable holding the upstream job id
+    logs: Optional[Path] = None  # where Slurm writes its log (sbatch does not create the directory)
 
 
 def render(template: str, sbatch: dict[str, Optional[str]], knobs: dict[str, Union[str, list[str]]]) -> str:
@@ -106,8 +108,8 @@ def plan(kind: str, args: argparse.Namespace, overrides: list[str]) -> list[Job]
                          "capture array tasks must run the capture stage alone)")
     if args.array:  # what every array task will compose (train.launch adds the slice overrides)
         compose([*overrides, "run.stages=[capture]", f"capture.num_slices={args.array}", "capture.slice_index=0"])
-    run_dir = Path(cfg.run.output_root) / cfg.run.name
-    abs_run_dir = run_dir if run_dir.is_absolute() else Path.cwd() / run_dir
+    layout = RunLayout.of(cfg.run)
+    layout = RunLayout(Path.cwd() / layout.root)  # the nodes' working directory may be another (an absolute root stays)
     user = [o for o in overrides if not o.startswith(("recipe=", "run.name=", "run.output_root="))]
 
     def job(name: str, template: str, stages: str, res: Resources, extra: list[str], launch: list[str],
@@ -121,14 +123,14 @@ def plan(kind: str, args: argparse.Namespace, overrides: list[str]) -> list[Job]
             "gpus-per-node": str(res.gpus_per_node) if res.gpus_per_node else None,
             "cpus-per-task": str(res.cpus_per_task),
             "time": args.time or res.time[slot],
-            "output": str(abs_run_dir / "logs" / ("%x-%A_%a.out" if array else "%x-%j.out")),
+            "output": str(layout.logs / ("%x-%A_%a.out" if array else "%x-%j.out")),
             "partition": args.partition, "account": args.account, "array": array,
         }
         knobs = {"RECIPE": cfg.recipe, "RUN_NAME": cfg.run.name, "OUTPUT_ROOT": cfg.run.output_root,
                  "STAGES": stages, "OVERRIDES": user + extra, "LAUNCH_ARGS": launch,
                  "FLEDGE_ROOT": str(Path.cwd()), "PYTHON": args.python}
         text = render((SLURM_DIR / template).read_text(), sbatch, knobs)
-        return Job(name, abs_run_dir / "slurm" / f"{name}.sbatch", text, depends_on)
+        return Job(name, layout.slurm_script(name), text, depends_on, layout.logs)
 
     jobs: list[Job] = []
     slices = ["capture.num_slices=%d" % args.array] if args.array else []
@@ -196,7 +198,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         for j in jobs:
             write_bytes_atomic(j.path, j.text.encode())
-            (j.path.parent.parent / "logs").mkdir(parents=True, exist_ok=True)  # sbatch won't create it
+            j.logs.mkdir(parents=True, exist_ok=True)  # sbatch won't create it
             print(f"submit: wrote {j.path}", file=sys.stderr)
     print("\n".join(commands(jobs)))
     return 0

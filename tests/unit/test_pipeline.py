@@ -1,0 +1,28 @@
+"""The pipeline is defined once (train/pipeline.py PIPELINE): the schema's stage names, the runner's order, its
+upstream links and its hashes all come from the records."""
+
+import ast
+from pathlib import Path
+
+from fledge.conf import compose
+from fledge.conf.schema import STAGES
+from fledge.train.pipeline import PIPELINE
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_schema_lists_the_records_stages_in_order():
+    assert tuple(s.name for s in PIPELINE) == STAGES  # conf/schema.py cannot import train/: held here
+    names = [s.name for s in PIPELINE]
+    for i, s in enumerate(PIPELINE):
+        assert s.upstream is None if i == 0 else s.upstream in names[:i], s.name  # each reads an earlier stage
+
+
+def test_each_record_gives_its_inputs_and_the_runner_names_no_stage():
+    """Every stage's inputs come from its record; the runner is generic (no stage name in its code)."""
+    cfg = compose(["recipe=tiny"])
+    for s in PIPELINE:
+        assert isinstance(s.inputs(cfg), dict) and s.inputs(cfg), s.name
+    tree = ast.parse((ROOT / "train" / "runner.py").read_text())
+    consts = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    assert not consts & set(STAGES), consts & set(STAGES)
