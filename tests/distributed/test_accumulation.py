@@ -2,7 +2,7 @@
 (train/loss.py step_denominators, train/deepspeed_setup.py gradient_divisor): under DeepSpeed itself (gloo, fp32),
 one rank with grad_accum=2 and two ranks with one micro-batch each hand the optimizer the gradient of one
 batch holding both micro-batches' rows, whose counted rows differ 7-fold, and log that batch's loss. The
-loss-level equality with the old normalisation as a control is tests/unit/test_loss.py::
+loss-level equality with the old normalisation as a control is tests/unit/train/test_loss.py::
 test_two_micro_batches_train_like_one_batch_holding_both."""
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers.paths import REPO as ROOT
 import torch
 
 pytestmark = pytest.mark.distributed
-ROOT = Path(__file__).resolve().parents[2]
 LAYOUTS = {"whole": 1, "accum": 1, "ranks": 2}  # layout -> ranks
 
 
@@ -25,10 +26,9 @@ def step(tmp_path_factory, layout: str, stage: int) -> tuple[dict[str, torch.Ten
     from safetensors.torch import load_file
 
     out = tmp_path_factory.mktemp(f"{layout}_zero{stage}")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(LAYOUTS[layout]),
-           "tests/distributed/accumulation_entry.py", str(out), layout, str(stage)]
+           "-m", "tests.helpers.accumulation_entry", str(out), layout, str(stage)]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     return load_file(str(out / "grads.safetensors")), json.loads((out / "loss.json").read_text())

@@ -10,36 +10,15 @@ import time
 from pathlib import Path
 
 import torch
-from conftest import descendants
+from tests.helpers.capture import H, L, N, V, prepare_runs
+from tests.helpers.paths import REPO
+from tests.helpers.processes import descendants
 
-REPO = Path(__file__).resolve().parents[2]
-ENTRY = Path(__file__).with_name("capture_entry.py")
-L, H, V, N = 6, 48, 128, 96
-
-
-def _prepare(root: Path) -> None:
-    from datasets import Dataset
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(hidden_size=H, intermediate_size=96, num_hidden_layers=L, num_attention_heads=4,
-                                 num_key_value_heads=2, vocab_size=V, max_position_embeddings=256)
-                     ).save_pretrained(root / "target")
-    g = torch.Generator().manual_seed(1)
-    for run in ("a", "b"):
-        for split, n in (("train", N), ("eval", 10)):
-            g.manual_seed(hash(split) % 1000)
-            lens = torch.randint(4, 60, (n,), generator=g).tolist()
-            Dataset.from_dict({
-                "input_ids": [torch.randint(0, V, (k,), generator=g).int().tolist() for k in lens],
-                "loss_mask": [torch.randint(0, 2, (k,), generator=g).to(torch.int8).tolist() for k in lens],
-            }).save_to_disk(str(root / run / "prepare" / split))
-        (root / run / "prepare" / "manifest.json").write_text(
-            json.dumps({"stage": "prepare", "inputs_hash": "fake", "complete": True, "outputs": {}}))
 
 
 def _cmd(root: Path, run: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ENTRY),
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+            "tests.helpers.capture_entry",
             "recipe=tiny", f"run.name={run}", f"run.output_root={root}", "run.stages=[capture]",
             f"target.name_or_path={root / 'target'}", "target.dtype=float32", f"target.num_hidden_layers={L}",
             f"target.hidden_size={H}", f"target.vocab_size={V}", "drafter.draft_vocab_size=64", "drafter.aux_layer_ids=[2,3,4]",
@@ -62,7 +41,7 @@ def _shards(d: Path, rank: int) -> int:
 
 
 def test_kill9_then_resume_is_byte_identical(tmp_path):
-    _prepare(tmp_path)
+    prepare_runs(tmp_path)
     subprocess.run(_cmd(tmp_path, "a"), cwd=REPO, env=_env(), check=True, timeout=240, capture_output=True)
 
     proc = subprocess.Popen(_cmd(tmp_path, "b"), cwd=REPO, env=_env(slow=0.15),

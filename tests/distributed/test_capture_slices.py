@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_capture_resume import H, L, N, V, _prepare
+from tests.helpers.capture import H, L, N, V, prepare_runs
+from tests.helpers.paths import REPO
 
 pytestmark = pytest.mark.distributed
-REPO = Path(__file__).resolve().parents[2]
 TARGET = ["recipe=tiny", "target.dtype=float32", f"target.num_hidden_layers={L}", f"target.hidden_size={H}",
           f"target.vocab_size={V}", "drafter.draft_vocab_size=64", "drafter.aux_layer_ids=[2,3,4]",
           "capture.shard_size_mb=0.02", "capture.batch_tokens=256"]
@@ -47,7 +47,7 @@ def _manifest(root: Path, run: str) -> dict:
 def test_slices_then_merge_equal_a_plain_capture(tmp_path):
     from fledge.data.features.reader import FeatureLoader, FeatureStore
 
-    _prepare(tmp_path)  # prepared runs "a" and "b" with the same data
+    prepare_runs(tmp_path)  # prepared runs "a" and "b" with the same data
     _run_here(tmp_path, "a", "run.stages=[capture]")  # the plain reference
 
     task = ["run.stages=[capture]", "capture.num_slices=2"]
@@ -101,7 +101,7 @@ def test_a_broken_slice_is_one_line_whose_advice_merges(tmp_path):
     slices); following it, the merge completes."""
     import shutil
 
-    _prepare(tmp_path)
+    prepare_runs(tmp_path)
     task = ["run.stages=[capture]", "capture.num_slices=2"]
     for i in (0, 1):
         _run_here(tmp_path, "b", *task, f"capture.slice_index={i}")

@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 
 from fledge.evaluation.report import read_metrics
+from tests.helpers.paths import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 
 # (stage, how its output is compared): "files" = every file byte-for-byte plus the manifest;
 # "manifest" = the manifest's outputs only (training writes wall-clock logs; its numbers are the contract).

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from hub_stub import Stub, commit_files, serve
+from tests.helpers.hub_stub import Stub, commit_files, serve
+from tests.helpers.paths import REPO as ROOT
 
 pytestmark = pytest.mark.distributed
-ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
        "WANDB_MODE": "disabled", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
 SMALL = ["drafter.ttt_steps=2", "drafter.draft_vocab_size=1024", "train.micro_batch_tokens=256",

@@ -3,7 +3,7 @@ rows split over two ranks with DeepSpeed-Ulysses equals the one-rank loss, in va
 in every metric, for EAGLE-3 and EAGLE-3.1, with documents that cross the split point. Negative control: the
 same shards attending only to their own rows (no exchange) give gradients far from the one-rank ones.
 The trainer-level runs (sp=2 vs sp=1 losses, resume, universal resume) are in test_train.py; the bad-config
-lines in tests/unit/test_sequence_split.py."""
+lines in tests/unit/train/test_sequence_parallel.py."""
 
 from __future__ import annotations
 
@@ -15,17 +15,17 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.paths import REPO as ROOT
+
 pytestmark = pytest.mark.distributed
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("sp") / "report.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", str(31500 + os.getpid() % 2000), "tests/distributed/sp_entry.py", str(out)]
+           "--master_port", str(31500 + os.getpid() % 2000), "-m", "tests.helpers.sp_entry", str(out)]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     return json.loads(out.read_text())

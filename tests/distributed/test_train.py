@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from fledge.evaluation.report import read_metrics
+from tests.helpers.paths import REPO as ROOT
 
 pytestmark = pytest.mark.distributed
-ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
        "WANDB_MODE": "disabled", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
 STEPS = 6

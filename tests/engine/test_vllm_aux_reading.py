@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 
-from conftest import engine_marks
+from tests.helpers.engine import engine_marks
 from fledge.conf.schema import DrafterConfig, default_aux_layer_ids
 from fledge.serving import dialects
 from fledge.models.drafter import DrafterSpec

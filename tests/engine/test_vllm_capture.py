@@ -28,9 +28,10 @@ import torch
 
 from fledge.data.features.reader import FeatureStore
 from fledge.engine_process import engine_python
-from conftest import descendants, engine_marks
+from tests.helpers.engine import engine_marks
+from tests.helpers.paths import REPO as ROOT
+from tests.helpers.processes import descendants
 
-ROOT = Path(__file__).resolve().parents[2]
 ENGINE = engine_python()
 pytestmark = engine_marks()
 # The kill -9 resume test (about 2 minutes: a second engine start-up and a killed run) stays out of CI's

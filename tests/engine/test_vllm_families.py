@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import engine_marks
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers.engine import engine_marks
+from tests.helpers.paths import REPO as ROOT
 pytestmark = engine_marks()
 
 

@@ -26,16 +26,15 @@ from pathlib import Path
 import pytest
 
 from fledge.serving.engine import acceptance, engine_python, run_driver, speculative_config
-from conftest import engine_marks
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers.engine import engine_marks
+from tests.helpers.paths import REPO as ROOT
 GOLDEN = json.loads((ROOT / "recipes" / "tiny" / "golden.json").read_text())
 ENGINE = engine_python()
 pytestmark = engine_marks()
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
        "WANDB_MODE": "disabled", "DS_ACCELERATOR": "cpu"}
 EAGLE3_STEPS = 40
-# CI serves what issue 17 asks of every export within its 30-minute budget; FLEDGE_ENGINE_FULL=1 also serves the
+# CI serves what every export must pass (docs/serving.md) within its 30-minute budget; FLEDGE_ENGINE_FULL=1 also serves the
 # EAGLE-3 drafter's speculators export, the aux-shift fault and the qwen3 layer kind, and every prompt set.
 FULL = os.environ.get("FLEDGE_ENGINE_FULL") == "1"
 # What fledge lint says about each planted fault (the eval stage's message quotes it).
@@ -137,7 +136,7 @@ def variants(served, eagle3_run, qwen3_run, tmp_path_factory, tiny_target):
     """({name: engine acceptance + outputs}, {name: dir}): the speculators dialect of the shared checkpoint,
     the EAGLE-3 drafter in both dialects, the qwen3-layer drafter and the three planted faults, served in one driver run on the eval
     stage's own default-set request (same prompts, stop ids and engine settings)."""
-    from faults import FAULTS, plant
+    from tests.helpers.faults import FAULTS, plant
 
     from fledge.conf.compose import compose
     from fledge.serving.export import export_checkpoint, load_target_config
@@ -241,7 +240,7 @@ def test_the_eval_stage_fails_on_a_served_fault_with_the_causes(served, tmp_path
     """The real eval stage (a few prompts) on an export whose config.json lost the EAGLE-3.1 feedback flag:
     vLLM serves it, and the stage fails naming the causes and the linter, after writing its report."""
     import torch
-    from faults import plant
+    from tests.helpers.faults import plant
 
     from fledge.conf.compose import compose
     from fledge.evaluation.evaluate import evaluate_run

@@ -54,8 +54,8 @@ def test_bf16_gradients_stay_accurate_near_convergence(impl):
     """train/loss.py's shared-teacher path in bf16 on tensor cores, drafter close to its teacher (KL ~0.004):
     gradients against fp64 within 1.5x of the standard error (fp32 math, rounded to bf16 once). On a GPU this
     is where the hi/lo split of fp32 operands (the kernel's softmax weights, mm_f32) shows: rounding them
-    to bf16 alone costs ~3.5% (tests/loss_precision.py holds the problem)."""
-    from loss_precision import near_converged, reference_grads, rel_err, shared_teacher_grads
+    to bf16 alone costs ~3.5% (tests/helpers/loss_precision.py holds the problem)."""
+    from tests.helpers.loss_precision import near_converged, reference_grads, rel_err, shared_teacher_grads
 
     problem = near_converged(n=2048, h=1024, vd=8000, steps=3, eps=0.03, device=DEV)
     want_dy, want_dw, kl = reference_grads(problem, torch.float64)
@@ -125,7 +125,7 @@ def test_torch_rms_norm_is_fused_on_cuda():
 
 
 def test_drafter_trains_the_same_with_triton_norms():
-    from conftest import make_drafter, packed_batch
+    from tests.helpers.models import make_drafter, packed_batch
     from fledge.train.loss import ttt_loss
 
     losses = {}
@@ -142,7 +142,7 @@ def test_drafter_trains_the_same_with_triton_norms():
 def test_ttt_loss_with_the_kernel_matches_the_torch_path():
     """train/loss.py on CUDA: the shared-teacher loss through the Triton logsumexp (auto) equals its torch
     chunks (loss_impl=torch), values and every gradient (fp32)."""
-    from conftest import make_drafter, packed_batch
+    from tests.helpers.models import make_drafter, packed_batch
     from fledge.train.loss import ttt_loss
 
     out = {}

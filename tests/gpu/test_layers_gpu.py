@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import target_config
-
+from tests.helpers.models import target_config
 from fledge.conf.schema import DrafterConfig
 from fledge.data.features.batch import FeatureBatch
 from fledge.models.drafter import DrafterSpec, Eagle3Drafter

@@ -1,4 +1,4 @@
-"""torchrun entry for test_accumulation.py: one optimizer step of the TTT loss under DeepSpeed (fp32, gloo,
+"""torchrun entry (``-m tests.helpers.accumulation_entry``) for tests/distributed/test_accumulation.py: one optimizer step of the TTT loss under DeepSpeed (fp32, gloo,
 ZeRO stage argv[3]) on two micro-batches with very different numbers of counted rows, laid out as argv[2]:
 ``whole`` (1 rank, one batch holding both), ``accum`` (1 rank, grad_accum=2) or ``ranks`` (2 ranks x 1). It
 runs the trainer's step (train/trainer.py): the step's denominators first, then per micro-batch forward,
@@ -13,12 +13,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from conftest import FLAGS, make_drafter, packed_batch  # noqa: E402  (tests/ is on PYTHONPATH: the test puts it there)
+from tests.helpers.models import FLAGS, make_drafter, packed_batch
 
-from fledge.data.features.batch import FeatureBatch  # noqa: E402
-from fledge.train.deepspeed_setup import gradient_divisor  # noqa: E402
-from fledge.train.loss import SoftCrossEntropy  # noqa: E402
-from fledge.train.ttt_model import TTTModel  # noqa: E402
+from fledge.data.features.batch import FeatureBatch
+from fledge.train.deepspeed_setup import gradient_divisor
+from fledge.train.loss import SoftCrossEntropy
+from fledge.train.ttt_model import TTTModel
 
 STEPS = 3
 

@@ -1,5 +1,5 @@
 """A near-converged TTT soft-CE problem in bf16 and its gradients, for the shared-teacher loss's precision tests
-(tests/unit/test_loss.py on the torch path; tests/unit/test_kernels_interpret.py for the Triton kernel).
+(tests/unit/train/test_loss.py on the torch path; tests/unit/models/test_kernels_interpret.py for the Triton kernel).
 
 The drafter is close to its teacher (W_d = W_t + noise, y_k at row r = teacher state r+1+k + noise), so the
 gradient (softmax(b) - p) W is a small difference of two large terms: where bf16 rounding of either term

@@ -4,7 +4,7 @@
 family recipes (tiny_moe, tiny_mla: target build + recipe, ~7 min of CPU on 2 cores) at the lowest CPU
 priority from the start of a pytest session, so they use the cores the rest of the suite leaves idle (engine
 and interpreter start-ups, I/O); the ``tiny_family_run`` fixture then waits for their result files instead
-of starting them. ``python tests/recipe_runs.py OUT moe mla`` writes ``OUT/<family>.json`` per family.
+of starting them. ``python -m tests.helpers.recipe_runs OUT moe mla`` writes ``OUT/<family>.json`` per family.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers.paths import REPO as ROOT
 
 
 def run_recipe(recipe: str, target, out: Path) -> tuple[Path, str]:

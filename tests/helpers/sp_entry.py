@@ -1,4 +1,4 @@
-"""torchrun entry for test_sequence_parallel.py (2 gloo ranks): one TTT loss and its gradients on packed
+"""torchrun entry (``-m tests.helpers.sp_entry``) for tests/distributed/test_sequence_parallel.py (2 gloo ranks): one TTT loss and its gradients on packed
 multi-document rows, once whole on every rank (sp=1) and once split over the two ranks (sp=2, Ulysses), for
 each drafter flavour; plus a negative control whose shards attend only to their own rows. Rank 0 writes
 the largest differences as JSON to argv[1]."""
@@ -10,12 +10,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from conftest import FLAGS, make_drafter  # noqa: E402  (tests/ is on PYTHONPATH: the test puts it there)
+from tests.helpers.models import FLAGS, make_drafter
 
-from fledge.data.features.batch import FeatureBatch  # noqa: E402
-from fledge.distributed import World, all_reduce_sum, sequence_groups  # noqa: E402
-from fledge.train.loss import SoftCrossEntropy  # noqa: E402
-from fledge.train.sequence_parallel import RowShard, SequenceParallel  # noqa: E402
+from fledge.data.features.batch import FeatureBatch
+from fledge.distributed import World, all_reduce_sum, sequence_groups
+from fledge.train.loss import SoftCrossEntropy
+from fledge.train.sequence_parallel import RowShard, SequenceParallel
 
 STEPS = 3
 

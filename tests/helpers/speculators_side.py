@@ -1,7 +1,7 @@
 """The speculators side of the parity check (tests/oracle/test_speculators_parity.py); run it only with the
 oracle environment first on the path: PYTHONPATH=.oracle/site (speculators 0.9.0, transformers 5.19).
 
-    python tests/oracle/speculators_side.py DRAFTER_DIR INPUTS.safetensors OUT.safetensors STEPS [DECAY]
+    python tests/helpers/speculators_side.py DRAFTER_DIR INPUTS.safetensors OUT.safetensors STEPS [DECAY]
 
 Loads a Fledge export in the speculators dialect with speculators' own loader (strict about keys), runs
 its TTT forward on the inputs (CPU: sdpa attention) and saves the logits of every step, plus what its

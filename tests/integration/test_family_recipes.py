@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 
 import pytest
+from tests.helpers.paths import REPO as ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 FAMILIES = {
     # family: (architecture the hf dialect writes, the layer-specific config keys vLLM reads)
     "moe": ("LlamaForCausalLMEagle3", {"head_dim": 32}),

@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.helpers.paths import REPO as ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = json.loads((ROOT / "recipes" / "tiny" / "golden.json").read_text())
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
        "WANDB_MODE": "disabled", "DS_ACCELERATOR": "cpu"}

@@ -1,4 +1,4 @@
-"""Parity with an independent implementation: vLLM's `speculators` (SPEC.md section 9).
+"""Parity with an independent implementation: vLLM's `speculators` (docs/testing.md, The environments).
 
 A Fledge drafter exported in the speculators dialect must load into speculators 0.9.0's own
 Eagle3DraftModel with no missing or unexpected tensor (this checks the dialect's names, `fc_norm.*`
@@ -23,8 +23,8 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from tests.helpers.paths import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 SITE = Path(os.environ.get("FLEDGE_ORACLE_SITE", REPO / ".oracle" / "site"))
 STEPS = 4
 
@@ -71,7 +71,7 @@ def _run_speculators(drafter_dir: Path, x: dict, tmp: Path, decay: float | None 
     ids[:, :-1] = x["input_ids"][:, 1:]
     save_file({**x, "input_ids": ids, "document_ids": x["document_ids"].long()}, tmp / "inputs.safetensors")
     env = dict(os.environ, PYTHONPATH=str(SITE), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    proc = subprocess.run([sys.executable, str(REPO / "tests/oracle/speculators_side.py"), str(drafter_dir),
+    proc = subprocess.run([sys.executable, str(REPO / "tests/helpers/speculators_side.py"), str(drafter_dir),
                            str(tmp / "inputs.safetensors"), str(tmp / "out.safetensors"), str(STEPS),
                            *([] if decay is None else [str(decay)])],
                           env=env, cwd=tmp, capture_output=True, text=True, timeout=300)
@@ -82,7 +82,7 @@ def _run_speculators(drafter_dir: Path, x: dict, tmp: Path, decay: float | None 
 
 def _export(target: Path, flags: dict, draft_vocab: int, out: Path, seed: int = 3) -> tuple[Path, dict, list[int]]:
     """A random drafter (norm weights near 1) for the target, exported in the speculators dialect."""
-    from conftest import random_state_dict
+    from tests.helpers.models import random_state_dict
     from fledge.serving.export import write_drafter
     from fledge.serving.serving_config import serving_config
 
@@ -125,7 +125,7 @@ def test_speculators_loads_the_export_and_computes_the_same_logits(flags, random
 
 
 def test_speculators_training_loss_has_fledges_gradients(random_tiny_target, tmp_path):
-    """The TTT loss (SPEC.md section 4) against speculators' training forward: the same gradient for every
+    """The TTT loss (docs/architecture.md, Training-time test) against speculators' training forward: the same gradient for every
     parameter both train. The case is chosen where the two conventions coincide: one document, the full
     vocab as draft vocab (no out-of-vocab rows), speculators' step decay = Fledge's step weight.
     speculators' KL and Fledge's soft cross-entropy differ by the teacher's entropy, which has no

@@ -16,8 +16,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from tests.helpers.paths import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted(p.stem for p in (REPO / "conf" / "recipe").glob("*.yaml"))
 LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
 

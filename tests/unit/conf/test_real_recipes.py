@@ -19,8 +19,8 @@ import torch
 from fledge.models.families import read_target, text_config_dict
 from fledge.serving.lint import compose_recipe, format_findings, has_errors, lint_drafter
 from fledge.serving.serving_config import expected_tensors, serving_config
+from tests.helpers.paths import REPO as ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 RECIPES = {  # recipe: (family, drafter intermediate_size, drafter head_dim, aux ids)
     "qwen3_moe": ("qwen3_moe", 6144, 128, [2, 24, 45]),
     "deepseek_v3": ("deepseek_v3", 18432, 56, [2, 30, 58]),

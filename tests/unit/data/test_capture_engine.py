@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import random_llama
+from tests.helpers.models import random_llama
 from fledge.conf.compose import compose
 from fledge.data.capture.engine import (DRIVER, TargetHead, check_boundary_convention, check_parallel, engine_env,
                                         engine_layer_ids, split_columns)
 from fledge.models.target import FrozenTarget
+from tests.helpers.paths import REPO as ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 AUX, L = [2, 3, 4], 6
 
 

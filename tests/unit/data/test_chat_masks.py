@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from chat_templates import CHATML, LLAMA3, MARKERS, MISTRAL, QWEN3, make_tokenizer
+from tests.helpers.chat_templates import CHATML, LLAMA3, MARKERS, MISTRAL, QWEN3, make_tokenizer
 from fledge.data.prepare.chat import ChatRenderer
 from fledge.data.prepare.sources import DataError, normalize
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from chat_templates import QWEN3, make_tokenizer
+from tests.helpers.chat_templates import QWEN3, make_tokenizer
 from fledge.data.prepare.build import prepare
 from fledge.data.prepare.vocab import DraftVocab
 from fledge.conf.schema import Config, DataConfig, PerturbConfig, SourceConfig

@@ -108,7 +108,7 @@ def test_in_process_tiny_llama(tmp_path):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from chat_templates import CHATML, make_tokenizer
+    from tests.helpers.chat_templates import CHATML, make_tokenizer
 
     tok = make_tokenizer(CHATML, eos="<|im_end|>")
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""Draft vocab per SPEC.md section 5: top-Vd by masked count, d2t offsets, t2d, caching by key."""
+"""Draft vocab per docs/architecture.md, The draft vocabulary: top-Vd by masked count, d2t offsets, t2d, caching by key."""
 
 import numpy as np
 import pytest

@@ -12,9 +12,10 @@ import torch
 from fledge.run_layout import EvalDir, RunLayout
 from fledge.evaluation.eval_sets import (EVAL_SETS, SPEED_BENCH_CATEGORIES, SPEED_BENCH_LENGTHS, check_set_names,
                                    fit_prompt, load_conversations, render_prompts)
-from test_evaluate import _eval_cfg, _tokenizer, run  # noqa: F401  (run: the random target + export fixture)
+from tests.helpers.evaluation import eval_cfg, tokenizer
+from tests.helpers.paths import FIXTURES as FIXTURE_DIR
 
-FIX = Path(__file__).resolve().parents[1] / "fixtures" / "eval_sets"
+FIX = FIXTURE_DIR / "eval_sets"
 FIXTURES = {"mt_bench": "mt_bench_prompts.jsonl", "gsm8k": "gsm8k_main_test.jsonl",
             "humaneval": "openai_humaneval_test.jsonl", "alpaca": "alpaca_train.jsonl",
             "cnn_dm": "cnn_dailymail_test.jsonl", "math500": "math500_test.jsonl",
@@ -33,7 +34,7 @@ EXPECT = {"mt_bench": "garden party", "gsm8k": "A baker makes 12 rolls", "humane
 def renderer():
     from fledge.data.prepare.chat import ChatRenderer
 
-    return ChatRenderer(_tokenizer())
+    return ChatRenderer(tokenizer())
 
 
 def test_every_registered_set_has_a_fixture_in_its_schema():
@@ -192,14 +193,14 @@ def test_config_keys():
         compose(["recipe=tiny", "eval.prompt_length_policy=cut"])
 
 
-def test_eval_stage_reports_named_sets(run, tmp_path, monkeypatch):  # noqa: F811
+def test_eval_stage_reports_named_sets(run, tmp_path, monkeypatch):
     """The eval stage on named sets: per-set in-process AL, the later MT-Bench turn asked after the target's own
     answer, and where each set came from, in report.json and report.md (the plots are test_evaluate's)."""
     import fledge.evaluation.evaluate as E
     import fledge.evaluation.report as R
 
     monkeypatch.setattr(R, "plot_report", lambda *a, **k: [])
-    cfg = _eval_cfg(run)
+    cfg = eval_cfg(run)
     cfg.eval.sets = ["mt_bench", "speed_bench_coding"]
     cfg.eval.set_paths = {"mt_bench": str(FIX / FIXTURES["mt_bench"]),
                           "speed_bench_coding": str(FIX / FIXTURES["speed_bench_coding"])}
@@ -221,7 +222,7 @@ def test_eval_stage_reports_named_sets(run, tmp_path, monkeypatch):  # noqa: F81
 
 
 def test_entry_point_refuses_an_unknown_set_before_any_stage(tmp_path):
-    from test_user_errors import assert_one_line, fledge_run
+    from tests.helpers.cli import assert_one_line, fledge_run
 
     assert_one_line(fledge_run(tmp_path, "eval.sets=[default,mtbench]"), "config: eval.sets='mtbench': expected one of",
                     "mt_bench", "evaluation/eval_sets.py")

@@ -11,89 +11,7 @@ from fledge.run_layout import EvalDir, RunLayout
 from fledge.atomic import write_json_atomic
 from fledge.evaluation.speculative import DecodeResult, Round
 from fledge.evaluation.evaluate import acceptance_stats, distinct_ngram_ratio
-
-TEXTS = ["def add(a, b):\n    return a + b\n", "for i in range(10):\n    print(i * i)\n",
-         "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
-         "import os\npath = os.path.join('a', 'b')\n", "while True:\n    break\n"]
-
-
-def _conversations(n):
-    out = []
-    for i in range(n):
-        msgs = [{"role": "user", "content": f"Continue this code:\n{TEXTS[i % 5]}"},
-                {"role": "assistant", "content": TEXTS[(i + 1) % 5] * 2}]
-        out.append({"messages": msgs, "source": "t", "index": i})
-    return out
-
-
-def _tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    from fledge.testbed.tiny_corpus import BOS, CHAT_TEMPLATE, END, PAD, SPECIAL_TOKENS
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(TEXTS * 5, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=END, pad_token=PAD,
-                                   chat_template=CHAT_TEMPLATE, model_max_length=512)
-
-
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from fledge.serving.export import training_record, write_drafter
-    from fledge.models.families import text_config_dict
-    from fledge.serving.serving_config import serving_config
-    from conftest import random_drafter
-
-    root = tmp_path_factory.mktemp("evalrun")
-    tok = _tokenizer()
-    torch.manual_seed(0)
-    target = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=6,
-                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tok),
-                                          max_position_embeddings=512, bos_token_id=tok.bos_token_id,
-                                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
-    (root / "target").mkdir()
-    target.save_pretrained(root / "target")
-    tok.save_pretrained(root / "target")
-    drafter = random_drafter(target, vd=200)
-    spec = drafter.spec.to_dict()
-    config = serving_config(text_config_dict(target.config), spec, spec["aux_layer_ids"], spec["draft_vocab_size"])
-    write_drafter(root / "run/export/drafter", drafter.state_dict(), config, training_record(spec))
-    prep = root / "run/prepare"
-    prep.mkdir(parents=True)
-    convs = _conversations(6)
-    for name, cs in (("eval", convs), ("eval_perturbed", [{**c, "messages": [{"role": "system", "content": "Be brief."}]
-                                                            + c["messages"]} for c in convs])):
-        (prep / f"{name}_conversations.jsonl").write_text("".join(json.dumps(c) + "\n" for c in cs))
-    (root / "run/train").mkdir()
-    (root / "run/train/metrics.jsonl").write_text("".join(
-        json.dumps({"step": s, "loss_0": 3.0 / s, "loss_1": 3.5 / s, "acc_0": 0.1 * s, "acc_1": 0.05 * s,
-                    "full_acc_0": 0.1 * s, "full_acc_1": 0.04 * s, "al_estimate": 1 + 0.14 * s}) + "\n"
-        for s in range(1, 5)) + json.dumps({"step": 4, "eval/acc_0": 0.3, "eval/acc_1": 0.2}) + "\n")
-    return root
-
-
-def _eval_cfg(run):
-    from fledge.conf.schema import Config
-
-    cfg = Config()
-    cfg.target.name_or_path = str(run / "target")
-    cfg.target.num_hidden_layers = 6
-    cfg.drafter.aux_layer_ids = [2, 3, 4]
-    cfg.drafter.ttt_steps = 2
-    cfg.eval.num_prompts = 3
-    cfg.eval.draft_tokens = 3
-    cfg.eval.max_new_tokens = 12
-    cfg.eval.long_prompt_tokens = 120
-    cfg.eval.temperature = 0.8
-    return cfg
-
+from tests.helpers.evaluation import conversations, eval_cfg, tokenizer
 
 @pytest.fixture(scope="module")
 def evaluated(run):
@@ -105,7 +23,7 @@ def evaluated(run):
 
     stage_dir = run / "run/eval"
     stage_dir.mkdir()
-    cfg = _eval_cfg(run)
+    cfg = eval_cfg(run)
     cfg.eval.context_buckets, cfg.eval.bucket_prompts = [32, 64], 1  # AL vs context length (evaluation/long_context.py)
     ctx = StageContext(cfg, World(0, 1, 0, torch.device("cpu")), RunLayout(run / "run"), "eval",
                        {"export": {"outputs": {"drafter": str(run / "run/export/drafter")}}})
@@ -164,7 +82,7 @@ def test_eval_measures_the_drafter_config_json_describes(run, tmp_path, monkeypa
 
     monkeypatch.setattr(E, "evaluate_set", first_set)
     with pytest.raises(Measured) as seen:
-        E.evaluate_run(_eval_cfg(run), RunLayout(run / "run").prepare, EvalDir(tmp_path / "eval"), drafter_dir,
+        E.evaluate_run(eval_cfg(run), RunLayout(run / "run").prepare, EvalDir(tmp_path / "eval"), drafter_dir,
                        torch.device("cpu"))
     measured = seen.value.args[0]
     assert {k: getattr(measured.spec, k) for k in planted} == planted
@@ -245,8 +163,7 @@ def test_greedy_mismatch_is_an_error(monkeypatch):
     from types import SimpleNamespace
 
     import fledge.evaluation.evaluate as ev
-    from conftest import random_drafter, random_llama
-
+    from tests.helpers.models import random_drafter, random_llama
     target = random_llama()
     drafter = random_drafter(target)
     cfg = SimpleNamespace(draft_tokens=2, max_new_tokens=8, lookup_max_ngram=3, temperature=0.0,
@@ -305,7 +222,7 @@ def test_heldout_accuracy_shows_flex_a_bounded_set_of_lengths(monkeypatch):
     """50 held-out samples of 50 different lengths: flex (compiled with static shapes on GPU, one compile per
     key length) sees one row length, not one per sample; the numbers equal one unpadded row per sample."""
     import fledge.models.attention as A
-    from conftest import make_drafter
+    from tests.helpers.models import make_drafter
     from fledge.evaluation.evaluate import heldout_accuracy
 
     g = torch.Generator().manual_seed(0)
@@ -341,7 +258,7 @@ def test_report_and_compare_are_strict_json_when_no_prompt_is_non_degenerate(run
     import fledge.evaluation.compare as cmp
     import fledge.evaluation.evaluate as E
 
-    cfg = _eval_cfg(run)
+    cfg = eval_cfg(run)
     cfg.eval.sets, cfg.eval.num_prompts, cfg.eval.temperature = ["default"], 2, 0.0
     cfg.eval.degenerate_threshold = 1.01  # no output's distinct-3-gram ratio reaches it: every prompt degenerate
     E.evaluate_run(cfg, RunLayout(run / "run").prepare, EvalDir(tmp_path / "r31" / "eval"), run / "run/export/drafter",
@@ -371,7 +288,7 @@ def test_the_report_says_how_much_of_the_target_output_the_draft_vocab_covers():
     from types import SimpleNamespace
 
     import fledge.evaluation.evaluate as ev
-    from conftest import random_drafter, random_llama
+    from tests.helpers.models import random_drafter, random_llama
     from fledge.evaluation.speculative import TargetRunner, greedy_decode
     from fledge.evaluation.report import markdown
 

@@ -14,8 +14,7 @@ from fledge.models.drafter import DrafterSpec, Eagle3Drafter
 from fledge.evaluation.speculative import (DrafterProposer, LookupProposer, TargetRunner, greedy_decode, speculative_decode,
                                 verify)
 
-from conftest import random_drafter, random_llama
-
+from tests.helpers.models import random_drafter, random_llama
 V, VD = 96, 64
 
 

@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 import fledge.distributed as fd
 from fledge.train.metrics import RatioMeter
+from tests.helpers.paths import REPO as ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

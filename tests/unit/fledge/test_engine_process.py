@@ -15,10 +15,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import descendants, random_llama
+from tests.helpers.models import random_llama
+from tests.helpers.processes import descendants
 from fledge.data.capture.engine import DRIVER
+from tests.helpers.paths import REPO as ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 # A driver that starts a worker ignoring SIGTERM (with a child of its own) and a second child, then waits:
 # killing only the driver's pid leaves all three running.
 TREE = """#!/bin/sh

@@ -6,8 +6,8 @@ from pathlib import Path
 
 from fledge.conf.schema import STAGES
 from fledge.run_layout import RunLayout
+from tests.helpers.paths import REPO as ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 ROOMS = ("fledge", "conf", "models", "data", "serving", "evaluation", "testbed", "train")
 LAYOUT = ROOT / "fledge" / "run_layout.py"
 

@@ -6,7 +6,7 @@ from dataclasses import fields
 import pytest
 import torch
 
-from conftest import make_drafter, packed_batch
+from tests.helpers.models import make_drafter, packed_batch
 from fledge.data.features.batch import FeatureBatch
 from fledge.models import alignment
 from fledge.evaluation.evaluate import heldout_accuracy

@@ -13,9 +13,7 @@ from fledge.models.drafter import DraftCache, DrafterSpec, Eagle3Drafter
 from fledge.conf.schema import DrafterConfig
 from fledge.models.alignment import ttt_states
 
-from conftest import FLAGS, make_drafter, packed_batch, target_config
-
-
+from tests.helpers.models import FLAGS, make_drafter, packed_batch, target_config
 def test_state_dict_has_serving_names():
     names = set(make_drafter(**FLAGS["eagle31"]).state_dict())
     expected = {
@@ -37,7 +35,7 @@ def _rms(x, w, eps=1e-5):
 
 
 def _reference_step(d, aux, ids):
-    """SPEC.md section 3 written out by hand (default RoPE, one causal sequence) -> (logits, y, h2)."""
+    """docs/architecture.md, The drafter written out by hand (default RoPE, one causal sequence) -> (logits, y, h2)."""
     sd = {k: v for k, v in d.state_dict().items()}
     T, (Hq, Hkv, D) = ids.shape[1], (4, 2, 8)
     a = aux

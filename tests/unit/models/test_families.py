@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from conftest import random_state_dict
+from tests.helpers.models import random_state_dict
 from fledge.conf.schema import DrafterConfig
 from fledge.models import families
 from fledge.models.drafter import DrafterSpec, Eagle3Drafter

@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.helpers.paths import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 CHECKS = ("fused_loss", "fused_loss_bf16", "fused_loss_bf16_near_convergence", "rmsnorm", "fp8",
           "ttt_loss_kernel_path", "drafter_triton_norms", "saved_memory")
 
@@ -24,9 +24,8 @@ CHECKS = ("fused_loss", "fused_loss_bf16", "fused_loss_bf16_near_convergence", "
 @pytest.fixture(scope="module")
 def interpreter_log():
     """Run every check in one fresh interpreter (one torch + triton import) and return its output."""
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]))  # conftest helpers
-    proc = subprocess.run([sys.executable, __file__, *CHECKS], env=env, cwd=REPO,
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "tests.unit.models.test_kernels_interpret", *CHECKS], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     return proc.stdout + proc.stderr
 
@@ -108,7 +107,7 @@ def check_fused_loss_bf16_near_convergence():
     GPU tensor cores) is checked on a GPU by tests/gpu/test_kernels_gpu.py."""
     import torch
 
-    from loss_precision import near_converged, reference_grads, rel_err, shared_teacher_grads
+    from tests.helpers.loss_precision import near_converged, reference_grads, rel_err, shared_teacher_grads
 
     problem = near_converged(n=60, h=32, vd=150, steps=2, eps=0.03)
     want_dy, want_dw, kl = reference_grads(problem, torch.float64)
@@ -175,8 +174,7 @@ def check_ttt_loss_kernel_path():
 
     import fledge.models.kernels as K
     import fledge.train.loss as L
-    from conftest import make_drafter, packed_batch
-
+    from tests.helpers.models import make_drafter, packed_batch
     originals = {name: getattr(K, name) for name in ("draft_cross_entropy", "draft_logsumexp")}
 
     def forced(fn, n_args):  # the same call with impl="triton" (positional argument n_args)
@@ -209,7 +207,7 @@ def check_drafter_triton_norms():
     torch path: TTT loss and the gradient of every parameter, norm weights included."""
     import torch
 
-    from conftest import make_drafter, packed_batch
+    from tests.helpers.models import make_drafter, packed_batch
     from fledge.train.loss import ttt_loss
 
     grads = {}

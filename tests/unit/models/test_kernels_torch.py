@@ -184,8 +184,7 @@ def test_rmsnorm_triton_on_cpu_says_how_to_fix():
 
 
 def test_drafter_norm_impl_reaches_every_norm_and_keeps_the_state_dict():
-    from conftest import make_drafter
-
+    from tests.helpers.models import make_drafter
     d = make_drafter(fc_norm=True, norm_output=True)
     names = [n for n, m in d.named_modules() if isinstance(m, RMSNorm)]
     assert len(names) == 3 + 4  # fc_norm x 3 aux states, input/hidden/post-attention norms, final norm

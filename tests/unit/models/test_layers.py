@@ -16,8 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import FLAGS, packed_batch, target_config
-
+from tests.helpers.models import FLAGS, packed_batch, target_config
 from fledge.conf.schema import DrafterConfig
 from fledge.models.drafter import DraftCache, DrafterSpec, Eagle3Drafter
 from fledge.serving.export import load_drafter, write_drafter, training_record
@@ -289,7 +288,8 @@ def test_no_layer_kind_is_special_cased_by_name_outside_its_own_file():
 
     from fledge.models.layers.kind import LAYER_KINDS
 
-    root = Path(__file__).resolve().parents[2]
+    from tests.helpers.paths import REPO as root
+
     names = set(LAYER_KINDS.names())
     offenders = []
     for room in ("fledge", "conf", "models", "data", "serving", "evaluation", "train"):

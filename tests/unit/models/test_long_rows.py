@@ -1,4 +1,4 @@
-"""Long rows (issue 20 item 2): capture in pieces through the target's KV cache gives the states of one
+"""Long rows (docs/long-context.md): capture in pieces through the target's KV cache gives the states of one
 forward, with attention scores of [chunk, T] instead of [T, T] (checked on the score tensors themselves);
 the eval harness's prefill keeps only the last row's logits, in pieces too."""
 

@@ -144,7 +144,7 @@ def test_the_mask_is_built_once_per_batch(monkeypatch):
     """A K-step unroll of a flex drafter evaluates the mask once (not once per step or layer), and its
     outputs at every step equal the dense drafter's (multi-document rows)."""
     import fledge.models.attention as A
-    from conftest import make_drafter, packed_batch
+    from tests.helpers.models import make_drafter, packed_batch
     from fledge.models.alignment import ttt_states
 
     import torch.nn.attention.flex_attention as FA

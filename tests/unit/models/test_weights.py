@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import random_state_dict
+from tests.helpers.models import random_state_dict
+from tests.helpers.paths import FIXTURES
 from fledge.serving.export import load_drafter, write_drafter
 from fledge.serving.lint import lint_drafter
 from fledge.serving.serving_config import serving_config
@@ -122,7 +123,7 @@ def test_lm_head_rows_are_read_in_blocks_in_any_order(tmp_path, monkeypatch):
 
 # ---- which tensors are the target's final norm, input embedding and lm_head, on real layouts ---------------
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "tensor_names"
+TENSOR_NAMES = FIXTURES / "tensor_names"  # written by scripts/tensor_name_fixtures.py
 # fixture (tests/fixtures/tensor_names/<name>.json) -> (final norm, input embedding, lm_head)
 PICKS = {
     # a VLM wrapper: the vision projector's pre_norm has a shorter name than the decoder's norm
@@ -137,7 +138,7 @@ PICKS = {
 
 
 def _fixture_names(name: str) -> dict[str, str]:
-    fixture = json.loads((FIXTURES / f"{name}.json").read_text())
+    fixture = json.loads((TENSOR_NAMES / f"{name}.json").read_text())
     return {n: "model-00001.safetensors" for n in fixture["names"]}  # a weight_map: names -> shard
 
 

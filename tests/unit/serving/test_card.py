@@ -2,7 +2,7 @@
 
 import json
 
-from conftest import CARD_SPEC as SPEC, CARD_TARGET as TARGET, random_state_dict
+from tests.helpers.models import CARD_SPEC as SPEC, CARD_TARGET as TARGET, random_state_dict
 from fledge.serving.export import training_record, write_drafter
 from fledge.run_layout import RunLayout
 from fledge.serving.card import build_model_card

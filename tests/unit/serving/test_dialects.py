@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import random_state_dict
+from tests.helpers.models import random_state_dict
 from fledge.conf.schema import DrafterConfig
 from fledge.serving import dialects
 from fledge.serving.dialects import Dialect, ServingFields, dialect_of, get_dialect, register_dialect
@@ -140,6 +140,6 @@ def test_model_card_commands_follow_the_dialect(tmp_path):
         card = str(build_model_card(tmp_path / fmt, "org/drafter")[0])
         if fmt == "speculators":
             assert "vllm serve org/drafter\n" in card and "export.format=sglang" in card
-        else:  # SGLang's command only where it reads the aux ids as trained (tests/unit/test_engine_aux_ids.py)
+        else:  # SGLang's command only where it reads the aux ids as trained (tests/unit/serving/test_engine_aux_ids.py)
             assert "vllm serve org/target --speculative-config" in card
             assert ("--speculative-algorithm EAGLE3" in card) == (fmt == "sglang")

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from conftest import random_state_dict
+from tests.helpers.models import random_state_dict
 from fledge.conf.schema import DrafterConfig, default_aux_layer_ids
 from fledge.serving import dialects
 from fledge.serving.dialects import get_dialect

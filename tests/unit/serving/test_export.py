@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 from fledge.run_layout import RunLayout
 from fledge.train.pipeline import export as run_stage
 from fledge.train.runner import StageContext
-from conftest import random_state_dict
+from tests.helpers.models import random_state_dict
 from fledge.serving.export import from_serving_state_dict, to_serving_state_dict, write_drafter
 from fledge.models.families import rope_of
 from fledge.serving.lint import compose_recipe, has_errors, lint_drafter

@@ -5,8 +5,8 @@ import logging
 
 import pytest
 
-from conftest import CARD_SPEC as SPEC, CARD_TARGET as TARGET, random_state_dict
-from hub_stub import Stub, commit_files, serve
+from tests.helpers.models import CARD_SPEC as SPEC, CARD_TARGET as TARGET, random_state_dict
+from tests.helpers.hub_stub import Stub, commit_files, serve
 from fledge.serving.export import training_record, write_drafter
 from fledge.run_layout import RunLayout
 from fledge.serving.card import build_model_card

@@ -1,4 +1,4 @@
-"""Linter: a good export passes; each planted silent failure (SPEC.md section 8) is caught with its fix."""
+"""Linter: a good export passes; each planted silent failure (docs/serving.md, Silent failures) is caught with its fix."""
 
 import copy
 import json
@@ -10,12 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import random_state_dict
+from tests.helpers.models import random_state_dict
 from fledge.serving.export import training_record, write_drafter
 from fledge.serving.lint import format_findings, has_errors, lint_drafter
 from fledge.serving.serving_config import serving_config
+from tests.helpers.paths import REPO as ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 TARGET = {
     "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "hidden_act": "silu",

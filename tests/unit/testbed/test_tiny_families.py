@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import random_state_dict
+from tests.helpers.models import random_state_dict
 from fledge.conf.schema import DrafterConfig, TargetConfig
 from fledge.testbed import tiny_families
 from fledge.serving.export import write_drafter

@@ -11,8 +11,8 @@ from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fledge.testbed import tiny_corpus
+from tests.helpers.paths import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 CONV = [
     {"role": "system", "content": "You answer with Python source code only."},
     {"role": "user", "content": "Show me the definition of `dedent`."},

@@ -1,4 +1,4 @@
-"""TTT loss: SPEC.md section 4 alignment against a per-row loop, masking, frozen params, chunking."""
+"""TTT loss: docs/architecture.md, Training-time test alignment against a per-row loop, masking, frozen params, chunking."""
 
 import math
 
@@ -7,7 +7,7 @@ import torch
 
 from fledge.run_layout import RunLayout
 
-from conftest import FLAGS, make_drafter, packed_batch
+from tests.helpers.models import FLAGS, make_drafter, packed_batch
 from fledge.models.alignment import ttt_states
 from fledge.train.loss import ttt_loss
 
@@ -15,7 +15,7 @@ K, W = 3, 0.8
 
 
 def naive_metrics(d, b, head, steps):
-    """Per-row loops written from SPEC.md section 4, independent of train/loss.py's vectorised masks."""
+    """Per-row loops written from docs/architecture.md, Training-time test, independent of train/loss.py's vectorised masks."""
     with torch.no_grad():
         logits = [d.lm_head(y) for y in ttt_states(d, b, steps)]
     B, T = b.input_ids.shape
@@ -244,7 +244,7 @@ def test_bf16_gradients_stay_accurate_near_convergence():
     path's gradients (torch path) against fp64 math stay within 1.5x of the standard error (fp32 math, the
     gradient rounded to bf16 once, ~0.17%). Rounding softmax(b) W and p W to bf16 before subtracting (and
     bf16 logits) gave 25% (dy) and 33% (dW) here; the Triton kernel's check is in test_kernels_interpret.py."""
-    from loss_precision import near_converged, reference_grads, rel_err, shared_teacher_grads
+    from tests.helpers.loss_precision import near_converged, reference_grads, rel_err, shared_teacher_grads
 
     problem = near_converged(n=384, h=128, vd=1000, steps=3, eps=0.03)
     want_dy, want_dw, kl = reference_grads(problem, torch.float64)

@@ -7,8 +7,8 @@ from pathlib import Path
 from fledge.conf import compose
 from fledge.conf.schema import STAGES
 from fledge.train.pipeline import PIPELINE
+from tests.helpers.paths import REPO as ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_schema_lists_the_records_stages_in_order():

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import packed_batch
-
+from tests.helpers.models import packed_batch
 from fledge.conf import compose
 from fledge.distributed import SequenceGroups, World, sequence_groups
 from fledge.train.sequence_parallel import SequenceParallel, check_heads
@@ -33,7 +32,7 @@ def test_size_below_one_is_refused_by_the_config():
 
 
 def test_world_is_checked_before_any_stage(tmp_path):
-    from test_user_errors import assert_one_line, fledge_run
+    from tests.helpers.cli import assert_one_line, fledge_run
 
     assert_one_line(fledge_run(tmp_path, "train.sequence_parallel=2"), "train.sequence_parallel=2 does not divide")
 

@@ -17,8 +17,8 @@ from fledge.train.slurm.launch import (
     PORT_BASE, PORT_SPAN, build_command, capture_slice_overrides, expand_nodelist, from_slurm_env,
     nproc_per_node, parse_args,
 )
+from tests.helpers.paths import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 SLURM_DIR = REPO / "train" / "slurm"
 
 
