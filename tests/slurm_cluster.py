@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "squeue", "srun")
+PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "squeue", "sinfo", "srun")
 SBIN = "/usr/sbin:/sbin"  # slurmctld, slurmd and munged live there; a non-root PATH may lack it
 NODES = ("n1", "n2")
 PARTITION = "cpu"
