@@ -285,6 +285,47 @@ def engine_marks() -> list:
     return [pytest.mark.skipif(not engine.exists(), reason=missing), pytest.mark.slow]
 
 
+def slurm_marks() -> list:
+    """pytestmark of a module that submits real Slurm jobs (the ``slurm_cluster`` fixture): marked ``slurm`` (run
+    them alone with ``-m slurm``) and ``slow``; skipped where Slurm is not installed on a developer's machine; a
+    missing Slurm fails collection under CI=true or FLEDGE_SLURM=1, unless FLEDGE_SLURM_OPTIONAL=1 marks a CI
+    that cannot install it (scripts/setup_slurm.sh)."""
+    from slurm_cluster import missing_programs
+
+    missing = missing_programs()
+    reason = f"Slurm is not installed (missing {', '.join(missing)}: bash scripts/setup_slurm.sh)"
+    required = os.environ.get("FLEDGE_SLURM") == "1" or (
+        os.environ.get("CI") == "true" and os.environ.get("FLEDGE_SLURM_OPTIONAL") != "1")
+    if missing and required:
+        pytest.fail(f"{reason}; CI (or FLEDGE_SLURM=1) requires it (FLEDGE_SLURM_OPTIONAL=1 for a CI without "
+                    "root or apt-get)", pytrace=False)
+    return [pytest.mark.skipif(bool(missing), reason=reason), pytest.mark.slurm, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster(request):
+    """A private Slurm cluster on this machine (tests/slurm_cluster.py: munged, slurmctld, slurmd n1 and n2 in
+    partition ``cpu``), up for the module that asks for it and stopped after it, jobs and all. Its config,
+    state and daemon logs live in a fresh /tmp/fledge-slurm-* directory (munged refuses a socket under
+    pytest's private temp dir), removed afterwards unless a test failed (then its path is printed)."""
+    import shutil
+    import tempfile
+
+    from slurm_cluster import LocalSlurm
+
+    failed = request.session.testsfailed
+    cluster = LocalSlurm(Path(tempfile.mkdtemp(prefix="fledge-slurm-", dir="/tmp")))
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+        if request.session.testsfailed > failed:
+            print(f"\nslurm_cluster: daemon logs kept in {cluster.root}")
+        else:
+            shutil.rmtree(cluster.root, ignore_errors=True)
+
+
 # A small Llama target config and drafter settings for the model-card and Hub tests.
 CARD_TARGET = {
     "model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 6,
