@@ -8,8 +8,14 @@ cd "$(dirname "$0")/.."
 engine_log=$(mktemp "${TMPDIR:-/tmp}/fledge-setup-engine.XXXXXX")
 scripts/setup_engine.sh >"$engine_log" 2>&1 &
 engine_pid=$!
-# If setup.sh fails, do not leave the engine install running behind us.
-trap 'kill "$engine_pid" 2>/dev/null || true' EXIT
+# Slurm for tests/slurm (Debian's slurm-wlm 22.05 and munge via apt-get, ~20 s the first time, a check after),
+# alongside: tests/slurm start a private cluster of this machine and submit real jobs to it.
+slurm_log=$(mktemp "${TMPDIR:-/tmp}/fledge-setup-slurm.XXXXXX")
+scripts/setup_slurm.sh >"$slurm_log" 2>&1 &
+slurm_pid=$!
+# If setup.sh fails, do not leave the engine install running behind us; let apt-get finish (a killed dpkg
+# leaves the system's packages half configured).
+trap 'kill "$engine_pid" 2>/dev/null || true; wait "$slurm_pid" 2>/dev/null || true' EXIT
 scripts/setup.sh
 # The trained tiny targets build in the background from here (the quick Llama: ~7 min of CPU; the MoE and MLA
 # ones ~1-2 min each, one thread as their golden numbers were measured) while the oracle and the engine finish
@@ -36,8 +42,15 @@ if ! wait "$engine_pid"; then
   tail -n 30 "$engine_log" >&2
   echo "tests/engine will skip (fail under CI=true or FLEDGE_ENGINE=1; FLEDGE_ENGINE_OPTIONAL=1 for an offline CI)" >&2
 fi
+if ! wait "$slurm_pid"; then
+  # Like the engine: tests/slurm skip on a developer's machine and fail under CI=true or FLEDGE_SLURM=1, unless
+  # FLEDGE_SLURM_OPTIONAL=1 marks a CI that cannot install packages.
+  echo "warning: Slurm did not install (scripts/setup_slurm.sh); its log:" >&2
+  tail -n 30 "$slurm_log" >&2
+  echo "tests/slurm will skip (fail under CI=true or FLEDGE_SLURM=1; FLEDGE_SLURM_OPTIONAL=1 where it cannot install)" >&2
+fi
 trap - EXIT
-cat "$engine_log" >&2
-rm -f "$engine_log"
+cat "$engine_log" "$slurm_log" >&2
+rm -f "$engine_log" "$slurm_log"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=disabled DS_ACCELERATOR=cpu
 exec .venv/bin/python -m pytest -q "$@"

@@ -34,7 +34,7 @@ _ST_DTYPE = {torch.bfloat16: "BF16", torch.int64: "I64", torch.bool: "BOOL"}
 
 @dataclass(frozen=True)
 class Finding:
-    level: str  # error | warning
+    level: str  # error | warning | note (what a user should know that needs no action: not counted as a warning)
     code: str  # short stable id, e.g. "aux-ids-start-1" (tests and CI grep for it)
     message: str
     fix: str
@@ -132,7 +132,9 @@ def _check_aux_ids(c: dict, t: TargetShape | None, record: dict | None, add) -> 
 
 def _check_engine_readings(config: dict, c: dict, t: TargetShape | None, record: dict | None, add) -> None:
     """The layers each engine would capture for this config.json (serving/engine_aux.py) against those the
-    drafter was trained on: an error for an engine the export's dialect is made for, else a warning."""
+    drafter was trained on: an error for an engine the export's dialect is made for, else a note (every
+    default export would otherwise warn about an engine nobody asked for; the card prints that engine's
+    command only for a dialect made for it)."""
     dialect = dialect_of(config)
     L = t.num_hidden_layers if t is not None else c.get("target_num_hidden_layers")
     trained = (record or {}).get("trained_with", {}).get("aux_layer_ids")
@@ -155,7 +157,7 @@ def _check_engine_readings(config: dict, c: dict, t: TargetShape | None, record:
         else:
             fix = (f"re-export it from its checkpoint with export.format={dialect.name} against this target "
                    f"(L={L}); the engine must capture {list(trained)}")
-        add("error" if made_for else "warning", f"aux-ids-{engine.lower()}",
+        add("error" if made_for else "note", f"aux-ids-{engine.lower()}",
             f"{engine} would capture the target's boundary layers {got} for this config.json, but the drafter "
             f"was trained on {list(trained)}: it would run on other states than in training", fix)
 
@@ -366,6 +368,6 @@ def main(argv: list[str] | None = None) -> int:
     findings = lint_drafter(args.drafter_dir, target)
     for line in format_findings(findings):
         print(line)
-    errors = sum(f.level == "error" for f in findings)
-    print(f"{args.drafter_dir}: {errors} error(s), {len(findings) - errors} warning(s)")
+    errors, warnings = (sum(f.level == level for f in findings) for level in ("error", "warning"))
+    print(f"{args.drafter_dir}: {errors} error(s), {warnings} warning(s)")
     return 1 if has_errors(findings) else 0

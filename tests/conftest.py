@@ -2,6 +2,8 @@
 tests run in, so the slow inputs built in the background are ready when needed."""
 
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -18,6 +20,7 @@ import fledge.testbed.tiny_target as tiny_target_builder  # noqa: E402
 from tests.helpers.paths import REPO  # noqa: E402
 from tests.helpers.processes import descendants  # noqa: E402
 from tests.helpers.recipe_runs import run_family, run_recipe  # noqa: E402
+from tests.helpers.slurm_cluster import LocalSlurm  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -148,3 +151,22 @@ def random_tiny_target(tmp_path_factory):
     """Path of an untrained Llama of the tiny target's shape with its tokenizer (seconds), for tests of
     mechanics that do not need a learned target."""
     return tiny_target_builder.save_random_target(tmp_path_factory.mktemp("random_tiny_target"))
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster(request):
+    """A private Slurm cluster on this machine (tests/helpers/slurm_cluster.py: munged, slurmctld, slurmd n1 and
+    n2 in partition ``cpu``), up for the module that asks for it and stopped after it, jobs and all. Its config,
+    state and daemon logs live in a fresh /tmp/fledge-slurm-* directory (munged refuses a socket under
+    pytest's private temp dir), removed afterwards unless a test failed (then its path is printed)."""
+    failed = request.session.testsfailed
+    cluster = LocalSlurm(Path(tempfile.mkdtemp(prefix="fledge-slurm-", dir="/tmp")))
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+        if request.session.testsfailed > failed:
+            print(f"\nslurm_cluster: daemon logs kept in {cluster.root}")
+        else:
+            shutil.rmtree(cluster.root, ignore_errors=True)

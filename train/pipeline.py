@@ -166,11 +166,11 @@ def _export(cfg: Config, out: Path, ckpt: Path) -> dict:
     export_checkpoint(ckpt, out, target, fmt=cfg.export.format, max_shard_size=cfg.export.max_shard_size,
                       target_name=cfg.target.name_or_path, speculative_tokens=cfg.eval.draft_tokens)
     findings = lint_drafter(out, target) if cfg.export.lint else []
-    for line in format_findings(findings):
-        log.warning("lint: %s", line)
-    n_err = sum(f.level == "error" for f in findings)
+    for f, line in zip(findings, format_findings(findings)):
+        (log.info if f.level == "note" else log.warning)("lint: %s", line)
+    n_err, n_warn = (sum(f.level == level for f in findings) for level in ("error", "warning"))
     summary: dict[str, Any] = {"drafter": str(out), "checkpoint": str(ckpt), "format": cfg.export.format,
-                               "lint_errors": n_err, "lint_warnings": len(findings) - n_err,
+                               "lint_errors": n_err, "lint_warnings": n_warn,
                                "files": sorted(p.name for p in out.iterdir())}
     if n_err:
         raise ValueError(f"export: the drafter in {out} fails the linter with {n_err} error(s) (logged above); "

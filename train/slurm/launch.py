@@ -189,6 +189,17 @@ def from_slurm_env(env: Mapping[str, str], nproc: Optional[int] = None) -> Rende
     )
 
 
+def worker_env(env: Mapping[str, str], nproc: int) -> dict[str, str]:
+    """Environment this node's workers get on top of ``env``: OMP_NUM_THREADS = the task's CPUs
+    (SLURM_CPUS_PER_TASK) shared by its ``nproc`` workers, at least 1, unless the user set it. Without it
+    torchrun gives every worker 1 thread, too few for a GPU node's 8 CPUs per GPU; a fixed count
+    oversubscribes a CPU node (the tiny recipe's 2 ranks on 2 CPUs). Outside Slurm: nothing (torchrun's 1)."""
+    cpus = env.get("SLURM_CPUS_PER_TASK", "").strip()
+    if env.get("OMP_NUM_THREADS") or not cpus.isdigit():
+        return {}
+    return {"OMP_NUM_THREADS": str(max(1, int(cpus) // nproc))}
+
+
 def capture_slice_overrides(env: Mapping[str, str], num_slices: int) -> list[str]:
     """Hydra overrides for array task i of a capture split into ``num_slices`` slices.
 
@@ -232,15 +243,18 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         cmd = build_command(args, os.environ)
+        extra_env = worker_env(os.environ, nproc_per_node(os.environ, args.nproc_per_node))
     except ValueError as e:
         print(f"fledge.launch: {e}", file=sys.stderr)
         sys.exit(2)
+    shown = shlex.join([*(f"{k}={v}" for k, v in extra_env.items()), *cmd])
     if args.dry_run or os.environ.get("FLEDGE_LAUNCH_DRY_RUN") == "1":  # the env form is for sbatch tests
-        print(shlex.join(cmd), flush=True)
+        print(shown, flush=True)
         return
     if os.environ.get("SLURM_NODEID", "0") == "0":
         print(f"fledge.launch: job {os.environ.get('SLURM_JOB_ID', '-')} "
-              f"(restart {os.environ.get('SLURM_RESTART_COUNT', '0')}): {shlex.join(cmd)}", flush=True)
+              f"(restart {os.environ.get('SLURM_RESTART_COUNT', '0')}): {shown}", flush=True)
+    os.environ.update(extra_env)
     os.execv(cmd[0], cmd)
 
 

@@ -45,7 +45,7 @@ class Resources:
 
 
 RESOURCES = {
-    "tiny": Resources(gpus_per_node=0, nproc_per_node=2, cpus_per_task=4,
+    "tiny": Resources(gpus_per_node=0, nproc_per_node=2, cpus_per_task=2,
                       time={"prepare": "00:20:00", "capture": "00:30:00", "train": "01:00:00"}),
     "llama3": Resources(),
     "qwen3": Resources(),

@@ -15,7 +15,7 @@ import pytest
 
 from fledge.train.slurm.launch import (
     PORT_BASE, PORT_SPAN, build_command, capture_slice_overrides, expand_nodelist, from_slurm_env,
-    nproc_per_node, parse_args,
+    nproc_per_node, parse_args, worker_env,
 )
 from tests.helpers.paths import REPO
 
@@ -116,6 +116,16 @@ def test_nproc_fallbacks():
         nproc_per_node({}, override=0)
 
 
+def test_workers_share_the_tasks_cpus():
+    """OpenMP threads per worker: the task's CPUs over its workers (a 2-CPU node with 2 ranks: 1, like torchrun's
+    own default off Slurm), unless the user set OMP_NUM_THREADS; outside Slurm torchrun's default stands."""
+    assert worker_env({"SLURM_CPUS_PER_TASK": "64"}, 8) == {"OMP_NUM_THREADS": "8"}
+    assert worker_env({"SLURM_CPUS_PER_TASK": "2"}, 2) == {"OMP_NUM_THREADS": "1"}
+    assert worker_env({"SLURM_CPUS_PER_TASK": "3"}, 4) == {"OMP_NUM_THREADS": "1"}
+    assert worker_env({"SLURM_CPUS_PER_TASK": "64", "OMP_NUM_THREADS": "4"}, 8) == {}
+    assert worker_env({}, 2) == {}
+
+
 def test_capture_slices_come_from_the_array_task_id():
     env = {**TWO_NODE_STEP, "SLURM_ARRAY_JOB_ID": "500", "SLURM_ARRAY_TASK_ID": "3"}
     assert capture_slice_overrides(env, 8) == ["capture.slice_index=3", "capture.num_slices=8"]
@@ -172,20 +182,33 @@ while [[ "$1" == --* ]]; do shift; done
 for i in $(seq 0 $((SLURM_NNODES - 1))); do SLURM_NODEID=$i SLURMD_NODENAME=gpu0$((i + 1)) "$@" || exit $?; done
 """
 FAKE_SRUN_LONG = """#!/bin/bash
-# fake srun that runs until SIGTERM, like a training step at the time limit
+# fake srun that runs until SIGTERM, like a training step at the time limit; real srun would kill the step at
+# once on a SIGTERM of its own, so only the fake scancel may deliver it (it reads the pid written here)
 trap 'echo term >>"$FAKE_LOG"; exit 143' TERM
+echo $$ >"$FAKE_LOG.srun_pid"
 touch "$FAKE_LOG"
 while :; do sleep 0.05; done
 """
+# The first node's NodeAddr differs from its name, as where slurmctld reaches nodes on a management network
 FAKE_SCONTROL = """#!/bin/bash
-if [ "$1 $2" = "show hostnames" ]; then printf 'gpu01\\ngpu02\\n'; else echo "$*" >>"$FAKE_LOG.scontrol"; fi
+case "$1 $2" in
+  "show hostnames") printf 'gpu01\\ngpu02\\n' ;;
+  "show node") echo "NodeName=$3 Arch=x86_64 CoresPerSocket=32"; echo "   NodeAddr=10.1.0.$((${3#gpu0})) NodeHostName=$3" ;;
+  *) echo "$*" >>"$FAKE_LOG.scontrol" ;;
+esac
+"""
+FAKE_SCANCEL = """#!/bin/bash
+# fake scancel: --signal=SIG JOB signals the job's steps (the fake srun), never the batch shell
+echo "$*" >>"$FAKE_LOG.scancel"
+sig=${1#--signal=}
+[ -f "$FAKE_LOG.srun_pid" ] && kill -"$sig" "$(cat "$FAKE_LOG.srun_pid")"
 """
 
 
 def _fake_slurm(tmp_path: Path, srun: str, **env: str) -> dict[str, str]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    for name, text in (("srun", srun), ("scontrol", FAKE_SCONTROL)):
+    for name, text in (("srun", srun), ("scontrol", FAKE_SCONTROL), ("scancel", FAKE_SCANCEL)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_"))}
@@ -201,21 +224,24 @@ def _write_scripts(tmp_path: Path, *args: str) -> Path:
 
 def test_filled_train_script_runs_launch_on_every_node(tmp_path, capsys):
     out = _write_scripts(tmp_path, "train", "recipe=llama3", "--nodes", "2", "logging.wandb_tags=[a b,c]")
-    env = _fake_slurm(tmp_path, FAKE_SRUN, FLEDGE_LAUNCH_DRY_RUN="1")
+    env = _fake_slurm(tmp_path, FAKE_SRUN, FLEDGE_LAUNCH_DRY_RUN="1", SLURM_CPUS_PER_TASK="64")
+    env.pop("OMP_NUM_THREADS", None)
     res = subprocess.run(["bash", str(out / "llama3/slurm/train.sbatch")], env=env, capture_output=True,
                          text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     cmds = [shlex.split(line) for line in res.stdout.splitlines() if "torch.distributed.run" in line]
     assert len(cmds) == 2  # one torchrun per node, identical rendezvous
     assert cmds[0] == cmds[1]
+    assert cmds[0][0] == "OMP_NUM_THREADS=8"  # 64 CPUs over 8 workers
     assert "--nnodes=2" in cmds[0] and "--nproc_per_node=8" in cmds[0]
-    assert f"--rdzv_endpoint=gpu01:{PORT_BASE + 999}" in cmds[0]
+    assert f"--rdzv_endpoint=10.1.0.1:{PORT_BASE + 999}" in cmds[0]  # gpu01's NodeAddr
     assert cmds[0][cmds[0].index("fledge.train.main") - 1:cmds[0].index("fledge.train.main")] == ["-m"]
     assert cmds[0][cmds[0].index("fledge.train.main") + 1:] == [
         "recipe=llama3", "run.name=llama3", f"run.output_root={out}", "run.stages=[prepare,capture,train,export,eval,publish]",
         "logging.wandb_tags=[a b,c]"]
-    ledger = (out / "llama3/slurm/jobs.tsv").read_text().split("\t")
-    assert ledger[1:4] == ["999", "-", "0"]
+    start, end = [line.split("\t") for line in (out / "llama3/slurm/jobs.tsv").read_text().splitlines()]
+    assert start[1:5] == ["999", "-", "0", "gpu[01-02]"] and start[6] == "start"
+    assert end[1:4] == ["999", "-", "0"] and end[6] == "exit 0"
     assert (out / "llama3/logs").is_dir()
 
 
@@ -236,5 +262,39 @@ def test_time_limit_signal_stops_the_step_and_requeues(tmp_path, restarts, reque
     stdout, _ = proc.communicate(timeout=30)
     assert proc.returncode == 143, stdout
     assert log.read_text().strip() == "term"
+    assert (tmp_path / "fake.log.scancel").read_text().strip() == "--signal=TERM 999"  # the step, not srun
     scontrol = tmp_path / "fake.log.scontrol"
     assert (scontrol.exists() and scontrol.read_text().strip() == "requeue 999") == requeued, stdout
+    end = (out / "tiny/slurm/jobs.tsv").read_text().splitlines()[-1].split("\t")
+    assert end[6] == ("exit 143 after USR1, requeued" if requeued else "exit 143 after USR1, MAX_REQUEUES=5 reached")
+
+
+def test_sigterm_from_slurm_lets_the_step_finish_and_is_recorded(tmp_path):
+    """A requeue, a preemption or scancel: Slurm sends SIGTERM to the batch shell and to the step; the shell
+    must outlive it to say how the step ended (the ranks checkpoint meanwhile), and must not requeue."""
+    out = _write_scripts(tmp_path, "train", "recipe=tiny")
+    env = _fake_slurm(tmp_path, FAKE_SRUN_LONG)
+    proc = subprocess.Popen(["bash", str(out / "tiny/slurm/train.sbatch")], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = tmp_path / "fake.log"
+    deadline = time.time() + 30
+    while not log.exists() and time.time() < deadline:
+        time.sleep(0.05)
+    srun_pid = int((tmp_path / "fake.log.srun_pid").read_text())
+    try:
+        proc.send_signal(signal.SIGTERM)  # the batch shell's share of Slurm's SIGTERM
+        time.sleep(0.5)
+        assert proc.poll() is None, "the batch shell died before its step"
+        os.kill(srun_pid, signal.SIGTERM)  # the step's share
+        stdout, _ = proc.communicate(timeout=30)
+    finally:
+        for pid in (srun_pid, proc.pid):  # the fake step holds the output pipe open: never leave it behind
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert proc.returncode == 143, stdout
+    assert not (tmp_path / "fake.log.scontrol").exists(), stdout  # Slurm requeues (or not) by itself
+    end = (out / "tiny/slurm/jobs.tsv").read_text().splitlines()[-1].split("\t")
+    assert end[6] == "exit 143 after SIGTERM", end
+    assert "SIGTERM from Slurm" in stdout
