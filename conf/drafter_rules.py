@@ -25,7 +25,7 @@ def drafter_problems(aux_layer_ids: Optional[Sequence[int]] = None, num_hidden_l
     """Every broken rule among the values given (``None`` skips the rules about that value; the id range
     needs the target's ``num_hidden_layers``, the draft vocab's upper bound its ``vocab_size``).
 
-    Aux ids use the boundary convention of SPEC.md section 2: id i is the state after i layers, so 0 is
+    Aux ids use the boundary convention (docs/architecture.md, Aux layer ids): id i is the state after i layers, so 0 is
     the embedding and L the pre-norm output. Messages name the keys as ``prefix + field``
     ("drafter.aux_layer_ids" in the config, bare field names elsewhere)."""
     out: list[DrafterProblem] = []

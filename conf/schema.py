@@ -110,7 +110,7 @@ class CaptureConfig:
     # the slices into one store. Neither is in the stage's inputs hash (the tasks share one stage dir).
     num_slices: int = 1
     slice_index: Optional[int] = None
-    # Which engine computes the states (issue 19, data/capture/engine.py): hf (an in-process transformers
+    # Which engine computes the states (docs/serving.md, data/capture/engine.py): hf (an in-process transformers
     # forward) | vllm (vLLM's extract_hidden_states in its own environment, prefill only, same store).
     engine: str = "hf"
     engine_python: Optional[str] = None  # vllm: its python (default $FLEDGE_ENGINE_PYTHON, .engine/venv)
@@ -277,7 +277,7 @@ class Config:
         return self
 
     def aux_layer_ids(self) -> list[int]:
-        """Boundary-convention ids of the captured target states (SPEC.md section 2)."""
+        """Boundary-convention ids of the captured target states (docs/architecture.md, Aux layer ids)."""
         if self.drafter.aux_layer_ids is not None:
             return list(self.drafter.aux_layer_ids)
         return default_aux_layer_ids(self.target.num_hidden_layers)

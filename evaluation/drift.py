@@ -1,4 +1,4 @@
-"""Attention-drift diagnostics (SPEC.md section 3, EAGLE-3.1's reason): where the drafter looks at each
+"""Attention-drift diagnostics (docs/architecture.md, The drafter, EAGLE-3.1's reason): where the drafter looks at each
 draft depth, and how large the state it feeds back is.
 
 Per draft depth d (0 = the last committed row, which makes draft 1; d >= 1 = the fed-back steps):

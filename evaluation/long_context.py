@@ -1,4 +1,4 @@
-"""Acceptance as a function of context length (issue 20 item 3): the same conversations cut to each
+"""Acceptance as a function of context length (docs/long-context.md): the same conversations cut to each
 context-length bucket, so the length of the context is the only thing that changes between buckets.
 
 ``eval.context_buckets`` lists prompt lengths in tokens. The prompts come from ``eval.long_context_source``

@@ -9,7 +9,7 @@ emitted, not yet read by the target)::
     roll the target's cache back to the accepted length; the bonus token becomes the new pending token
 
 The drafter's cache holds only rows fed with *real* target features: row t pairs the aux states after
-x_t with the token x_{t+1} (SPEC.md section 4's step-0 alignment). Draft rows are transient and cropped
+x_t with the token x_{t+1} (the step-0 alignment of docs/architecture.md, Training-time test). Draft rows are transient and cropped
 before the accepted rows of the next round are appended, exactly as serving engines do.
 
 Greedy (temperature 0) output equals plain greedy decoding of the target token for token; sampling uses

@@ -8,7 +8,7 @@ library code: CUDA ``LOCAL_RANK`` when present, else the CPU (gloo).
 Every collective of Fledge's own goes through this module (DeepSpeed runs its own on the device). NCCL
 accepts CUDA tensors only, so the helpers below move what callers hand them to :func:`collective_device`
 and back: a caller may build its flags and sums on the CPU (or anywhere) without knowing the backend.
-tests/unit/test_distributed.py holds the helpers and the metrics reduction to this with a stand-in device.
+tests/unit/fledge/test_distributed.py holds the helpers and the metrics reduction to this with a stand-in device.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@
     logs/                                Slurm's job logs
 
 Stages get this object from the runner and hand libraries the paths they need; no other module spells a
-name of this tree (tests/unit/test_run_layout.py holds the source to that). Inside a store, a checkpoint
+name of this tree (tests/unit/fledge/test_run_layout.py holds the source to that). Inside a store, a checkpoint
 directory or an engine's work directory, the files are that library's own format.
 """
 

@@ -1,4 +1,4 @@
-"""Training-time-test attention (SPEC.md section 4) and the engine's cached attention.
+"""Training-time-test attention (docs/architecture.md, Training-time test) and the engine's cached attention.
 
 At TTT step k, row t attends to the step-0 keys 0..t of its own document plus, for every step
 j = 1..k, only the key that step produced at row t. With keys concatenated over steps the mask is

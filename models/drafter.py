@@ -1,6 +1,6 @@
-"""The EAGLE-3 / EAGLE-3.1 drafter (SPEC.md section 3): one module, two flags.
+"""The EAGLE-3 / EAGLE-3.1 drafter (docs/architecture.md, The drafter): one module, two flags.
 
-``Eagle3Drafter(spec)`` holds exactly the serving tensors of SPEC.md section 6 under their un-prefixed
+``Eagle3Drafter(spec)`` holds exactly the serving tensors (docs/serving.md, The export) under their un-prefixed
 names (``fc.weight``, ``midlayer.self_attn.q_proj.weight``, ``lm_head.weight``, ``d2t``, ...), so export
 maps its state_dict one to one. It runs in two ways that share every line of the layer math:
 
@@ -192,7 +192,7 @@ class DraftCache:
 
 
 class _MidLayer(nn.Module):
-    """The one decoder layer (SPEC.md section 3), with the attention supplied by the caller."""
+    """The one decoder layer (docs/architecture.md, The drafter), with the attention supplied by the caller."""
 
     def __init__(self, spec: DrafterSpec, config: LlamaConfig) -> None:
         super().__init__()
@@ -260,7 +260,7 @@ class Eagle3Drafter(nn.Module):
     # ---- setup -------------------------------------------------------------------------------
     @torch.no_grad()
     def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        """Install the draft vocab map (SPEC.md section 5): target id = i + d2t[i]; t2d true at those ids."""
+        """Install the draft vocab map (docs/architecture.md, The draft vocabulary): target id = i + d2t[i]; t2d true at those ids."""
         Vd, V = self.spec.draft_vocab_size, self.spec.vocab_size
         if d2t.shape != (Vd,) or t2d.shape != (V,):
             raise ValueError(f"vocab map shapes d2t {tuple(d2t.shape)}, t2d {tuple(t2d.shape)}: expected ({Vd},), ({V},)")
@@ -321,7 +321,7 @@ class Eagle3Drafter(nn.Module):
         return y, (y if self.spec.norm_output else h2)
 
     def ttt_step(self, input_ids, hidden, position_ids, mask, kv: list, distribute=None):
-        """One training-time-test step over all rows (SPEC.md section 4).
+        """One training-time-test step over all rows (docs/architecture.md, Training-time test).
 
         ``input_ids``/``position_ids`` ``[B, T]`` are this step's (already shifted) tokens and RoPE
         positions, ``hidden`` ``[B, T, H]`` is g (``fuse`` at step 0, the fed-back state after),

@@ -10,7 +10,7 @@ llama_eagle3.py / qwen3 support and SGLang's LlamaForCausalLMEagle3 run), and ``
 ``deepseek_v3`` and ``kimi_k2``: DeepSeek-V3, Kimi-K2 and the text part of Kimi-K2.5/2.6), read by
 ``read_mla_config``. To add a target whose decoder is
 Llama-shaped (RMSNorm, SiLU-gated MLP, RoPE, grouped-query attention), add its model_type to a family below
-and a test to tests/unit/test_families.py. What the shared reader already handles:
+and a test to tests/unit/models/test_families.py. What the shared reader already handles:
 
 - MoE targets: the drafter's MLP is dense, so it takes the dense ``intermediate_size``, never the
   per-expert ``moe_intermediate_size``; a config with only the latter is refused (pick a width).
@@ -30,7 +30,7 @@ the RoPE width (``qk_rope_head_dim``), not an attention head's, so a Llama draft
 
 An unknown model_type is an error, not a fallback to llama: a wrong guess about a config (per-layer RoPE,
 MLA, a head_dim that is not hidden/heads) builds a drafter that trains and exports cleanly and then serves
-with acceptance near 1, the silent failure this project exists to prevent (SPEC.md section 8).
+with acceptance near 1, the silent failure this project exists to prevent (docs/serving.md, Silent failures).
 """
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ def read_mla_config(d: Mapping[str, Any]) -> TargetShape:
 
 
 def llama_drafter_layer(shape: TargetShape) -> dict:
-    """The Llama drafter layer's settings (config.json keys, SPEC.md section 6), copied from the target."""
+    """The Llama drafter layer's settings (config.json keys, docs/serving.md, The export), copied from the target."""
     return {
         "model_type": "llama",
         "hidden_size": shape.hidden_size,

@@ -1,6 +1,6 @@
 """The frozen target: a transformers causal LM plus forward hooks that capture what a drafter learns from.
 
-Boundary convention (SPEC.md section 2): id ``k`` is the residual stream *entering* decoder layer ``k``,
+Boundary convention (docs/architecture.md, Aux layer ids): id ``k`` is the residual stream *entering* decoder layer ``k``,
 i.e. ``hidden_states[k]`` of an HF forward with ``output_hidden_states=True`` (0 = embeddings). A forward
 pre-hook on ``layers[k]`` sees exactly that tensor, so only the requested states are kept alive, never all
 L+1 of them. The teacher's state is the base model's output (after the final norm: what feeds lm_head),

@@ -10,7 +10,7 @@ The baseline store is what public trainers write: one file per sample holding th
 final state in bf16 (8 x H bytes per token), here measured by writing it the same way (safetensors).
 Prints a markdown table; every figure is the best of --repeats round-robin runs in this process.
 
-With ``--engine vllm`` (issue 19; needs .engine/venv or --engine-python) the same samples are also
+With ``--engine vllm`` (docs/serving.md; needs .engine/venv or --engine-python) the same samples are also
 captured through vLLM (capture.engine=vllm: extract_hidden_states + the hidden-states connector, the
 final norm and argmax made by Fledge, the same store), and vLLM runs the same prompts prefill-only with no
 extraction at all: vLLM's own prefill speed, the floor the vLLM capture cannot beat. Each vLLM figure is

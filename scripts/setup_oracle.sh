@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The parity oracle of SPEC.md section 9: vLLM's speculators 0.9.0, installed apart from .venv (it pins
+# The parity oracle (docs/testing.md, The environments): vLLM's speculators 0.9.0, installed apart from .venv (it pins
 # transformers <= 5.19) into .oracle/site, without its CUDA-pulling dependencies; the oracle process uses
 # .venv's python and torch with this directory first on PYTHONPATH. Idempotent; used by scripts/test.sh.
 # tests/oracle/ skips when it is absent.

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Slurm for tests/slurm/: Debian's packages (slurm-wlm 22.05: slurmctld, slurmd, the client commands, munge),
 # installed with apt-get. Only the programs are installed: the packages' own services are not started (and
-# not configured); tests/slurm/conftest.py starts a private cluster (its own munged, slurmctld and two
-# slurmd) with its config and state in a temp dir, and stops it when the tests end.
+# not configured); the slurm_cluster fixture (tests/conftest.py, tests/helpers/slurm_cluster.py) starts a private
+# cluster (its own munged, slurmctld and two slurmd) with its config and state in a temp dir, and stops it when
+# the tests end.
 #
 # A second run is a no-op: every package already installed at the wanted version -> exit 0. Needs root
 # (or passwordless sudo) and Debian's package lists; elsewhere it says so and exits 1, and tests/slurm

@@ -42,7 +42,7 @@ class ServingFields:
 
     layer: dict  # the drafter layer's config keys (families.py's drafter_layer, with the drafter's widths)
     flags: dict  # fc_norm and norm_output always, norm_before_fc only when true
-    aux_layer_ids: list[int]  # boundary convention (SPEC.md section 2)
+    aux_layer_ids: list[int]  # boundary convention (docs/architecture.md, Aux layer ids)
     draft_vocab_size: int
     target_hidden_size: Optional[int]  # set only when the drafter is narrower than its target
     target_name: Optional[str]  # hub id or path of the target

@@ -11,7 +11,7 @@ differently, so the same config.json makes them feed the drafter different layer
   records id ``start_layer`` before the first layer and ``idx + 1`` after layer ``idx``: boundary ids.
 - SGLang (sgl-project/sglang, python/sglang/srt/): ``ModelRunner.__init__`` (model_executor/
   model_runner.py) reads only ``eagle_config["eagle_aux_hidden_state_layer_ids"]`` (None when absent);
-  ``LlamaForCausalLM.set_eagle3_layers_to_capture`` (models/llama.py) keeps None's default [2, L//2, L-3]
+  ``LlamaForCausalLM.set_eagle3_layers_to_capture`` (SGLang's srt/models/llama.py) keeps None's default [2, L//2, L-3]
   as is but adds 1 to every explicit id; ``LlamaModel.forward`` appends the state of layer i *before*
   layer i runs, i.e. boundary id i. So an explicit id k is captured as boundary k + 1, a default as itself.
   SGLang builds a draft model by its ``architectures`` name and has no ``Eagle3Speculator``: it does not

@@ -1,6 +1,6 @@
 """Export a trained drafter to a serving directory, and load one (ours or a public EAGLE-3) back.
 
-The drafter's state_dict already uses the HF/EAGLE serving names (SPEC.md section 6), so the adapters are
+The drafter's state_dict already uses the HF/EAGLE serving names (docs/serving.md, The export), so the adapters are
 small: a dialect (serving/dialects.py) renames the layer prefix (``midlayer.`` <-> ``layers.0.`` for
 speculators); floats go to bf16 while ``d2t`` (int64) and ``t2d`` (bool) keep their dtypes;
 ``embed_tokens.weight`` (a frozen copy of the target's) is left out unless asked for, since both engines
@@ -202,7 +202,7 @@ def load_drafter(drafter_dir: str | Path, embed_weight: torch.Tensor | None = No
         if Vd != V:
             raise ValueError(f"{d}: draft_vocab_size={Vd} < vocab_size={V} but no d2t tensor")
         sd["d2t"] = torch.zeros(Vd, dtype=torch.int64)
-    if "t2d" not in sd:  # engines ignore it; rebuild it from d2t (SPEC.md section 5)
+    if "t2d" not in sd:  # engines ignore it; rebuild it from d2t (docs/architecture.md, The draft vocabulary)
         t2d = torch.zeros(V, dtype=torch.bool)
         t2d[torch.arange(Vd) + sd["d2t"]] = True
         sd["t2d"] = t2d

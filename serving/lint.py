@@ -1,4 +1,4 @@
-"""Drafter linter: the silent failures of SPEC.md section 8 that can be seen from files.
+"""Drafter linter: the silent failures that can be seen from files (docs/serving.md, Silent failures).
 
 ``lint_drafter(dir, target_config)`` checks an exported drafter (any dialect, ours or a public EAGLE-3)
 against its target's config.json and, when present, the ``fledge_training.json`` record of how it was
@@ -286,7 +286,7 @@ def _check_tensors(d: Path, config: dict, c: dict, add) -> None:
     for name, (shape, dtype) in expected.items():
         if name not in headers:
             add("error", "missing-tensor", f"missing tensor {name} {list(shape)}",
-                "re-export the drafter (tensor names per SPEC.md section 6)")
+                "re-export the drafter (tensor names per docs/serving.md, The export)")
             continue
         got_shape, got_dtype = headers[name]
         if tuple(got_shape) != tuple(shape):
@@ -357,7 +357,7 @@ def resolve_target_config(target: str | None = None, recipe: str | None = None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="fledge lint", description="Lint an exported drafter against its target: the silent failures of SPEC section 8.")
+    ap = argparse.ArgumentParser(prog="fledge lint", description="Lint an exported drafter against its target: the silent failures docs/serving.md lists.")
     ap.add_argument("drafter_dir")
     ap.add_argument("--target", help="target: local dir, config.json, or hub id (default: from the export)")
     ap.add_argument("--recipe", help="take the target's config from conf/recipe/<name>.yaml")

@@ -1,4 +1,4 @@
-"""The serving layout of a drafter, computed from the target's config alone (SPEC.md section 6).
+"""The serving layout of a drafter, computed from the target's config alone (docs/serving.md, The export).
 
 The target's family (models/families.py) gives the drafter layer's settings; the export dialect
 (serving/dialects.py) wraps them with the Eagle-3 fields into config.json and names the tensors.
@@ -80,7 +80,7 @@ def layer_config(config: Mapping) -> dict:
 
 
 def expected_tensors(config: Mapping, include_embed: bool = False) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """{name: (shape, dtype)} an exported config.json (any dialect) implies, per SPEC.md section 6.
+    """{name: (shape, dtype)} an exported config.json (any dialect) implies, per docs/serving.md, The export.
 
     ``d2t``/``t2d`` are listed even when Vd = V (the export always writes them; a public checkpoint may omit
     them then); ``embed_tokens.weight`` only with ``include_embed``.

@@ -1,4 +1,4 @@
-"""Long context for the tiny testbed (issue 20): whole-file training documents, a long-prompt eval split
+"""Long context for the tiny testbed (docs/long-context.md): whole-file training documents, a long-prompt eval split
 built from long held-out standard-library files, and a per-position held-out loss that says whether a
 target uses context beyond what it was trained on.
 

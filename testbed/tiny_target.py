@@ -64,7 +64,7 @@ MODEL = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden
 BUDGETS = {
     "quick": dict(steps=120, seq_len=512, batch_size=4, lr=2e-3, warmup=12),
     "testbed": dict(steps=560, seq_len=512, batch_size=8, lr=2e-3, warmup=40),
-    # Long context (issue 20, testbed/tiny_long.py): 2,048-token rows, half of the conversations whole files,
+    # Long context (docs/long-context.md, testbed/tiny_long.py): 2,048-token rows, half of the conversations whole files,
     # positions to 4,096. Fewer tokens than testbed (1.0M vs 2.3M) since a 2K row costs more per token.
     "long": dict(steps=240, seq_len=2048, batch_size=2, lr=2e-3, warmup=24, long_share=0.5),
 }

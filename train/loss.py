@@ -1,4 +1,4 @@
-"""Training losses (SPEC.md section 4): the registry ``drafter.loss`` selects from, and the TTT soft CE.
+"""Training losses (docs/architecture.md, Training-time test): the registry ``drafter.loss`` selects from, and the TTT soft CE.
 
 A loss is a :class:`TTTLoss` subclass registered under a name. It writes one method, ``loss_sum``: the
 summed loss of some rows given their drafter logits and teacher logits over the draft vocab (fp32
@@ -22,7 +22,7 @@ depending on the teacher row alone, and since step k reads teacher row t+1+k the
 rows, so q is computed once per batch, not once per step (on CUDA the drafter's logsumexp is a Triton
 kernel). That path rewrites the formula, so it cannot be derived from ``loss_sum``: a loss that wants one
 provides ``shared_teacher_sums`` itself, and a test pins it to the generic path
-(tests/unit/test_loss.py::test_zero3_path_equals_the_shared_teacher_path).
+(tests/unit/train/test_loss.py::test_zero3_path_equals_the_shared_teacher_path).
 """
 
 from __future__ import annotations

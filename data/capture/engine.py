@@ -6,7 +6,7 @@ through files; Fledge never imports vLLM). It prefills each sample once with the
 requested layer ids. What the store holds beyond those (the final *normed* state, the full-vocab argmax)
 Fledge computes here from the last id, with the target's own final-norm weight and lm_head.
 
-Layer ids (SPEC.md section 2): vLLM 0.32's aux-state index k is the residual stream entering decoder layer
+Layer ids (docs/architecture.md, Aux layer ids): vLLM 0.32's aux-state index k is the residual stream entering decoder layer
 k (0 = the embeddings, L = the last layer's output before the final norm): the same convention as
 Fledge's boundary ids, so the mapping is the identity. vLLM sorts and de-duplicates the ids, so Fledge
 asks for ``engine_layer_ids`` (sorted: the aux ids plus 0 and L) and picks its columns back by id.
@@ -115,7 +115,7 @@ def split_columns(states: torch.Tensor, engine_ids: list[int], aux_layer_ids: li
     if states.dim() != 3 or states.shape[1] != len(engine_ids):
         raise ValueError(f"the engine returned hidden states of shape {tuple(states.shape)} for layer ids {engine_ids} "
                          f"([tokens, {len(engine_ids)}, hidden] expected): its aux-layer convention differs from "
-                         "Fledge's boundary ids (SPEC.md section 2)")
+                         "Fledge's boundary ids (docs/architecture.md, Aux layer ids)")
     col = {k: i for i, k in enumerate(engine_ids)}
     aux = torch.cat([states[:, col[k]] for k in aux_layer_ids], dim=-1)
     return aux, states[:, col[0]], states[:, col[num_layers]]
@@ -133,7 +133,7 @@ def check_boundary_convention(head: TargetHead, token_ids: torch.Tensor, probe: 
     if err > tol * scale:
         raise ValueError(f"sample {sample_id}: the engine's state at layer id 0 is not the embedding of the prompt "
                          f"(max |diff| {err:.3g} vs |emb| {scale:.3g}): the engine's aux-layer ids are shifted "
-                         "against Fledge's boundary ids (SPEC.md section 2); the store would train the drafter on "
+                         "against Fledge's boundary ids (docs/architecture.md, Aux layer ids); the store would train the drafter on "
                          "the wrong layers. Check the engine version's eagle_aux_hidden_state_layer_ids convention")
     ours = int(logits_last.argmax())
     if ours != sampled:
@@ -142,7 +142,7 @@ def check_boundary_convention(head: TargetHead, token_ids: torch.Tensor, probe: 
             raise ValueError(f"sample {sample_id}: the argmax of the final normed state Fledge made from the engine's "
                              f"layer id L is token {ours}, but the engine sampled {sampled} (logit gap {gap:.3g}): "
                              "the last layer id does not hold the last layer's output (an off-by-one in the "
-                             "engine's aux-layer convention, SPEC.md section 2); refusing to write the store")
+                             "engine's aux-layer convention, docs/architecture.md, Aux layer ids); refusing to write the store")
 
 
 def build_request(target: str, revision: Optional[str], trust_remote_code: bool, dtype: str, max_model_len: int,

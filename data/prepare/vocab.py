@@ -1,4 +1,4 @@
-"""The draft vocabulary (SPEC.md section 5): the ``Vd`` target ids most frequent at loss-masked positions.
+"""The draft vocabulary (docs/architecture.md, The draft vocabulary): the ``Vd`` target ids most frequent at loss-masked positions.
 
 ``selected`` holds them in ascending order; ``d2t[i] = selected[i] - i`` (the offset engines add to a draft
 id), ``t2d`` is a bool mask over the target vocab. Ties in frequency break toward the smaller id, and
@@ -43,7 +43,7 @@ class DraftVocab:
 
     @classmethod
     def build(cls, counts: torch.Tensor | np.ndarray, Vd: int) -> "DraftVocab":
-        """Top-``Vd`` ids by count (ties and unseen ids: ascending id), per SPEC.md section 5."""
+        """Top-``Vd`` ids by count (ties and unseen ids: ascending id), per docs/architecture.md, The draft vocabulary."""
         counts = torch.as_tensor(np.asarray(counts), dtype=torch.int64)
         V = len(counts)
         if not 1 <= Vd <= V:

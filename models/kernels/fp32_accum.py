@@ -2,7 +2,7 @@
 
 Near convergence the drafter's gradient ``(softmax(b) - p) W`` is a small difference of two large terms.
 Rounding to bf16 anything that enters it before the subtraction costs a relative error that grows as the
-drafter converges. In tests/loss_precision.py's model at drafter-teacher KL 0.004: the two terms rounded
+drafter converges. In tests/helpers/loss_precision.py's model at drafter-teacher KL 0.004: the two terms rounded
 apart ~4%, the softmax weights multiplying W ~3.5%, the drafter's or the teacher's logits ~19% each,
 against 0.17% with fp32 throughout and one rounding of the result. Two helpers keep those terms in fp32:
 

@@ -1,4 +1,4 @@
-"""The soft cross-entropy of SPEC.md section 4, split where the TTT steps share work.
+"""The TTT soft cross-entropy (docs/architecture.md, Training-time test), split where the TTT steps share work.
 
 Per row: teacher logits a = t W_t^T, p = softmax(a) over the Vd draft ids, drafter logits b = y W_d^T,
     loss_row = -sum_v p_v log_softmax(b)_v = logsumexp(b) - sum_v p_v b_v = logsumexp(b) - y . q,
@@ -26,7 +26,7 @@ from GEMMs with an fp32 output, the softmax weights enter the backward GEMMs as 
 formed in one fp32 buffer from both terms, and the K steps' and the teacher's dW_d terms sum in fp32 through
 ``grad_into`` (one ``fp32_grad`` stand-in per lm_head) before the one rounding to the parameter's dtype.
 Rounding these to bf16 first cost the shared-teacher path 25% (dy) and 33% (dW) relative gradient error at
-drafter-teacher KL 0.004 (tests/unit/test_loss.py::test_bf16_gradients_stay_accurate_near_convergence),
+drafter-teacher KL 0.004 (tests/unit/train/test_loss.py::test_bf16_gradients_stay_accurate_near_convergence),
 against 0.17% now, the error of fp32 math rounded once. The price on GPU: the kernel's backward runs five
 tile GEMMs instead of three, the teacher seven GEMMs per batch instead of four.
 """

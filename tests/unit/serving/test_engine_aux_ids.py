@@ -24,16 +24,16 @@ def sglang_captures(config: dict, num_layers: int) -> list[int] | None:
     None when SGLang does not serve it.
 
     From SGLang's source (github.com/sgl-project/sglang, python/sglang/srt/):
-    - the draft model class is looked up by ``architectures`` (models/llama_eagle3.py registers
-      ``LlamaForCausalLMEagle3``, models/deepseek_eagle3.py ``Eagle3DeepseekV2ForCausalLM``); there is no
+    - the draft model class is looked up by ``architectures`` (srt/models/llama_eagle3.py registers
+      ``LlamaForCausalLMEagle3``, srt/models/deepseek_eagle3.py ``Eagle3DeepseekV2ForCausalLM``); there is no
       ``Eagle3Speculator``, the speculators format's.
     - model_executor/model_runner.py, ModelRunner.__init__: ``eagle_config = getattr(draft_model_config.hf_config,
       "eagle_config", None)``; ``eagle_config["eagle_aux_hidden_state_layer_ids"]`` inside a bare ``try``, None on
       any failure (no eagle_config, no key). A top-level key is not read.
-    - models/llama.py, LlamaForCausalLM.set_eagle3_layers_to_capture: None -> ``layers_to_capture = [2,
+    - srt/models/llama.py, LlamaForCausalLM.set_eagle3_layers_to_capture: None -> ``layers_to_capture = [2,
       num_layers // 2, num_layers - 3]``; else ``[val + 1 for val in layer_ids]`` ("for the ith layer, it takes
       the output of the (i-1)th layer as aux hidden state").
-    - models/llama.py, LlamaModel.forward: ``for i in range(start_layer, end_layer): if i in layers_to_capture:
+    - srt/models/llama.py, LlamaModel.forward: ``for i in range(start_layer, end_layer): if i in layers_to_capture:
       aux_hidden_states.append(hidden_states + residual)`` before ``self.layers[i]`` runs: the residual stream
       after i layers (boundary id i), in layer order, each layer once; an id of L or more is never reached.
     """
