@@ -105,9 +105,10 @@ class CaptureConfig:
     # equal to one forward; attention memory [chunk, T] instead of [T, T]); 0 = one forward per row.
     chunk_tokens: int = 8192
     device_map: Optional[str] = None  # e.g. "auto" to spread a big target over a node's GPUs
-    # Array-job capture (train/slurm/capture_array.sbatch, `fledge submit capture --array N`): task i runs with slice_index=i and captures
-    # samples [i*n/N, (i+1)*n/N) of each split; a later run with num_slices=N and no slice_index merges
-    # the slices into one store. Neither is in the stage's inputs hash (the tasks share one stage dir).
+    # Array-job capture (train/slurm/capture_array.sbatch, `fledge submit capture --array N`): task i runs with
+    # slice_index=i and captures samples [i*n/N, (i+1)*n/N) of each split; a later run with num_slices=N and no
+    # slice_index merges the slices into one store. Neither is in the stage's inputs hash (the tasks share one stage
+    # dir).
     num_slices: int = 1
     slice_index: Optional[int] = None
     # Which engine computes the states (docs/serving.md, data/capture/engine.py): hf (an in-process transformers
@@ -228,7 +229,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     recipe: str = "???"  # set by the selected conf/recipe/<name>.yaml
 
-    def validate(self) -> "Config":
+    def validate(self) -> Config:
         """Cross-field checks that types alone cannot express; raises ValueError naming the key."""
         _one_of("run.stages", self.run.stages, STAGES, many=True)
         _one_of("run.force", self.run.force, STAGES, many=True)
@@ -251,7 +252,8 @@ class Config:
         _one_of("eval.engine", self.eval.engine, ("hf", "vllm", "sglang"))
         _one_of("eval.prompt_length_policy", self.eval.prompt_length_policy, ("truncate", "skip"))
         if self.eval.max_prompt_tokens < 0:
-            raise ValueError(f"eval.max_prompt_tokens={self.eval.max_prompt_tokens}: must be >= 0 (0: the target's limit)")
+            raise ValueError(f"eval.max_prompt_tokens={self.eval.max_prompt_tokens}: must be >= 0 "
+                             "(0: the target's limit)")
         unknown = [s for s in self.eval.engine_sets if s not in self.eval.sets]
         if unknown:
             raise ValueError(f"eval.engine_sets={self.eval.engine_sets}: {unknown} not in eval.sets={self.eval.sets}")

@@ -153,7 +153,8 @@ def markdown(c: dict) -> str:
                   "| context tokens | prompts | AL 3.1 | AL 3 | AL(3.1)/AL(3) | lookup AL | 3.1 drafted attn | "
                   "3 drafted attn | 3.1 sink | 3 sink | 3.1 RMS | 3 RMS |", "|---" * 12 + "|"]
         for r in c["context"]:
-            lines.append(f"| {r['bucket']} | {r['prompts']} | {_f(r['al_31'])} | {_f(r['al_3'])} | {_f(r['al_ratio'])} | "
+            lines.append(f"| {r['bucket']} | {r['prompts']} | {_f(r['al_31'])} | {_f(r['al_3'])} | "
+                         f"{_f(r['al_ratio'])} | "
                          f"{_f(r['lookup_al'])} | {_f(r['drafted_31'], 3)} | {_f(r['drafted_3'], 3)} | "
                          f"{_f(r['sink_31'], 3)} | {_f(r['sink_3'], 3)} | {_f(r['state_rms_31'], 3)} | "
                          f"{_f(r['state_rms_3'], 3)} |")

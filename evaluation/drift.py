@@ -19,7 +19,7 @@ probe is open, and the ``DraftCache`` holds the keys after RoPE. Nothing in the 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

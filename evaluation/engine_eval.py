@@ -28,10 +28,9 @@ from pathlib import Path
 
 from fledge.models.families import read_target
 from fledge.models.layers.kind import get_layer_kind
+from fledge.serving.engine import acceptance, draft_options, greedy_differences, run_driver, speculative_config
 from fledge.serving.export import load_target_config
 from fledge.serving.lint import format_findings, lint_drafter
-from fledge.serving.engine import (acceptance, draft_options, greedy_differences, run_driver,
-                                          speculative_config)
 
 log = logging.getLogger(__name__)
 # Top-2 log-prob gap under which a greedy divergence is a numerical tie (the k+1-token verify forward and

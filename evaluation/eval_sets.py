@@ -1,7 +1,7 @@
 """Named evaluation sets: the public benchmarks speculative-decoding results are quoted on.
 
-One registry, ``EVAL_SETS`` (fledge/registry.py): for each name, which hub dataset (id, config, split, revision), which fields a
-row must have (the dataset card's schema) and how a row becomes the user turns of one conversation. The
+One registry, ``EVAL_SETS`` (fledge/registry.py): for each name, which hub dataset (id, config, split, revision), which
+fields a row must have (the dataset card's schema) and how a row becomes the user turns of one conversation. The
 eval stage (evaluation/evaluate.py) asks :func:`load_conversations` for a set's conversations and
 :func:`render_prompts` for its prompt token ids, rendered through the target's own chat template.
 
@@ -20,9 +20,9 @@ Add a set: ``register(EvalSet(name, hub_id, ...))`` below, a fixture in the data
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Optional
 
 from fledge.registry import Registry
 
@@ -43,11 +43,11 @@ class EvalSet:
     hub_id: str
     split: str
     fields: tuple[str, ...]  # the card's fields a row must have
-    turns: Callable[[dict], Optional[list[str]]]
+    turns: Callable[[dict], list[str] | None]
     measures: str  # what it measures (report, README)
-    config: Optional[str] = None
-    revision: Optional[str] = None
-    keep: Optional[Callable[[dict], bool]] = None
+    config: str | None = None
+    revision: str | None = None
+    keep: Callable[[dict], bool] | None = None
     long: bool = False  # a long-context set (prompts of thousands of tokens)
     fix: str = ""  # extra advice when it cannot be loaded
 
@@ -83,7 +83,7 @@ def _one(template: str, *keys: str) -> Callable[[dict], list[str]]:
     return lambda row: [template.format(**{k: str(row[k]).strip() for k in keys})]
 
 
-def _turn_list(row: dict) -> Optional[list[str]]:
+def _turn_list(row: dict) -> list[str] | None:
     """MT-Bench (``prompt`` on the HF copy, ``turns`` in FastChat's question.jsonl) and SPEED-Bench (``turns``;
     a row rebuilt by SPEED-Bench's preparation script has user ``messages`` instead)."""
     turns = row.get("turns", row.get("prompt"))
@@ -160,7 +160,7 @@ class LoadedSet:
     placeholders: int = 0  # rows without usable text (SPEED-Bench's placeholders, empty turns)
 
 
-def _rows(s: EvalSet, override: Optional[str]) -> tuple[Iterable[dict], str]:
+def _rows(s: EvalSet, override: str | None) -> tuple[Iterable[dict], str]:
     """The rows of ``s`` and a description of where they came from; ValueError with the fix if unreadable."""
     where = override or s.hub_id
     local = override is not None and _is_local(override)
@@ -213,7 +213,7 @@ def _rows(s: EvalSet, override: Optional[str]) -> tuple[Iterable[dict], str]:
     ) from None
 
 
-def load_conversations(name: str, override: Optional[str] = None, limit: Optional[int] = None) -> LoadedSet:
+def load_conversations(name: str, override: str | None = None, limit: int | None = None) -> LoadedSet:
     """The first conversations of set ``name`` (user turns each), up to ``limit`` conversations."""
     s = EVAL_SETS.get(name)
     rows, source = _rows(s, override)
@@ -243,7 +243,7 @@ def load_conversations(name: str, override: Optional[str] = None, limit: Optiona
 
 
 # ------------------------------------------------------------------------------------------ prompts
-def fit_prompt(ids: list[int], max_tokens: int, policy: str) -> Optional[list[int]]:
+def fit_prompt(ids: list[int], max_tokens: int, policy: str) -> list[int] | None:
     """``ids`` when it fits; else cut from the middle (``truncate``: the template's head with the start of the
     context and the tail with the question and the generation prompt stay, as LongBench does) or None
     (``skip``)."""
@@ -256,7 +256,7 @@ def fit_prompt(ids: list[int], max_tokens: int, policy: str) -> Optional[list[in
 
 
 def render_prompts(loaded: LoadedSet, renderer, max_prompt_tokens: int, policy: str, num_prompts: int,
-                   respond: Optional[Callable[[list[int]], str]] = None) -> tuple[list[list[int]], dict]:
+                   respond: Callable[[list[int]], str] | None = None) -> tuple[list[list[int]], dict]:
     """Prompt token ids of ``loaded`` (every user turn is a prompt; a later turn follows the target's own answer
     ``respond(prompt_ids)`` to the earlier ones), at most ``num_prompts``, each fitted to ``max_prompt_tokens``
     (``policy``: truncate | skip; a skipped turn ends its conversation). Returns (prompts, counts)."""

@@ -20,18 +20,24 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 from tqdm import tqdm
 
-from fledge.run_layout import EvalDir, PrepareDir
-from fledge.serving.engine import check_engine
-from fledge.evaluation.speculative import (DrafterProposer, LookupProposer, TargetRunner, first_divergence, greedy_decode,
-                                speculative_decode)
+from fledge.evaluation.speculative import (
+    DrafterProposer,
+    LookupProposer,
+    TargetRunner,
+    first_divergence,
+    greedy_decode,
+    speculative_decode,
+)
 from fledge.models import alignment
 from fledge.models.alignment import StepAccuracy, al_estimate
+from fledge.run_layout import EvalDir, PrepareDir
+from fledge.serving.engine import check_engine
 
 log = logging.getLogger(__name__)
 # The prepare stage's eval split each built-in set's prompts come from.
@@ -208,8 +214,8 @@ def evaluate_set(name: str, prompts: list[list[int]], target_model, drafter, eva
 def evaluate_buckets(cfg, renderer, prepared: PrepareDir, target_model, drafter, eos, max_pos: int) -> list[dict]:
     """The set harness and the drift probe on each of ``eval.context_buckets`` (evaluation/long_context.py)."""
     from fledge.data.prepare.chat import prompt_ids
-    from fledge.evaluation.drift import drift_curves
     from fledge.evaluation import long_context
+    from fledge.evaluation.drift import drift_curves
 
     ev, K = cfg.eval, cfg.drafter.ttt_steps
     room = max_pos - ev.max_new_tokens - ev.draft_tokens - 2
@@ -320,8 +326,8 @@ def load_eval_models(cfg, drafter_dir: Path, device: torch.device, aux_layer_ids
     too, whatever the CPU: greedy tie gaps (TIE_GAP) and the golden AL then do not depend on whether the CPU
     has native bf16 (where it does not, FrozenTarget.load has already made it fp32). On CUDA the target
     keeps ``target.dtype``."""
-    from fledge.serving.export import load_drafter
     from fledge.models.target import FrozenTarget
+    from fledge.serving.export import load_drafter
 
     frozen = FrozenTarget.load(cfg.target, device, aux_layer_ids)
     if device.type == "cpu":
@@ -337,16 +343,16 @@ def evaluate_run(cfg, prepared: PrepareDir, out: EvalDir, drafter_dir: Path, dev
     prepare stage's outputs ``prepared``; the report goes to ``out``. ``metrics_path``: the train stage's log
     (the report plots it); ``train_al_estimate``: its best AL estimate (the report and the engine's collapse
     check compare the measured AL with it)."""
-    from fledge.data.prepare.chat import ChatRenderer, eot_ids_from_target
     from fledge.data.prepare.build import load_tokenizer
+    from fledge.data.prepare.chat import ChatRenderer, eot_ids_from_target
     from fledge.evaluation.drift import drift_curves
-    from fledge.serving.export import spec_from_export
     from fledge.evaluation.report import write_report
+    from fledge.serving.export import spec_from_export
 
     ev, K = cfg.eval, cfg.drafter.ttt_steps
     engine_python = check_engine(ev.engine, device.type, ev.engine_python)  # before any work: fail fast
-    renderer = ChatRenderer(load_tokenizer(cfg.target, cfg.data.chat_template), extra_eot_ids=eot_ids_from_target(cfg.target.name_or_path,
-                                                                                   cfg.target.revision))
+    renderer = ChatRenderer(load_tokenizer(cfg.target, cfg.data.chat_template),
+                            extra_eot_ids=eot_ids_from_target(cfg.target.name_or_path, cfg.target.revision))
     eos = sorted(renderer.eot_ids)
     # Measure what an engine serves: the drafter config.json and the weights describe (its aux ids, layer
     # settings, flags), not the training record: a config.json that disagrees with training shows in the AL.

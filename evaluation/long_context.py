@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 log = logging.getLogger(__name__)
 

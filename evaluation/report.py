@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Optional
 
 from fledge.atomic import write_bytes_atomic, write_json_atomic
 from fledge.run_layout import EvalDir
@@ -145,7 +144,7 @@ def context_markdown(buckets: list[dict]) -> list[str]:
     return lines + [""]
 
 
-def plot_context(series: dict[str, list[dict]], path: Path, styles: Optional[dict] = None) -> None:
+def plot_context(series: dict[str, list[dict]], path: Path, styles: dict | None = None) -> None:
     """AL (and prompt lookup) vs context length, with drafted-attention mass and fed-back RMS per bucket,
     one line per entry of ``series`` (label -> the report's ``context_buckets``)."""
     import matplotlib
@@ -259,7 +258,7 @@ def plot_report(report: dict, out_dir: Path, metrics: list[dict]) -> list[str]:
     return names
 
 
-def write_report(report: dict, out: EvalDir, metrics_path: Optional[Path] = None) -> None:
+def write_report(report: dict, out: EvalDir, metrics_path: Path | None = None) -> None:
     """The report as json and markdown and the PNGs beside them (``out``), each written atomically."""
     metrics = read_metrics(metrics_path) if metrics_path else []
     report["plots"] = plot_report(report, out.root, metrics)

@@ -9,8 +9,8 @@ emitted, not yet read by the target)::
     roll the target's cache back to the accepted length; the bonus token becomes the new pending token
 
 The drafter's cache holds only rows fed with *real* target features: row t pairs the aux states after
-x_t with the token x_{t+1} (the step-0 alignment of docs/architecture.md, Training-time test). Draft rows are transient and cropped
-before the accepted rows of the next round are appended, exactly as serving engines do.
+x_t with the token x_{t+1} (the step-0 alignment of docs/architecture.md, Training-time test). Draft rows are transient
+and cropped before the accepted rows of the next round are appended, exactly as serving engines do.
 
 Greedy (temperature 0) output equals plain greedy decoding of the target token for token; sampling uses
 standard rejection sampling (accept d with min(1, p(d)/q(d)), else resample from norm(max(0, p - q))),
@@ -20,8 +20,9 @@ which leaves the target's distribution unchanged.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Protocol, Sequence
+from typing import Protocol
 
 import torch
 
@@ -56,7 +57,7 @@ class TargetRunner:
     ``prefill(prompt)`` is ``forward`` for a prompt of any length: pieces of ``prefill_chunk`` tokens and
     only the last row's logits, so a 128K prompt never holds [S, V] logits or [S, S] attention scores."""
 
-    def __init__(self, model, aux_layer_ids: Optional[Sequence[int]] = None, prefill_chunk: int = PREFILL_CHUNK):
+    def __init__(self, model, aux_layer_ids: Sequence[int] | None = None, prefill_chunk: int = PREFILL_CHUNK):
         self.model = model.eval()
         self.prefill_chunk = prefill_chunk
         self.aux_layer_ids = list(aux_layer_ids) if aux_layer_ids else None
@@ -72,7 +73,7 @@ class TargetRunner:
         return self.cache.get_seq_length()
 
     @torch.inference_mode()
-    def forward(self, ids: Sequence[int], last_only: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def forward(self, ids: Sequence[int], last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         x = torch.as_tensor(list(ids), dtype=torch.long, device=self.device)[None]
         want_aux = self.aux_layer_ids is not None
         out = self.model(input_ids=x, past_key_values=self.cache, use_cache=True, output_hidden_states=want_aux,
@@ -80,7 +81,7 @@ class TargetRunner:
         aux = torch.cat([out.hidden_states[k][0] for k in self.aux_layer_ids], -1) if want_aux else None
         return out.logits[0].float(), aux
 
-    def prefill(self, ids: Sequence[int]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def prefill(self, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Append a prompt in pieces of ``prefill_chunk`` tokens: (the last row's logits [1, V], aux [S, n*Ht])."""
         ids = list(ids)
         auxes, logits = [], None
@@ -100,10 +101,10 @@ class Proposer(Protocol):
 
     def reset(self) -> None: ...
 
-    def observe(self, next_tokens: Sequence[int], aux: Optional[torch.Tensor]) -> None: ...
+    def observe(self, next_tokens: Sequence[int], aux: torch.Tensor | None) -> None: ...
 
     def propose(self, history: Sequence[int], k: int, temperature: float,
-                generator: Optional[torch.Generator]) -> tuple[list[int], Optional[torch.Tensor]]: ...
+                generator: torch.Generator | None) -> tuple[list[int], torch.Tensor | None]: ...
 
 
 class DrafterProposer:
@@ -130,7 +131,7 @@ class DrafterProposer:
         self.last_logits = self.last_state = None
 
     @torch.inference_mode()
-    def observe(self, next_tokens: Sequence[int], aux: Optional[torch.Tensor]) -> None:
+    def observe(self, next_tokens: Sequence[int], aux: torch.Tensor | None) -> None:
         """Commit rows n..n+S-1: aux states after x_t paired with x_{t+1} (``next_tokens``)."""
         assert aux is not None and aux.shape[0] == len(next_tokens)
         self.cache.crop(self.n)  # drop last round's draft rows
@@ -201,8 +202,8 @@ def _pick(logits: torch.Tensor, temperature: float, generator) -> int:
     return int(torch.multinomial(torch.softmax(logits / temperature, -1).cpu(), 1, generator=generator))
 
 
-def verify(drafts: Sequence[int], q: Optional[torch.Tensor], logits: torch.Tensor, temperature: float = 0.0,
-           generator: Optional[torch.Generator] = None) -> tuple[int, int]:
+def verify(drafts: Sequence[int], q: torch.Tensor | None, logits: torch.Tensor, temperature: float = 0.0,
+           generator: torch.Generator | None = None) -> tuple[int, int]:
     """Accept a prefix of ``drafts`` against the target's ``logits [len(drafts)+1, V]`` (row i: the
     distribution of the token after d_i's predecessor); returns (accepted count n, next token).
 
@@ -229,7 +230,7 @@ def verify(drafts: Sequence[int], q: Optional[torch.Tensor], logits: torch.Tenso
 
 def speculative_decode(target: TargetRunner, proposer: Proposer, prompt: Sequence[int], k: int,
                        max_new_tokens: int, eos_ids: Sequence[int] = (), temperature: float = 0.0,
-                       generator: Optional[torch.Generator] = None) -> DecodeResult:
+                       generator: torch.Generator | None = None) -> DecodeResult:
     """Generate up to ``max_new_tokens`` after ``prompt`` with k-token chain drafts (see module doc)."""
     if k < 1 or max_new_tokens < 1:
         raise ValueError(f"eval.draft_tokens={k} and eval.max_new_tokens={max_new_tokens} must be >= 1")
@@ -284,7 +285,7 @@ def greedy_decode(target: TargetRunner, prompt: Sequence[int], max_new_tokens: i
     return out, time.perf_counter() - t0
 
 
-def first_divergence(a: Sequence[int], b: Sequence[int]) -> Optional[int]:
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
     """Index of the first differing token (a length mismatch counts), or None when equal."""
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:

@@ -13,8 +13,9 @@ import math
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 
 def read_json(path: str | Path) -> dict | None:

@@ -2,8 +2,8 @@
 
     fledge run recipe=tiny [overrides]          the pipeline in one process (torchrun train/main.py for N)
     fledge tiny-target --budget quick           build the tiny recipe's target and data under .cache/
-    fledge lint DIR [--target T | --recipe R]   check a drafter directory against its target (docs/serving.md, Silent failures)
-    fledge push DIR ORG/NAME                    upload with a model card (token from HF_TOKEN)
+    fledge lint DIR [--target T | --recipe R]   check a drafter directory against its target (docs/serving.md, Silent
+    failures) fledge push DIR ORG/NAME                    upload with a model card (token from HF_TOKEN)
     fledge submit pipeline recipe=NAME ...      fill the Slurm templates, print the sbatch commands
     fledge regenerate --input ... --output ...  re-answer a data set with the target
     fledge compare RUN_A RUN_B                  EAGLE-3.1 vs EAGLE-3 report from two runs

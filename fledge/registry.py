@@ -15,7 +15,8 @@ restores what it replaced) however the block ends.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Generic, Iterator, Optional, TypeVar, overload
+from collections.abc import Callable, Iterator
+from typing import Generic, TypeVar, overload
 
 T = TypeVar("T")
 _MISSING = object()
@@ -89,7 +90,7 @@ class Registry(Generic[T]):
     def temporary(self, name: str, entry: T) -> Iterator[T]:
         """``entry`` registered as ``name`` for the block only (for tests); whatever ``name`` held before
         comes back after it."""
-        before: Optional[T] = self._entries.get(name, _MISSING)  # type: ignore[assignment]
+        before: T | None = self._entries.get(name, _MISSING)  # type: ignore[assignment]
         self._entries[name] = entry
         try:
             yield entry

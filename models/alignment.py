@@ -1,4 +1,5 @@
-"""The TTT alignment (docs/architecture.md, Training-time test), written once for the loss, held-out accuracy and the AL estimate.
+"""The TTT alignment (docs/architecture.md, Training-time test), written once for the loss, held-out accuracy and the
+AL estimate.
 
 A ``FeatureBatch`` is unshifted: index t is token x_t and the target's state after reading x_0..x_t.
 Step k of the unroll (k = 0..K-1) treats row t as a draft made ``lead(k) = 1 + k`` tokens after t:
@@ -113,22 +114,22 @@ def step_key(name: str, k: int) -> str:
 
 @dataclass
 class StepAccuracy:
-    """Teacher-forced accuracy per TTT step k = 0..K-1 (docs/architecture.md, Training-time test): ``acc[k]`` (drafter argmax =
-    teacher argmax over step k's counted rows) and ``full_acc[k]`` (steps 0..k all right). NaN = no row."""
+    """Teacher-forced accuracy per TTT step k = 0..K-1 (docs/architecture.md, Training-time test): ``acc[k]`` (drafter
+    argmax = teacher argmax over step k's counted rows) and ``full_acc[k]`` (steps 0..k all right). NaN = no row."""
 
     acc: list[float]
     full_acc: list[float]
 
     @classmethod
-    def from_values(cls, values: dict[str, float], steps: int, prefix: str = "") -> "StepAccuracy":
+    def from_values(cls, values: dict[str, float], steps: int, prefix: str = "") -> StepAccuracy:
         """From reduced metrics (``RatioMeter.reduce``) named by :func:`step_key`, e.g. ``eval/acc_0``."""
         get = lambda name, k: values.get(prefix + step_key(name, k), float("nan"))  # noqa: E731
         return cls([get("acc", k) for k in range(steps)], [get("full_acc", k) for k in range(steps)])
 
 
 def al_estimate(accuracy: StepAccuracy) -> float:
-    """Offline chain acceptance-length estimate: 1 + sum_k full_acc_k (docs/architecture.md, Training-time test), summed up to
-    the first step without a value (NaN or None)."""
+    """Offline chain acceptance-length estimate: 1 + sum_k full_acc_k (docs/architecture.md, Training-time test),
+    summed up to the first step without a value (NaN or None)."""
     total = 1.0
     for v in accuracy.full_acc:
         if v is None or v != v:

@@ -202,7 +202,8 @@ def _concat_keys(k0, kd):
 
 def _dense(q, k0, v0, kd, vd, document_ids):
     mask = ttt_dense_mask(document_ids, kd.shape[2])
-    return F.scaled_dot_product_attention(q, _concat_keys(k0, kd), _concat_keys(v0, vd), attn_mask=mask, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, _concat_keys(k0, kd), _concat_keys(v0, vd), attn_mask=mask,
+                                          enable_gqa=True)
 
 
 _compiled_flex = None

@@ -23,8 +23,9 @@ Engine-style chain drafting, for the evaluation harness::
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -61,7 +62,7 @@ class DrafterSpec:
     norm_before_fc: bool = False
     layer: str = "llama"  # drafter layer kind (models/layers/)
     # MLA widths (layer "mla" only; models/layers/): null q_lora_rank = a plain q_proj
-    q_lora_rank: Optional[int] = None
+    q_lora_rank: int | None = None
     kv_lora_rank: int = 0
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
@@ -72,7 +73,7 @@ class DrafterSpec:
         self.validate()
 
     @classmethod
-    def from_target_config(cls, hf_config, drafter_cfg, aux_layer_ids) -> "DrafterSpec":
+    def from_target_config(cls, hf_config, drafter_cfg, aux_layer_ids) -> DrafterSpec:
         """Spec for a drafter of the target whose HF config is ``hf_config`` (a PretrainedConfig or dict).
 
         The target's family (models/families.py) reads the config and gives the drafter layer's settings,
@@ -137,7 +138,7 @@ class DrafterSpec:
         return _json_safe(dataclasses.asdict(self))
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "DrafterSpec":
+    def from_dict(cls, d: Mapping[str, Any]) -> DrafterSpec:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
         if unknown:
@@ -260,10 +261,12 @@ class Eagle3Drafter(nn.Module):
     # ---- setup -------------------------------------------------------------------------------
     @torch.no_grad()
     def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        """Install the draft vocab map (docs/architecture.md, The draft vocabulary): target id = i + d2t[i]; t2d true at those ids."""
+        """Install the draft vocab map (docs/architecture.md, The draft vocabulary): target id = i + d2t[i]; t2d
+        true at those ids."""
         Vd, V = self.spec.draft_vocab_size, self.spec.vocab_size
         if d2t.shape != (Vd,) or t2d.shape != (V,):
-            raise ValueError(f"vocab map shapes d2t {tuple(d2t.shape)}, t2d {tuple(t2d.shape)}: expected ({Vd},), ({V},)")
+            raise ValueError(f"vocab map shapes d2t {tuple(d2t.shape)}, t2d {tuple(t2d.shape)}: "
+                             f"expected ({Vd},), ({V},)")
         sel = torch.arange(Vd) + d2t.cpu()
         if int(t2d.sum()) != Vd or not bool(t2d.cpu()[sel].all()):
             raise ValueError("vocab map: t2d must be true exactly at the target ids i + d2t[i]")

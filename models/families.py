@@ -35,8 +35,9 @@ with acceptance near 1, the silent failure this project exists to prevent (docs/
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional
+from typing import Any
 
 from fledge.registry import Registry
 
@@ -62,7 +63,7 @@ def text_config_dict(config: Any) -> dict:
     return d
 
 
-def rope_of(config: Mapping) -> tuple[float, Optional[dict]]:
+def rope_of(config: Mapping) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling or None for plain RoPE) of a config dict, read from transformers 5's
     ``rope_parameters`` or the legacy top-level ``rope_theta`` / ``rope_scaling``."""
     params = config.get("rope_parameters")
@@ -104,14 +105,14 @@ class TargetShape:
     max_position_embeddings: int
     vocab_size: int
     rope_theta: float
-    rope_scaling: Optional[dict]
+    rope_scaling: dict | None
     tie_word_embeddings: bool = False
     mtp_layers: int = 0  # num_nextn_predict_layers: stored after the decoder layers, never counted in them
     architectures: tuple[str, ...] = ()
     token_ids: dict = field(default_factory=dict)  # bos / eos / pad, copied into the serving config
     # MLA targets (DeepSeek-V3, Kimi-K2): q_lora_rank (None: no q compression), kv_lora_rank, qk_nope_head_dim,
     # qk_rope_head_dim, v_head_dim; None for every other target.
-    mla: Optional[dict] = None
+    mla: dict | None = None
 
     @property
     def rope_parameters(self) -> dict:
@@ -203,8 +204,8 @@ def llama_drafter_layer(shape: TargetShape) -> dict:
 class TargetFamily:
     """How drafters are shaped for targets of the listed transformers ``model_type`` values.
 
-    ``layer_kind`` names the drafter layer kind (models/layers/) ``drafter.layer=auto`` builds for them; ``read`` turns the target's
-    text config dict into a TargetShape; ``drafter_layer`` turns that into the drafter layer's config keys
+    ``layer_kind`` names the drafter layer kind (models/layers/) ``drafter.layer=auto`` builds for them; ``read`` turns
+    the target's text config dict into a TargetShape; ``drafter_layer`` turns that into the drafter layer's config keys
     (``model_type``, widths, heads, RoPE, ...), which both the drafter spec and the serving config use.
     """
 

@@ -1,7 +1,7 @@
 """The frozen target: a transformers causal LM plus forward hooks that capture what a drafter learns from.
 
-Boundary convention (docs/architecture.md, Aux layer ids): id ``k`` is the residual stream *entering* decoder layer ``k``,
-i.e. ``hidden_states[k]`` of an HF forward with ``output_hidden_states=True`` (0 = embeddings). A forward
+Boundary convention (docs/architecture.md, Aux layer ids): id ``k`` is the residual stream *entering* decoder layer
+``k``, i.e. ``hidden_states[k]`` of an HF forward with ``output_hidden_states=True`` (0 = embeddings). A forward
 pre-hook on ``layers[k]`` sees exactly that tensor, so only the requested states are kept alive, never all
 L+1 of them. The teacher's state is the base model's output (after the final norm: what feeds lm_head),
 and the full-vocab argmax is computed from lm_head in row chunks so a long row's [T, V] logits never exist
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Optional
 
 import torch
 from torch import nn
@@ -78,7 +77,7 @@ class FrozenTarget:
 
     @classmethod
     def load(cls, tcfg: TargetConfig, device: torch.device, aux_layer_ids: list[int],
-             device_map: Optional[str] = None) -> "FrozenTarget":
+             device_map: str | None = None) -> FrozenTarget:
         """from_pretrained(tcfg.name_or_path, revision, dtype) on ``device`` (or spread by ``device_map``),
         after checking the real config against ``target.{num_hidden_layers,hidden_size,vocab_size}``.
 
@@ -118,8 +117,8 @@ class FrozenTarget:
         return self.lm_head.weight.device
 
     @torch.inference_mode()
-    def capture(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.Tensor] = None,
+    def capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None,
                 chunk_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """input_ids [B, T] -> (aux [B, T, n*Ht] in aux-id order, final_normed [B, T, Ht], argmax [B, T] int64).
 
@@ -161,7 +160,7 @@ class FrozenTarget:
             finals.append(final)
         return torch.cat(auxes, 1), torch.cat(finals, 1)
 
-    def argmax(self, final: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def argmax(self, final: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Full-vocab argmax of lm_head(final) [B, T] int64, computed in row chunks of ~256 MiB of logits."""
         B, T, _ = final.shape
         flat = final.reshape(B * T, -1)

@@ -19,8 +19,8 @@ from __future__ import annotations
 import json
 import re
 from collections import defaultdict
+from collections.abc import Iterable
 from pathlib import Path, PurePosixPath, PureWindowsPath
-from typing import Iterable, Optional
 
 import torch
 
@@ -33,7 +33,7 @@ SINGLE = "model.safetensors"
 _IN_LAYER = re.compile(r"(^|\.)layers\.\d+\.")
 
 
-def resolve_file(source: str | Path, filename: str, revision: Optional[str] = None) -> Optional[Path]:
+def resolve_file(source: str | Path, filename: str, revision: str | None = None) -> Path | None:
     """``filename`` of a local directory or a Hub repo (downloaded into the Hub cache); None if absent."""
     p = Path(source)
     if p.is_dir():
@@ -67,7 +67,7 @@ def _check_contained(index: Path, shard: object) -> None:
                          "may only name shard files next to it (re-save the checkpoint, or fix that entry)")
 
 
-def weight_map(source: str | Path, revision: Optional[str] = None) -> dict[str, str]:
+def weight_map(source: str | Path, revision: str | None = None) -> dict[str, str]:
     """{tensor name: shard file name} of a source: from its index when it has one, else every tensor of its
     single ``model.safetensors``. Raises ValueError when neither exists or the index is malformed."""
     index = resolve_file(source, INDEX, revision)
@@ -110,7 +110,7 @@ def _by_shard(source, revision, names: Iterable[str] | None) -> dict[Path, list[
     return out
 
 
-def tensor_headers(source: str | Path, revision: Optional[str] = None) -> dict[str, tuple[tuple[int, ...], str]]:
+def tensor_headers(source: str | Path, revision: str | None = None) -> dict[str, tuple[tuple[int, ...], str]]:
     """{name: (shape, safetensors dtype such as "BF16")} without reading any tensor data."""
     from safetensors import safe_open
 
@@ -124,7 +124,7 @@ def tensor_headers(source: str | Path, revision: Optional[str] = None) -> dict[s
 
 
 def read_tensors(source: str | Path, names: Iterable[str] | None = None,
-                 revision: Optional[str] = None) -> dict[str, torch.Tensor]:
+                 revision: str | None = None) -> dict[str, torch.Tensor]:
     """The named tensors (all when ``names`` is None), opening only the shards that hold them."""
     from safetensors import safe_open
 
@@ -166,7 +166,7 @@ def decoder_prefix(names: Iterable[str]) -> str:
     return found.pop()
 
 
-def final_norm_name(names: Iterable[str]) -> Optional[str]:
+def final_norm_name(names: Iterable[str]) -> str | None:
     """The final norm of the target's text decoder: ``<decoder_prefix>norm.weight`` (or the one other
     ``*norm.weight`` directly under that module), None when it has none. A vision projector's or an MTP
     module's norm is never taken, however short its name."""
@@ -184,7 +184,7 @@ def input_embedding_name(names: Iterable[str]) -> str:
     return decoder_prefix(names) + EMBEDDING
 
 
-def lm_head_name(names: Iterable[str]) -> Optional[str]:
+def lm_head_name(names: Iterable[str]) -> str | None:
     """The target's output head: the ``lm_head.weight`` outside the decoder layers whose module encloses the
     text decoder (``lm_head.weight`` beside ``model.``, ``language_model.lm_head.weight`` beside
     ``language_model.model.``), the innermost when several do; None when it is not stored (tied)."""
@@ -195,7 +195,7 @@ def lm_head_name(names: Iterable[str]) -> Optional[str]:
     return max(parents, key=len) + "lm_head.weight" if parents else None
 
 
-def load_input_embeddings(source: str | Path, revision: Optional[str] = None) -> torch.Tensor:
+def load_input_embeddings(source: str | Path, revision: str | None = None) -> torch.Tensor:
     """The target's input embedding ``[V, H]``, read from its safetensors files."""
     name = input_embedding_name(weight_map(source, revision))
     return read_tensors(source, [name], revision)[name]
@@ -216,7 +216,7 @@ def _tied(source, revision) -> bool:
 ROW_BLOCK_BYTES = 64 << 20
 
 
-def read_rows(source: str | Path, name: str, ids: torch.Tensor, revision: Optional[str] = None) -> torch.Tensor:
+def read_rows(source: str | Path, name: str, ids: torch.Tensor, revision: str | None = None) -> torch.Tensor:
     """Rows ``ids`` of the 2-D tensor ``name`` (a copy, in ``ids`` order), read in blocks of about
     ROW_BLOCK_BYTES: memory is the rows kept plus one block, never the whole tensor. Each block reopens the
     shard, so the memory map of the block read before is released (its pages would otherwise stay resident)."""
@@ -234,7 +234,7 @@ def read_rows(source: str | Path, name: str, ids: torch.Tensor, revision: Option
     order = torch.argsort(ids)
     sorted_ids = ids[order]
     bounds = torch.searchsorted(sorted_ids, torch.arange(0, V + block, block))
-    for b, start in enumerate(range(0, V, block)):
+    for b in range((V + block - 1) // block):  # row blocks [b * block, (b + 1) * block)
         lo, hi = int(bounds[b]), int(bounds[b + 1])
         if lo == hi:
             continue  # no wanted row in this block: never read
@@ -247,7 +247,7 @@ def read_rows(source: str | Path, name: str, ids: torch.Tensor, revision: Option
     return out
 
 
-def load_lm_head_rows(source: str | Path, revision: Optional[str], selected_ids: torch.Tensor) -> torch.Tensor:
+def load_lm_head_rows(source: str | Path, revision: str | None, selected_ids: torch.Tensor) -> torch.Tensor:
     """Rows ``selected_ids`` of the target's lm_head ``[Vd, Ht]`` (a copy). With tied embeddings (config
     ``tie_word_embeddings``, or no lm_head stored) they are the input embedding's rows. Read in row blocks
     (read_rows): the memory is Vd rows plus one block, not the [V, Ht] head (2.35 GB for Kimi-K2's)."""

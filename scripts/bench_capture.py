@@ -31,10 +31,17 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import torch
 
-from fledge.data.capture.offline import capture_rows, capture_split, dataset_lengths, pad_batch, plan_batches, store_meta
-from fledge.models.target import FrozenTarget
 from fledge.conf.schema import Config
+from fledge.data.capture.offline import (
+    capture_rows,
+    capture_split,
+    dataset_lengths,
+    pad_batch,
+    plan_batches,
+    store_meta,
+)
 from fledge.distributed import World
+from fledge.models.target import FrozenTarget
 
 
 def build_target(args, root: Path) -> str:
@@ -166,10 +173,10 @@ def main() -> None:
 
 def bench_vllm(args, cfg, world, tmp: Path, ds, plan, tokens: int, t_hf: float, H: int, hf) -> None:
     """vLLM's prefill-only floor and the vLLM capture of the same samples (one engine start each)."""
-    from fledge.data.capture.offline import SplitCapture, describe_store
     from fledge.data.capture.engine import EngineRun, build_request, capture_with_engine, engine_env, write_job
-    from fledge.models.precision import compute_dtype
+    from fledge.data.capture.offline import SplitCapture, describe_store
     from fledge.engine_process import engine_python
+    from fledge.models.precision import compute_dtype
 
     python = engine_python(args.engine_python)
     if not python.exists():
@@ -192,8 +199,8 @@ def bench_vllm(args, cfg, world, tmp: Path, ds, plan, tokens: int, t_hf: float, 
     sc = SplitCapture(tmp / "data", tmp / "store_vllm", cfg.capture, world, meta)
     t0 = time.perf_counter()
     res = capture_with_engine({"bench": sc}, python, cfg.target.name_or_path, None, False, dtype, aux,
-                              hf.num_hidden_layers, hf.rms_norm_eps, {"tensor_parallel_size": 1, "expert_parallel": False,
-                                                                      "data_parallel_size": 1},
+                              hf.num_hidden_layers, hf.rms_norm_eps,
+                              {"tensor_parallel_size": 1, "expert_parallel": False, "data_parallel_size": 1},
                               env, tmp / "engine", 3600, device)
     sc.finish()
     t_total = time.perf_counter() - t0 - res["load_s"]  # Fledge's whole capture, engine start-up excluded
@@ -202,7 +209,8 @@ def bench_vllm(args, cfg, world, tmp: Path, ds, plan, tokens: int, t_hf: float, 
     print(f"\nvLLM {version} ({dtype}, prefill only: one generated token per sample), one run each:\n")
     print("| path | tokens/s | vs vLLM prefill floor | vs HF capture (bf16) | bytes/token |")
     print("|---|---:|---:|---:|---:|")
-    print(f"| vLLM prefill only (no extraction: the floor) | {tokens / t_floor:,.0f} | 1.00 | {t_hf / t_floor:.2f} | - |")
+    print(f"| vLLM prefill only (no extraction: the floor) | {tokens / t_floor:,.0f} | 1.00 | "
+          f"{t_hf / t_floor:.2f} | - |")
     print(f"| vLLM generate with extract_hidden_states + connector | {tokens / t_engine:,.0f} | "
           f"{t_floor / t_engine:.2f} | {t_hf / t_engine:.2f} | - |")
     print(f"| capture.engine=vllm, whole capture (bf16 store) | {tokens / t_total:,.0f} | {t_floor / t_total:.2f} | "

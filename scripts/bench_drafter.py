@@ -29,9 +29,9 @@ def _one(impl: str, T: int, steps: int, iters: int) -> dict:
     import torch
     from transformers import LlamaConfig
 
+    from fledge.conf.schema import DrafterConfig
     from fledge.data.features.batch import FeatureBatch
     from fledge.models.drafter import DrafterSpec, Eagle3Drafter
-    from fledge.conf.schema import DrafterConfig
     from fledge.train.loss import ttt_loss
 
     torch.manual_seed(0)

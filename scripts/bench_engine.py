@@ -36,16 +36,17 @@ from fledge.run_layout import RunLayout
 
 def in_process_al(cfg, run: RunLayout, drafter_dir: Path, ks: list[int], max_new: int, device: torch.device):
     """(prompts, stop ids, max positions, {k: AL}, {k: greedy-equal count}) from Fledge's harness."""
-    from fledge.data.prepare.chat import ChatRenderer, eot_ids_from_target
     from fledge.data.prepare.build import load_tokenizer
-    from fledge.serving.export import spec_from_export
-    from fledge.evaluation.speculative import DrafterProposer, TargetRunner, greedy_decode, speculative_decode
+    from fledge.data.prepare.chat import ChatRenderer, eot_ids_from_target
     from fledge.evaluation.evaluate import acceptance_stats, build_prompt_sets, load_eval_models
+    from fledge.evaluation.speculative import DrafterProposer, TargetRunner, greedy_decode, speculative_decode
+    from fledge.serving.export import spec_from_export
 
     renderer = ChatRenderer(load_tokenizer(cfg.target, cfg.data.chat_template),
                             extra_eot_ids=eot_ids_from_target(cfg.target.name_or_path, cfg.target.revision))
     eos = sorted(renderer.eot_ids)
-    frozen, drafter = load_eval_models(cfg, drafter_dir, device, spec_from_export(drafter_dir, serving=True).aux_layer_ids)
+    aux_ids = spec_from_export(drafter_dir, serving=True).aux_layer_ids
+    frozen, drafter = load_eval_models(cfg, drafter_dir, device, aux_ids)
     model = frozen.model
     max_pos = int(getattr(model.config, "max_position_embeddings", 1 << 30))
     prompts = build_prompt_sets(cfg.eval, renderer, run.prepare, max_pos - max_new - max(ks) - 2)["default"]
@@ -76,8 +77,8 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
 
     from fledge.conf.compose import compose
-    from fledge.serving.engine import acceptance, check_engine, run_driver, speculative_config
     from fledge.evaluation.engine_eval import build_request
+    from fledge.serving.engine import acceptance, check_engine, run_driver, speculative_config
 
     try:
         cfg = compose(args.overrides)

@@ -6,8 +6,8 @@ Each (T, sp) runs in a fresh process group of sp processes (``torch.multiprocess
 CUDA with sp GPUs), so every peak is its own. Memory: on CPU the rise of the process's peak RSS
 (``ru_maxrss``) over the step, above what the model and the row already hold (the largest rank's); on CUDA
 ``max_memory_allocated`` above the memory allocated before the step; and, exactly and on both, the bytes
-of the tensors autograd keeps for backward (``saved GiB``: storages counted once, weights excluded). Neither counts the optimizer, the
-gradients' ZeRO buckets or the feature row itself (recipes/llama3/README.md adds them up). tokens/s = T /
+of the tensors autograd keeps for backward (``saved GiB``: storages counted once, weights excluded). Neither counts the
+optimizer, the gradients' ZeRO buckets or the feature row itself (recipes/llama3/README.md adds them up). tokens/s = T /
 the slowest rank's step time (a group works on one row); ``CPU s`` is the process time of all ranks together
 (on a shared CPU the wall time is noisy, the work is not). The row is one document of T tokens (full causal
 attention: the long-context worst case), every position counted.

@@ -28,8 +28,8 @@ import time
 
 import torch
 
-from fledge.models.kernels.fused_loss import fused_draft_loss
 from fledge.models.alignment import StepRows
+from fledge.models.kernels.fused_loss import fused_draft_loss
 from fledge.train.loss import SoftCrossEntropy, _per_step_module_calls, _shared_teacher_steps
 
 IMPLS = ("shared-triton", "shared-chunked", "per-step", "naive")

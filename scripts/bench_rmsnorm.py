@@ -24,8 +24,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
 from fledge.models.kernels.rmsnorm import RMSNorm
+
+ROOT = Path(__file__).resolve().parents[1]
 
 IMPLS = ("hf", "torch", "triton")
 

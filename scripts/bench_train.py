@@ -13,7 +13,8 @@ head_dim 128, I 14336, Vd 32000, V 128256, K 7, T 4096). fp32 on CPU, bf16 on CU
 Each config runs four variants, every one in a fresh subprocess: ``ttt`` (K steps, ZeRO-2 as the
 recipes), ``k1`` (one step: the ratio is the cost of training-time test), ``zero0`` (K steps without
 ZeRO) and ``perstep`` (K steps with the earlier loss that recomputes the teacher in every step, which
-ZeRO-3 still uses; train/loss.py). Ratios are against ``ttt`` measured in the same run, so the shared machine's noise cancels.
+ZeRO-3 still uses; train/loss.py). Ratios are against ``ttt`` measured in the same run, so the shared machine's noise
+cancels.
 
 Memory: on CPU the peak RSS of the subprocess, and ``train MiB`` = that minus the peak of a subprocess
 that only imports the same modules and builds the model and batch (so: gradients, optimizer state,

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -43,7 +42,6 @@ def _reset_peak() -> None:
 
 def _child(kind: str, target: str, V: int, vd: int, tokens: int) -> dict:
     import numpy as np
-    import torch
 
     from fledge.data.prepare.vocab import DraftVocab, count_masked
     from fledge.models.weights import load_lm_head_rows, read_tensors
@@ -122,7 +120,8 @@ def main() -> None:
         peaks = [res[(kind, V)]["extra_peak_mib"] for V in a.vocabs]
         print(f"{kind:<14}" + "".join(f"{p:>26.1f}" for p in peaks)
               + f"{peaks[-1] / max(peaks[0], 1e-9):>8.2f}{res[(kind, hi)]['result_mib']:>10.1f}")
-    print(f"teacher_rows at V={hi}: {res[('teacher_rows', hi)]['extra_peak_mib'] / res[('baseline', hi)]['extra_peak_mib']:.3f}x "
+    ratio = res[('teacher_rows', hi)]['extra_peak_mib'] / res[('baseline', hi)]['extra_peak_mib']
+    print(f"teacher_rows at V={hi}: {ratio:.3f}x "
           f"the baseline's extra peak (V={lo}: "
           f"{res[('teacher_rows', lo)]['extra_peak_mib'] / res[('baseline', lo)]['extra_peak_mib']:.3f}x)")
 

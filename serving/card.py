@@ -13,7 +13,6 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 from fledge.atomic import read_json
 from fledge.serving.dialects import dialect_of, serving_commands
@@ -26,10 +25,10 @@ class Measured:
     the engine section of its report (``engine``) and the request the engine ran (``engine_request``), and
     the run's config as YAML text (``run_config``). Empty: nothing measured (the card says so)."""
 
-    outputs: Optional[dict] = None
+    outputs: dict | None = None
     plots: list[Path] = field(default_factory=list)
-    engine: Optional[dict] = None
-    engine_request: Optional[dict] = None
+    engine: dict | None = None
+    engine_request: dict | None = None
     run_config: str = ""
 
 
@@ -37,7 +36,7 @@ def _f(x, digits: int = 2) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
-def engine_section(e: Optional[dict], request: Optional[dict], repo_or_dir: str) -> str:
+def engine_section(e: dict | None, request: dict | None, repo_or_dir: str) -> str:
     """Markdown for the card from the eval report's engine section ``e`` and the engine's ``request``, or ""
     when the eval did not serve the export with an engine."""
     if not e:
@@ -102,7 +101,7 @@ def _al_table(outputs: dict) -> str:
     return "\n".join(lines)
 
 
-def build_model_card(drafter_dir: str | Path, repo_id: str, measured: Optional[Measured] = None,
+def build_model_card(drafter_dir: str | Path, repo_id: str, measured: Measured | None = None,
                      speculative_tokens: int = 5, plot_prefix: str = "eval"):
     """(a ``huggingface_hub.ModelCard``, the plots it shows) for an exported drafter: target, data, training
     config, the eval stage's AL table and plots when ``measured`` has them, and the serving commands of its

@@ -24,8 +24,8 @@ is one ``register_dialect`` here plus its test (tests/unit/serving/test_dialects
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional
 
 from fledge.conf.schema import default_aux_layer_ids
 from fledge.models.layers.kind import DEFAULT_KIND, get_layer_kind, kind_of_architecture, kind_of_config
@@ -44,11 +44,11 @@ class ServingFields:
     flags: dict  # fc_norm and norm_output always, norm_before_fc only when true
     aux_layer_ids: list[int]  # boundary convention (docs/architecture.md, Aux layer ids)
     draft_vocab_size: int
-    target_hidden_size: Optional[int]  # set only when the drafter is narrower than its target
-    target_name: Optional[str]  # hub id or path of the target
+    target_hidden_size: int | None  # set only when the drafter is narrower than its target
+    target_name: str | None  # hub id or path of the target
     target_architectures: list[str]
     speculative_tokens: int
-    target_num_hidden_layers: Optional[int] = None  # the target's L (MTP layers excluded)
+    target_num_hidden_layers: int | None = None  # the target's L (MTP layers excluded)
 
 
 Finding = tuple[str, str, str, str]  # (level, code, message, fix), as serving/lint.py reports them
@@ -69,13 +69,13 @@ class Dialect:
     detect: Callable[[Mapping], bool]
     commands: Callable[[str, str, int], dict[str, str]]
     header_checks: Callable[[Mapping], list[Finding]] = lambda config: []
-    architecture_of: Optional[Callable[[Mapping], str]] = None  # per config (the hf dialect: per layer kind)
+    architecture_of: Callable[[Mapping], str] | None = None  # per config (the hf dialect: per layer kind)
     # The engines (serving/engine_aux.py ENGINES) this format is made for: an engine among them that would
     # capture other layers than the drafter was trained on is a lint error, any other engine a warning.
     engines: tuple[str, ...] = ()
     # ``check_aux_ids(aux_layer_ids, num_hidden_layers)``: ValueError when the format cannot carry these ids
     # (the sglang form carries only the default ones); None: any ids.
-    check_aux_ids: Optional[Callable[[list[int], Optional[int]], None]] = None
+    check_aux_ids: Callable[[list[int], int | None], None] | None = None
 
     def expected_architecture(self, config: Mapping) -> str:
         """The ``architectures`` entry this dialect writes for ``config``."""
@@ -252,7 +252,7 @@ def _speculators_commands(drafter: str, target: str, k: int) -> dict[str, str]:
 # ------------------------------------------------------------------------------------------ sglang
 
 
-def _check_sglang_ids(aux_layer_ids: list[int], num_hidden_layers: Optional[int]) -> None:
+def _check_sglang_ids(aux_layer_ids: list[int], num_hidden_layers: int | None) -> None:
     L = num_hidden_layers
     if L is None or list(aux_layer_ids) != default_aux_layer_ids(L):
         default = default_aux_layer_ids(L) if L else "(2, L//2, L-3)"

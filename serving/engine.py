@@ -11,9 +11,8 @@ result: no pickle, no import of vLLM here. This module knows files and numbers, 
 from __future__ import annotations
 
 import json
-import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 from fledge.engine_process import SETUP_HINT, DriverProcess, engine_python
 
@@ -25,7 +24,7 @@ class EngineError(ValueError):
     """The engine could not run the request (not installed, refused the export, crashed)."""
 
 
-def check_engine(engine: str, device_type: str, python: Optional[str] = None) -> Optional[Path]:
+def check_engine(engine: str, device_type: str, python: str | None = None) -> Path | None:
     """Validate ``eval.engine`` for this machine before any work starts; returns the engine's python
     (None for ``hf``). Raises ValueError naming the key and the fix."""
     if engine not in ENGINES:
@@ -45,7 +44,7 @@ def check_engine(engine: str, device_type: str, python: Optional[str] = None) ->
     return py
 
 
-def speculative_config(method: str, k: int, drafter_dir: Optional[Path] = None, lookup_max: int = 3) -> dict:
+def speculative_config(method: str, k: int, drafter_dir: Path | None = None, lookup_max: int = 3) -> dict:
     """vLLM's ``speculative_config`` for ``method`` = eagle3 (the export in ``drafter_dir``) or ngram
     (prompt lookup over the context, n-grams of 1..``lookup_max`` tokens, the harness's baseline)."""
     if method == "eagle3":
@@ -97,9 +96,9 @@ def run_driver(engine: str, python: Path, request: dict, workdir: Path, timeout_
     if "error" in result:
         err = result["error"]
         raise EngineError(f"eval.engine={engine}: vLLM failed in its {err['engine']!r} configuration: "
-                          f"{err['type']}: {err['message'][-1500:]} (full traceback in {proc.res_path}). A drafter vLLM "
-                          "refuses to load usually has a config.json the engine reads differently: run `fledge lint "
-                          "DIR --target TARGET` on the export")
+                          f"{err['type']}: {err['message'][-1500:]} (full traceback in {proc.res_path}). "
+                          "A drafter vLLM refuses to load usually has a config.json the engine reads differently: "
+                          "run `fledge lint DIR --target TARGET` on the export")
     result["wall_s"] = wall
     return result
 

@@ -23,19 +23,19 @@ trained on the default ids (the ``sglang`` export dialect, serving/dialects.py).
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
 from fledge.conf.schema import default_aux_layer_ids
 
 ENGINES = ("vLLM", "SGLang")
 
 
-def _eagle_config_ids(config: Mapping) -> Optional[list[int]]:
+def _eagle_config_ids(config: Mapping) -> list[int] | None:
     ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     return None if ids is None else [int(i) for i in ids]
 
 
-def captured_layers(engine: str, config: Mapping, num_layers: Optional[int]) -> Optional[list[int]]:
+def captured_layers(engine: str, config: Mapping, num_layers: int | None) -> list[int] | None:
     """The boundary ids ``engine`` captures, in the order it feeds them to fc (ascending layer order), for
     the drafter ``config`` beside a target of ``num_layers`` decoder layers; None when that cannot be
     told (the engine would use its default and ``num_layers`` is unknown) or the engine does not serve

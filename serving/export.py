@@ -22,11 +22,11 @@ from typing import Any
 import torch
 
 from fledge.atomic import atomic_path, read_json, write_json_atomic
-from fledge.serving.dialects import DIALECTS, dialect_of, get_dialect
 from fledge.models.families import read_target, text_config_dict
 from fledge.models.layers.kind import get_layer_kind, kind_of_architecture, kind_of_config
-from fledge.serving.serving_config import layer_config, serving_config
 from fledge.models.weights import load_input_embeddings, read_tensors
+from fledge.serving.dialects import DIALECTS, dialect_of, get_dialect
+from fledge.serving.serving_config import layer_config, serving_config
 
 log = logging.getLogger(__name__)
 RECORD = "fledge_training.json"

@@ -12,8 +12,9 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, TypeVar
 
 from fledge.serving.card import Measured, build_model_card
 from fledge.serving.lint import format_findings, has_errors, lint_drafter
@@ -52,7 +53,7 @@ def with_retries(fn: Callable[[], T], what: str, attempts: int = 5, base_delay: 
     raise AssertionError("unreachable")
 
 
-def push_to_hub(drafter_dir: str | Path, repo_id: str, private: bool = True, measured: Optional[Measured] = None,
+def push_to_hub(drafter_dir: str | Path, repo_id: str, private: bool = True, measured: Measured | None = None,
                 target_config: Any = None, speculative_tokens: int = 5, endpoint: str | None = None,
                 token: str | None = None, commit_message: str = "Upload Fledge drafter",
                 attempts: int = 5, base_delay: float = 2.0) -> str:

@@ -21,13 +21,13 @@ import torch
 from fledge.atomic import read_json
 from fledge.conf.drafter_rules import drafter_problems
 from fledge.conf.schema import default_aux_layer_ids
+from fledge.models.families import TargetShape, read_target, rope_of, text_config_dict
+from fledge.models.layers.kind import kind_of_config
+from fledge.models.weights import read_tensors, tensor_headers
 from fledge.serving.dialects import dialect_of
 from fledge.serving.engine_aux import ENGINES, captured_layers
 from fledge.serving.export import RECORD
-from fledge.models.families import TargetShape, read_target, rope_of, text_config_dict
-from fledge.models.layers.kind import kind_of_config
 from fledge.serving.serving_config import expected_tensors, layer_config
-from fledge.models.weights import read_tensors, tensor_headers
 
 _ST_DTYPE = {torch.bfloat16: "BF16", torch.int64: "I64", torch.bool: "BOOL"}
 
@@ -229,7 +229,8 @@ def served_layer(c: dict) -> dict:
     silu, target hidden size = hidden size, draft vocab = vocab. RoPE, max positions and flags are apart."""
     heads, hidden = c.get("num_attention_heads"), c.get("hidden_size")
     kind = kind_of_config(c)
-    own = {"layer": kind.name if kind else c.get("model_type"), **{k: c.get(k) for k in (kind.spec_keys if kind else ())}}
+    own = {"layer": kind.name if kind else c.get("model_type"),
+           **{k: c.get(k) for k in (kind.spec_keys if kind else ())}}
     return {**own, "hidden_size": hidden, "intermediate_size": c.get("intermediate_size"), "num_attention_heads": heads,
             "num_key_value_heads": c.get("num_key_value_heads") or heads,
             "head_dim": c.get("head_dim") or (int(hidden) // int(heads) if hidden and heads else None),
@@ -357,7 +358,8 @@ def resolve_target_config(target: str | None = None, recipe: str | None = None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="fledge lint", description="Lint an exported drafter against its target: the silent failures docs/serving.md lists.")
+    ap = argparse.ArgumentParser(prog="fledge lint", description="Lint an exported drafter against its target: "
+                                 "the silent failures docs/serving.md lists.")
     ap.add_argument("drafter_dir")
     ap.add_argument("--target", help="target: local dir, config.json, or hub id (default: from the export)")
     ap.add_argument("--recipe", help="take the target's config from conf/recipe/<name>.yaml")

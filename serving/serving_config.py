@@ -13,14 +13,15 @@ Decisions (the model card and the linter rely on them):
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
 from fledge.conf.drafter_rules import drafter_problems, raise_problems
-from fledge.serving.dialects import ServingFields, dialect_of, get_dialect
 from fledge.models.families import read_target, text_config_dict
 from fledge.models.layers.kind import get_layer_kind, kind_of_config, layer_settings, resolve_layer_kind
+from fledge.serving.dialects import ServingFields, dialect_of, get_dialect
 
 
 def _flag(drafter: Any, name: str) -> bool:

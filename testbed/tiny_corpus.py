@@ -15,9 +15,9 @@ import hashlib
 import random
 import re
 import sysconfig
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 # Roughly 3 characters per token for code under a 4096-token BPE: 1100 chars ~ 350-400 tokens.
 MAX_ANSWER_CHARS = 1100
@@ -98,7 +98,8 @@ def list_sources(root: Path | None = None) -> list[SourceFile]:
     out = []
     for p in sorted(root.rglob("*.py")):
         rel = p.relative_to(root)
-        if _SKIP_PARTS & set(rel.parts[:-1]) or rel.name.startswith(_SKIP_PREFIXES) or rel.parts[0].startswith(_SKIP_PREFIXES):
+        if (_SKIP_PARTS & set(rel.parts[:-1]) or rel.name.startswith(_SKIP_PREFIXES)
+                or rel.parts[0].startswith(_SKIP_PREFIXES)):
             continue
         text = p.read_text(encoding="utf-8", errors="replace")
         lines = tuple(line.rstrip() for line in text.splitlines())

@@ -14,8 +14,9 @@ Each keeps what makes its real family different for a drafter, at CI size:
 
 The MLA latent width is the real one, kv_lora_rank 512 + qk_rope_head_dim 64 = 576: vLLM's CPU MLA backends
 (CPU_MLA, AMX_MLA in v1/attention/backends/mla/) compile their decode kernel for that head size only, so a
-smaller latent could not be served on CPU. Eight layers, as the tiny Llama, so the default aux ids (2, 4, 5) are distinct. The step counts below
-fix each build (deterministic by step count, like the Llama's budgets); only ``quick`` exists.
+smaller latent could not be served on CPU. Eight layers, as the tiny Llama, so the default aux ids (2, 4, 5) are
+distinct. The step counts below fix each build (deterministic by step count, like the Llama's budgets); only ``quick``
+exists.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -77,8 +77,9 @@ def long_eval_conversations(files: list[SourceFile], seed: int) -> list[dict]:
         for cut in cuts:
             answer, _ = tiny_corpus._take(f.lines, cut, LONG_EVAL_ANSWER_CHARS)
             snippet = "\n".join(f.lines[:cut])
-            convs.append({"messages": [{"role": "user", "content": _ASK_CONTINUE_LONG.format(path=f.path, snippet=snippet)},
-                                       {"role": "assistant", "content": answer}], "source": f.path, "cut_line": cut})
+            ask = _ASK_CONTINUE_LONG.format(path=f.path, snippet=snippet)
+            convs.append({"messages": [{"role": "user", "content": ask}, {"role": "assistant", "content": answer}],
+                          "source": f.path, "cut_line": cut})
         per_file.append(convs)
     out = []
     for r in range(LONG_EVAL_CUTS_PER_FILE):

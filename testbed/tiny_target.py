@@ -1,6 +1,7 @@
 """Build the tiny real targets: small causal LMs and a BPE chat tokenizer trained on the stdlib's source.
 
-    fledge tiny-target --budget quick|testbed|long [--family llama|moe|mla] [--out .cache/tiny_target] [--device cpu|cuda]
+    fledge tiny-target --budget quick|testbed|long [--family llama|moe|mla] [--out .cache/tiny_target] [--device
+    cpu|cuda]
 
 Writes, under ``--out`` (default: the repo's .cache/tiny_target, gitignored):
     data/{train,eval}.jsonl   the tiny recipes' conversations (OpenAI ``messages`` form)
@@ -33,8 +34,8 @@ import math
 import os
 import platform
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -42,9 +43,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch
 import torch.nn.functional as F
 
-from fledge.testbed import tiny_corpus, tiny_families
-from fledge.models.precision import describe_cpu
 from fledge.atomic import atomic_path, read_json, write_json_atomic
+from fledge.models.precision import describe_cpu
+from fledge.testbed import tiny_corpus, tiny_families
 
 SCRIPT_VERSION = 1
 # Part of the target's cache key only (data and tokenizer builds are unchanged by it): 1 was trained under
@@ -64,8 +65,8 @@ MODEL = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden
 BUDGETS = {
     "quick": dict(steps=120, seq_len=512, batch_size=4, lr=2e-3, warmup=12),
     "testbed": dict(steps=560, seq_len=512, batch_size=8, lr=2e-3, warmup=40),
-    # Long context (docs/long-context.md, testbed/tiny_long.py): 2,048-token rows, half of the conversations whole files,
-    # positions to 4,096. Fewer tokens than testbed (1.0M vs 2.3M) since a 2K row costs more per token.
+    # Long context (docs/long-context.md, testbed/tiny_long.py): 2,048-token rows, half of the conversations whole
+    # files, positions to 4,096. Fewer tokens than testbed (1.0M vs 2.3M) since a 2K row costs more per token.
     "long": dict(steps=240, seq_len=2048, batch_size=2, lr=2e-3, warmup=24, long_share=0.5),
 }
 # Per-budget changes to MODEL (part of that budget's cache key only).
@@ -407,7 +408,8 @@ def main(argv: list[str] | None = None) -> None:
     path = build_tiny_target(args.budget, args.out, args.steps, args.device, args.family)
     print(f"long-context eval prompts (eval.long_context_source): {build_long_eval(args.out) / 'long_eval.jsonl'}")
     if args.budget == "long":
-        print(f"long training conversations (data=tiny_long, recipe=tiny_long): {build_long_data(args.out) / 'train.jsonl'}")
+        long_data = build_long_data(args.out) / "train.jsonl"
+        print(f"long training conversations (data=tiny_long, recipe=tiny_long): {long_data}")
     m = read_json(path / "metrics.json")
     print(f"{path}: held-out loss {m['heldout_loss']:.3f}, top-1 {m['heldout_top1']:.1%}, "
           f"distinct-3 {m['distinct3']:.2f}, {m['steps']} steps in {m['wall_seconds']:.0f}s, "

@@ -96,8 +96,8 @@ def _ahead(request, tmp_path_factory):
     root, procs = REPO, []
     if needs & {1}:
         with open(out / "tiny_target.log", "w") as log:
-            procs.append(subprocess.Popen([sys.executable, "-m", "fledge", "tiny-target", "--budget", "quick"], cwd=root,
-                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            procs.append(subprocess.Popen([sys.executable, "-m", "fledge", "tiny-target", "--budget", "quick"],
+                                          cwd=root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
     family = None
     if needs & {2}:
         with open(out / "family_runs.log", "w") as log:
@@ -135,7 +135,8 @@ def tiny_family_run(tmp_path_factory, _ahead):
         deadline = time.time() + 3600
         while not result.exists():
             assert proc.poll() is None or result.exists(), \
-                f"the background family runs stopped (exit {proc.returncode}): {(out / 'family_runs.log').read_text()[-4000:]}"
+                f"the background family runs stopped (exit {proc.returncode}): " \
+                f"{(out / 'family_runs.log').read_text()[-4000:]}"
             assert time.time() < deadline, f"the background tiny_{family} run took over an hour"
             time.sleep(2)
         r = json.loads(result.read_text())

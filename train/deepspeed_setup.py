@@ -121,7 +121,8 @@ def build_engine(model: torch.nn.Module, cfg: Config, world: World, total_steps:
     if cfg.deepspeed.offload_optimizer:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        optimizer = DeepSpeedCPUAdam(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay, adamw_mode=True)
+        optimizer = DeepSpeedCPUAdam(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay,
+                                     adamw_mode=True)
     else:
         optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_steps, decay_from))

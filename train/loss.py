@@ -1,4 +1,5 @@
-"""Training losses (docs/architecture.md, Training-time test): the registry ``drafter.loss`` selects from, and the TTT soft CE.
+"""Training losses (docs/architecture.md, Training-time test): the registry ``drafter.loss`` selects from, and the TTT
+soft CE.
 
 A loss is a :class:`TTTLoss` subclass registered under a name. It writes one method, ``loss_sum``: the
 summed loss of some rows given their drafter logits and teacher logits over the draft vocab (fp32

@@ -41,7 +41,8 @@ def run(cfg: Config) -> dict:
         destroy_world()
     if world.is_main:
         for stage, m in manifests.items():
-            summary = ", ".join(f"{k}={v}" for k, v in (m.get("outputs") or {}).items() if not isinstance(v, (dict, list)))
+            summary = ", ".join(f"{k}={v}" for k, v in (m.get("outputs") or {}).items()
+                                if not isinstance(v, (dict, list)))
             log.info("%-8s [%s] %s", stage, ACTIONS.get(m.get("action"), m.get("action")), summary or "done")
     return manifests
 

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from fledge.conf.schema import Config
 from fledge.distributed import broadcast_object

@@ -16,7 +16,6 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Optional
 
 from fledge.atomic import read_json
 from fledge.conf.schema import Config
@@ -32,7 +31,7 @@ log = logging.getLogger(__name__)
 PLOT_SUFFIXES = (".png", ".svg", ".jpg")
 
 
-def measured_by_run(layout: Optional[RunLayout], drafter_dir: Path) -> Measured:
+def measured_by_run(layout: RunLayout | None, drafter_dir: Path) -> Measured:
     """What ``layout``'s run measured of the export in ``drafter_dir`` (nothing, with a warning, when its eval
     is not of this export; nothing without a run), and the run's config."""
     if layout is None:
@@ -67,7 +66,7 @@ def publish_run(cfg: Config, layout: RunLayout, drafter_dir: Path) -> dict:
     return {"pushed": True, "repo_id": cfg.export.repo_id, "private": cfg.export.private, "hub_url": url}
 
 
-def run_of_export(drafter_dir: Path) -> Optional[RunLayout]:
+def run_of_export(drafter_dir: Path) -> RunLayout | None:
     """The run whose export stage wrote ``drafter_dir``, when it is one's (``<run>/export/drafter``)."""
     layout = RunLayout(Path(drafter_dir).parent.parent)
     return layout if layout.export.drafter == Path(drafter_dir) else None

@@ -33,9 +33,10 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any
 
 from fledge.atomic import read_json, write_json_atomic
 from fledge.conf.schema import Config
@@ -99,7 +100,7 @@ class Stage:
     name: str
     run: Callable[[StageContext], dict]
     inputs: Callable[[Config], dict]
-    upstream: Optional[str] = None
+    upstream: str | None = None
     needs_upstream: Callable[[Config], bool] = _always
     rebuild: bool = False
     done: Callable[[dict, Config], bool] = _always_done
@@ -227,13 +228,13 @@ def output_id(manifest: dict) -> str:
     return manifest.get("output_id", "")
 
 
-def plan_stages(cfg: Config, stages: Sequence[Stage], old: dict[str, Optional[dict]],
-                layout: Optional[RunLayout] = None) -> dict[str, _Plan]:
+def plan_stages(cfg: Config, stages: Sequence[Stage], old: dict[str, dict | None],
+                layout: RunLayout | None = None) -> dict[str, _Plan]:
     """Decide for every stage, before any runs, whether it is used as it is, skipped, run over its output or
     started over (the stages neither selected nor usable are left out); a change that would discard a
     costly output raises ValueError (one line) instead."""
     layout = layout or RunLayout.of(cfg.run)
-    ahead: dict[str, tuple[str, Optional[str]]] = {}  # stage -> (inputs hash, output id) later stages read
+    ahead: dict[str, tuple[str, str | None]] = {}  # stage -> (inputs hash, output id) later stages read
     plans: dict[str, _Plan] = {}
     for stage in stages:
         name, m = stage.name, old[stage.name]
@@ -256,7 +257,7 @@ def plan_stages(cfg: Config, stages: Sequence[Stage], old: dict[str, Optional[di
     return plans
 
 
-def _plan(cfg: Config, stage: Stage, m: Optional[dict], inputs: dict, h: str, read: dict[str, Optional[str]],
+def _plan(cfg: Config, stage: Stage, m: dict | None, inputs: dict, h: str, read: dict[str, str | None],
           order: list[str]) -> _Plan:
     name = stage.name
     if name in cfg.run.force:
@@ -279,7 +280,7 @@ def _plan(cfg: Config, stage: Stage, m: Optional[dict], inputs: dict, h: str, re
     return _Plan("resume", inputs, h, "complete, and this config asks for more: running it again over its output")
 
 
-def describe_changes(m: dict, inputs: dict, h: str, read: dict[str, Optional[str]], force: list[str],
+def describe_changes(m: dict, inputs: dict, h: str, read: dict[str, str | None], force: list[str],
                      same: tuple[str, ...] = (), key_names: Mapping[str, str] = {}) -> str:
     """What differs between a stage's manifest and its inputs now, as 'what: old -> new; ...' ("" if nothing):
     upstream outputs made by this command or replaced since, then changed config keys, versions, target.

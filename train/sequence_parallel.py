@@ -59,9 +59,9 @@ class RowShard:
     batch: FeatureBatch
     document_ids: torch.Tensor
     rows: int
-    sp: "SequenceParallel"
+    sp: SequenceParallel
 
-    def to(self, device: torch.device, dtype: torch.dtype | None = None) -> "RowShard":
+    def to(self, device: torch.device, dtype: torch.dtype | None = None) -> RowShard:
         return RowShard(self.batch.to(device, dtype), self.document_ids.to(device), self.rows, self.sp)
 
     @property
@@ -99,6 +99,7 @@ class SequenceParallel:
         if not self._ulysses_ready:  # its all-to-all runs on deepspeed.comm, over Fledge's process group
             deepspeed.init_distributed(dist_backend=backend(), dist_init_required=False)
             self._ulysses_ready = True
+
         def heads(q, k, v):  # [B, N*rows, H/N, D] -> the drafter's layout and back
             t = lambda x: x.transpose(1, 2).contiguous()  # noqa: E731
             return attend(t(q), t(k), t(v)).transpose(1, 2)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from fledge.data.features.reader import BatchIterator
 from fledge.conf.schema import Config
+from fledge.data.features.reader import BatchIterator
 from fledge.train.runner import StageContext
 
 

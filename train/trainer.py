@@ -31,16 +31,16 @@ import time
 import torch
 from tqdm import tqdm
 
-from fledge.train import checkpoint
 from fledge.conf.schema import Config
 from fledge.distributed import World, all_reduce_sum, any_rank, sequence_groups
-from fledge.train.deepspeed_setup import build_engine, gradient_divisor, use_bf16
 from fledge.models.alignment import StepAccuracy, al_estimate
+from fledge.train import checkpoint
+from fledge.train.deepspeed_setup import build_engine, gradient_divisor, use_bf16
 from fledge.train.metrics import MetricsLog, RatioMeter
 from fledge.train.runner import StageContext
 from fledge.train.sequence_parallel import SequenceParallel, check_heads
-from fledge.train.ttt_model import TTTModel, build_ttt_model, drafter_meta
 from fledge.train.train_data import build_loaders
+from fledge.train.ttt_model import TTTModel, build_ttt_model, drafter_meta
 
 log = logging.getLogger(__name__)
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: checkpoint written, re-run the same command to resume

@@ -149,4 +149,5 @@ def init_from(drafter: nn.Module, source: str | Path, embedding: torch.Tensor) -
     assert set(missing) == {"d2t", "t2d", "embed_tokens.weight"} and not unexpected, (missing, unexpected)
     log.info("initialised the drafter from %s: %d of %d draft ids carry its lm_head rows, %d start from %s",
              source, int(kept.sum()), len(new_ids), int((~kept).sum()),
-             "the teacher's rows" if drafter.spec.hidden_size == drafter.spec.target_hidden_size else "the default init")
+             "the teacher's rows" if drafter.spec.hidden_size == drafter.spec.target_hidden_size
+             else "the default init")

@@ -6,8 +6,8 @@ through files; Fledge never imports vLLM). It prefills each sample once with the
 requested layer ids. What the store holds beyond those (the final *normed* state, the full-vocab argmax)
 Fledge computes here from the last id, with the target's own final-norm weight and lm_head.
 
-Layer ids (docs/architecture.md, Aux layer ids): vLLM 0.32's aux-state index k is the residual stream entering decoder layer
-k (0 = the embeddings, L = the last layer's output before the final norm): the same convention as
+Layer ids (docs/architecture.md, Aux layer ids): vLLM 0.32's aux-state index k is the residual stream entering decoder
+layer k (0 = the embeddings, L = the last layer's output before the final norm): the same convention as
 Fledge's boundary ids, so the mapping is the identity. vLLM sorts and de-duplicates the ids, so Fledge
 asks for ``engine_layer_ids`` (sorted: the aux ids plus 0 and L) and picks its columns back by id.
 Because an off-by-one here is silent and common across engines, every sample is checked
@@ -24,9 +24,9 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
 
 import torch
 
@@ -87,7 +87,7 @@ class TargetHead:
     lm_head: torch.Tensor
 
     @classmethod
-    def load(cls, source: str, revision: Optional[str], eps: float, device, dtype) -> "TargetHead":
+    def load(cls, source: str, revision: str | None, eps: float, device, dtype) -> TargetHead:
         names = weight_map(source, revision)
         norm = final_norm_name(names)
         if norm is None:
@@ -133,7 +133,8 @@ def check_boundary_convention(head: TargetHead, token_ids: torch.Tensor, probe: 
     if err > tol * scale:
         raise ValueError(f"sample {sample_id}: the engine's state at layer id 0 is not the embedding of the prompt "
                          f"(max |diff| {err:.3g} vs |emb| {scale:.3g}): the engine's aux-layer ids are shifted "
-                         "against Fledge's boundary ids (docs/architecture.md, Aux layer ids); the store would train the drafter on "
+                         "against Fledge's boundary ids (docs/architecture.md, Aux layer ids); the store would "
+                         "train the drafter on "
                          "the wrong layers. Check the engine version's eagle_aux_hidden_state_layer_ids convention")
     ours = int(logits_last.argmax())
     if ours != sampled:
@@ -142,13 +143,14 @@ def check_boundary_convention(head: TargetHead, token_ids: torch.Tensor, probe: 
             raise ValueError(f"sample {sample_id}: the argmax of the final normed state Fledge made from the engine's "
                              f"layer id L is token {ours}, but the engine sampled {sampled} (logit gap {gap:.3g}): "
                              "the last layer id does not hold the last layer's output (an off-by-one in the "
-                             "engine's aux-layer convention, docs/architecture.md, Aux layer ids); refusing to write the store")
+                             "engine's aux-layer convention, docs/architecture.md, Aux layer ids); refusing to write "
+                             "the store")
 
 
-def build_request(target: str, revision: Optional[str], trust_remote_code: bool, dtype: str, max_model_len: int,
+def build_request(target: str, revision: str | None, trust_remote_code: bool, dtype: str, max_model_len: int,
                   layer_ids: list[int], tensor_parallel_size: int, expert_parallel: bool,
                   data_parallel_size: int, env: dict, workdir: Path, jobs: list[dict], seed: int = 0,
-                  floor: bool = False, data_parallel_rank: int = 0, done_dir: Optional[Path] = None) -> dict:
+                  floor: bool = False, data_parallel_rank: int = 0, done_dir: Path | None = None) -> dict:
     """The driver's JSON request. ``jobs``: [{"name", "spool", "batches": [[[id, token ids], ...], ...]}].
     With data parallelism, ``done_dir`` is where each DP rank's driver says its jobs are done (the
     driver keeps its engine in the group until every rank has: data/capture/vllm_side/capture_driver.py)."""
@@ -204,9 +206,8 @@ class EngineRun:
 
     def batches(self, job: dict) -> Iterator[list[tuple[int, torch.Tensor, int]]]:
         """Per batch of ``job``: [(sample id, states [T, n_engine, H], sampled token)] in the batch's order."""
-        from safetensors.torch import load_file
-
         import numpy as np
+        from safetensors.torch import load_file
 
         spool = Path(job["spool"])
         flat = np.fromfile(job["tokens"], dtype=np.int32)

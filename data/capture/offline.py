@@ -27,15 +27,24 @@ import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import Optional
 
 import torch
 
-from fledge.data.features.reader import BatchIterator
 from fledge.atomic import read_json, write_json_atomic
-from fledge.data.features.store import (SCHEMA_VERSION, STORE_MANIFEST, ShardWriter, bytes_per_token, encode_sample,
-                                  index_problem, rank_dir, slice_dir, store_manifest, write_store_manifest)
 from fledge.conf.schema import CaptureConfig, TargetConfig
+from fledge.data.features.reader import BatchIterator
+from fledge.data.features.store import (
+    SCHEMA_VERSION,
+    STORE_MANIFEST,
+    ShardWriter,
+    bytes_per_token,
+    encode_sample,
+    index_problem,
+    rank_dir,
+    slice_dir,
+    store_manifest,
+    write_store_manifest,
+)
 from fledge.distributed import World, broadcast_object
 from fledge.models.target import FrozenTarget, check_target_config, target_fingerprint
 from fledge.run_layout import CaptureDir, PrepareDir
@@ -66,7 +75,7 @@ def plan_batches(ids: list[int], lengths: list[int], batch_tokens: int) -> list[
     return batches + ([cur] if cur else [])
 
 
-def pad_batch(rows: list[list[int]], device) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def pad_batch(rows: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Right-pad token lists -> input_ids [B, T], attention_mask [B, T] (None when nothing is padded)."""
     T = max(len(r) for r in rows)
     ids = torch.zeros(len(rows), T, dtype=torch.long)
@@ -88,7 +97,7 @@ def capture_rows(target: FrozenTarget, rows: list[list[int]], chunk_tokens: int 
         yield aux[b, :n], final[b, :n], argmax[b, :n]
 
 
-def slice_bounds(num_samples: int, index: Optional[int], num_slices: int) -> tuple[int, int]:
+def slice_bounds(num_samples: int, index: int | None, num_slices: int) -> tuple[int, int]:
     """Sample ids [lo, hi) of slice ``index`` of ``num_slices`` (all samples when index is None)."""
     if index is None:
         return 0, num_samples
@@ -239,7 +248,7 @@ def _prepare_hash(manifest: dict) -> str:
     return _hash_json({"inputs_hash": manifest.get("inputs_hash"), "outputs": outputs})
 
 
-def tokenizer_hash(name_or_path: str, prepare_manifest: Optional[dict]) -> Optional[str]:
+def tokenizer_hash(name_or_path: str, prepare_manifest: dict | None) -> str | None:
     """sha256 over the target's tokenizer files (local dir), else the hash the prepare stage recorded."""
     p = Path(name_or_path)
     if p.is_dir():
@@ -251,7 +260,7 @@ def tokenizer_hash(name_or_path: str, prepare_manifest: Optional[dict]) -> Optio
     return ((prepare_manifest or {}).get("outputs") or {}).get("tokenizer_hash")
 
 
-def store_meta(t: TargetConfig, aux_dtype: str, target: FrozenTarget, prepare_manifest: Optional[dict]) -> dict:
+def store_meta(t: TargetConfig, aux_dtype: str, target: FrozenTarget, prepare_manifest: dict | None) -> dict:
     """The store manifest's description of what was captured (everything but the shards): ``target``
     loaded from the config ``t``, aux states stored as ``aux_dtype`` (capture.dtype: bf16 | fp8)."""
     return describe_store(t, aux_dtype, list(target.aux_layer_ids), len(target.layers), target.hidden_size,
@@ -259,7 +268,7 @@ def store_meta(t: TargetConfig, aux_dtype: str, target: FrozenTarget, prepare_ma
 
 
 def describe_store(t: TargetConfig, aux_dtype: str, aux_layer_ids: list[int], num_layers: int, hidden_size: int,
-                   vocab_size: int, compute_dtype: str, prepare_manifest: Optional[dict]) -> dict:
+                   vocab_size: int, compute_dtype: str, prepare_manifest: dict | None) -> dict:
     """store_meta from the target's numbers (the vLLM path has no in-process model to read them from)."""
     n_aux = len(aux_layer_ids)
     return {
@@ -277,7 +286,7 @@ def describe_store(t: TargetConfig, aux_dtype: str, aux_layer_ids: list[int], nu
     }
 
 
-def engine_workdir(out: CaptureDir, slice_index: Optional[int]) -> Path:
+def engine_workdir(out: CaptureDir, slice_index: int | None) -> Path:
     """Where ``capture.engine=vllm`` keeps its engines' files (request, token files, spool, connector,
     log; one ``rankNNNNN`` directory per rank): the stage's engine directory, or its ``sliceNNNNN/`` for an
     array task, since the tasks of one capture run at the same time and each numbers its ranks from 0."""
@@ -298,15 +307,15 @@ def _fresh_done_dir(work: Path, world: World) -> Path:
 
 def capture_engine(target_cfg: TargetConfig, cap: CaptureConfig, aux_layer_ids: list[int], world: World,
                    prep: PrepareDir, out: CaptureDir, splits: list[str],
-                   prepare_manifest: Optional[dict]) -> tuple[dict, dict]:
+                   prepare_manifest: dict | None) -> tuple[dict, dict]:
     """``capture.engine=vllm``: every split through one vLLM run on this rank (data/capture/engine.py).
     Returns (store meta, {split: summary})."""
     from transformers import AutoConfig
 
     from fledge.data.capture.engine import capture_with_engine, check_parallel, engine_env
+    from fledge.engine_process import SETUP_HINT, engine_python
     from fledge.models.families import read_target
     from fledge.models.precision import compute_dtype
-    from fledge.engine_process import SETUP_HINT, engine_python
 
     python = engine_python(cap.engine_python)
     if not python.exists():
@@ -320,7 +329,8 @@ def capture_engine(target_cfg: TargetConfig, cap: CaptureConfig, aux_layer_ids: 
     if any(not 0 <= k < shape.num_hidden_layers for k in aux_layer_ids):
         raise ValueError(f"aux_layer_ids={aux_layer_ids}: boundary ids must lie in [0, {shape.num_hidden_layers - 1}]")
     want = target_cfg.dtype if target_cfg.dtype != "auto" else str(getattr(hf_config, "dtype", None) or "bfloat16")
-    dtype = compute_dtype(getattr(torch, str(want).replace("torch.", "")), world.device, f"target.dtype={target_cfg.dtype}")
+    dtype = compute_dtype(getattr(torch, str(want).replace("torch.", "")), world.device,
+                          f"target.dtype={target_cfg.dtype}")
     meta = describe_store(target_cfg, cap.dtype, aux_layer_ids, shape.num_hidden_layers, shape.hidden_size,
                           shape.vocab_size, str(dtype), prepare_manifest)
     meta["engine"] = "vllm"

@@ -21,7 +21,7 @@ class FeatureBatch:
     position_ids: torch.Tensor  # [B, T] int64, restarting at 0 for every packed document
     document_ids: torch.Tensor  # [B, T] int32, document index within the row; -1 for padding
 
-    def to(self, device: torch.device, dtype: torch.dtype | None = None) -> "FeatureBatch":
+    def to(self, device: torch.device, dtype: torch.dtype | None = None) -> FeatureBatch:
         """Move to ``device``; float tensors are also cast to ``dtype`` when given."""
         out = {}
         for f in fields(self):

@@ -12,8 +12,8 @@ source (data/capture/offline.py) shares its batching through ``BatchIterator``.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import torch
 
@@ -82,7 +82,8 @@ class FeatureStore:
                 continue  # not written in the recipe: nothing to compare
             if have[key] != v:
                 raise ValueError(f"feature store {self.dir} was captured with {key}={have[key]!r} but the "
-                                 f"config has {key}={v!r}; {recapture_advice(self.dir, m, stage_manifest=self.stage_manifest)} or fix {key}")
+                                 f"config has {key}={v!r}; "
+                                 f"{recapture_advice(self.dir, m, stage_manifest=self.stage_manifest)} or fix {key}")
 
     def _shard(self, path: str):
         from safetensors import safe_open
@@ -96,7 +97,8 @@ class FeatureStore:
                 raise ValueError(f"feature shard {full} is in an index but not in {self.dir / STORE_MANIFEST}; "
                                  f"{recapture_advice(self.dir, self.manifest, path, self.stage_manifest)}")
             if not full.exists():
-                raise ValueError(f"feature shard {full} is missing; {recapture_advice(self.dir, self.manifest, path, self.stage_manifest)}")
+                advice = recapture_advice(self.dir, self.manifest, path, self.stage_manifest)
+                raise ValueError(f"feature shard {full} is missing; {advice}")
             if sha256_file(full) != self._sha[path]:
                 raise ValueError(f"feature shard {full} fails its sha256 checksum (corrupt or modified); "
                                  f"{recapture_advice(self.dir, self.manifest, path, self.stage_manifest)}")

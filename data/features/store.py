@@ -27,7 +27,6 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -49,8 +48,8 @@ def slice_dir(store_dir: str | Path, index: int) -> Path:
     return Path(store_dir) / f"slice{index:05d}"
 
 
-def recapture_advice(store_dir: str | Path, manifest: Optional[dict], shard: Optional[str] = None,
-                     stage_manifest: Optional[Path] = None) -> str:
+def recapture_advice(store_dir: str | Path, manifest: dict | None, shard: str | None = None,
+                     stage_manifest: Path | None = None) -> str:
     """How to capture a bad store (or the slice holding ``shard``, a path relative to the store) again.
     run.force=[capture] for a plain store; an array-captured store refuses it (conf/schema.py), so there
     the slice is deleted and rerun, and merged again. ``stage_manifest``: the capture stage's manifest, which
@@ -93,7 +92,7 @@ def encode_sample(input_ids, loss_mask, aux, final, argmax, num_aux: int, aux_dt
     return out
 
 
-def decode_aux(aux: torch.Tensor, scale: Optional[torch.Tensor], num_aux: int, dtype=torch.bfloat16) -> torch.Tensor:
+def decode_aux(aux: torch.Tensor, scale: torch.Tensor | None, num_aux: int, dtype=torch.bfloat16) -> torch.Tensor:
     """Stored aux [T, n*Ht] (bf16, or fp8 with scale [T, n]) -> float [T, n*Ht] of ``dtype``."""
     if scale is None:
         return aux.to(dtype)
@@ -181,7 +180,7 @@ def _remove_path(p: Path) -> None:
         p.unlink(missing_ok=True)
 
 
-def index_problem(store_dir: str | Path, parts: list[str], ids: range) -> Optional[str]:
+def index_problem(store_dir: str | Path, parts: list[str], ids: range) -> str | None:
     """What keeps the rank indexes ``parts`` of a store from holding each sample id of ``ids`` exactly
     once (an unfinished rank, duplicated or missing samples), or None when they do. Reads only the
     small index files."""

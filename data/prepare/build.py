@@ -25,16 +25,22 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 
 from fledge.atomic import write_json_atomic
+from fledge.conf.schema import DataConfig, SourceConfig, TargetConfig
 from fledge.data.prepare.chat import ChatRenderer, describe, eot_ids_from_target
 from fledge.data.prepare.perturb import chosen, perturb
 from fledge.data.prepare.sources import DataError, iter_rows, normalize
-from fledge.data.prepare.vocab import DraftVocab, count_masked, load_cached, save_with_key, tokenizer_fingerprint, vocab_key
-from fledge.conf.schema import DataConfig, SourceConfig, TargetConfig
+from fledge.data.prepare.vocab import (
+    DraftVocab,
+    count_masked,
+    load_cached,
+    save_with_key,
+    tokenizer_fingerprint,
+    vocab_key,
+)
 from fledge.run_layout import PrepareDir
 
 log = logging.getLogger(__name__)
@@ -55,7 +61,7 @@ class ErrorLog:
             self.first.append(str(err))
 
 
-def load_tokenizer(target: TargetConfig, chat_template: Optional[str] = None):
+def load_tokenizer(target: TargetConfig, chat_template: str | None = None):
     """The ``target``'s tokenizer, with ``chat_template`` (data.chat_template: a file or a string) when set."""
     from transformers import AutoTokenizer
 
@@ -124,7 +130,8 @@ def _tokenize(row: dict, renderer: ChatRenderer, max_length: int, policy: str) -
             return {"input_ids": [], "loss_mask": [], "status": "dropped", "problem": "longer than max_length"}
         ids, mask, status = ids[:max_length], mask[:max_length], "truncated"
     if not any(mask):
-        return {"input_ids": [], "loss_mask": [], "status": "dropped", "problem": "no assistant token within max_length"}
+        return {"input_ids": [], "loss_mask": [], "status": "dropped",
+                "problem": "no assistant token within max_length"}
     return {"input_ids": ids, "loss_mask": mask, "status": status, "problem": problem}
 
 

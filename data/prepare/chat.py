@@ -17,7 +17,8 @@ and thinking unless ``thinking_in_mask=False``) plus the end-of-turn token; the 
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from fledge.data.prepare.sources import DataError
 

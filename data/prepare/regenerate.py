@@ -22,9 +22,10 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
-from typing import Iterable, Protocol
+from typing import Protocol
 
 from fledge.data.prepare.sources import DataError, iter_rows, normalize
 
@@ -94,7 +95,7 @@ class TransformersBackend:
 
     @classmethod
     def from_pretrained(cls, path: str, revision: str | None = None, trust_remote_code: bool = False,
-                        device: str = "cpu") -> "TransformersBackend":
+                        device: str = "cpu") -> TransformersBackend:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from fledge.models.precision import cast_for_compute
@@ -195,7 +196,8 @@ def regenerate(conversations: Iterable[dict], out_path: str | Path, backend: Bac
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="fledge regenerate", description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="fledge regenerate", description=USAGE,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--input", required=True, help="jsonl / json / parquet file, datasets dir or hub id")
     ap.add_argument("--split", default="train")
     ap.add_argument("--max-samples", type=int)

@@ -1,4 +1,5 @@
-"""The draft vocabulary (docs/architecture.md, The draft vocabulary): the ``Vd`` target ids most frequent at loss-masked positions.
+"""The draft vocabulary (docs/architecture.md, The draft vocabulary): the ``Vd`` target ids most frequent at
+loss-masked positions.
 
 ``selected`` holds them in ascending order; ``d2t[i] = selected[i] - i`` (the offset engines add to a draft
 id), ``t2d`` is a bool mask over the target vocab. Ties in frequency break toward the smaller id, and
@@ -42,8 +43,9 @@ class DraftVocab:
         return float(self.counts[self.t2d].sum()) / total if total else 0.0
 
     @classmethod
-    def build(cls, counts: torch.Tensor | np.ndarray, Vd: int) -> "DraftVocab":
-        """Top-``Vd`` ids by count (ties and unseen ids: ascending id), per docs/architecture.md, The draft vocabulary."""
+    def build(cls, counts: torch.Tensor | np.ndarray, Vd: int) -> DraftVocab:
+        """Top-``Vd`` ids by count (ties and unseen ids: ascending id), per docs/architecture.md, The draft
+        vocabulary."""
         counts = torch.as_tensor(np.asarray(counts), dtype=torch.int64)
         V = len(counts)
         if not 1 <= Vd <= V:
@@ -63,7 +65,7 @@ class DraftVocab:
                       str(tmp))
 
     @classmethod
-    def load(cls, path: str | Path) -> "DraftVocab":
+    def load(cls, path: str | Path) -> DraftVocab:
         from safetensors.torch import load_file
 
         t = load_file(str(path))

@@ -143,7 +143,8 @@ def _lse_bwd_kernel(y_ptr, wd_ptr, lse_ptr, g_ptr, dy_ptr, dwd_ptr, N, V, H, str
         hs = h0 + tl.arange(0, BLOCK_K)
         h_ok = hs < H
         if HAS_DY:
-            w = tl.load(wd_ptr + cols[:, None] * stride_wd + hs[None, :], mask=col_ok[:, None] & h_ok[None, :], other=0.0)
+            w = tl.load(wd_ptr + cols[:, None] * stride_wd + hs[None, :], mask=col_ok[:, None] & h_ok[None, :],
+                        other=0.0)
             if UPCAST:
                 w = w.to(tl.float32)
             part = tl.dot(d_hi, w, input_precision=PREC)

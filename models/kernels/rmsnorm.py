@@ -80,7 +80,8 @@ class _TritonRMSNorm(torch.autograd.Function):
     def backward(ctx, dy):
         x2, weight, rstd = ctx.saved_tensors
         n, h = x2.shape
-        programs = max(1, min(n, 2 if INTERPRET else 4 * torch.cuda.get_device_properties(x2.device).multi_processor_count))
+        sms = 1 if INTERPRET else torch.cuda.get_device_properties(x2.device).multi_processor_count
+        programs = max(1, min(n, 2 if INTERPRET else 4 * sms))
         dx = torch.empty_like(x2)
         dw_part = torch.empty(programs, h, device=x2.device, dtype=torch.float32)
         _bwd_kernel[(programs,)](x2, weight.contiguous(), dy.reshape(n, h).contiguous(), rstd, dx, dw_part,

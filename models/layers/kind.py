@@ -16,8 +16,9 @@ models/layers/__init__.py, and its tests (tests/unit/models/test_layers.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from typing import Any
 
 from torch import nn
 
@@ -64,7 +65,7 @@ class LayerKind:
     speculators: bool = True
     aliases: tuple[str, ...] = ()  # other architectures names vLLM maps to the same class
     rope_dim: Callable[[Any], int] = _head_dim
-    cpu_attention_backend: Optional[str] = None
+    cpu_attention_backend: str | None = None
 
 
 LAYER_KINDS: Registry[LayerKind] = Registry("drafter.layer", "models/layers/ (a file per kind)", reserved=("auto",))
@@ -81,7 +82,7 @@ def get_layer_kind(name: str) -> LayerKind:
     return LAYER_KINDS.get(name)
 
 
-def resolve_layer_kind(requested: Optional[str], family_kind: str) -> LayerKind:
+def resolve_layer_kind(requested: str | None, family_kind: str) -> LayerKind:
     """``drafter.layer``: auto (or absent) -> the target family's layer kind."""
     return get_layer_kind(family_kind if requested in (None, "", "auto") else requested)
 
@@ -102,7 +103,7 @@ def layer_settings(kind: LayerKind, layer: dict, target: Mapping) -> dict:
     return {**layer, "model_type": kind.model_type, **kind.settings(layer, target)}
 
 
-def kind_of_config(c: Mapping) -> Optional[LayerKind]:
+def kind_of_config(c: Mapping) -> LayerKind | None:
     """The kind a drafter layer's config keys describe (by ``model_type``), None when no kind has it."""
     for kind in LAYER_KINDS.values():
         if c.get("model_type") == kind.model_type:
@@ -110,7 +111,7 @@ def kind_of_config(c: Mapping) -> Optional[LayerKind]:
     return None
 
 
-def kind_of_architecture(archs) -> Optional[LayerKind]:
+def kind_of_architecture(archs) -> LayerKind | None:
     for kind in LAYER_KINDS.values():
         if kind.architecture in archs or any(a in archs for a in kind.aliases):
             return kind

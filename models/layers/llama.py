@@ -3,7 +3,7 @@ GQA, neox RoPE."""
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from torch import nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb

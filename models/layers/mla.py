@@ -18,7 +18,7 @@ back after (q is pre-scaled so every path applies the MLA softmax scale).
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -112,7 +112,8 @@ def _tensors(c: Mapping, p: str, H: int) -> dict[str, tuple[int, ...]]:
     ql, kvl = c.get("q_lora_rank"), int(c["kv_lora_rank"])
     nope, rope, v = int(c["qk_nope_head_dim"]), int(c["qk_rope_head_dim"]), int(c["v_head_dim"])
     out = ({f"{a}q_a_proj.weight": (int(ql), 2 * H), f"{a}q_a_layernorm.weight": (int(ql),),
-            f"{a}q_b_proj.weight": (n * (nope + rope), int(ql))} if ql else {f"{a}q_proj.weight": (n * (nope + rope), 2 * H)})
+            f"{a}q_b_proj.weight": (n * (nope + rope), int(ql))}
+           if ql else {f"{a}q_proj.weight": (n * (nope + rope), 2 * H)})
     out.update({f"{a}kv_a_proj_with_mqa.weight": (kvl + rope, 2 * H), f"{a}kv_a_layernorm.weight": (kvl,),
                 f"{a}kv_b_proj.weight": (n * (nope + v), kvl), f"{a}o_proj.weight": (H, n * v)})
     return out
@@ -138,7 +139,8 @@ def _checks(c: Mapping) -> list[Finding]:
     if c.get("q_lora_rank") not in (None, 0) and (not isinstance(c["q_lora_rank"], int) or c["q_lora_rank"] < 0):
         out.append(("error", "mla-dims", f"q_lora_rank={c['q_lora_rank']!r}", "a positive int, or null for q_proj"))
     if not out and c["kv_lora_rank"] + c["qk_rope_head_dim"] not in SERVED_LATENT:
-        out.append(("warning", "mla-latent", f"kv_lora_rank + qk_rope_head_dim = {c['kv_lora_rank'] + c['qk_rope_head_dim']}"
+        latent = c["kv_lora_rank"] + c["qk_rope_head_dim"]
+        out.append(("warning", "mla-latent", f"kv_lora_rank + qk_rope_head_dim = {latent}"
                     f": vLLM's MLA attention serves only {list(SERVED_LATENT)} (CPU and FlashMLA: 576)",
                     "train with kv_lora_rank 512 and qk_rope_head_dim 64 (DeepSeek-V3's) to serve with vLLM"))
     return out

@@ -3,7 +3,7 @@ Llama layer plus a per-head RMSNorm of q and k (``q_norm``, ``k_norm``, width he
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 

@@ -11,12 +11,11 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers.paths import REPO as ROOT
-import torch
 
 pytestmark = pytest.mark.distributed
 LAYOUTS = {"whole": 1, "accum": 1, "ranks": 2}  # layout -> ranks

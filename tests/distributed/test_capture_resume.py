@@ -9,11 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 from tests.helpers.capture import H, L, N, V, prepare_runs
 from tests.helpers.paths import REPO
 from tests.helpers.processes import descendants
-
 
 
 def _cmd(root: Path, run: str) -> list[str]:
@@ -21,7 +19,8 @@ def _cmd(root: Path, run: str) -> list[str]:
             "tests.helpers.capture_entry",
             "recipe=tiny", f"run.name={run}", f"run.output_root={root}", "run.stages=[capture]",
             f"target.name_or_path={root / 'target'}", "target.dtype=float32", f"target.num_hidden_layers={L}",
-            f"target.hidden_size={H}", f"target.vocab_size={V}", "drafter.draft_vocab_size=64", "drafter.aux_layer_ids=[2,3,4]",
+            f"target.hidden_size={H}", f"target.vocab_size={V}", "drafter.draft_vocab_size=64",
+            "drafter.aux_layer_ids=[2,3,4]",
             "capture.shard_size_mb=0.02", "capture.batch_tokens=256"]
 
 

@@ -133,7 +133,8 @@ def test_a_broken_slice_is_one_line_whose_advice_merges(tmp_path):
 
     shard = slice1 / "rank00000" / "shard-00000.safetensors"
     shard.write_bytes(shard.read_bytes()[:-1] + b"x")
-    store = FeatureStore(tmp_path / "b" / "capture" / "train", stage_manifest=RunLayout(tmp_path / "b").manifest("capture"))
+    run = RunLayout(tmp_path / "b")
+    store = FeatureStore(run.capture.store("train"), stage_manifest=run.manifest("capture"))
     with pytest.raises(ValueError, match="sha256") as err:
         [store[i] for i in range(len(store))]
     advice = str(err.value)

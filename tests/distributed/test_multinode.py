@@ -26,7 +26,6 @@ import pytest
 from fledge.evaluation.report import read_metrics
 from tests.helpers.paths import REPO
 
-
 # (stage, how its output is compared): "files" = every file byte-for-byte plus the manifest;
 # "manifest" = the manifest's outputs only (training writes wall-clock logs; its numbers are the contract).
 STAGES = [("prepare", "files"), ("capture", "files"), ("train", "manifest")]
@@ -78,7 +77,8 @@ def _run_one_node_two_ranks(root: Path, stages: list[str], inputs: list[str], tm
     log = tmp / "ref.log"
     with open(log, "w") as f:
         p = subprocess.Popen([sys.executable, "-m", "fledge.train.slurm.launch", "--nproc-per-node", "2",
-                              *_launch_args(root, stages, inputs)], cwd=REPO, env=_env(), stdout=f, stderr=subprocess.STDOUT)
+                              *_launch_args(root, stages, inputs)],
+                             cwd=REPO, env=_env(), stdout=f, stderr=subprocess.STDOUT)
     return _wait([p], [log])[0]
 
 
@@ -92,7 +92,8 @@ def _run_two_nodes_one_rank(root: Path, stages: list[str], inputs: list[str], tm
         logs.append(tmp / f"node{node}.log")
         with open(logs[-1], "w") as f:  # node 0 starts first: the lower pid, so c10d makes it group rank 0
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "fledge.train.slurm.launch", "--nproc-per-node", "1", *_launch_args(root, stages, inputs)],
+                [sys.executable, "-m", "fledge.train.slurm.launch", "--nproc-per-node", "1",
+                 *_launch_args(root, stages, inputs)],
                 cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT))
     return _wait(procs, logs)
 
@@ -127,7 +128,8 @@ def _yaml(path: Path) -> dict:
 
 def _assert_same(a, b, where: str = "") -> None:
     if isinstance(a, float) and isinstance(b, float):
-        assert math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9) or (math.isnan(a) and math.isnan(b)), f"{where}: {a} != {b}"
+        assert math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9) or (math.isnan(a) and math.isnan(b)), \
+            f"{where}: {a} != {b}"
     elif isinstance(a, dict) and isinstance(b, dict):
         assert a.keys() == b.keys(), f"{where}: keys differ: {sorted(a.keys() ^ b.keys())}"
         for k in a:
@@ -168,4 +170,5 @@ def test_two_nodes_equal_one_node(tmp_path, random_tiny_target, tiny_data):
     for a, b in zip(losses, _losses(two)):  # fp32 training: the same numbers up to reduction order
         assert a.keys() == b.keys(), (a, b)
         for k in a:  # step 1 logs NaN with these settings (trainer's meter); it must on both layouts
-            assert math.isclose(a[k], b[k], rel_tol=1e-5, abs_tol=1e-6) or (math.isnan(a[k]) and math.isnan(b[k])), (k, a, b)
+            assert math.isclose(a[k], b[k], rel_tol=1e-5, abs_tol=1e-6) or (math.isnan(a[k]) and math.isnan(b[k])), \
+                (k, a, b)

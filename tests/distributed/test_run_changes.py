@@ -34,7 +34,8 @@ def fledge(run, *overrides: str, env: dict | None = None, nproc: int = 1, timeou
            ) -> subprocess.CompletedProcess:
     out, target, data = run
     launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
-    cmd = [sys.executable, *launch, "train/main.py", "recipe=tiny", f"target.name_or_path={target}", f"run.output_root={out}",
+    cmd = [sys.executable, *launch, "train/main.py", "recipe=tiny", f"target.name_or_path={target}",
+           f"run.output_root={out}",
            "run.name=changes", f"data.sources.0.path={data}/train.jsonl", "data.sources.0.max_samples=60",
            f"data.eval_sources.0.path={data}/eval.jsonl", "data.eval_sources.0.max_samples=8", *SMALL, *overrides]
     return subprocess.run(cmd, cwd=ROOT, env=env or ENV, capture_output=True, text=True, timeout=timeout)

@@ -9,13 +9,13 @@ from __future__ import annotations
 import json
 import subprocess
 
-from tests.helpers.engine import engine_marks
 from fledge.conf.schema import DrafterConfig, default_aux_layer_ids
-from fledge.serving import dialects
+from fledge.engine_process import engine_python
 from fledge.models.drafter import DrafterSpec
+from fledge.serving import dialects
 from fledge.serving.engine_aux import captured_layers
 from fledge.serving.serving_config import serving_config
-from fledge.engine_process import engine_python
+from tests.helpers.engine import engine_marks
 
 pytestmark = engine_marks()
 

@@ -5,8 +5,8 @@ the same prepared data is then captured by the in-process HF forward and a draft
 the same seed. The two stores must agree token for token (tolerance: each stored bf16 value within one
 bf16 ulp of the other engine's (plus 1e-5 of the row's largest magnitude, the engines' fp32 difference
 for tiny values), at most 0.1% of values differing, the full-vocab argmax identical on
-every token), and the two loss curves (every draft step's loss at every logged step) within 0.1%. A capture killed with SIGKILL
-mid-way resumes without recapturing its finished shards and ends byte-identical to the uninterrupted one.
+every token), and the two loss curves (every draft step's loss at every logged step) within 0.1%. A capture killed
+with SIGKILL mid-way resumes without recapturing its finished shards and ends byte-identical to the uninterrupted one.
 
 Without the engine these tests skip on a developer's machine; under CI=true (or FLEDGE_ENGINE=1) a missing
 engine fails them, unless FLEDGE_ENGINE_OPTIONAL=1 marks an offline CI (tests/conftest.py: engine_marks).
@@ -227,7 +227,8 @@ def test_killed_capture_resumes_without_recapture_byte_identical(runs, tiny_targ
     # Only planned forwards holding an unwritten sample run again (whole, as uninterrupted: a finished
     # shard's sample sharing one with unwritten ones is recomputed, not stored twice).
     assert batches and all(b - done for b in batches)
-    assert len(set().union(*batches)) < json.loads((run / "capture" / "train" / "store.json").read_text())["num_samples"]
+    captured = json.loads((run / "capture" / "train" / "store.json").read_text())
+    assert len(set().union(*batches)) < captured["num_samples"]
     got = json.loads((tmp_path / "tiny" / "capture" / "train" / "store.json").read_text())
     want = json.loads((run / "capture" / "train" / "store.json").read_text())
     assert [s["sha256"] for s in got["shards"]] == [s["sha256"] for s in want["shards"]]

@@ -7,12 +7,12 @@ in-process figures); their eval stage served the export with eval.engine=vllm.""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from tests.helpers.engine import engine_marks
 from tests.helpers.paths import REPO as ROOT
+
 pytestmark = engine_marks()
 
 

@@ -28,14 +28,15 @@ import pytest
 from fledge.serving.engine import acceptance, engine_python, run_driver, speculative_config
 from tests.helpers.engine import engine_marks
 from tests.helpers.paths import REPO as ROOT
+
 GOLDEN = json.loads((ROOT / "recipes" / "tiny" / "golden.json").read_text())
 ENGINE = engine_python()
 pytestmark = engine_marks()
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
        "WANDB_MODE": "disabled", "DS_ACCELERATOR": "cpu"}
 EAGLE3_STEPS = 40
-# CI serves what every export must pass (docs/serving.md) within its 30-minute budget; FLEDGE_ENGINE_FULL=1 also serves the
-# EAGLE-3 drafter's speculators export, the aux-shift fault and the qwen3 layer kind, and every prompt set.
+# CI serves what every export must pass (docs/serving.md) within its 30-minute budget; FLEDGE_ENGINE_FULL=1 also serves
+# the EAGLE-3 drafter's speculators export, the aux-shift fault and the qwen3 layer kind, and every prompt set.
 FULL = os.environ.get("FLEDGE_ENGINE_FULL") == "1"
 # What fledge lint says about each planted fault (the eval stage's message quotes it).
 FAULT_LINT = {"aux_ids_shifted": "aux-ids-trained", "norm_output_flipped": "norm-output-mismatch",
@@ -134,12 +135,11 @@ def qwen3_run(served, tiny_target):
 @pytest.fixture(scope="module")
 def variants(served, eagle3_run, qwen3_run, tmp_path_factory, tiny_target):
     """({name: engine acceptance + outputs}, {name: dir}): the speculators dialect of the shared checkpoint,
-    the EAGLE-3 drafter in both dialects, the qwen3-layer drafter and the three planted faults, served in one driver run on the eval
-    stage's own default-set request (same prompts, stop ids and engine settings)."""
-    from tests.helpers.faults import FAULTS, plant
-
+    the EAGLE-3 drafter in both dialects, the qwen3-layer drafter and the three planted faults, served in one driver
+    run on the eval stage's own default-set request (same prompts, stop ids and engine settings)."""
     from fledge.conf.compose import compose
     from fledge.serving.export import export_checkpoint, load_target_config
+    from tests.helpers.faults import FAULTS, plant
 
     cfg = compose(_overrides(served, tiny_target))
     target_cfg, k = load_target_config(cfg.target), cfg.eval.draft_tokens
@@ -240,11 +240,11 @@ def test_the_eval_stage_fails_on_a_served_fault_with_the_causes(served, tmp_path
     """The real eval stage (a few prompts) on an export whose config.json lost the EAGLE-3.1 feedback flag:
     vLLM serves it, and the stage fails naming the causes and the linter, after writing its report."""
     import torch
-    from tests.helpers.faults import plant
 
     from fledge.conf.compose import compose
     from fledge.evaluation.evaluate import evaluate_run
     from fledge.run_layout import EvalDir, RunLayout
+    from tests.helpers.faults import plant
 
     bad = plant(served / "export" / "drafter", "norm_output_flipped", tmp_path / "drafter")
     cfg = compose(_overrides(served, tiny_target) + ["eval.engine=vllm", "eval.sets=[default]", "eval.num_prompts=4",

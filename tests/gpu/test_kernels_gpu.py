@@ -125,8 +125,8 @@ def test_torch_rms_norm_is_fused_on_cuda():
 
 
 def test_drafter_trains_the_same_with_triton_norms():
-    from tests.helpers.models import make_drafter, packed_batch
     from fledge.train.loss import ttt_loss
+    from tests.helpers.models import make_drafter, packed_batch
 
     losses = {}
     for impl in ("torch", "triton"):
@@ -142,8 +142,8 @@ def test_drafter_trains_the_same_with_triton_norms():
 def test_ttt_loss_with_the_kernel_matches_the_torch_path():
     """train/loss.py on CUDA: the shared-teacher loss through the Triton logsumexp (auto) equals its torch
     chunks (loss_impl=torch), values and every gradient (fp32)."""
-    from tests.helpers.models import make_drafter, packed_batch
     from fledge.train.loss import ttt_loss
+    from tests.helpers.models import make_drafter, packed_batch
 
     out = {}
     for impl in ("auto", "torch"):

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.helpers.models import target_config
+
 from fledge.conf.schema import DrafterConfig
 from fledge.data.features.batch import FeatureBatch
-from fledge.models.drafter import DrafterSpec, Eagle3Drafter
 from fledge.models.alignment import ttt_states
+from fledge.models.drafter import DrafterSpec, Eagle3Drafter
+from tests.helpers.models import target_config
 
 pytestmark = pytest.mark.gpu
 

@@ -1,5 +1,6 @@
-"""torchrun entry (``-m tests.helpers.accumulation_entry``) for tests/distributed/test_accumulation.py: one optimizer step of the TTT loss under DeepSpeed (fp32, gloo,
-ZeRO stage argv[3]) on two micro-batches with very different numbers of counted rows, laid out as argv[2]:
+"""torchrun entry (``-m tests.helpers.accumulation_entry``) for tests/distributed/test_accumulation.py: one optimizer
+step of the TTT loss under DeepSpeed (fp32, gloo, ZeRO stage argv[3]) on two micro-batches with very different numbers
+of counted rows, laid out as argv[2]:
 ``whole`` (1 rank, one batch holding both), ``accum`` (1 rank, grad_accum=2) or ``ranks`` (2 ranks x 1). It
 runs the trainer's step (train/trainer.py): the step's denominators first, then per micro-batch forward,
 backward and DeepSpeed's step. Rank 0 writes the gradient the optimizer was handed (read before the step,
@@ -13,12 +14,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tests.helpers.models import FLAGS, make_drafter, packed_batch
-
 from fledge.data.features.batch import FeatureBatch
 from fledge.train.deepspeed_setup import gradient_divisor
 from fledge.train.loss import SoftCrossEntropy
 from fledge.train.ttt_model import TTTModel
+from tests.helpers.models import FLAGS, make_drafter, packed_batch
 
 STEPS = 3
 

@@ -1,5 +1,6 @@
-"""torchrun entry (``-m tests.helpers.capture_entry``) for tests/distributed/test_capture_resume.py: train/main.py, with each target forward slowed down by
-FLEDGE_TEST_SLOW seconds (so the test can kill -9 the run in the middle of the capture)."""
+"""torchrun entry (``-m tests.helpers.capture_entry``) for tests/distributed/test_capture_resume.py: train/main.py,
+with each target forward slowed down by FLEDGE_TEST_SLOW seconds (so the test can kill -9 the run in the middle of the
+capture)."""
 
 import os
 import time

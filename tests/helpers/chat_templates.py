@@ -88,7 +88,7 @@ _CORPUS = ["Hello there, how are you today? I am fine, thank you.", "def add(a, 
            "system user assistant tool think answer question weather Paris sunny", '{"name": "get_weather"}']
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _tokenizer_json() -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 

@@ -43,8 +43,8 @@ def make_eval_run(root: Path) -> Path:
     for the eval stage's tests: returns ``root``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from fledge.serving.export import training_record, write_drafter
     from fledge.models.families import text_config_dict
+    from fledge.serving.export import training_record, write_drafter
     from fledge.serving.serving_config import serving_config
     from tests.helpers.models import random_drafter
 

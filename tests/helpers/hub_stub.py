@@ -7,9 +7,9 @@ from __future__ import annotations
 import base64
 import json
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Iterator
 
 
 class Stub(BaseHTTPRequestHandler):

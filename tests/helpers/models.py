@@ -67,7 +67,8 @@ def random_llama(seed=0, vocab_size=96):
 
 
 def random_drafter(target, norm_output=True, seed=1, vd=64, layer="auto"):
-    """An Eagle3Drafter (layer kind ``layer``) with random weights (norms too) and a random draft vocab of ``vd`` ids."""
+    """An Eagle3Drafter (layer kind ``layer``) with random weights (norms too) and a random draft vocab of ``vd``
+    ids."""
     v = target.config.vocab_size
     flags = SimpleNamespace(fc_norm=norm_output, norm_output=norm_output, norm_before_fc=False, draft_vocab_size=vd,
                             layer=layer)

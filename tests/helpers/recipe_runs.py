@@ -27,7 +27,8 @@ def run_recipe(recipe: str, target, out: Path) -> tuple[Path, str]:
     from fledge.engine_process import engine_python
 
     full = os.environ.get("FLEDGE_ENGINE_FULL") == "1"
-    engine = (["eval.engine=vllm"] + ([] if full else ["eval.engine_sets=[default]"])) if engine_python().exists() else []
+    engine = ((["eval.engine=vllm"] + ([] if full else ["eval.engine_sets=[default]"]))
+              if engine_python().exists() else [])
     # --standalone: torchrun takes a free port itself (these runs overlap other tests' torchruns: _ahead)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "train/main.py",
            f"recipe={recipe}", f"run.output_root={out}", f"target.name_or_path={target}", *engine]

@@ -21,7 +21,6 @@ import socket
 import subprocess
 import time
 from pathlib import Path
-from typing import Optional
 
 import pytest
 
@@ -65,7 +64,7 @@ def _free_port() -> int:
 class LocalSlurm:
     """The cluster under ``root`` (a fresh directory); see the module docstring."""
 
-    def __init__(self, root: Path, cpus: Optional[int] = None) -> None:
+    def __init__(self, root: Path, cpus: int | None = None) -> None:
         self.root = Path(root)
         self.daemons: list[subprocess.Popen] = []  # in start order; stopped in reverse
         self.cpus = cpus or os.cpu_count() or 1
@@ -77,7 +76,7 @@ class LocalSlurm:
 
     # ---- lifecycle -------------------------------------------------------------------------------------
 
-    def start(self) -> "LocalSlurm":
+    def start(self) -> LocalSlurm:
         """Write the config, start munged, slurmctld and one slurmd per node; return once both nodes are idle."""
         missing = missing_programs()
         if missing:
@@ -187,8 +186,8 @@ class LocalSlurm:
         user = _user()
         ctld_port, *node_ports = (_free_port() for _ in range(1 + len(NODES)))
         r = self.root
-        nodes = "\n".join(f"NodeName={n} NodeHostname=localhost NodeAddr=127.0.0.1 Port={p} CPUs={self.cpus} State=UNKNOWN"
-                          for n, p in zip(NODES, node_ports))
+        nodes = "\n".join(f"NodeName={n} NodeHostname=localhost NodeAddr=127.0.0.1 Port={p} CPUs={self.cpus} "
+                          "State=UNKNOWN" for n, p in zip(NODES, node_ports))
         self.conf.write_text(f"""\
 # Written by tests/helpers/slurm_cluster.py: a private cluster of this machine, gone when the tests end.
 ClusterName=fledge-test

@@ -1,7 +1,7 @@
-"""torchrun entry (``-m tests.helpers.sp_entry``) for tests/distributed/test_sequence_parallel.py (2 gloo ranks): one TTT loss and its gradients on packed
-multi-document rows, once whole on every rank (sp=1) and once split over the two ranks (sp=2, Ulysses), for
-each drafter flavour; plus a negative control whose shards attend only to their own rows. Rank 0 writes
-the largest differences as JSON to argv[1]."""
+"""torchrun entry (``-m tests.helpers.sp_entry``) for tests/distributed/test_sequence_parallel.py (2 gloo ranks): one
+TTT loss and its gradients on packed multi-document rows, once whole on every rank (sp=1) and once split over the two
+ranks (sp=2, Ulysses), for each drafter flavour; plus a negative control whose shards attend only to their own rows.
+Rank 0 writes the largest differences as JSON to argv[1]."""
 
 import json
 import sys
@@ -10,12 +10,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tests.helpers.models import FLAGS, make_drafter
-
 from fledge.data.features.batch import FeatureBatch
 from fledge.distributed import World, all_reduce_sum, sequence_groups
 from fledge.train.loss import SoftCrossEntropy
 from fledge.train.sequence_parallel import RowShard, SequenceParallel
+from tests.helpers.models import FLAGS, make_drafter
 
 STEPS = 3
 

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from tests.helpers.paths import REPO as ROOT
 
 GOLDEN = json.loads((ROOT / "recipes" / "tiny" / "golden.json").read_text())

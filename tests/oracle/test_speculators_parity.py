@@ -23,6 +23,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
 from tests.helpers.paths import REPO
 
 SITE = Path(os.environ.get("FLEDGE_ORACLE_SITE", REPO / ".oracle" / "site"))
@@ -44,14 +45,15 @@ def _inputs(target_cfg: dict, n_aux: int, T: int = 24, seed: int = 0) -> dict[st
     H, V = target_cfg["hidden_size"], target_cfg["vocab_size"]
     doc = torch.tensor([[0] * 14 + [1] * (T - 14)], dtype=torch.int32)
     pos = torch.cat([torch.arange(14), torch.arange(T - 14)])[None]
-    return {"input_ids": torch.randint(0, V, (1, T), generator=g), "aux_hidden": torch.randn(1, T, n_aux * H, generator=g),
+    return {"input_ids": torch.randint(0, V, (1, T), generator=g),
+            "aux_hidden": torch.randn(1, T, n_aux * H, generator=g),
             "position_ids": pos, "document_ids": doc}
 
 
 def _fledge_logits(drafter_dir: Path, x: dict) -> list[torch.Tensor]:
     from fledge.data.features.batch import FeatureBatch
-    from fledge.serving.export import load_drafter
     from fledge.models.alignment import ttt_states
+    from fledge.serving.export import load_drafter
 
     d = load_drafter(drafter_dir).eval()
     T = x["input_ids"].shape[1]
@@ -82,9 +84,9 @@ def _run_speculators(drafter_dir: Path, x: dict, tmp: Path, decay: float | None 
 
 def _export(target: Path, flags: dict, draft_vocab: int, out: Path, seed: int = 3) -> tuple[Path, dict, list[int]]:
     """A random drafter (norm weights near 1) for the target, exported in the speculators dialect."""
-    from tests.helpers.models import random_state_dict
     from fledge.serving.export import write_drafter
     from fledge.serving.serving_config import serving_config
+    from tests.helpers.models import random_state_dict
 
     tcfg = json.loads((target / "config.json").read_text())
     L = tcfg["num_hidden_layers"]
@@ -125,18 +127,18 @@ def test_speculators_loads_the_export_and_computes_the_same_logits(flags, random
 
 
 def test_speculators_training_loss_has_fledges_gradients(random_tiny_target, tmp_path):
-    """The TTT loss (docs/architecture.md, Training-time test) against speculators' training forward: the same gradient for every
-    parameter both train. The case is chosen where the two conventions coincide: one document, the full
-    vocab as draft vocab (no out-of-vocab rows), speculators' step decay = Fledge's step weight.
+    """The TTT loss (docs/architecture.md, Training-time test) against speculators' training forward: the same
+    gradient for every parameter both train. The case is chosen where the two conventions coincide: one document, the
+    full vocab as draft vocab (no out-of-vocab rows), speculators' step decay = Fledge's step weight.
     speculators' KL and Fledge's soft cross-entropy differ by the teacher's entropy, which has no
     gradient: the losses must differ by exactly sum_k w^k mean_rows H(p)."""
     import torch.nn.functional as F
     from safetensors.torch import load_file
 
     from fledge.data.features.batch import FeatureBatch
-    from fledge.serving.export import load_drafter
-    from fledge.models.weights import load_lm_head_rows
     from fledge.models.alignment import shift as _shift
+    from fledge.models.weights import load_lm_head_rows
+    from fledge.serving.export import load_drafter
     from fledge.train.loss import ttt_loss
 
     target = Path(random_tiny_target)
@@ -150,7 +152,8 @@ def test_speculators_training_loss_has_fledges_gradients(random_tiny_target, tmp
     x["document_ids"] = torch.zeros(1, T, dtype=torch.int32)
     x["position_ids"] = torch.arange(T)[None]
     pre = torch.randn(1, T, tcfg["hidden_size"], generator=g) * 2  # the target's last state before its norm
-    norm_w = next(t for k, t in load_file(next(target.glob("*.safetensors"))).items() if k.endswith("model.norm.weight"))
+    weights = load_file(next(target.glob("*.safetensors")))
+    norm_w = next(t for k, t in weights.items() if k.endswith("model.norm.weight"))
     final = F.rms_norm(pre, (pre.shape[-1],), norm_w.float(), tcfg["rms_norm_eps"])
     head = load_lm_head_rows(str(target), None, torch.arange(V)).float()
     loss_mask = torch.rand(1, T, generator=g) > 0.25

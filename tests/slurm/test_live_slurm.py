@@ -89,7 +89,8 @@ def losses(run: Path) -> list[dict[str, float]]:
 
 def assert_close(a, b, where: str = "", rel: float = 1e-6) -> None:
     if isinstance(a, float) and isinstance(b, float):
-        assert math.isclose(a, b, rel_tol=rel, abs_tol=1e-9) or (math.isnan(a) and math.isnan(b)), f"{where}: {a} != {b}"
+        assert math.isclose(a, b, rel_tol=rel, abs_tol=1e-9) or (math.isnan(a) and math.isnan(b)), \
+            f"{where}: {a} != {b}"
     elif isinstance(a, dict) and isinstance(b, dict):
         assert a.keys() == b.keys(), f"{where}: keys differ: {sorted(a.keys() ^ b.keys())}"
         for k in a:

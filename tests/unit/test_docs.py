@@ -13,7 +13,7 @@ ROOMS = ("fledge", "conf", "models", "data", "serving", "evaluation", "testbed",
 TOP = ROOMS + ("recipes", "docs")
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 # A path of this repository as prose cites it: a top-level folder, then folders, then a file with a suffix.
-CITED = re.compile(r"(?<![\w./-])((?:%s)/[\w./-]*\w\.(?:py|md|sh|yaml|sbatch|json|lock|toml))\b" % "|".join(TOP))
+CITED = re.compile(r"(?<![\w./-])((?:" + "|".join(TOP) + r")/[\w./-]*\w\.(?:py|md|sh|yaml|sbatch|json|lock|toml))\b")
 
 
 def _exists(cited: str) -> bool:

@@ -7,6 +7,7 @@ and a fresh venv outside the repo runs ``fledge --help`` and composes every reci
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -16,10 +17,12 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
 from tests.helpers.paths import REPO
 
 RECIPES = sorted(p.stem for p in (REPO / "conf" / "recipe").glob("*.yaml"))
 LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
+RUFF = Path(sys.executable).parent / "ruff"
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +90,39 @@ def test_a_wrong_way_import_breaks_the_contracts(installed, tmp_path):
     lib.write_text(lib.read_text() + "\nfrom fledge.train import runner  # planted wrong-way import\n")
     res = _lint_imports(bad, REPO / "pyproject.toml")
     assert res.returncode != 0 and "fledge.models.drafter -> fledge.train.runner" in res.stdout, res.stdout
+
+
+def _ruff(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([str(RUFF), "check", "--no-cache", *args], cwd=REPO, input=stdin, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_ruff_is_the_pinned_one():
+    """The lint run here is the one scripts/setup.sh installs from requirements.lock."""
+    pin = re.search(r"^ruff==(\S+)$", (REPO / "requirements.lock").read_text(), re.M)
+    assert pin, "requirements.lock pins no ruff"
+    version = subprocess.run([str(RUFF), "--version"], capture_output=True, text=True, check=True).stdout.split()[-1]
+    assert version == pin.group(1), f"ruff {version} installed, {pin.group(1)} locked: bash scripts/setup.sh"
+
+
+def test_ruff_passes():
+    """Lint and layout checks over the whole repository, as configured in pyproject.toml ([tool.ruff]):
+    `ruff check --fix` applies the safe fixes, and `ruff check` names what is left."""
+    res = _ruff()
+    assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-2000:]
+
+
+@pytest.mark.parametrize("source, code", [
+    ("import os\n", "F401"),
+    ("x = 1\ny = [x,x]\n", "E231"),
+    ("def f():\n    return 1\ndef g():\n    return 2\n", "E302"),
+    ("x = '" + "a long line " * 11 + "'\n", "E501"),
+    ("import sys\nimport os\n\nprint(os, sys)\n", "I001"),
+])
+def test_ruff_flags_a_planted_violation(source, code):
+    """The configured rules are live (negative control): each planted mistake fails with its code."""
+    res = _ruff("--output-format", "json", "--stdin-filename", "planted.py", "-", stdin=source)
+    assert res.returncode == 1 and code in {f["code"] for f in json.loads(res.stdout)}, res.stdout + res.stderr
 
 
 def test_libraries_never_take_the_root_config():

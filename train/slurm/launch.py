@@ -20,8 +20,8 @@ import os
 import re
 import shlex
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping, Optional
 
 PORT_BASE, PORT_SPAN = 20000, 20000  # job id -> port in [20000, 40000): two jobs sharing a node differ
 
@@ -133,7 +133,7 @@ def _tasks_per_node(value: str) -> list[int]:
     return out
 
 
-def nproc_per_node(env: Mapping[str, str], override: Optional[int] = None) -> int:
+def nproc_per_node(env: Mapping[str, str], override: int | None = None) -> int:
     """Workers per node: an explicit value, else this node's GPUs as Slurm reports them, else 1 (CPU)."""
     if override is not None:
         if override < 1:
@@ -152,7 +152,7 @@ def nproc_per_node(env: Mapping[str, str], override: Optional[int] = None) -> in
     return 1
 
 
-def from_slurm_env(env: Mapping[str, str], nproc: Optional[int] = None) -> Rendezvous:
+def from_slurm_env(env: Mapping[str, str], nproc: int | None = None) -> Rendezvous:
     """The rendezvous for this node, from a Slurm step's environment (``os.environ`` or a test dict).
 
     Master address: ``MASTER_ADDR`` when the batch script exported it (``scontrol show hostnames``),
@@ -181,7 +181,8 @@ def from_slurm_env(env: Mapping[str, str], nproc: Optional[int] = None) -> Rende
         raise ValueError("cannot tell this node's rank: neither SLURMD_NODENAME nor SLURM_NODEID is set")
     if not 0 <= node_rank < len(hosts):
         raise ValueError(f"node rank {node_rank} outside the {len(hosts)} nodes of {nodelist!r}")
-    port = int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else PORT_BASE + int(re.sub(r"\D", "", job_id) or 0) % PORT_SPAN
+    port = (int(env["MASTER_PORT"]) if env.get("MASTER_PORT")
+            else PORT_BASE + int(re.sub(r"\D", "", job_id) or 0) % PORT_SPAN)
     return Rendezvous(
         nnodes=len(hosts), node_rank=node_rank, nproc_per_node=nproc_per_node(env, nproc),
         master_addr=env.get("MASTER_ADDR") or hosts[0], master_port=port, job_id=job_id,
@@ -239,7 +240,7 @@ def build_command(args: argparse.Namespace, env: Mapping[str, str], python: str 
     return [python, "-m", "torch.distributed.run", *rdzv_args, *entry, *args.overrides, *extra]
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         cmd = build_command(args, os.environ)

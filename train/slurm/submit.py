@@ -23,7 +23,6 @@ import shlex
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Optional, Union
 
 from fledge.conf.schema import STAGES
 from fledge.run_layout import RunLayout
@@ -38,7 +37,7 @@ class Resources:
 
     nodes: int = 1
     gpus_per_node: int = 8
-    nproc_per_node: Optional[int] = None  # None -> one worker per GPU
+    nproc_per_node: int | None = None  # None -> one worker per GPU
     cpus_per_task: int = 64
     time: dict[str, str] = field(default_factory=lambda: {"prepare": "04:00:00", "capture": "24:00:00",
                                                           "train": "48:00:00"})
@@ -59,11 +58,11 @@ class Job:
     name: str  # prepare | capture | capture_array | train
     path: Path
     text: str
-    depends_on: Optional[str] = None  # shell variable holding the upstream job id
-    logs: Optional[Path] = None  # where Slurm writes its log (sbatch does not create the directory)
+    depends_on: str | None = None  # shell variable holding the upstream job id
+    logs: Path | None = None  # where Slurm writes its log (sbatch does not create the directory)
 
 
-def render(template: str, sbatch: dict[str, Optional[str]], knobs: dict[str, Union[str, list[str]]]) -> str:
+def render(template: str, sbatch: dict[str, str | None], knobs: dict[str, str | list[str]]) -> str:
     """Rewrite ``#SBATCH --key=`` lines (None -> commented out as ``##SBATCH --key=``) and ``KEY=`` knob
     lines (a list becomes a bash array, each word quoted, so overrides with spaces or brackets survive)."""
     out = template
@@ -72,7 +71,7 @@ def render(template: str, sbatch: dict[str, Optional[str]], knobs: dict[str, Uni
         if not pattern.search(out):
             raise AssertionError(f"template has no '#SBATCH --{key}=' line")
         line = f"##SBATCH --{key}=" if value is None else f"#SBATCH --{key}={value}"
-        out = pattern.sub(lambda _: line, out, count=1)
+        out = pattern.sub(lambda _, line=line: line, out, count=1)
     block_start, block_end = out.index("# ---- knobs"), out.index("# ---- end knobs ----")
     block = out[block_start:block_end]
     for key, value in knobs.items():
@@ -80,7 +79,7 @@ def render(template: str, sbatch: dict[str, Optional[str]], knobs: dict[str, Uni
         if not pattern.search(block):
             raise AssertionError(f"template has no knob line '{key}='")
         line = f"{key}=({shlex.join(value)})" if isinstance(value, list) else f"{key}={shlex.quote(value)}"
-        block = pattern.sub(lambda _: line, block, count=1)
+        block = pattern.sub(lambda _, line=line: line, block, count=1)
     return out[:block_start] + block + out[block_end:]
 
 
@@ -113,7 +112,7 @@ def plan(kind: str, args: argparse.Namespace, overrides: list[str]) -> list[Job]
     user = [o for o in overrides if not o.startswith(("recipe=", "run.name=", "run.output_root="))]
 
     def job(name: str, template: str, stages: str, res: Resources, extra: list[str], launch: list[str],
-            depends_on: Optional[str] = None, array: Optional[str] = None) -> Job:
+            depends_on: str | None = None, array: str | None = None) -> Job:
         nproc = res.nproc_per_node
         launch = (["--nproc-per-node", str(nproc)] if nproc else []) + launch
         slot = "capture" if name == "capture_array" else name
@@ -133,7 +132,7 @@ def plan(kind: str, args: argparse.Namespace, overrides: list[str]) -> list[Job]
         return Job(name, layout.slurm_script(name), text, depends_on, layout.logs)
 
     jobs: list[Job] = []
-    slices = ["capture.num_slices=%d" % args.array] if args.array else []
+    slices = [f"capture.num_slices={args.array:d}"] if args.array else []
     if kind in ("capture", "pipeline"):
         if args.array:
             cpu_only = replace(res, nodes=1, gpus_per_node=0, nproc_per_node=1)
@@ -160,7 +159,7 @@ def commands(jobs: list[Job]) -> list[str]:
     return lines
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Other arguments: Hydra overrides "
                                 "(recipe=NAME required), passed to every job.")
     p.add_argument("kind", choices=["capture", "train", "pipeline"])

@@ -128,10 +128,9 @@ def _flush_saves(llm, paths: list[str], req: dict) -> None:
 
 
 def run_job(llm, job: dict, req: dict) -> dict:
+    import numpy as np
     from vllm import SamplingParams
     from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import load_hidden_states
-
-    import numpy as np
 
     spool = Path(job["spool"])
     spool.mkdir(parents=True, exist_ok=True)
@@ -238,7 +237,8 @@ def main(argv: list[str]) -> int:
             out["jobs"][job["name"]] = run_job(llm, job, req)
         take_part_until_all_done(llm, req)
     except Exception as e:  # noqa: BLE001 - reported to Fledge as data
-        out["error"] = {"type": type(e).__name__, "message": str(e)[-4000:], "traceback": traceback.format_exc()[-8000:]}
+        out["error"] = {"type": type(e).__name__, "message": str(e)[-4000:],
+                        "traceback": traceback.format_exc()[-8000:]}
     tmp = argv[1] + ".tmp"
     Path(tmp).write_text(json.dumps(out))
     os.replace(tmp, argv[1])

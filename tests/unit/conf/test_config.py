@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+
 from fledge.conf import CONF_DIR, compose
 from fledge.conf.schema import Config, default_aux_layer_ids
 

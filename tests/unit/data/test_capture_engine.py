@@ -5,17 +5,22 @@ layer id L (equal to the HF capture), and the settings handed to vLLM. The engin
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers.models import random_llama
 from fledge.conf.compose import compose
-from fledge.data.capture.engine import (DRIVER, TargetHead, check_boundary_convention, check_parallel, engine_env,
-                                        engine_layer_ids, split_columns)
+from fledge.data.capture.engine import (
+    DRIVER,
+    TargetHead,
+    check_boundary_convention,
+    check_parallel,
+    engine_env,
+    engine_layer_ids,
+    split_columns,
+)
 from fledge.models.target import FrozenTarget
-from tests.helpers.paths import REPO as ROOT
+from tests.helpers.models import random_llama
 
 AUX, L = [2, 3, 4], 6
 

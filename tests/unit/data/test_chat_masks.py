@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from tests.helpers.chat_templates import CHATML, LLAMA3, MARKERS, MISTRAL, QWEN3, make_tokenizer
 from fledge.data.prepare.chat import ChatRenderer
 from fledge.data.prepare.sources import DataError, normalize
+from tests.helpers.chat_templates import CHATML, LLAMA3, MARKERS, MISTRAL, QWEN3, make_tokenizer
 
 G = True  # a segment the target generates
 

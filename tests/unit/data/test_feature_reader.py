@@ -101,10 +101,12 @@ def _store(root: Path, indexes=("rank00000",), shard="shard-00000.safetensors", 
     save_file({"input_ids": torch.arange(T, dtype=torch.int32), "loss_mask": torch.ones(T, dtype=torch.uint8),
                "aux_hidden": torch.zeros(T, 3, dtype=torch.bfloat16),
                "target_hidden": torch.zeros(T, 1, dtype=torch.bfloat16),
-               "target_argmax": torch.zeros(T, dtype=torch.int32)}, str(store / "rank00000" / "shard-00000.safetensors"))
+               "target_argmax": torch.zeros(T, dtype=torch.int32)},
+              str(store / "rank00000" / "shard-00000.safetensors"))
     sha = sha256_file(store / "rank00000" / "shard-00000.safetensors")
     (store / "rank00000" / INDEX).write_text(json.dumps(
-        {"complete": True, "shards": [{"name": shard, "sha256": sha, "bytes": 0, "tokens": T, "samples": [[0, 0, T]]}]}))
+        {"complete": True,
+         "shards": [{"name": shard, "sha256": sha, "bytes": 0, "tokens": T, "samples": [[0, 0, T]]}]}))
     (store / STORE_MANIFEST).write_text(json.dumps(
         {"complete": True, "schema_version": SCHEMA_VERSION, "aux_layer_ids": [1, 2, 3], "indexes": list(indexes),
          "shards": [{"path": manifest_path or f"rank00000/{shard}", "sha256": sha}]}))
@@ -118,13 +120,13 @@ def test_a_well_formed_hand_written_store_reads(tmp_path):
 
 @pytest.mark.parametrize("entry", ESCAPES)
 def test_an_index_entry_outside_the_store_is_refused(tmp_path, entry):
-    with pytest.raises(ValueError, match=rf"store\.json: indexes entry .* points outside"):
+    with pytest.raises(ValueError, match=r"store\.json: indexes entry .* points outside"):
         FeatureStore(_store(tmp_path, indexes=("rank00000", entry)))
 
 
 @pytest.mark.parametrize("entry", ESCAPES)
 def test_a_shard_name_outside_its_rank_directory_is_refused(tmp_path, entry):
-    with pytest.raises(ValueError, match=rf"rank00000/index\.json: shards\[\]\.name entry .* points outside"):
+    with pytest.raises(ValueError, match=r"rank00000/index\.json: shards\[\]\.name entry .* points outside"):
         FeatureStore(_store(tmp_path, shard=entry, manifest_path="rank00000/shard-00000.safetensors"))
 
 

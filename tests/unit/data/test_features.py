@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from fledge.train.pipeline import capture as run_stage
+from fledge.conf.schema import Config
 from fledge.data.features.reader import FeatureLoader, FeatureStore
 from fledge.data.features.store import INDEX, STORE_MANIFEST, bytes_per_token
-from fledge.models.target import FrozenTarget
-from fledge.conf.schema import Config
 from fledge.distributed import World
+from fledge.models.target import FrozenTarget
 from fledge.run_layout import RunLayout
+from fledge.train.pipeline import capture as run_stage
 from fledge.train.runner import StageContext
 
 L, H, V, IDS = 6, 32, 96, [2, 3, 4]
@@ -28,7 +28,8 @@ def make_target(path: Path):
 
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(hidden_size=H, intermediate_size=64, num_hidden_layers=L, num_attention_heads=4,
-                                 num_key_value_heads=2, vocab_size=V, max_position_embeddings=128)).save_pretrained(path)
+                                 num_key_value_heads=2, vocab_size=V, max_position_embeddings=128)
+                     ).save_pretrained(path)
 
 
 def make_prepared(run_dir: Path, seed=0):
@@ -105,7 +106,8 @@ def test_store_matches_target(root, bf16_store):
         torch.testing.assert_close(s["target_hidden"].float(), final, rtol=8e-3, atol=1e-4)
         assert torch.equal(s["target_argmax"], argmax)
     on_disk = sum(p.stat().st_size for p in (bf16_store / "train").rglob("*.safetensors"))
-    assert m["num_tokens"] * m["bytes_per_token"] <= on_disk < m["num_tokens"] * m["bytes_per_token"] + 2048 * len(m["shards"])
+    payload = m["num_tokens"] * m["bytes_per_token"]
+    assert payload <= on_disk < payload + 2048 * len(m["shards"])
 
 
 def test_fp8_round_trip_error(root, bf16_store):

@@ -1,7 +1,7 @@
 """Template perturbation: system-prompt modes, template variables, deterministic per key."""
 
-from fledge.data.prepare.perturb import chosen, perturb
 from fledge.conf.schema import PerturbConfig
+from fledge.data.prepare.perturb import chosen, perturb
 
 CONV = {"messages": [{"role": "system", "content": "orig"}, {"role": "user", "content": "q"},
                      {"role": "assistant", "content": "a"}], "source": "s", "index": 0}

@@ -1,15 +1,14 @@
 """The prepare stage end to end on a local tokenizer: outputs, counts, policies, determinism, vocab reuse."""
 
 import json
-from pathlib import Path
 
 import pytest
 
-from tests.helpers.chat_templates import QWEN3, make_tokenizer
+from fledge.conf.schema import Config, DataConfig, PerturbConfig, SourceConfig
 from fledge.data.prepare.build import prepare
 from fledge.data.prepare.vocab import DraftVocab
-from fledge.conf.schema import Config, DataConfig, PerturbConfig, SourceConfig
 from fledge.run_layout import PrepareDir
+from tests.helpers.chat_templates import QWEN3, make_tokenizer
 
 WORDS = "hello there the quick brown fox jumps over lazy dog weather Paris sunny answer question".split()
 

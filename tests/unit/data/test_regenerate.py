@@ -59,7 +59,8 @@ def test_endpoint_resume_and_record(server, tmp_path):
     Stub.fail_on = {"q3"}
     be = OpenAIBackend(server, "tgt", retries=0)
     s = regenerate(_convs(6), out, be, temperature=0.7, max_tokens=9, concurrency=3, progress=False)
-    assert s["done"] == 5 and s["failed"] == 1 and "index 3" in s["first_errors"][0] and "HTTP 400" in s["first_errors"][0]
+    assert s["done"] == 5 and s["failed"] == 1
+    assert "index 3" in s["first_errors"][0] and "HTTP 400" in s["first_errors"][0]
     assert done_indices(out) == {0, 1, 2, 4, 5}
     with open(out, "a") as f:
         f.write('{"index": 9, "mess')  # a torn line from a kill

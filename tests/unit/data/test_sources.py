@@ -41,7 +41,8 @@ def test_tool_calls_and_tools():
 @pytest.mark.parametrize("rec, problem", [
     ({"messages": []}, "empty conversation"),
     ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant turn"),
-    ({"messages": [{"role": "wizard", "content": "hi"}, {"role": "assistant", "content": "x"}]}, "unknown role 'wizard'"),
+    ({"messages": [{"role": "wizard", "content": "hi"}, {"role": "assistant", "content": "x"}]},
+     "unknown role 'wizard'"),
     ({"conversations": [{"from": "alien", "value": "hi"}]}, "unknown role 'alien'"),
     ({"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "x"}]},
      r"message 0 \(user\): content is int"),

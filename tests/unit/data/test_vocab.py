@@ -1,4 +1,5 @@
-"""Draft vocab per docs/architecture.md, The draft vocabulary: top-Vd by masked count, d2t offsets, t2d, caching by key."""
+"""Draft vocab per docs/architecture.md, The draft vocabulary: top-Vd by masked count, d2t offsets, t2d, caching by
+key."""
 
 import numpy as np
 import pytest

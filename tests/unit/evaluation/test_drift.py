@@ -8,6 +8,8 @@ import torch
 from fledge.evaluation.drift import DriftProbe, drift_curves
 from fledge.evaluation.speculative import DrafterProposer, TargetRunner
 from tests.helpers.models import random_drafter, random_llama
+
+
 @pytest.mark.parametrize("layer", ["llama", "qwen3", "mla"])
 def test_probe_probabilities_reproduce_attention_output(layer):
     """For every layer kind (models/layers/): q/k norms (qwen3), MLA's scale and padded width included."""

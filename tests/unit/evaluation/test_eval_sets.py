@@ -4,14 +4,20 @@ turns after the target's own answer, prompts are bounded in number and length, a
 loaded is one line naming the set, the hub id and the fix. Nothing is downloaded."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
+from fledge.evaluation.eval_sets import (
+    EVAL_SETS,
+    SPEED_BENCH_CATEGORIES,
+    SPEED_BENCH_LENGTHS,
+    check_set_names,
+    fit_prompt,
+    load_conversations,
+    render_prompts,
+)
 from fledge.run_layout import EvalDir, RunLayout
-from fledge.evaluation.eval_sets import (EVAL_SETS, SPEED_BENCH_CATEGORIES, SPEED_BENCH_LENGTHS, check_set_names,
-                                   fit_prompt, load_conversations, render_prompts)
 from tests.helpers.evaluation import eval_cfg, tokenizer
 from tests.helpers.paths import FIXTURES as FIXTURE_DIR
 
@@ -216,7 +222,8 @@ def test_eval_stage_reports_named_sets(run, tmp_path, monkeypatch):
         assert s["prompts"] == 2 and 1.0 <= s["drafter"]["al"] <= 4.0 and summary[f"al_{name}"] == s["drafter"]["al"]
     n = report["named_sets"]
     assert n["mt_bench"]["later_turns"] == 1 and n["mt_bench"]["conversations"] == 1
-    assert n["speed_bench_coding"]["placeholder_rows"] == 1 and n["speed_bench_coding"]["hub_id"] == "nvidia/SPEED-Bench"
+    coding = n["speed_bench_coding"]
+    assert coding["placeholder_rows"] == 1 and coding["hub_id"] == "nvidia/SPEED-Bench"
     md = (out / "report.md").read_text()
     assert "## Named eval sets" in md and "| mt_bench | multi-turn chat" in md
 

@@ -7,11 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from fledge.run_layout import EvalDir, RunLayout
 from fledge.atomic import write_json_atomic
-from fledge.evaluation.speculative import DecodeResult, Round
 from fledge.evaluation.evaluate import acceptance_stats, distinct_ngram_ratio
-from tests.helpers.evaluation import conversations, eval_cfg, tokenizer
+from fledge.evaluation.speculative import DecodeResult, Round
+from fledge.run_layout import EvalDir, RunLayout
+from tests.helpers.evaluation import eval_cfg
+
 
 @pytest.fixture(scope="module")
 def evaluated(run):
@@ -222,8 +223,8 @@ def test_heldout_accuracy_shows_flex_a_bounded_set_of_lengths(monkeypatch):
     """50 held-out samples of 50 different lengths: flex (compiled with static shapes on GPU, one compile per
     key length) sees one row length, not one per sample; the numbers equal one unpadded row per sample."""
     import fledge.models.attention as A
-    from tests.helpers.models import make_drafter
     from fledge.evaluation.evaluate import heldout_accuracy
+    from tests.helpers.models import make_drafter
 
     g = torch.Generator().manual_seed(0)
     lengths = [4 + 3 * i for i in range(50)]
@@ -288,9 +289,9 @@ def test_the_report_says_how_much_of_the_target_output_the_draft_vocab_covers():
     from types import SimpleNamespace
 
     import fledge.evaluation.evaluate as ev
-    from tests.helpers.models import random_drafter, random_llama
-    from fledge.evaluation.speculative import TargetRunner, greedy_decode
     from fledge.evaluation.report import markdown
+    from fledge.evaluation.speculative import TargetRunner, greedy_decode
+    from tests.helpers.models import random_drafter, random_llama
 
     target = random_llama()
     drafter = random_drafter(target, vd=48)  # half of the 96 target ids

@@ -1,7 +1,6 @@
 """AL vs context length (evaluation/long_context.py): the same conversations cut to each bucket, the request kept,
 the cut within a line of the bucket; the long tiny split and whole-file documents (testbed/tiny_long.py)."""
 
-import random
 
 import pytest
 
@@ -58,7 +57,8 @@ def test_long_eval_split_and_whole_files():
         assert user.endswith(f.lines[r["cut_line"] - 1]) and answer.startswith(f.lines[r["cut_line"]].strip("\n"))
     stream = tiny_long.mixed_stream(train[:60], seed=0, long_share=0.5)
     convs = [next(stream) for _ in range(200)]
-    whole = [c for c in convs if c["messages"][0]["content"].startswith(("Show me the source", "Print ", "Paste the whole"))
+    asks = ("Show me the source", "Print ", "Paste the whole")
+    whole = [c for c in convs if c["messages"][0]["content"].startswith(asks)
              and len(c["messages"]) == 2 and len(c["messages"][1]["content"]) > tiny_long.LONG_DOC_CHARS // 2]
     assert 70 <= len(whole) <= 130  # about half, and those are long
 

@@ -4,17 +4,21 @@ equals a fresh prefill; rejection sampling is lossless (chi-square against the e
 negative control that the test must reject)."""
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 import fledge.evaluation.speculative as spec_mod
-from fledge.models.drafter import DrafterSpec, Eagle3Drafter
-from fledge.evaluation.speculative import (DrafterProposer, LookupProposer, TargetRunner, greedy_decode, speculative_decode,
-                                verify)
-
+from fledge.evaluation.speculative import (
+    DrafterProposer,
+    LookupProposer,
+    TargetRunner,
+    greedy_decode,
+    speculative_decode,
+    verify,
+)
 from tests.helpers.models import random_drafter, random_llama
+
 V, VD = 96, 64
 
 

@@ -10,7 +10,6 @@ refuses any tensor not on it. The last test keeps every collective inside fledge
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +18,6 @@ import torch.distributed as dist
 import fledge.distributed as fd
 from fledge.train.metrics import RatioMeter
 from tests.helpers.paths import REPO as ROOT
-
 
 
 @pytest.fixture(scope="module")

@@ -15,10 +15,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from fledge.data.capture.engine import DRIVER
 from tests.helpers.models import random_llama
 from tests.helpers.processes import descendants
-from fledge.data.capture.engine import DRIVER
-from tests.helpers.paths import REPO as ROOT
 
 # A driver that starts a worker ignoring SIGTERM (with a child of its own) and a second child, then waits:
 # killing only the driver's pid leaves all three running.
@@ -82,9 +81,9 @@ def test_eval_engine_timeout_ends_every_process_the_driver_started(stand_in, tmp
 
 
 def _capture_request(tmp_path: Path) -> tuple[dict, dict]:
-    from fledge.data.capture.engine import build_request
-
     import numpy as np
+
+    from fledge.data.capture.engine import build_request
 
     np.arange(4, dtype=np.int32).tofile(tmp_path / "t.bin")
     job = {"name": "train", "spool": str(tmp_path / "engine" / "spool" / "train"), "tokens": str(tmp_path / "t.bin"),
@@ -114,7 +113,8 @@ def test_capture_engine_that_does_not_exit_is_a_user_error_and_is_ended(stand_in
     req, _ = _capture_request(tmp_path)
     run = EngineRun(stand_in, req, tmp_path / "engine", timeout_s=2)
     tree = _tree_of_this_test()
-    with pytest.raises(ValueError, match=r"did not exit after its last batch; no progress for capture.engine_timeout_s=2 s"):
+    with pytest.raises(ValueError,
+                       match=r"did not exit after its last batch; no progress for capture.engine_timeout_s=2 s"):
         run.finish()
     assert not [p for p in tree if _alive(p)]
 

@@ -24,7 +24,8 @@ def _layout_names() -> set[str]:
                 elif isinstance(side, ast.JoinedStr):
                     names |= {v.value for v in side.values if isinstance(v, ast.Constant)
                               and not v.value.startswith(".")}  # not a bare suffix
-        elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+        elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) \
+                and isinstance(node.value.value, str):
             names.add(node.value.value)  # CONFIG, MANIFEST
     return names
 

@@ -6,13 +6,13 @@ from dataclasses import fields
 import pytest
 import torch
 
-from tests.helpers.models import make_drafter, packed_batch
 from fledge.data.features.batch import FeatureBatch
-from fledge.models import alignment
 from fledge.evaluation.evaluate import heldout_accuracy
-from fledge.train.loss import ttt_loss
+from fledge.models import alignment
 from fledge.models.alignment import StepAccuracy, al_estimate
+from fledge.train.loss import ttt_loss
 from fledge.train.metrics import RatioMeter
+from tests.helpers.models import make_drafter, packed_batch
 
 K = 3
 

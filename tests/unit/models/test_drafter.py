@@ -5,15 +5,14 @@ import math
 
 import pytest
 import torch
-from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from fledge.data.features.batch import FeatureBatch
-from fledge.models.drafter import DraftCache, DrafterSpec, Eagle3Drafter
 from fledge.conf.schema import DrafterConfig
 from fledge.models.alignment import ttt_states
-
+from fledge.models.drafter import DraftCache, DrafterSpec, Eagle3Drafter
 from tests.helpers.models import FLAGS, make_drafter, packed_batch, target_config
+
+
 def test_state_dict_has_serving_names():
     names = set(make_drafter(**FLAGS["eagle31"]).state_dict())
     expected = {
@@ -126,7 +125,8 @@ def _check_feedback(aux, ids, target_cfg=None):
         if target_cfg is None:
             d = make_drafter(**FLAGS[flags])
         else:
-            spec = DrafterSpec.from_target_config(target_cfg, DrafterConfig(draft_vocab_size=64, **FLAGS[flags]), [2, 4, 5])
+            spec = DrafterSpec.from_target_config(target_cfg, DrafterConfig(draft_vocab_size=64, **FLAGS[flags]),
+                                                  [2, 4, 5])
             torch.manual_seed(0)
             d = Eagle3Drafter(spec).eval()
         out[flags] = _feedback_rms(d, aux, ids)

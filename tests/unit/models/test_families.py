@@ -10,15 +10,15 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from tests.helpers.models import random_state_dict
 from fledge.conf.schema import DrafterConfig
 from fledge.models import families
 from fledge.models.drafter import DrafterSpec, Eagle3Drafter
-from fledge.serving.export import export_checkpoint, load_drafter
 from fledge.models.families import TargetFamily, read_decoder_config, read_target, register_family
+from fledge.models.weights import read_tensors
+from fledge.serving.export import export_checkpoint, load_drafter
 from fledge.serving.lint import compose_recipe, format_findings, has_errors, lint_drafter
 from fledge.serving.serving_config import layer_config, serving_config
-from fledge.models.weights import read_tensors
+from tests.helpers.models import random_state_dict
 
 BASE = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "hidden_act": "silu",

@@ -12,9 +12,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+
 from tests.helpers.paths import REPO
 
 CHECKS = ("fused_loss", "fused_loss_bf16", "fused_loss_bf16_near_convergence", "rmsnorm", "fp8",
@@ -25,8 +25,8 @@ CHECKS = ("fused_loss", "fused_loss_bf16", "fused_loss_bf16_near_convergence", "
 def interpreter_log():
     """Run every check in one fresh interpreter (one torch + triton import) and return its output."""
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "tests.unit.models.test_kernels_interpret", *CHECKS], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "tests.unit.models.test_kernels_interpret", *CHECKS], env=env,
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
     return proc.stdout + proc.stderr
 
 
@@ -36,7 +36,6 @@ def test_kernel_under_interpreter(check, interpreter_log):
 
 
 def _close(name, got, want, atol, rtol):
-    import torch
 
     err = (got.float() - want.float()).abs().max().item()
     bound = atol + rtol * want.float().abs().max().item()
@@ -186,7 +185,8 @@ def check_ttt_loss_kernel_path():
             setattr(K, name, forced(originals[name], n_args) if impl == "kernel" else originals[name])
         d = make_drafter()
         b = packed_batch()
-        head = torch.randn(d.spec.draft_vocab_size, d.spec.target_hidden_size, generator=torch.Generator().manual_seed(3))
+        head = torch.randn(d.spec.draft_vocab_size, d.spec.target_hidden_size,
+                           generator=torch.Generator().manual_seed(3))
         out = L.ttt_loss(d, b, head, steps=3, step_weight=0.8, chunk_size=7)
         out.loss.backward()
         results[impl] = (out, {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None})
@@ -207,15 +207,16 @@ def check_drafter_triton_norms():
     torch path: TTT loss and the gradient of every parameter, norm weights included."""
     import torch
 
-    from tests.helpers.models import make_drafter, packed_batch
     from fledge.train.loss import ttt_loss
+    from tests.helpers.models import make_drafter, packed_batch
 
     grads = {}
     for impl in ("torch", "triton"):
         d = make_drafter(fc_norm=True, norm_output=True)
         d.norm_impl = impl
         assert all(m.impl == impl for m in d.modules() if hasattr(m, "impl"))
-        head = torch.randn(d.spec.draft_vocab_size, d.spec.target_hidden_size, generator=torch.Generator().manual_seed(3))
+        head = torch.randn(d.spec.draft_vocab_size, d.spec.target_hidden_size,
+                           generator=torch.Generator().manual_seed(3))
         out = ttt_loss(d, packed_batch(), head, steps=3, step_weight=0.8, chunk_size=7, loss_impl="torch")
         out.loss.backward()
         grads[impl] = (out.loss.detach(), {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None})
@@ -256,12 +257,14 @@ def check_saved_memory():
     for impl in ("triton", "naive"):
         for vd in (40, 160):
             inputs = _loss_inputs(torch.float32, n=n, h=h, vd=vd)
-            saved[impl, vd] = _saved_bytes(lambda: fused_draft_loss(*inputs, impl=impl), inputs)
+            saved[impl, vd] = _saved_bytes(lambda inputs=inputs, impl=impl: fused_draft_loss(*inputs, impl=impl),
+                                           inputs)
     assert saved["triton", 40] == saved["triton", 160] == n * 4 + n * 8 + n * h * 4, saved
     assert saved["naive", 160] > saved["naive", 40] + n * 120 * 4, saved
     x = torch.randn(5, 7, 96, dtype=torch.bfloat16, requires_grad=True)
     w = torch.ones(96, dtype=torch.bfloat16, requires_grad=True)
     assert _saved_bytes(lambda: rms_norm(x, w, impl="triton"), (x, w)) == 5 * 7 * 4
+
 
 if __name__ == "__main__":
     import traceback

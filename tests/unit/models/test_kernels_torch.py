@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from fledge.models.kernels import (RMSNorm, dequantize_e4m3, draft_logsumexp, fused_draft_loss, quantize_e4m3, rms_norm,
-                            teacher_expectation)
+from fledge.models.kernels import (
+    RMSNorm,
+    dequantize_e4m3,
+    draft_logsumexp,
+    fused_draft_loss,
+    quantize_e4m3,
+    rms_norm,
+    teacher_expectation,
+)
 
 
 def _inputs(dtype=torch.float32, n=45, h=32, ht=24, vd=50, seed=0):

@@ -16,17 +16,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.helpers.models import FLAGS, packed_batch, target_config
+
 from fledge.conf.schema import DrafterConfig
+from fledge.models.alignment import ttt_states
 from fledge.models.drafter import DraftCache, DrafterSpec, Eagle3Drafter
-from fledge.serving.export import load_drafter, write_drafter, training_record
 from fledge.models.families import TargetFamily
 from fledge.models.layers.kind import check_layer_format
 from fledge.models.layers.mla import MLA_DEFAULTS, mla_softmax_scale, rope_interleaved
+from fledge.models.weights import tensor_headers
+from fledge.serving.export import load_drafter, training_record, write_drafter
 from fledge.serving.lint import has_errors, lint_drafter
 from fledge.serving.serving_config import expected_tensors, serving_config
-from fledge.models.weights import tensor_headers
-from fledge.models.alignment import ttt_states
+from tests.helpers.models import FLAGS, packed_batch, target_config
 
 KINDS = ("llama", "qwen3", "mla")
 ARCH = {"llama": "LlamaForCausalLMEagle3", "qwen3": "Eagle3Qwen3ForCausalLM", "mla": "Eagle3DeepseekV2ForCausalLM"}
@@ -284,10 +285,8 @@ def test_no_layer_kind_is_special_cased_by_name_outside_its_own_file():
     a kind or layer setting with a kind's name (``kind.name == "mla"``) would have to change with every new
     kind. The scan covers the product's rooms; the testbed's own target families share some names."""
     import ast
-    from pathlib import Path
 
     from fledge.models.layers.kind import LAYER_KINDS
-
     from tests.helpers.paths import REPO as root
 
     names = set(LAYER_KINDS.names())

@@ -155,12 +155,12 @@ def test_frozen_target_follows_the_rule_on_cpu(force, dtype, random_tiny_target)
 def test_eval_computes_fp32_on_cpu(force, native, random_tiny_target, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from tests.helpers.models import random_drafter
-    from fledge.serving.export import training_record, write_drafter
-    from fledge.models.families import text_config_dict as target_config_dict
-    from fledge.serving.serving_config import serving_config
-    from fledge.evaluation.speculative import DrafterProposer, TargetRunner, speculative_decode
     from fledge.evaluation.evaluate import load_eval_models
+    from fledge.evaluation.speculative import DrafterProposer, TargetRunner, speculative_decode
+    from fledge.models.families import text_config_dict as target_config_dict
+    from fledge.serving.export import training_record, write_drafter
+    from fledge.serving.serving_config import serving_config
+    from tests.helpers.models import random_drafter
 
     target = AutoModelForCausalLM.from_pretrained(random_tiny_target, dtype=torch.float32)
     drafter = random_drafter(target, vd=256)

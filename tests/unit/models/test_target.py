@@ -5,9 +5,9 @@ refused. Reading single tensors is tested in test_weights.py."""
 import pytest
 import torch
 
+from fledge.conf.schema import TargetConfig
 from fledge.models.target import FrozenTarget, check_target_config
 from fledge.models.weights import load_input_embeddings, load_lm_head_rows
-from fledge.conf.schema import TargetConfig
 
 L, H, V = 4, 64, 160
 

@@ -5,7 +5,6 @@ import torch
 
 from fledge.models.attention import cached_attention, ttt_attention, ttt_dense_mask
 
-
 LAYOUTS = {  # per row of document ids; T = 23
     "packed+pad": [[0] * 7 + [1] * 12 + [-1] * 4, [0] * 23],  # rows with different runs
     "singletons": [[0, 1, 2] + [3] * 18 + [4, -1], [0] * 22 + [1]],  # documents of length 1
@@ -143,17 +142,18 @@ def test_flex_block_tables_are_create_block_masks_at_every_step():
 def test_the_mask_is_built_once_per_batch(monkeypatch):
     """A K-step unroll of a flex drafter evaluates the mask once (not once per step or layer), and its
     outputs at every step equal the dense drafter's (multi-document rows)."""
-    import fledge.models.attention as A
-    from tests.helpers.models import make_drafter, packed_batch
-    from fledge.models.alignment import ttt_states
-
     import torch.nn.attention.flex_attention as FA
+
+    import fledge.models.attention as A
+    from fledge.models.alignment import ttt_states
+    from tests.helpers.models import make_drafter, packed_batch
 
     builds = []  # element-level mask evaluations: TTTMask's block tables, or create_block_mask (per step before)
     for mod, name in ((A, "_block_tables"), (FA, "create_block_mask")):
         real = getattr(mod, name, None)
         if real is not None:
-            monkeypatch.setattr(mod, name, lambda *a, _real=real, **kw: builds.append(name) or _real(*a, **kw))
+            monkeypatch.setattr(mod, name,
+                                lambda *a, _real=real, _name=name, **kw: builds.append(_name) or _real(*a, **kw))
     K, b = 4, packed_batch()
     with torch.no_grad():
         ys = ttt_states(make_drafter(attention="flex"), b, K)

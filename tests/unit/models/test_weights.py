@@ -4,19 +4,24 @@ chosen over a vision tower's, a projector's or an MTP module's, on the tensor na
 (tests/fixtures/tensor_names/, written by scripts/tensor_name_fixtures.py)."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.helpers.models import random_state_dict
-from tests.helpers.paths import FIXTURES
+from fledge.models.weights import (
+    INDEX,
+    load_input_embeddings,
+    load_lm_head_rows,
+    read_tensors,
+    tensor_headers,
+    weight_map,
+)
 from fledge.serving.export import load_drafter, write_drafter
 from fledge.serving.lint import lint_drafter
 from fledge.serving.serving_config import serving_config
-from fledge.models.weights import (INDEX, load_input_embeddings, load_lm_head_rows, read_tensors, tensor_headers,
-                                   weight_map)
+from tests.helpers.models import random_state_dict
+from tests.helpers.paths import FIXTURES
 
 
 def _sharded(tmp_path, tensors_by_shard: dict[str, dict[str, torch.Tensor]]):

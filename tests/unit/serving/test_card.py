@@ -2,13 +2,12 @@
 
 import json
 
-from tests.helpers.models import CARD_SPEC as SPEC, CARD_TARGET as TARGET, random_state_dict
-from fledge.serving.export import training_record, write_drafter
 from fledge.run_layout import RunLayout
 from fledge.serving.card import build_model_card
-from fledge.train.publish import measured_by_run
+from fledge.serving.export import training_record, write_drafter
 from fledge.serving.serving_config import serving_config
-
+from fledge.train.publish import measured_by_run
+from tests.helpers.models import CARD_SPEC as SPEC, CARD_TARGET as TARGET, random_state_dict
 
 
 def _measured(run):

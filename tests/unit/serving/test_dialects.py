@@ -10,16 +10,16 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.helpers.models import random_state_dict
 from fledge.conf.schema import DrafterConfig
+from fledge.models.drafter import DrafterSpec, Eagle3Drafter
+from fledge.models.weights import read_tensors, tensor_headers
 from fledge.serving import dialects
 from fledge.serving.dialects import Dialect, ServingFields, dialect_of, get_dialect, register_dialect
-from fledge.models.drafter import DrafterSpec, Eagle3Drafter
 from fledge.serving.export import export_checkpoint, load_drafter, training_record, write_drafter
 from fledge.serving.hub import build_model_card
 from fledge.serving.lint import format_findings, has_errors, lint_drafter
 from fledge.serving.serving_config import expected_tensors, layer_config, serving_config
-from fledge.models.weights import read_tensors, tensor_headers
+from tests.helpers.models import random_state_dict
 
 TARGET = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
           "intermediate_size": 128, "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2,

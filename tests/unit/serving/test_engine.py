@@ -11,8 +11,15 @@ from pathlib import Path
 import pytest
 
 from fledge.conf.schema import Config
-from fledge.serving.engine import (EngineError, acceptance, check_engine, engine_python, greedy_differences,
-                                          run_driver, speculative_config)
+from fledge.serving.engine import (
+    EngineError,
+    acceptance,
+    check_engine,
+    engine_python,
+    greedy_differences,
+    run_driver,
+    speculative_config,
+)
 
 
 def _cfg(**eval_kw) -> Config:
@@ -107,7 +114,6 @@ def _section(al_engine: float, diffs=()) -> dict:
 
 
 def test_an_al_gap_beyond_tolerance_fails_with_causes_and_lint():
-    from fledge.evaluation.engine_eval import engine_failures
 
     assert _section(3.0)["failures"] == []
     (msg,) = _section(1.25)["failures"]

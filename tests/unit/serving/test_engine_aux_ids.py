@@ -8,15 +8,15 @@ import json
 import pytest
 import torch
 
-from tests.helpers.models import random_state_dict
 from fledge.conf.schema import DrafterConfig, default_aux_layer_ids
+from fledge.models.drafter import DrafterSpec
 from fledge.serving import dialects
 from fledge.serving.dialects import get_dialect
-from fledge.models.drafter import DrafterSpec
 from fledge.serving.export import load_drafter, spec_from_export, training_record, write_drafter
 from fledge.serving.hub import build_model_card
 from fledge.serving.lint import format_findings, has_errors, lint_drafter
 from fledge.serving.serving_config import layer_config, serving_config
+from tests.helpers.models import random_state_dict
 
 
 def sglang_captures(config: dict, num_layers: int) -> list[int] | None:
@@ -93,7 +93,8 @@ def test_fledges_engine_rules_are_the_engines_rules():
                {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [5, 2, 2]}},
                {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 4, 7]}},  # 7 + 1 = L: never reached
                {"eagle_aux_hidden_state_layer_ids": [2, 3, 4]},  # top level (speculators): vLLM only
-               {"eagle_aux_hidden_state_layer_ids": [2, 3, 4], "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1]}},
+               {"eagle_aux_hidden_state_layer_ids": [2, 3, 4],
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1]}},
                {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
                 "eagle_aux_hidden_state_layer_ids": [2, 4, 5]}]
     for config in configs:
@@ -125,13 +126,15 @@ def test_the_sglang_form_is_read_back_by_fledge_as_trained(tmp_path):
     served = load_drafter(d, embed_weight=torch.zeros(512, 64), serving=True)
     assert served.spec.aux_layer_ids == [2, 16, 29] and served.spec.target_num_hidden_layers == 32
     findings = lint_drafter(d, _target(32))
-    assert not has_errors(findings) and not [f for f in findings if f.code.startswith("aux-ids")], format_findings(findings)
+    assert not has_errors(findings), format_findings(findings)
+    assert not [f for f in findings if f.code.startswith("aux-ids")], format_findings(findings)
 
 
 def test_the_sglang_form_is_refused_for_ids_sglang_cannot_read(tmp_path):
     from fledge.serving.dialects import check_export_format
 
-    with pytest.raises(ValueError, match=r"export.format=sglang with aux layer ids \[2, 3, 4\]: SGLang adds 1.*\[2, 4, 5\]"):
+    with pytest.raises(ValueError,
+                       match=r"export.format=sglang with aux layer ids \[2, 3, 4\]: SGLang adds 1.*\[2, 4, 5\]"):
         serving_config(_target(8), _spec(8, [2, 3, 4]), [2, 3, 4], 128, fmt="sglang")
     with pytest.raises(ValueError, match=r"export.format=sglang with aux layer ids \[2, 3, 4\]"):
         check_export_format("sglang", [2, 3, 4], 8)  # before a run starts (train/main.py)

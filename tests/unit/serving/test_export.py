@@ -8,15 +8,15 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from fledge.models.families import rope_of
+from fledge.models.weights import read_tensors
 from fledge.run_layout import RunLayout
+from fledge.serving.export import from_serving_state_dict, to_serving_state_dict, write_drafter
+from fledge.serving.lint import compose_recipe, has_errors, lint_drafter
+from fledge.serving.serving_config import expected_tensors, serving_config
 from fledge.train.pipeline import export as run_stage
 from fledge.train.runner import StageContext
 from tests.helpers.models import random_state_dict
-from fledge.serving.export import from_serving_state_dict, to_serving_state_dict, write_drafter
-from fledge.models.families import rope_of
-from fledge.serving.lint import compose_recipe, has_errors, lint_drafter
-from fledge.serving.serving_config import expected_tensors, serving_config
-from fledge.models.weights import read_tensors
 
 TINY_TARGET = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
@@ -184,8 +184,8 @@ def test_export_stage_writes_lints_and_summarises(tmp_path):
 # ---- round trip through the real drafter (models/drafter.py) ----------------------------------------
 
 def _trained_like_drafter(fc_norm=True, norm_output=True, seed=0):
-    from fledge.models.drafter import DrafterSpec, Eagle3Drafter
     from fledge.conf.schema import DrafterConfig
+    from fledge.models.drafter import DrafterSpec, Eagle3Drafter
 
     dcfg = DrafterConfig(fc_norm=fc_norm, norm_output=norm_output, draft_vocab_size=128)
     spec = DrafterSpec.from_target_config(copy.deepcopy(TINY_TARGET), dcfg, [2, 4, 5])

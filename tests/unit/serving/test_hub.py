@@ -5,14 +5,14 @@ import logging
 
 import pytest
 
-from tests.helpers.models import CARD_SPEC as SPEC, CARD_TARGET as TARGET, random_state_dict
-from tests.helpers.hub_stub import Stub, commit_files, serve
-from fledge.serving.export import training_record, write_drafter
 from fledge.run_layout import RunLayout
 from fledge.serving.card import build_model_card
+from fledge.serving.export import training_record, write_drafter
 from fledge.serving.hub import push_to_hub
-from fledge.train.publish import measured_by_run
 from fledge.serving.serving_config import serving_config
+from fledge.train.publish import measured_by_run
+from tests.helpers.hub_stub import Stub, commit_files, serve
+from tests.helpers.models import CARD_SPEC as SPEC, CARD_TARGET as TARGET, random_state_dict
 
 TOKEN = "hf_secret_token_for_the_stub"
 
@@ -45,7 +45,8 @@ def run_dir(tmp_path):
 
 def test_model_card_content(run_dir):
     drafter = run_dir / "export" / "drafter"
-    card, plots = build_model_card(drafter, "org/drafter", measured_by_run(RunLayout(run_dir), drafter), speculative_tokens=4)
+    card, plots = build_model_card(drafter, "org/drafter", measured_by_run(RunLayout(run_dir), drafter),
+                                   speculative_tokens=4)
     text = str(card)
     assert card.data.base_model == "org/target-model" and card.data.datasets == ["org/chat-data"]
     assert "vllm serve org/target-model --speculative-config" in text
@@ -128,8 +129,8 @@ def test_the_publish_stage_pushes_after_eval_what_this_eval_measured(hub, tmp_pa
 
     import huggingface_hub.constants as constants
 
-    import fledge.train.runner as runner
     import fledge.train.pipeline as stages
+    import fledge.train.runner as runner
     from fledge.conf import compose
     from fledge.distributed import init_world
 
@@ -154,8 +155,11 @@ def test_the_publish_stage_pushes_after_eval_what_this_eval_measured(hub, tmp_pa
 
     fns = tuple(s if s.name == "publish" else replace(s, run=fake(s.name), check=lambda cfg: None)
                 for s in stages.PIPELINE)
-    cfg = lambda *o: compose(["recipe=tiny", f"run.output_root={tmp_path}", f"target.name_or_path={tmp_path}",
-                              "export.repo_id=org/drafter", *o])
+
+    def cfg(*o):
+        return compose(["recipe=tiny", f"run.output_root={tmp_path}", f"target.name_or_path={tmp_path}",
+                        "export.repo_id=org/drafter", *o])
+
     world = init_world()
     got = runner.run_stages(cfg(), world, fns)
     assert got["publish"]["outputs"] == {"pushed": False} and Stub.calls == []

@@ -1,20 +1,18 @@
-"""Linter: a good export passes; each planted silent failure (docs/serving.md, Silent failures) is caught with its fix."""
+"""Linter: a good export passes; each planted silent failure (docs/serving.md, Silent failures) is caught with its
+fix."""
 
-import copy
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.helpers.models import random_state_dict
 from fledge.serving.export import training_record, write_drafter
 from fledge.serving.lint import format_findings, has_errors, lint_drafter
 from fledge.serving.serving_config import serving_config
-from tests.helpers.paths import REPO as ROOT
+from tests.helpers.models import random_state_dict
 
 TARGET = {
     "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8,
@@ -23,6 +21,8 @@ TARGET = {
     "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                      "original_max_position_embeddings": 1024},
 }
+
+
 def _spec():
     """The DrafterSpec dict training records for a drafter of TARGET (every layer field the record holds)."""
     from fledge.conf.schema import DrafterConfig
@@ -159,7 +159,8 @@ def test_every_served_layer_field_is_checked_against_training(good, tmp_path, ke
             config = serving_config(TARGET, SPEC, SPEC["aux_layer_ids"], 128, fmt=fmt, target_name="t")
             write_drafter(bad, random_state_dict(config), config, training_record(SPEC))
             where = "transformer_layer_config" if key not in ("draft_vocab_size", "target_hidden_size") else None
-            _edit_config(bad, lambda c: (c[where] if where else c).update({key: TRAINED_FIELDS[key]}))
+            _edit_config(bad, lambda c, where=where, key=key: (c[where] if where else c).update(
+                {key: TRAINED_FIELDS[key]}))
         code = f"{key.replace('_', '-')}-trained"
         assert code in _codes(bad, target=None), (fmt, format_findings(lint_drafter(bad, None)))
     assert not {f.code for f in lint_drafter(good, None) if f.code.endswith("-trained")}
@@ -185,4 +186,5 @@ def test_cli_exit_status(good, tmp_path):
     shutil.copytree(good, bad)
     FAULTS["max-positions"](bad)
     res = subprocess.run(cmd + [str(bad), "--target", str(tmp_path / "target")], capture_output=True, text=True)
-    assert res.returncode == 1 and "max-positions" in res.stdout and "fix: set max_position_embeddings=4096" in res.stdout
+    assert res.returncode == 1 and "max-positions" in res.stdout
+    assert "fix: set max_position_embeddings=4096" in res.stdout

@@ -11,15 +11,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.helpers.models import random_state_dict
 from fledge.conf.schema import DrafterConfig, TargetConfig
-from fledge.testbed import tiny_families
-from fledge.serving.export import write_drafter
 from fledge.models.families import read_target
-from fledge.serving.lint import format_findings, has_errors, lint_drafter
-from fledge.serving.serving_config import serving_config
 from fledge.models.target import FrozenTarget
 from fledge.models.weights import load_input_embeddings, load_lm_head_rows
+from fledge.serving.export import write_drafter
+from fledge.serving.lint import format_findings, has_errors, lint_drafter
+from fledge.serving.serving_config import serving_config
+from fledge.testbed import tiny_families
+from tests.helpers.models import random_state_dict
 
 
 class _Tok:  # the special ids new_model copies (the tiny tokenizer's)
@@ -77,7 +77,8 @@ def test_export_lints_clean_against_the_tiny_target(saved, tmp_path):
     arch = {"moe": "LlamaForCausalLMEagle3", "mla": "Eagle3DeepseekV2ForCausalLM"}[family]
     assert config["architectures"] == [arch] and config["hidden_size"] == 128
     if family == "mla":
-        assert config["kv_lora_rank"] + config["qk_rope_head_dim"] == target["kv_lora_rank"] + target["qk_rope_head_dim"]
+        latent = config["kv_lora_rank"] + config["qk_rope_head_dim"]
+        assert latent == target["kv_lora_rank"] + target["qk_rope_head_dim"]
     out = write_drafter(tmp_path / "drafter", random_state_dict(config), config)
     findings = lint_drafter(out, target)
     assert not has_errors(findings), format_findings(findings)

@@ -45,7 +45,8 @@ def test_chat_template_and_assistant_mask(random_tiny_target):
 
     enc = tok.apply_chat_template(CONV, return_dict=True, return_assistant_tokens_mask=True)
     spans = _masked_spans(enc["input_ids"], enc["assistant_masks"])
-    want = [tok(m["content"] + "<|end|>", add_special_tokens=False)["input_ids"] for m in CONV if m["role"] == "assistant"]
+    want = [tok(m["content"] + "<|end|>", add_special_tokens=False)["input_ids"]
+            for m in CONV if m["role"] == "assistant"]
     assert spans == want  # exactly assistant content + end-of-turn, nothing of the scaffolding
     assert sum(enc["assistant_masks"]) == sum(map(len, want))
     with pytest.raises(Exception, match="unknown role"):
@@ -57,7 +58,8 @@ def test_random_target_matches_recipe_shape(random_tiny_target):
     c = model.config
     want = OmegaConf.load(REPO / "conf/target/tiny.yaml")
     assert OmegaConf.load(REPO / "conf/target/tiny_testbed.yaml").num_hidden_layers == want.num_hidden_layers
-    assert (c.num_hidden_layers, c.hidden_size, c.vocab_size) == (want.num_hidden_layers, want.hidden_size, want.vocab_size)
+    assert (c.num_hidden_layers, c.hidden_size, c.vocab_size) == \
+        (want.num_hidden_layers, want.hidden_size, want.vocab_size)
     L = c.num_hidden_layers
     assert len({2, L // 2, L - 3}) == 3
     assert c.num_key_value_heads < c.num_attention_heads and c.max_position_embeddings >= 1024
@@ -109,7 +111,8 @@ def test_quick_target_learned_something(tiny_target_script, tiny_target, tiny_da
     model = AutoModelForCausalLM.from_pretrained(tiny_target).eval()
     assert model.dtype == torch.bfloat16
     conv = json.loads((tiny_data / "eval.jsonl").read_text().splitlines()[0])
-    enc = tok.apply_chat_template(conv["messages"][:1], add_generation_prompt=True, return_dict=True, return_tensors="pt")
+    enc = tok.apply_chat_template(conv["messages"][:1], add_generation_prompt=True, return_dict=True,
+                                  return_tensors="pt")
     out = model.generate(**enc, max_new_tokens=12, do_sample=False)[0, enc["input_ids"].shape[1]:]
     assert out[0].item() != tok.eos_token_id and tok.decode(out, skip_special_tokens=True).strip()
 

@@ -12,12 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from fledge.run_layout import RunLayout
 from safetensors.torch import save_file
 
 from fledge.conf import compose
 from fledge.data.prepare.vocab import DraftVocab
+from fledge.run_layout import RunLayout
 from fledge.serving.export import export_checkpoint, load_target_config
 from fledge.train.ttt_model import TTTModel, build_ttt_model, drafter_meta
 

@@ -1,21 +1,22 @@
-"""TTT loss: docs/architecture.md, Training-time test alignment against a per-row loop, masking, frozen params, chunking."""
+"""TTT loss: the alignment of docs/architecture.md, Training-time test, against a per-row loop; masking, frozen
+params, chunking."""
 
 import math
 
 import pytest
 import torch
 
-from fledge.run_layout import RunLayout
-
-from tests.helpers.models import FLAGS, make_drafter, packed_batch
 from fledge.models.alignment import ttt_states
+from fledge.run_layout import RunLayout
 from fledge.train.loss import ttt_loss
+from tests.helpers.models import FLAGS, make_drafter, packed_batch
 
 K, W = 3, 0.8
 
 
 def naive_metrics(d, b, head, steps):
-    """Per-row loops written from docs/architecture.md, Training-time test, independent of train/loss.py's vectorised masks."""
+    """Per-row loops written from docs/architecture.md, Training-time test, independent of train/loss.py's
+    vectorised masks."""
     with torch.no_grad():
         logits = [d.lm_head(y) for y in ttt_states(d, b, steps)]
     B, T = b.input_ids.shape
@@ -163,7 +164,7 @@ def test_zero3_path_equals_the_shared_teacher_path(monkeypatch):
     head = torch.randn(40, 32, generator=torch.Generator().manual_seed(4))
     out = {}
     for partitioned in (False, True):
-        monkeypatch.setattr(L, "_partitioned", lambda lm_head: partitioned)
+        monkeypatch.setattr(L, "_partitioned", lambda lm_head, partitioned=partitioned: partitioned)
         d = remapped(make_drafter(**FLAGS["eagle31"]))
         d.train()
         b = packed_batch()

@@ -4,9 +4,9 @@ import json
 import math
 
 from fledge.conf import compose
+from fledge.evaluation.report import read_metrics
 from fledge.models.alignment import StepAccuracy, al_estimate
 from fledge.train.metrics import MetricsLog
-from fledge.evaluation.report import read_metrics
 
 
 def _strict(line):

@@ -2,13 +2,11 @@
 upstream links and its hashes all come from the records."""
 
 import ast
-from pathlib import Path
 
 from fledge.conf import compose
 from fledge.conf.schema import STAGES
 from fledge.train.pipeline import PIPELINE
 from tests.helpers.paths import REPO as ROOT
-
 
 
 def test_the_schema_lists_the_records_stages_in_order():

@@ -6,11 +6,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-import fledge.train.runner as runner
-import fledge.train.pipeline as stages
 import fledge.train.checkpoint as checkpoint
+import fledge.train.pipeline as stages
+import fledge.train.runner as runner
 from fledge.conf import compose
-from fledge.conf.schema import STAGES
 from fledge.distributed import World, init_world
 
 
@@ -144,7 +143,8 @@ def test_an_older_manifest_gets_a_message_too(tmp_path, calls, world):
     calls.clear()
     runner.run_stages(make_cfg(tmp_path, "run.stages=[prepare,capture]"), world, calls.fns)
     assert calls == []  # the same hash: up to date, as before
-    with pytest.raises(ValueError, match=r"^capture: .*an older Fledge, keeps only a hash of them.*run.force=\[capture\]"):
+    with pytest.raises(ValueError,
+                       match=r"^capture: .*an older Fledge, keeps only a hash of them.*run.force=\[capture\]"):
         runner.run_stages(make_cfg(tmp_path, "run.stages=[prepare,capture]", "capture.dtype=fp8"), world, calls.fns)
 
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.helpers.models import packed_batch
+
 from fledge.conf import compose
 from fledge.distributed import SequenceGroups, World, sequence_groups
 from fledge.train.sequence_parallel import SequenceParallel, check_heads
+from tests.helpers.models import packed_batch
 
 
 def test_world_not_divisible_names_the_key():

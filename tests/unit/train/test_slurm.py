@@ -14,8 +14,15 @@ from pathlib import Path
 import pytest
 
 from fledge.train.slurm.launch import (
-    PORT_BASE, PORT_SPAN, build_command, capture_slice_overrides, expand_nodelist, from_slurm_env,
-    nproc_per_node, parse_args, worker_env,
+    PORT_BASE,
+    PORT_SPAN,
+    build_command,
+    capture_slice_overrides,
+    expand_nodelist,
+    from_slurm_env,
+    nproc_per_node,
+    parse_args,
+    worker_env,
 )
 from tests.helpers.paths import REPO
 
@@ -193,7 +200,8 @@ while :; do sleep 0.05; done
 FAKE_SCONTROL = """#!/bin/bash
 case "$1 $2" in
   "show hostnames") printf 'gpu01\\ngpu02\\n' ;;
-  "show node") echo "NodeName=$3 Arch=x86_64 CoresPerSocket=32"; echo "   NodeAddr=10.1.0.$((${3#gpu0})) NodeHostName=$3" ;;
+  "show node") echo "NodeName=$3 Arch=x86_64 CoresPerSocket=32"; echo "   NodeAddr=10.1.0.$((${3#gpu0}))
+  NodeHostName=$3" ;;
   *) echo "$*" >>"$FAKE_LOG.scontrol" ;;
 esac
 """
@@ -237,7 +245,8 @@ def test_filled_train_script_runs_launch_on_every_node(tmp_path, capsys):
     assert f"--rdzv_endpoint=10.1.0.1:{PORT_BASE + 999}" in cmds[0]  # gpu01's NodeAddr
     assert cmds[0][cmds[0].index("fledge.train.main") - 1:cmds[0].index("fledge.train.main")] == ["-m"]
     assert cmds[0][cmds[0].index("fledge.train.main") + 1:] == [
-        "recipe=llama3", "run.name=llama3", f"run.output_root={out}", "run.stages=[prepare,capture,train,export,eval,publish]",
+        "recipe=llama3", "run.name=llama3", f"run.output_root={out}",
+        "run.stages=[prepare,capture,train,export,eval,publish]",
         "logging.wandb_tags=[a b,c]"]
     start, end = [line.split("\t") for line in (out / "llama3/slurm/jobs.tsv").read_text().splitlines()]
     assert start[1:5] == ["999", "-", "0", "gpu[01-02]"] and start[6] == "start"

@@ -3,7 +3,6 @@ tracebacks are for bugs and for FLEDGE_DEBUG=1. Runs the real entry point (``fle
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -50,7 +49,8 @@ def test_debug_shows_the_traceback(tmp_path, random_tiny_target, var):
 def captured(tmp_path_factory, random_tiny_target, tiny_data):
     """(dir, overrides) of a prepared and captured tiny run (random target, 16 conversations); tests copy it."""
     root = tmp_path_factory.mktemp("captured")
-    ov = (f"target.name_or_path={random_tiny_target}", f"data.sources=[{{path: {tiny_data}/train.jsonl, max_samples: 16}}]",
+    ov = (f"target.name_or_path={random_tiny_target}",
+          f"data.sources=[{{path: {tiny_data}/train.jsonl, max_samples: 16}}]",
           f"data.eval_sources=[{{path: {tiny_data}/eval.jsonl, max_samples: 4}}]", "train.eval_every=100")
     res = fledge_run(root, "run.stages=[prepare,capture]", *ov)
     assert res.returncode == 0, res.stderr[-4000:]
@@ -92,7 +92,8 @@ def test_failed_universal_conversion_is_one_line_whose_advice_resumes(tmp_path, 
     manifest = json.loads((run / "train" / "manifest.json").read_text())  # as if killed after that checkpoint
     (run / "train" / "manifest.json").write_text(json.dumps({**manifest, "complete": False}))
     res = fledge_run(tmp_path, *ov)
-    assert_one_line(res, "step_00000002", "saved on 2 ranks", "run.force=[train]", "step_00000001", str(ckpt / "latest"))
+    assert_one_line(res, "step_00000002", "saved on 2 ranks", "run.force=[train]", "step_00000001",
+                    str(ckpt / "latest"))
     assert not (ckpt / "step_00000002_universal").exists()  # nothing half-converted left behind
     (ckpt / "latest").write_text("step_00000001")  # the advice: resume from the checkpoint before it
     res = fledge_run(tmp_path, *ov)
