@@ -27,6 +27,8 @@ import sys
 from pathlib import Path
 
 from fledge.atomic import write_bytes_atomic, write_json_atomic
+from fledge.evaluation.long_context import drift_at
+from fledge.evaluation.report import plot_context
 from fledge.run_layout import RunLayout
 
 LABELS = ("EAGLE-3.1", "EAGLE-3")
@@ -87,7 +89,6 @@ def compare(r31: dict, r3: dict) -> dict:
 
 
 def _context_row(a: dict, b: dict) -> dict:
-    from fledge.evaluation.long_context import drift_at
 
     row = {"bucket": a["bucket"], "prompts": a["prompts"], "prompt_tokens_mean": a["prompt_tokens_mean"],
            "al_31": a["al"], "al_3": b["al"], "al_ratio": _ratio(a["al"], b["al"]), "lookup_al": a["lookup_al"]}
@@ -236,7 +237,6 @@ def plots(c: dict, r31: dict, r3: dict, out: Path) -> None:
     _save(fig, out / "compare_gap.png")
     plt.close(fig)
     if c.get("context"):
-        from fledge.evaluation.report import plot_context
 
         plot_context({lab: r["context_buckets"] for lab, r in reports.items()}, out / "compare_al_vs_length.png",
                      styles)

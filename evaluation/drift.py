@@ -23,6 +23,8 @@ from collections.abc import Sequence
 
 import torch
 
+from fledge.evaluation.speculative import DrafterProposer
+
 FIELDS = ("sink", "context", "drafted", "state_rms")
 
 
@@ -80,8 +82,6 @@ def drift_curves(drafter, target, prompts: Sequence[Sequence[int]], depth: int, 
     about the drafter's own unroll), returning ``DriftProbe.summary()``. ``target`` is a
     ``models.speculative.TargetRunner`` built with the drafter's aux layer ids."""
     from tqdm import tqdm
-
-    from fledge.evaluation.speculative import DrafterProposer
 
     probe = DriftProbe(drafter)
     proposer = DrafterProposer(drafter, probe=probe)

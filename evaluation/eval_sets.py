@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fledge.data.prepare.chat import prompt_ids
+from fledge.data.prepare.sources import iter_rows
 from fledge.registry import Registry
 
 # SPEED-Bench ships some rows' turns as this placeholder (their sources' licences forbid redistribution); the
@@ -168,7 +170,6 @@ def _rows(s: EvalSet, override: str | None) -> tuple[Iterable[dict], str]:
         if local:
             p = Path(override).expanduser()
             if p.is_file():
-                from fledge.data.prepare.sources import iter_rows
 
                 rows = []
                 for r in iter_rows(str(p)):
@@ -260,7 +261,6 @@ def render_prompts(loaded: LoadedSet, renderer, max_prompt_tokens: int, policy: 
     """Prompt token ids of ``loaded`` (every user turn is a prompt; a later turn follows the target's own answer
     ``respond(prompt_ids)`` to the earlier ones), at most ``num_prompts``, each fitted to ``max_prompt_tokens``
     (``policy``: truncate | skip; a skipped turn ends its conversation). Returns (prompts, counts)."""
-    from fledge.data.prepare.chat import prompt_ids
 
     prompts: list[list[int]] = []
     stats = {"source": loaded.source, "rows_read": loaded.rows_read, "filtered_rows": loaded.filtered,

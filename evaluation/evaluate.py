@@ -26,6 +26,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from fledge.data.prepare.build import load_tokenizer
+from fledge.data.prepare.chat import ChatRenderer, eot_ids_from_target, prompt_ids
+from fledge.evaluation import long_context
+from fledge.evaluation.drift import drift_curves
+from fledge.evaluation.engine_eval import run_engine_eval
+from fledge.evaluation.eval_sets import EVAL_SETS, check_set_names, load_conversations, render_prompts
+from fledge.evaluation.report import write_report
 from fledge.evaluation.speculative import (
     DrafterProposer,
     LookupProposer,
@@ -36,8 +43,10 @@ from fledge.evaluation.speculative import (
 )
 from fledge.models import alignment
 from fledge.models.alignment import StepAccuracy, al_estimate
+from fledge.models.target import FrozenTarget
 from fledge.run_layout import EvalDir, PrepareDir
 from fledge.serving.engine import check_engine
+from fledge.serving.export import load_drafter, spec_from_export
 
 log = logging.getLogger(__name__)
 # The prepare stage's eval split each built-in set's prompts come from.
@@ -73,7 +82,6 @@ def prompt_upto(conv: dict) -> int:
 def lengthen(conv: dict, others: Sequence[dict], renderer, want_tokens: int) -> dict:
     """A copy of ``conv`` whose first user turn is prefixed with held-out text (the assistant answers of
     ``others``) until the prompt reaches about ``want_tokens`` tokens."""
-    from fledge.data.prepare.chat import prompt_ids
 
     upto = prompt_upto(conv)
     first = next(i for i, m in enumerate(conv["messages"]) if m["role"] == "user")
@@ -94,8 +102,6 @@ def build_prompt_sets(eval_cfg, renderer, prepared: PrepareDir, max_prompt_token
     than ``max_prompt_tokens`` are cut from the left (the generation prompt at the end is kept). A named set
     (evaluation/eval_sets.py) is loaded by hub id or from ``eval.set_paths``, its later turns asked after
     ``respond(prompt_ids)`` (the target's own answer); its counts go to ``named_info[name]``."""
-    from fledge.data.prepare.chat import prompt_ids
-    from fledge.evaluation.eval_sets import EVAL_SETS, check_set_names, load_conversations, render_prompts
 
     check_set_names(eval_cfg.sets, eval_cfg.set_paths)
     sets = {}
@@ -213,9 +219,6 @@ def evaluate_set(name: str, prompts: list[list[int]], target_model, drafter, eva
 
 def evaluate_buckets(cfg, renderer, prepared: PrepareDir, target_model, drafter, eos, max_pos: int) -> list[dict]:
     """The set harness and the drift probe on each of ``eval.context_buckets`` (evaluation/long_context.py)."""
-    from fledge.data.prepare.chat import prompt_ids
-    from fledge.evaluation import long_context
-    from fledge.evaluation.drift import drift_curves
 
     ev, K = cfg.eval, cfg.drafter.ttt_steps
     room = max_pos - ev.max_new_tokens - ev.draft_tokens - 2
@@ -326,8 +329,6 @@ def load_eval_models(cfg, drafter_dir: Path, device: torch.device, aux_layer_ids
     too, whatever the CPU: greedy tie gaps (TIE_GAP) and the golden AL then do not depend on whether the CPU
     has native bf16 (where it does not, FrozenTarget.load has already made it fp32). On CUDA the target
     keeps ``target.dtype``."""
-    from fledge.models.target import FrozenTarget
-    from fledge.serving.export import load_drafter
 
     frozen = FrozenTarget.load(cfg.target, device, aux_layer_ids)
     if device.type == "cpu":
@@ -343,11 +344,6 @@ def evaluate_run(cfg, prepared: PrepareDir, out: EvalDir, drafter_dir: Path, dev
     prepare stage's outputs ``prepared``; the report goes to ``out``. ``metrics_path``: the train stage's log
     (the report plots it); ``train_al_estimate``: its best AL estimate (the report and the engine's collapse
     check compare the measured AL with it)."""
-    from fledge.data.prepare.build import load_tokenizer
-    from fledge.data.prepare.chat import ChatRenderer, eot_ids_from_target
-    from fledge.evaluation.drift import drift_curves
-    from fledge.evaluation.report import write_report
-    from fledge.serving.export import spec_from_export
 
     ev, K = cfg.eval, cfg.drafter.ttt_steps
     engine_python = check_engine(ev.engine, device.type, ev.engine_python)  # before any work: fail fast
@@ -400,7 +396,6 @@ def evaluate_run(cfg, prepared: PrepareDir, out: EvalDir, drafter_dir: Path, dev
         report["context_buckets"] = evaluate_buckets(cfg, renderer, prepared, target_model, drafter, eos, max_pos)
     report["train_al_estimate"] = train_al_estimate
     if engine_python is not None:  # eval.engine=vllm: the same prompts served by the engine (evaluation/engine_eval.py)
-        from fledge.evaluation.engine_eval import run_engine_eval
 
         served = {n: p for n, p in sets.items() if not ev.engine_sets or n in ev.engine_sets}
         report["engine"] = run_engine_eval(cfg, served, report, drafter_dir, out.engine_work, eos, max_pos,

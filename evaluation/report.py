@@ -15,6 +15,7 @@ import math
 from pathlib import Path
 
 from fledge.atomic import write_bytes_atomic, write_json_atomic
+from fledge.evaluation.engine_eval import engine_markdown
 from fledge.run_layout import EvalDir
 
 
@@ -92,7 +93,6 @@ def markdown(report: dict) -> str:
                   f"{next(iter(report['named_sets'].values()))['length_policy']} (truncate keeps the head and the "
                   "tail, cutting the middle)."]
     if report.get("engine"):  # eval.engine=vllm: in-process vs engine side by side (evaluation/engine_eval.py)
-        from fledge.evaluation.engine_eval import engine_markdown
 
         lines += engine_markdown(report)
     if "heldout" in report:

@@ -26,6 +26,8 @@ from typing import Protocol
 
 import torch
 
+from fledge.models.drafter import DraftCache
+
 
 @dataclass
 class Round:
@@ -125,7 +127,6 @@ class DrafterProposer:
         self.reset()
 
     def reset(self) -> None:
-        from fledge.models.drafter import DraftCache
 
         self.cache, self.n = DraftCache(), 0
         self.last_logits = self.last_state = None

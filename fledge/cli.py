@@ -43,6 +43,7 @@ def usage() -> str:
 def print_config(argv: list[str]) -> int:
     """``fledge config recipe=NAME [overrides]``: the Config train/main.py would run, as YAML (or the one line
     saying why `fledge run` would refuse it)."""
+    # Each subcommand imports what it runs, and only then: `fledge --help` and a mistyped command stay instant.
     from omegaconf import OmegaConf
 
     from fledge.train.preflight import compose_checked

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fledge.engine_process import SETUP_HINT, DriverProcess, engine_python
+from fledge.models.layers.kind import kind_of_config
 
 ENGINES = ("hf", "vllm", "sglang")  # hf = Fledge's in-process transformers harness only
 DRIVERS = {"vllm": "eval_driver.py"}  # in vllm_side/, package data run by the engine
@@ -59,7 +60,6 @@ def draft_options(drafter_dir: Path, device_type: str) -> dict:
     """Keys a drafter needs in vLLM's speculative_config beyond method, model and k: on a CPU, the draft's own
     ``attention_backend`` when its layer kind names one (``LayerKind.cpu_attention_backend``: an MLA drafter
     gets vLLM's reference CPU_MLA, models/layers/mla.py says why)."""
-    from fledge.models.layers.kind import kind_of_config
 
     path = Path(drafter_dir) / "config.json"
     if not path.exists():  # nothing to read: vLLM reports the missing drafter itself

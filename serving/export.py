@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from fledge.atomic import atomic_path, read_json, write_json_atomic
+from fledge.models.drafter import DrafterSpec, Eagle3Drafter
 from fledge.models.families import read_target, text_config_dict
 from fledge.models.layers.kind import get_layer_kind, kind_of_architecture, kind_of_config
 from fledge.models.weights import load_input_embeddings, read_tensors
@@ -129,7 +130,6 @@ def spec_from_export(drafter_dir: str | Path, target_num_hidden_layers: int | No
     """The DrafterSpec of an exported dir: from our training record when present, else (public EAGLE-3
     checkpoints) from config.json, read as the target's layer settings plus the Eagle-3 fields.
     ``serving``: from config.json even when the record is there, as vLLM and SGLang build it."""
-    from fledge.models.drafter import DrafterSpec
 
     d = Path(drafter_dir)
     record = None if serving else read_json(d / RECORD)
@@ -183,7 +183,6 @@ def load_drafter(drafter_dir: str | Path, embed_weight: torch.Tensor | None = No
     from the target's safetensors (``target`` = a local dir); a missing ``t2d`` is rebuilt from ``d2t``.
     ``serving``: the drafter config.json and the weights describe, as an engine loads it (the training
     record ignored), for measuring what is served; else the record's spec when there is one."""
-    from fledge.models.drafter import Eagle3Drafter
 
     d = Path(drafter_dir)
     L = None

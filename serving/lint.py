@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from fledge.atomic import read_json
+from fledge.conf import compose
 from fledge.conf.drafter_rules import drafter_problems
 from fledge.conf.schema import default_aux_layer_ids
 from fledge.models.families import TargetShape, read_target, rope_of, text_config_dict
@@ -26,7 +27,7 @@ from fledge.models.layers.kind import kind_of_config
 from fledge.models.weights import read_tensors, tensor_headers
 from fledge.serving.dialects import dialect_of
 from fledge.serving.engine_aux import ENGINES, captured_layers
-from fledge.serving.export import RECORD
+from fledge.serving.export import RECORD, load_target_config
 from fledge.serving.serving_config import expected_tensors, layer_config
 
 _ST_DTYPE = {torch.bfloat16: "BF16", torch.int64: "I64", torch.bool: "BOOL"}
@@ -327,7 +328,6 @@ def _check_vocab_maps(d: Path, V: int, Vd: int, headers: dict, add) -> None:
 
 def compose_recipe(recipe: str, overrides: list[str] | None = None):
     """The typed Config of ``conf/recipe/<recipe>.yaml`` (Hydra's compose API over conf/)."""
-    from fledge.conf import compose
 
     return compose([f"recipe={recipe}", *(overrides or [])])
 
@@ -339,7 +339,6 @@ def resolve_target_config(target: str | None = None, recipe: str | None = None,
     import json
 
     if recipe:
-        from fledge.serving.export import load_target_config
 
         return load_target_config(compose_recipe(recipe).target)
     if target is None and drafter_dir is not None:

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from fledge.atomic import atomic_path, read_json, write_json_atomic
 from fledge.models.precision import describe_cpu
-from fledge.testbed import tiny_corpus, tiny_families
+from fledge.testbed import tiny_corpus, tiny_families, tiny_long
 
 SCRIPT_VERSION = 1
 # Part of the target's cache key only (data and tokenizer builds are unchanged by it): 1 was trained under
@@ -200,7 +200,6 @@ def save_random_target(out: Path, root: Path | None = None, seed: int = SEED) ->
 def _batches(tok, files, seed: int, seq_len: int, batch_size: int, long_share: float = 0.0) -> Iterator[torch.Tensor]:
     """(batch, seq_len + 1) windows of chat-rendered conversations packed end to end (with ``long_share``
     of them whole files: testbed/tiny_long.py)."""
-    from fledge.testbed import tiny_long
 
     stream = (tiny_long.mixed_stream(files, seed, long_share) if long_share
               else tiny_corpus.conversation_stream(files, seed))
@@ -345,7 +344,6 @@ def build_tiny_target(budget: str = "quick", root: Path | None = None, steps: in
 def build_long_eval(root: Path | None = None) -> Path:
     """Write (once) ``root/long_eval/long_eval.jsonl``: continuations from deep inside long held-out
     stdlib files (testbed/tiny_long.py), the prompts of the long-context eval (``eval.long_context_source``)."""
-    from fledge.testbed import tiny_long
 
     out = Path(root or default_root()) / "long_eval"
     key = _key(kind="long_eval", seed=LONG_EVAL_SEED, min_chars=tiny_long.LONG_EVAL_MIN_CONTEXT_CHARS,
@@ -361,7 +359,6 @@ def build_long_data(root: Path | None = None) -> Path:
     """Write (once) ``root/long_data/train.jsonl``: N_LONG_TRAIN conversations of the stream the long target
     trained on (testbed/tiny_long.py mixed_stream, the long budget's long_share), conf/data/tiny_long.yaml's
     sources. Apart from the target's build, so its key (and a built long target) is unchanged by it."""
-    from fledge.testbed import tiny_long
 
     out = Path(root or default_root()) / "long_data"
     share = BUDGETS["long"]["long_share"]
@@ -381,8 +378,6 @@ POSITION_EDGES = (0, 256, 512, 1024, 2048, 4096)
 def long_position_loss(path: Path, root: Path | None = None) -> dict:
     """Held-out loss of the target in ``path`` per position bucket over the long eval files (fp32)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from fledge.testbed import tiny_long
 
     convs = [json.loads(line) for line in (build_long_eval(root) / "long_eval.jsonl").read_text().splitlines()]
     first = {}

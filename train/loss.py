@@ -41,6 +41,7 @@ from fledge.data.features.batch import FeatureBatch
 from fledge.distributed import all_reduce_sum
 from fledge.models import alignment
 from fledge.models.alignment import step_key
+from fledge.models.kernels import draft_cross_entropy, draft_logsumexp, fp32_grad, teacher_expectation
 from fledge.registry import Registry
 
 
@@ -235,7 +236,6 @@ def _shared_teacher_steps(ys_flat, rows, th_flat, lm_head, teacher_head, impl, c
     the size of its neighbours' with the opposite sign; they all sum in fp32 through one ``fp32_grad``
     stand-in and reach the weight rounded once (rounding each term first loses ~4% near convergence).
     """
-    from fledge.models.kernels import draft_cross_entropy, draft_logsumexp, fp32_grad, teacher_expectation
 
     w = lm_head.weight
     w_grad = fp32_grad(w)

@@ -22,6 +22,8 @@ log = logging.getLogger("fledge")
 def run(cfg: Config) -> dict:
     """Set up the process group and run the pipeline's selected stages (train/pipeline.py); returns the
     manifests of the stages that are complete and current."""
+    # The pipeline (torch, DeepSpeed, transformers) is imported only once the overrides have composed
+    # (check_overrides): a mistyped key is one line in a second, not after the heavy imports.
     from fledge.atomic import write_bytes_atomic
     from fledge.distributed import destroy_world, init_world, setup_logging
     from fledge.run_layout import RunLayout
@@ -76,6 +78,7 @@ def user_error(e: BaseException, all_ranks_agree: bool = False) -> None:
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
 def main(dcfg: DictConfig) -> None:
+    # imported after Hydra composed the config, for the reason given in run()
     from fledge.train.preflight import check_config, check_environment
     from fledge.train.runner import Refused
     from fledge.train.trainer import PREEMPTED_EXIT_CODE, Preempted

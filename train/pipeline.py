@@ -9,7 +9,8 @@ these records by tests/unit/train/test_pipeline.py. Adding a stage is one record
 A stage function is glue only: it reads what it needs from its context (config, world, the run's layout,
 upstream manifests), decides which ranks work, and hands the library that owns the work the paths it reads
 and writes (fledge/run_layout.py names them): data/prepare, data/capture, the trainer, serving/export.py,
-evaluation/evaluate.py, train/publish.py.
+evaluation/evaluate.py, train/publish.py. Each stage function imports that library when it runs, so a
+command loads only the libraries of the stages it runs (planning the others reads their manifests).
 """
 
 from __future__ import annotations

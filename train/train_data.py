@@ -10,7 +10,9 @@ from __future__ import annotations
 import torch
 
 from fledge.conf.schema import Config
-from fledge.data.features.reader import BatchIterator
+from fledge.data.capture.offline import OnlineFeatureSource
+from fledge.data.features.reader import BatchIterator, FeatureLoader
+from fledge.models.target import FrozenTarget
 from fledge.train.runner import StageContext
 
 
@@ -23,7 +25,6 @@ def build_loaders(cfg: Config, ctx: StageContext, dtype: torch.dtype, rank: int 
     rank = w.rank if rank is None else rank
     world_size = w.world_size if world_size is None else world_size
     if cfg.capture.mode == "offline":
-        from fledge.data.features.reader import FeatureLoader
 
         loaders = tuple(FeatureLoader(ctx.layout.capture.store(split), rank, world_size, t.micro_batch_tokens,
                                       t.micro_batch_size, cfg.run.seed, dtype=dtype,
@@ -31,8 +32,6 @@ def build_loaders(cfg: Config, ctx: StageContext, dtype: torch.dtype, rank: int 
         for loader in loaders:
             loader.store.check_compatible(cfg.target, cfg.aux_layer_ids())
         return loaders
-    from fledge.data.capture.offline import OnlineFeatureSource
-    from fledge.models.target import FrozenTarget
 
     target = FrozenTarget.load(cfg.target, w.device, cfg.aux_layer_ids(), cfg.capture.device_map)
     return tuple(OnlineFeatureSource(ctx.layout.prepare.split(split), target, rank, world_size,

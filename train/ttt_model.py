@@ -16,6 +16,10 @@ from torch import nn
 
 from fledge.conf.schema import Config
 from fledge.data.features.batch import FeatureBatch
+from fledge.data.prepare.vocab import DraftVocab
+from fledge.models.drafter import DrafterSpec, Eagle3Drafter
+from fledge.models.weights import load_input_embeddings, load_lm_head_rows
+from fledge.serving.export import load_drafter
 from fledge.train.loss import TTTLoss, TTTResult, build_loss, step_denominators
 from fledge.train.sequence_parallel import RowShard
 
@@ -74,10 +78,6 @@ def build_ttt_model(cfg: Config, vocab_path: Path, device: torch.device) -> TTTM
     embedding and teacher head from the target's weights (read directly, without instantiating the target)."""
     from transformers import AutoConfig
 
-    from fledge.data.prepare.vocab import DraftVocab
-    from fledge.models.drafter import DrafterSpec, Eagle3Drafter
-    from fledge.models.weights import load_input_embeddings, load_lm_head_rows
-
     if cfg.drafter.norm_impl == "triton" and device.type != "cuda":
         raise ValueError(f"drafter.norm_impl=triton runs a CUDA kernel but training runs on {device.type}; "
                          "use drafter.norm_impl=torch")
@@ -126,7 +126,6 @@ def init_from(drafter: nn.Module, source: str | Path, embedding: torch.Tensor) -
     final normed state, so the target's own output row is the one prior that fits; else the default
     init). The embedding stays the target's. A drafter whose aux ids, norm flags or target sizes differ
     from the run's is refused (ValueError naming the key): its weights would be silently wrong here."""
-    from fledge.serving.export import load_drafter
 
     loaded = load_drafter(source, embed_weight=embedding)
     for key, field in _SAME:

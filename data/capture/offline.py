@@ -32,6 +32,7 @@ import torch
 
 from fledge.atomic import read_json, write_json_atomic
 from fledge.conf.schema import CaptureConfig, TargetConfig
+from fledge.data.capture.engine import capture_with_engine, check_parallel, engine_env
 from fledge.data.features.reader import BatchIterator
 from fledge.data.features.store import (
     SCHEMA_VERSION,
@@ -46,6 +47,9 @@ from fledge.data.features.store import (
     write_store_manifest,
 )
 from fledge.distributed import World, broadcast_object
+from fledge.engine_process import SETUP_HINT, engine_python
+from fledge.models.families import read_target
+from fledge.models.precision import compute_dtype
 from fledge.models.target import FrozenTarget, check_target_config, target_fingerprint
 from fledge.run_layout import CaptureDir, PrepareDir
 
@@ -311,11 +315,6 @@ def capture_engine(target_cfg: TargetConfig, cap: CaptureConfig, aux_layer_ids: 
     """``capture.engine=vllm``: every split through one vLLM run on this rank (data/capture/engine.py).
     Returns (store meta, {split: summary})."""
     from transformers import AutoConfig
-
-    from fledge.data.capture.engine import capture_with_engine, check_parallel, engine_env
-    from fledge.engine_process import SETUP_HINT, engine_python
-    from fledge.models.families import read_target
-    from fledge.models.precision import compute_dtype
 
     python = engine_python(cap.engine_python)
     if not python.exists():

@@ -20,6 +20,7 @@ import torch
 from fledge.atomic import read_json, sha256_file
 from fledge.conf.schema import TargetConfig
 from fledge.data.features.batch import FeatureBatch
+from fledge.data.features.packing import collate, plan_rows
 from fledge.data.features.store import INDEX, SCHEMA_VERSION, STORE_MANIFEST, decode_aux, rank_dir, recapture_advice
 from fledge.models.weights import is_contained
 
@@ -157,7 +158,6 @@ class BatchIterator:
     def global_plan(self, epoch: int) -> list[list[list[int]]]:
         """All batches of ``epoch``: a list of batches, each a list of rows of sample indices."""
         if self._plan_cache is None or self._plan_cache[0] != epoch:
-            from fledge.data.features.packing import plan_rows
 
             rows = plan_rows(self.lengths, self.row_tokens, self.seed + epoch)
             batches = [rows[i:i + self.rows_per_batch] for i in range(0, len(rows), self.rows_per_batch)]
@@ -186,7 +186,6 @@ class BatchIterator:
 
     def batch_at(self, g: int) -> FeatureBatch:
         """Global batch ``g`` (counted across epochs)."""
-        from fledge.data.features.packing import collate
 
         epoch, i = divmod(g, self.global_batches_per_epoch)
         rows = self.global_plan(epoch)[i]

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Protocol
 
 from fledge.data.prepare.sources import DataError, iter_rows, normalize
+from fledge.models.precision import cast_for_compute
 
 log = logging.getLogger(__name__)
 API_KEY_ENV = "FLEDGE_API_KEY"  # the OpenAI-compatible server's key; never taken from argv (ps shows argv)
@@ -97,8 +98,6 @@ class TransformersBackend:
     def from_pretrained(cls, path: str, revision: str | None = None, trust_remote_code: bool = False,
                         device: str = "cpu") -> TransformersBackend:
         from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from fledge.models.precision import cast_for_compute
 
         tok = AutoTokenizer.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code,

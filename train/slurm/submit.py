@@ -24,8 +24,10 @@ import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from fledge.atomic import write_bytes_atomic
 from fledge.conf.schema import STAGES
 from fledge.run_layout import RunLayout
+from fledge.train.preflight import compose_checked
 
 SLURM_DIR = Path(__file__).resolve().parent  # the templates beside this file ship with the package
 ALL_STAGES = "[" + ",".join(STAGES) + "]"  # publish does nothing without export.push_to_hub
@@ -85,7 +87,6 @@ def render(template: str, sbatch: dict[str, str | None], knobs: dict[str, str | 
 
 def compose(overrides: list[str]):
     """The validated Config train/main.py would build from these overrides, refused as it would refuse it."""
-    from fledge.train.preflight import compose_checked
 
     return compose_checked(overrides)
 
@@ -193,7 +194,6 @@ def main(argv: list[str] | None = None) -> int:
         for j in jobs:
             print(f"# ===== {j.path} (not written: --dry-run) =====\n{j.text}")
     else:
-        from fledge.atomic import write_bytes_atomic
 
         for j in jobs:
             write_bytes_atomic(j.path, j.text.encode())
