@@ -22,18 +22,18 @@ are in train/divergences.py.
 Execution paths. Under ZeRO-3, ``loss_sum`` runs through the *generic* path: per step, in row chunks
 recomputed in backward, the logits come from ``lm_head``'s own forward (the partitioned lm_head weight
 exists only inside that forward). Elsewhere it runs through the *fp32-head* path
-(models/kernels/head_loss.py): the same chunks with logits from fp32-result GEMMs and lm_head's gradient
-summed in fp32, which in bf16 keeps the gradient accurate near convergence where the generic path's is
-not. Both derive from ``loss_sum``; a new loss gets them for free. The soft CE has, besides, a
-*shared-teacher* path: ``-sum_i p_i log softmax(y W)_i = lse(y W) - y . q`` with ``q = p W`` depending on
-the teacher row alone, and since step k reads teacher row t+1+k the steps share teacher rows, so q is
-computed once per batch, not once per step (on CUDA the drafter's logsumexp is a Triton kernel). That path
-rewrites the formula, so it cannot be derived from ``loss_sum``: a loss that has such a rewrite provides
+(models/kernels/head_loss.py): step k reads teacher row t+1+k, so the steps share teacher rows, and there
+each chunk of teacher rows has its logits computed once for all K steps (measured 25% less time than per
+step at K=7); logits come from fp32-result GEMMs and lm_head's gradient is summed in fp32, which in bf16
+keeps the gradient accurate near convergence where the generic path's is not. Both derive from
+``loss_sum``: a new loss gets them for free. The soft CE has, besides, its own *shared-teacher* rewrite:
+``-sum_i p_i log softmax(y W)_i = lse(y W) - y . q`` with ``q = p W`` depending on the teacher row alone,
+so q is computed once per batch and each step pays for its drafter logsumexp only (on CUDA a Triton
+kernel). That rewrite cannot be derived from ``loss_sum``: a loss that has one provides
 ``shared_teacher_sums`` itself, and a test pins it to the generic path
-(tests/unit/test_loss.py::test_zero3_path_equals_the_shared_teacher_path). The other losses have none:
-each couples p_v and q_v through a non-linear function per vocab entry, so the teacher's part does not
-reduce to a vector per teacher row, and its logits are recomputed per step and chunk (what that costs:
-tests/unit/test_loss_family.py's module docstring).
+(tests/unit/test_loss.py::test_zero3_path_equals_the_shared_teacher_path). The other registered losses
+have none: each couples p_v and q_v through a non-linear function per vocab entry, so the teacher's part
+does not reduce to a vector per teacher row.
 """
 
 from __future__ import annotations
@@ -350,20 +350,18 @@ def _partitioned(lm_head) -> bool:
 
 def _fp32_head_steps(loss_sum, ys_flat, rows, th_flat, lm_head, teacher_head, chunk_size):
     """Any ``loss_sum`` per step k, outside ZeRO-3: (summed over its counted rows, those rows, the drafter's
-    argmax there), through models/kernels/head_loss.py (fp32 logits, chunks recomputed in backward, lm_head's
-    gradient terms of every step summed in fp32 through one ``fp32_grad`` stand-in). A step without counted
-    rows still returns lm_head's (zero) gradient: every rank reduces the same buckets."""
+    argmax there), through models/kernels/head_loss.py: fp32 logits, the teacher's computed once per chunk of
+    teacher rows for every step, chunks recomputed in backward, lm_head's gradient summed in fp32 through one
+    ``fp32_grad`` stand-in. A step without counted rows still gives lm_head a (zero) gradient: every rank
+    reduces the same buckets."""
     from fledge.models.kernels import fp32_grad
-    from fledge.models.kernels.head_loss import head_loss
+    from fledge.models.kernels.head_loss import head_loss_steps
 
-    w_grad = fp32_grad(lm_head.weight)
-    w_t = teacher_head.to(th_flat.dtype)
-    out = []
-    for y, s in zip(ys_flat, rows):
-        r = s.counted.nonzero().squeeze(1)
-        total, pred = head_loss(y[r], lm_head.weight, th_flat, w_t, r + s.lead, loss_sum, chunk_size, grad_into=w_grad)
-        out.append((total, r, pred if r.numel() else None))
-    return out
+    idx = [s.counted.nonzero().squeeze(1) for s in rows]
+    scored = head_loss_steps([y[r] for y, r in zip(ys_flat, idx)], lm_head.weight, th_flat,
+                             teacher_head.to(th_flat.dtype), [r + s.lead for r, s in zip(idx, rows)], loss_sum,
+                             chunk_size, grad_into=fp32_grad(lm_head.weight))
+    return [(total, r, pred if r.numel() else None) for (total, pred), r in zip(scored, idx)]
 
 
 def _shared_teacher_steps(ys_flat, rows, th_flat, lm_head, teacher_head, impl, chunk_size):

@@ -3,6 +3,8 @@ reference of its value and gradient written here from its definition, on both ex
 generic path and the fp32-head path used elsewhere), in bf16 near convergence, the memory rule, the mix
 and the config keys."""
 
+import math
+
 import pytest
 import torch
 
@@ -152,6 +154,26 @@ def test_each_loss_on_each_path_matches_fp64(name, path):
         torch.testing.assert_close(dys[k].double(), want_dys[k], rtol=1e-4, atol=1e-6)
         assert torch.equal(preds[k], want_preds[k])
     torch.testing.assert_close(dw.double(), want_dw, rtol=1e-4, atol=1e-6)
+
+
+def test_the_steps_share_each_chunk_of_teacher_logits(monkeypatch):
+    """The fp32-head path computes a chunk of teacher rows' logits once for all K steps (forward, and again in
+    backward), not once per step: its teacher GEMMs number twice the chunks of the teacher rows read."""
+    import fledge.models.kernels.head_loss as H
+
+    prob = _path_problem()
+    ht = prob["t"].shape[1]
+    calls = []
+
+    def counting(a, b, low):
+        calls.append(b.shape[0] == ht)  # b is W_t^T [Ht, Vd] for the teacher, W_d^T [H, Vd] for a step
+        return mm_f32(a, b, low)
+
+    mm_f32 = H.mm_f32
+    monkeypatch.setattr(H, "mm_f32", counting)
+    _run_path("fp32_head", make_loss("tv").loss_sum, prob, chunk_size=7)
+    wanted = torch.unique(torch.cat([s.counted.nonzero().squeeze(1) + s.lead for s in prob["rows"]])).numel()
+    assert sum(calls) == 2 * math.ceil(wanted / 7)
 
 
 @pytest.mark.parametrize("name", NAMES)
