@@ -54,4 +54,5 @@ trap - EXIT
 cat "$engine_log" "$slurm_log" >&2
 rm -f "$engine_log" "$slurm_log"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=disabled DS_ACCELERATOR=cpu
-exec .venv/bin/python -m pytest -q "$@"
+# --durations: every run lists its slowest tests (docs/testing.md keeps the measured list)
+exec .venv/bin/python -m pytest -q --durations=25 "$@"
