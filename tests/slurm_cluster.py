@@ -120,6 +120,21 @@ class LocalSlurm:
         out = self.run("sinfo", "-h", "-N", "-o", "%N %t", check=False)
         return dict(line.split() for line in out.splitlines() if len(line.split()) == 2)
 
+    @staticmethod
+    def steps_alive(job_id: str) -> list[str]:
+        """The slurmstepd processes of ``job_id`` still on this machine (every node is this machine): the
+        titles slurmstepd gives itself, ``slurmstepd: [JOB.batch]``, ``[JOB.0]``, ... A job's batch shell and
+        its step's tasks are their children, so none is left once these are gone."""
+        alive = []
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                title = cmdline.read_bytes().split(b"\0")[0].decode(errors="replace")
+            except OSError:  # the process ended while we looked
+                continue
+            if title.startswith(f"slurmstepd: [{job_id}."):
+                alive.append(title)
+        return alive
+
     def jobs(self, job_id: str) -> list[dict[str, str]]:
         """``scontrol show job`` as dicts, one per job (an array job: one per task)."""
         out = self.run("scontrol", "-o", "show", "job", job_id)

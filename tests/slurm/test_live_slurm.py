@@ -215,9 +215,12 @@ def release_requeued(cluster, job: str, restarts: int, run: Path) -> float:
     shell (same job id) from still exiting as the new one starts, which would end the new one with its status.
     Returns the seconds from the call to the release."""
     t0 = time.monotonic()
+    # Idle nodes are not enough: after the batch shell requeued the job itself (USR1), slurmctld reports both
+    # nodes idle and the job pending for seconds while the old step's slurmstepd still runs (seen here, 2 s);
+    # released then, the new run was ended FAILED by the old one's exit.
     wait_for(lambda: (j := cluster.jobs(job)[0])["JobState"] == "PENDING" and j["Restarts"] == str(restarts)
-             and set(cluster.node_states().values()) == {"idle"}, KILL_WAIT + 60,
-             f"job {job} to be requeued ({restarts}) and its nodes idle", run)
+             and set(cluster.node_states().values()) == {"idle"} and not cluster.steps_alive(job), KILL_WAIT + 60,
+             f"job {job} to be requeued ({restarts}), its nodes idle and its old steps gone", run)
     cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
     return time.monotonic() - t0
 

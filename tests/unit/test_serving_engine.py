@@ -132,6 +132,22 @@ def test_a_collapse_on_every_set_fails_and_a_weak_set_alone_does_not():
     assert collapse_failures(sets(1.0), None, Path("exp"), "tgt") == []  # no estimate (eval without a train stage)
 
 
+def test_the_exports_held_out_estimate_judges_a_collapse_not_the_targets_own_output():
+    """A correct export of a drafter that accepts little of its target's greedy loop is no collapse (measured: the
+    tiny MLA target built with AVX2 kernels, AL 1.31 in process and 1.32 in vLLM, training estimate 3.45); an
+    export whose held-out estimate, measured through it, fell to under half the trained one is."""
+    from fledge.train.engine_eval import collapse_failures, export_estimate
+
+    low = {"default": {**_section(1.25)["sets"]["default"], "in_process_al": 1.25}}
+    assert collapse_failures(low, 3.45, Path("exp"), "tgt", export_estimate=3.40) == []
+    (msg,) = collapse_failures(low, 3.45, Path("exp"), "tgt", export_estimate=1.9)  # 0.9 < 0.5 * 2.45
+    assert "held-out AL estimate 1.90" in msg and "estimate 3.45" in msg and "fledge lint exp --target tgt" in msg
+    assert collapse_failures(low, 3.45, Path("exp"), "tgt")  # no held-out measurement: the engine AL judges
+    rep = {"ttt_steps": 2, "heldout": {"acc": [0.9, 0.8, 0.7, 0.6], "full_acc": [0.9, 0.7, 0.5, 0.3]}}
+    assert export_estimate(rep) == pytest.approx(2.6)  # the trained steps only, as the training estimate
+    assert export_estimate({"ttt_steps": 2}) is None
+
+
 def test_lint_errors_of_the_served_export_fail_with_causes(tmp_path):
     from fledge.train.engine_eval import lint_failures
 
