@@ -68,7 +68,9 @@ class DrafterConfig:
     # DeepSeek-V3/Kimi-K2) | llama | qwen3 (per-head q/k norms) | mla (DeepSeek multi-head latent attention).
     layer: str = "auto"
     loss_chunk_size: int = 1024  # rows per chunk of the teacher/draft logits
-    loss_impl: str = "auto"  # auto (fused Triton loss on CUDA, torch elsewhere and under ZeRO-3) | torch
+    # ttt_ce's shared-teacher path: auto (its Triton kernel on CUDA, torch elsewhere) | torch. Every other loss
+    # runs torch GEMMs whatever this says (the fp32-head path, or ZeRO-3's generic one: train/loss.py).
+    loss_impl: str = "auto"
     norm_impl: str = "torch"  # torch (F.rms_norm: torch's fused kernel on CUDA) | triton (ours, CUDA only)
     init_from: Optional[str] = None  # an exported drafter directory to fine-tune
 
