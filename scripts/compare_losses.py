@@ -17,8 +17,9 @@ re-running the command resumes. A loss is a registered name or ``mix:name=w,name
 ``table`` reads each run's eval/report.json (train/evaluate.py), train/manifest.json (its loss and seed)
 and train/metrics.jsonl, groups the runs by loss and writes compare_losses.md (also printed) and
 compare_losses.json to ``--out``. Per group: the seeds; per eval set the greedy and sampled (rejection
-sampling) AL in-process, and the engine's AL where the eval served vLLM, as mean +- sample standard
-deviation over seeds; acceptance per draft position (greedy and sampled); the training cost per step:
+sampling) AL in-process and, where the eval served vLLM, in the engine, with the prompt-lookup AL (in
+process and vLLM's ngram) and the target's distinct-3 beside them, as mean +- sample standard deviation
+over seeds; acceptance per draft position (greedy and sampled, in process and vLLM); the training cost per step:
 tokens/s (median of a run's logged steps, mean over seeds) and seconds per step, and the slowdown against
 the ``ttt_ce`` group. Runs that did not read the same capture are flagged: their rows compare features too.
 """
@@ -111,13 +112,19 @@ def summarise(runs: list[dict]) -> dict:
         for name in sets:
             per = [r["report"]["sets"][name] for r in rs]
             engine = [((r["report"].get("engine") or {}).get("sets") or {}).get(name) for r in rs]
+            engine = [e or {} for e in engine]
             g["sets"][name] = {
                 "al": _spread(s["drafter"]["al"] for s in per),
                 "al_sampled": _spread((s.get("drafter_sampled") or {}).get("al") for s in per),
-                "al_engine": _spread((e or {}).get("drafter", {}).get("al") for e in engine),
+                "al_engine": _spread(e.get("drafter", {}).get("al") for e in engine),
+                "al_engine_sampled": _spread(e.get("drafter_sampled", {}).get("al") for e in engine),
+                "lookup_al": _spread(s["lookup"]["al"] for s in per),
+                "lookup_al_engine": _spread(e.get("lookup", {}).get("al") for e in engine),
+                "distinct3": _spread(s.get("distinct3_mean") for s in per),
                 "accept_at": _per_position([s["drafter"] for s in per]),
                 "accept_at_sampled": _per_position([s.get("drafter_sampled") for s in per]),
-                "lookup_al": _spread(s["lookup"]["al"] for s in per),
+                "accept_at_engine": _per_position([e.get("drafter") for e in engine]),
+                "accept_at_engine_sampled": _per_position([e.get("drafter_sampled") for e in engine]),
             }
         out["groups"][label] = g
     base = (out["groups"].get(BASELINE) or {}).get("tokens_per_s", {}).get("mean")
@@ -139,20 +146,23 @@ def markdown(c: dict) -> str:
     sets = list(dict.fromkeys(n for g in groups.values() for n in g["sets"]))
     lines = [f"## Training objectives (chain k={c['k']}, trained K={c['ttt_steps']}; mean ± std over seeds)", ""]
     lines += [f"**Warning:** {w}" for w in c["warnings"]] + ([""] if c["warnings"] else [])
-    head = ["loss", "seeds"] + [f"{n} AL greedy" for n in sets] + [f"{n} AL sampled" for n in sets]
-    engine = any(g["sets"].get(n, {}).get("al_engine", {}).get("mean") is not None for g in groups.values() for n in sets)
-    head += [f"{n} AL vLLM" for n in sets] if engine else []
+    # Per set, each AL with the baselines beside it: prompt lookup (in process and vLLM's ngram) and the
+    # target's distinct-3 (a looping target inflates every AL, lookup's too).
+    columns = (("al", "AL greedy"), ("al_sampled", "AL sampled"), ("al_engine", "AL vLLM greedy"),
+               ("al_engine_sampled", "AL vLLM sampled"), ("lookup_al", "lookup AL"),
+               ("lookup_al_engine", "vLLM ngram AL"), ("distinct3", "distinct-3"))
+    head = ["loss", "seeds"] + [f"{n} {what}" for n in sets for _, what in columns]
     head += ["tokens/s", "s/step", f"cost vs {BASELINE}"]
     lines += ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for label, g in groups.items():
         row = [label, str(len(g["seeds"]))]
-        keys = ("al", "al_sampled") + (("al_engine",) if engine else ())
-        for key in keys:
-            row += [_cell(g["sets"][n][key]) if n in g["sets"] else "n/a" for n in sets]
+        row += [_cell(g["sets"][n][key]) if n in g["sets"] else "n/a" for n in sets for key, _ in columns]
         cost = g["cost_vs_baseline"]
         row += [_cell(g["tokens_per_s"], 0), _cell(g["s_per_step"]), "n/a" if cost is None else f"{cost:.2f}x"]
         lines.append("| " + " | ".join(row) + " |")
-    for key, what in (("accept_at", "greedy"), ("accept_at_sampled", f"sampled, temperature {c['temperature']}")):
+    for key, what in (("accept_at", "greedy"), ("accept_at_sampled", f"sampled, temperature {c['temperature']}"),
+                      ("accept_at_engine", "greedy, vLLM"),
+                      ("accept_at_engine_sampled", f"sampled, temperature {c['temperature']}, vLLM")):
         rows = [(n, label, g["sets"][n][key]) for n in sets for label, g in groups.items()
                 if n in g["sets"] and g["sets"][n][key]]
         if not rows:

@@ -33,11 +33,14 @@ def fake_run(root: Path, name: str, drafter: dict, seed: int, al: float, tps: li
     for set_name, shift in (("default", 0.0), ("long", -0.5)):
         s = {"drafter": _stats(al + shift, [0.8 - 0.1 * i + (al - 2 + shift) / 10 for i in range(3)]),
              "lookup": _stats(1.5, [0.3, 0.1, 0.0]),
-             "drafter_sampled": _stats(al + shift - 0.25, [0.7 - 0.1 * i for i in range(3)])}
+             "drafter_sampled": _stats(al + shift - 0.25, [0.7 - 0.1 * i for i in range(3)]),
+             "distinct3_mean": 0.07 + shift / 10}
         sets[set_name] = s
     report = {"k": 3, "ttt_steps": 3, "temperature": 1.0, "sets": sets}
     if engine_al is not None:
-        report["engine"] = {"sets": {"default": {"drafter": {"al": engine_al}}}}
+        report["engine"] = {"sets": {"default": {"drafter": _stats(engine_al, [0.9, 0.6, 0.3]),
+                                                 "drafter_sampled": _stats(engine_al - 0.5, [0.6, 0.3, 0.1]),
+                                                 "lookup": _stats(1.4, [0.3, 0.1, 0.0])}}}
     write_json_atomic(d / "eval/report.json", report)
     write_json_atomic(d / "train/manifest.json", {
         "seconds": 40.0, "read": {"prepare": "p1", "capture": capture},
@@ -78,8 +81,15 @@ def test_the_table_of_losses_by_seed(cl, tmp_path):
     assert ce_g["s_per_step"]["mean"] == pytest.approx(40 / 30)
     assert c["warnings"] == []
     md = (tmp_path / "out/compare_losses.md").read_text()
-    assert "| ttt_ce | 2 | 2.10 ± 0.14 | 1.60 ± 0.14 | 1.85 ± 0.14 |" in md
-    assert "default AL vLLM" in md and "| tv | 2 | 3.20 ± 0.28 |" in md and "1.24x |" in md
+    # per set: greedy, sampled, vLLM greedy, vLLM sampled, then the baselines beside them (lookup, vLLM's
+    # ngram) and the target's distinct-3 (what a looping target's AL must be read against)
+    assert "| ttt_ce | 2 | 2.10 ± 0.14 | 1.85 ± 0.14 | n/a | n/a | 1.50 ± 0.00 | n/a | 0.07 ± 0.00 | 1.60 ± 0.14 |" in md
+    assert "| tv | 2 | 3.20 ± 0.28 | 2.95 ± 0.28 | 3.00 ± 0.14 | 2.50 ± 0.14 | 1.50 ± 0.00 | 1.40 ± 0.00 |" in md
+    assert "default AL vLLM greedy | default AL vLLM sampled | default lookup AL | default vLLM ngram AL" in md
+    assert "1.24x |" in md
+    assert tv_g["sets"]["default"]["al_engine_sampled"]["mean"] == pytest.approx(2.5)
+    assert tv_g["sets"]["default"]["distinct3"]["mean"] == pytest.approx(0.07)
+    assert "Acceptance per draft position (greedy, vLLM)" in md and "| default | tv | 0.90 ± 0.00 | 0.60 ± 0.00 |" in md
     assert "Acceptance per draft position (greedy)" in md and "| default | tv | 0.92 ± 0.03 | 0.82 ± 0.03 | 0.72 ± 0.03 |" in md
     assert "Acceptance per draft position (sampled, temperature 1.0)" in md
 
