@@ -76,7 +76,7 @@ def main(dcfg: DictConfig) -> None:
     from fledge.distributed import check_sequence_parallel
     from fledge.models.dialects import check_export_format
     from fledge.models.layers import check_layer_format
-    from fledge.train.loss import check_loss_name
+    from fledge.train.loss import check_loss_config
     from fledge.train.runner import Refused
     from fledge.train.stages import check_publish
     from fledge.train.trainer import PREEMPTED_EXIT_CODE, Preempted
@@ -84,7 +84,7 @@ def main(dcfg: DictConfig) -> None:
     try:
         cfg = to_config(dcfg)
         # The registries live above conf (the schema cannot import them): check their keys here, before any stage.
-        check_loss_name(cfg.drafter.loss)
+        check_loss_config(cfg.drafter)
         check_export_format(cfg.export.format, cfg.aux_layer_ids(), cfg.target.num_hidden_layers)
         check_set_names(cfg.eval.sets, cfg.eval.set_paths if "eval" in cfg.run.stages else {})
         check_layer_format(cfg.drafter.layer, cfg.export.format)
