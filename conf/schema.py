@@ -8,6 +8,7 @@ Cross-field checks live in ``validate()`` and raise ``ValueError`` naming the ke
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -40,6 +41,14 @@ class TargetConfig:
 
 
 @dataclass
+class LossOptions:
+    """The parameters some registered losses take (train/divergences.py says what each one does)."""
+
+    jsd_beta: float = 0.5  # jsd: the teacher's weight in the mixture and its KL term, in (0, 1); 0.5 symmetric
+    lk_eta: float = 3.0  # lk_lambda: the KL weight of a row is exp(-lk_eta * its acceptance), >= 0
+
+
+@dataclass
 class DrafterConfig:
     aux_layer_ids: Optional[list[int]] = None  # boundary convention; None -> (2, L//2, L-3)
     fc_norm: bool = True  # EAGLE-3.1: per-aux-state RMSNorm before fc
@@ -50,12 +59,18 @@ class DrafterConfig:
     step_weight: float = 0.8  # w: total loss = sum_k w^k L_k
     # A loss registered in train/loss.py (the schema cannot import it: train/main.py checks the name at start).
     loss: str = "ttt_ce"
+    loss_options: LossOptions = field(default_factory=LossOptions)
+    # drafter.loss=mix: the losses summed and their weights (as given, not normalised), e.g. {ttt_ce: 0.5, tv: 0.5}
+    # (a dict: set it with a leading + on the command line, '+drafter.loss_mix={ttt_ce: 0.5, tv: 0.5}')
+    loss_mix: dict[str, float] = field(default_factory=dict)
     attention: str = "auto"  # auto | flex | sdpa | dense (reference)
     # Drafter layer kind (models/layers/): auto (the target family's: llama for Llama/Qwen, mla for
     # DeepSeek-V3/Kimi-K2) | llama | qwen3 (per-head q/k norms) | mla (DeepSeek multi-head latent attention).
     layer: str = "auto"
     loss_chunk_size: int = 1024  # rows per chunk of the teacher/draft logits
-    loss_impl: str = "auto"  # auto (fused Triton loss on CUDA, torch elsewhere and under ZeRO-3) | torch
+    # ttt_ce's shared-teacher path: auto (its Triton kernel on CUDA, torch elsewhere) | torch. Every other loss
+    # runs torch GEMMs whatever this says (the fp32-head path, or ZeRO-3's generic one: train/loss.py).
+    loss_impl: str = "auto"
     norm_impl: str = "torch"  # torch (F.rms_norm: torch's fused kernel on CUDA) | triton (ours, CUDA only)
     init_from: Optional[str] = None  # an exported drafter directory to fine-tune
 
@@ -236,6 +251,7 @@ class Config:
         _one_of("target.dtype", self.target.dtype, ("auto", "bfloat16", "float16", "float32"))
         _one_of("drafter.attention", self.drafter.attention, ("auto", "flex", "sdpa", "dense"))
         _one_of("drafter.loss_impl", self.drafter.loss_impl, ("auto", "torch"))
+        _check_loss(self.drafter)
         _one_of("drafter.norm_impl", self.drafter.norm_impl, ("torch", "triton"))
         _one_of("data.length_policy", self.data.length_policy, ("truncate", "drop"))
         _one_of("data.on_error", self.data.on_error, ("error", "skip"))
@@ -288,6 +304,27 @@ class Config:
 def default_aux_layer_ids(num_layers: int) -> list[int]:
     """(2, L//2, L-3): hidden_states[k] of a Hugging Face forward, k = layers applied so far."""
     return [2, num_layers // 2, num_layers - 3]
+
+
+def _check_loss(d: DrafterConfig) -> None:
+    """The loss's options and mix weights (the loss names are train/loss.py's, checked by train/main.py)."""
+    o = d.loss_options
+    if not 0 < o.jsd_beta < 1:
+        raise ValueError(f"drafter.loss_options.jsd_beta={o.jsd_beta}: must be in (0, 1) (0.5: the symmetric JSD)")
+    if not o.lk_eta >= 0:
+        raise ValueError(f"drafter.loss_options.lk_eta={o.lk_eta}: must be >= 0 (0: the lk_lambda loss is forward KL)")
+    example = "on the command line: drafter.loss=mix '+drafter.loss_mix={ttt_ce: 0.5, tv: 0.5}'"
+    if d.loss != "mix":
+        if d.loss_mix:
+            raise ValueError(f"drafter.loss_mix={dict(d.loss_mix)} is set but drafter.loss={d.loss}: set "
+                             "drafter.loss=mix to train on the mix, or drop drafter.loss_mix")
+        return
+    if not d.loss_mix:
+        raise ValueError(f"drafter.loss=mix needs the losses to mix and their weights in drafter.loss_mix ({example})")
+    bad = {k: w for k, w in d.loss_mix.items() if not (math.isfinite(w) and w >= 0)}
+    if bad or not sum(d.loss_mix.values()) > 0 or "mix" in d.loss_mix:
+        raise ValueError(f"drafter.loss_mix={dict(d.loss_mix)}: the weights must be finite, >= 0 and not all 0, "
+                         f"and 'mix' cannot be a part ({example})")
 
 
 def _check_capture_slices(cfg: Config) -> None:

@@ -173,8 +173,11 @@ class DrafterProposer:
 
 
 class LookupProposer:
-    """Prompt lookup (n-gram copy): find the latest earlier occurrence of the context's last n tokens
-    (n = max_ngram down to min_ngram) and propose the k tokens that followed it; nothing on a miss."""
+    """Prompt lookup (n-gram copy): find the earliest occurrence of the context's last n tokens (the longest n
+    from max_ngram down to min_ngram, never the tail itself) and propose up to k tokens that followed it;
+    nothing on a miss. vLLM's ``ngram`` method picks the same match (vllm/v1/spec_decode/ngram_proposer.py),
+    so the in-process baseline is the one the engine serves: on a loop the earliest match has k tokens after
+    it where the latest, right behind the tail, has one."""
 
     needs_aux = False
 
@@ -191,7 +194,7 @@ class LookupProposer:
         h = list(history)
         for n in range(min(self.max_ngram, len(h) - 1), self.min_ngram - 1, -1):
             tail = h[-n:]
-            for start in range(len(h) - n - 1, -1, -1):  # latest match first, never the tail itself
+            for start in range(len(h) - n):  # earliest match first, never the tail itself
                 if h[start:start + n] == tail:
                     return h[start + n:start + n + k], None
         return [], None

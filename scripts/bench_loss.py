@@ -5,12 +5,18 @@ state t [N + K, Ht], so the K steps share teacher rows; the lm_heads W_d [Vd, H]
 [Vd, Ht] (frozen) are shared; the total is sum_k 0.8^k L_k / N, then one backward. Implementations:
 - shared-triton / shared-chunked: train/loss.py's path (teacher expectation once per batch, then the
   drafter logsumexp per step: Triton kernel / torch chunks);
+- fp32-head: its path outside ZeRO-3 for every loss without a rewrite of its own (models/kernels/head_loss.py:
+  fp32 logits, the teacher's computed once per chunk of teacher rows for all steps, recomputed in backward);
+- fp32-head-per-step: the same, one step at a time (the teacher's logits computed K times): what sharing saves;
 - per-step: its ZeRO-3 path, the earlier design (teacher recomputed in every step, chunks checkpointed);
 - naive: materialised [N, Vd] logits per step, plain autograd (the memory baseline).
+``--loss`` picks the loss (default ttt_ce; the shared-* rows are the soft CE's own and run only for it; mix is
+{ttt_ce: 0.5, tv: 0.5}).
 "extra peak" is the peak memory above what the inputs already hold, so it is the loss's own cost.
 
 GPU (the issue's shapes):  python scripts/bench_loss.py --device cuda
 CPU (torch paths, reduced): python scripts/bench_loss.py --device cpu --h 512 --vd 8000 --n 512 2048
+Another loss:               python scripts/bench_loss.py --device cpu --h 512 --vd 8000 --n 2048 --loss tv
 On CPU every measurement runs in a fresh subprocess and the peak is the growth of the process's max RSS.
 Prints a markdown table; ratios are against the per-step path measured in the same run.
 """
@@ -29,10 +35,15 @@ import time
 import torch
 
 from fledge.models.alignment import StepRows
-from fledge.models.kernels.fused_loss import fused_draft_loss
-from fledge.train.loss import SoftCrossEntropy, _per_step_module_calls, _shared_teacher_steps
+from fledge.train.loss import LOSSES, Mix, _fp32_head_steps, _per_step_module_calls, _shared_teacher_steps
 
-IMPLS = ("shared-triton", "shared-chunked", "per-step", "naive")
+IMPLS = ("shared-triton", "shared-chunked", "fp32-head", "fp32-head-per-step", "per-step", "naive")
+
+
+def _loss_sum(name, k, chunk_size):
+    if name == "mix":
+        return Mix(weights={"ttt_ce": 0.5, "tv": 0.5}, steps=k, step_weight=0.8, chunk_size=chunk_size).loss_sum
+    return LOSSES.get(name)(steps=k, step_weight=0.8, chunk_size=chunk_size).loss_sum
 
 
 def _make_inputs(n, h, ht, vd, k, device, dtype):
@@ -49,18 +60,21 @@ def _make_inputs(n, h, ht, vd, k, device, dtype):
     return ys, t, head, w_t, counted
 
 
-def _step(impl, ys, t, head, w_t, counted, chunk_size):
+def _step(impl, ys, t, head, w_t, counted, chunk_size, loss="ttt_ce"):
+    loss_sum = _loss_sum(loss, len(ys), chunk_size)
     if impl == "naive":
         n = int(counted[0].sum())
-        parts = [fused_draft_loss(y[:n], head.weight, t[1 + k:1 + k + n], w_t, torch.ones(n, device=t.device),
-                                  impl="naive")[0] for k, y in enumerate(ys)]
+        parts = [loss_sum(head(y[:n]).float(), (t[1 + k:1 + k + n] @ w_t.T).float()) for k, y in enumerate(ys)]
     else:
         # train/loss.py's execution paths take per-step StepRows: step k scores row r against teacher row r+1+k.
         rows = [StepRows(lead=1 + k, teacher_argmax=torch.zeros_like(c, dtype=torch.long), counted=c, scored=c)
                 for k, c in enumerate(counted)]
         if impl == "per-step":
-            loss_sum = SoftCrossEntropy(steps=len(ys), step_weight=0.8, chunk_size=chunk_size).loss_sum
             scored = _per_step_module_calls(loss_sum, ys, rows, t, head, w_t, chunk_size)
+        elif impl == "fp32-head":
+            scored = _fp32_head_steps(loss_sum, ys, rows, t, head, w_t, chunk_size)
+        elif impl == "fp32-head-per-step":
+            scored = [_fp32_head_steps(loss_sum, [y], [r], t, head, w_t, chunk_size)[0] for y, r in zip(ys, rows)]
         else:
             scored = _shared_teacher_steps(ys, rows, t, head, w_t, impl.removeprefix("shared-"), chunk_size)
         parts = [p for p, _, _ in scored]
@@ -82,18 +96,18 @@ def measure(impl, n, args) -> dict:
     inputs = _make_inputs(n, args.h, args.ht or args.h, args.vd, args.k, device, dtype)
     try:
         if device == "cuda":
-            _step(impl, *inputs, args.chunk_size)  # warm-up: Triton compiles, cuBLAS picks algorithms
+            _step(impl, *inputs, args.chunk_size, args.loss)  # warm-up: Triton compiles, cuBLAS picks algorithms
             _sync(device)
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
         else:  # the warm-up's peak counts: it is the same as a timed step's
             base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-            _step(impl, *inputs, args.chunk_size)
+            _step(impl, *inputs, args.chunk_size, args.loss)
         times = []
         for _ in range(args.reps):
             _sync(device)
             start = time.perf_counter()
-            _step(impl, *inputs, args.chunk_size)
+            _step(impl, *inputs, args.chunk_size, args.loss)
             _sync(device)
             times.append((time.perf_counter() - start) * 1e3)
         if device == "cuda":
@@ -128,6 +142,7 @@ def main(argv=None):
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--chunk-size", type=int, default=1024, help="row chunk of the chunked torch path")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--loss", default="ttt_ce", choices=sorted(LOSSES), help="the loss (mix: ttt_ce 0.5 + tv 0.5)")
     p.add_argument("--impls", nargs="+", default=None, choices=IMPLS, help="default: all on cuda, all but "
                    "shared-triton on cpu")
     p.add_argument("--one", nargs=2, metavar=("IMPL", "N"), help=argparse.SUPPRESS)
@@ -135,10 +150,13 @@ def main(argv=None):
     if args.one:
         print(json.dumps(measure(args.one[0], int(args.one[1]), args)))
         return
-    impls = args.impls or [i for i in IMPLS if args.device == "cuda" or i != "shared-triton"]
+    impls = args.impls or [i for i in IMPLS if (args.device == "cuda" or i != "shared-triton")
+                           and (args.loss == "ttt_ce" or not i.startswith("shared"))]
+    if args.loss != "ttt_ce" and any(i.startswith("shared") for i in impls):
+        p.error(f"--impls shared-*: the soft CE's own path; --loss {args.loss} has none")
     passthrough = [a for a in (argv if argv is not None else sys.argv[1:])]
     ht = args.ht or args.h
-    print(f"K={args.k}, H={args.h}, Ht={ht}, Vd={args.vd}, {args.dtype}, device={args.device} "
+    print(f"loss={args.loss}, K={args.k}, H={args.h}, Ht={ht}, Vd={args.vd}, {args.dtype}, device={args.device} "
           f"({torch.cuda.get_device_name() if args.device == 'cuda' else 'CPU'}), chunk_size={args.chunk_size}, "
           f"median of {args.reps}; extra peak = memory above the inputs during forward+backward\n")
     print("| N | impl | time | extra peak | speed-up vs per-step | peak vs per-step |")

@@ -18,8 +18,9 @@ slurm_pid=$!
 trap 'kill "$engine_pid" 2>/dev/null || true; wait "$slurm_pid" 2>/dev/null || true' EXIT
 scripts/setup.sh
 # The trained tiny targets build in the background from here (the quick Llama: ~7 min of CPU; the MoE and MLA
-# ones ~1-2 min each, one thread as their golden numbers were measured) while the oracle and the engine finish
-# installing, which is mostly downloading. The suite's fixtures find them in .cache, or wait on their build
+# ones ~1-2 min each, one thread as tests/helpers/recipe_runs.py runs them, at the lowest priority so that with the
+# quick build they never take a core from the foreground: 2 cores, not 3 threads) while the oracle and the
+# engine finish installing, which is mostly downloading. The suite's fixtures find them in .cache, or wait on their build
 # locks. Only for the whole suite (no arguments), so a run of a few tests does not start them; FLEDGE_AHEAD=0
 # leaves every build to the suite.
 if [ "${FLEDGE_AHEAD:-1}" != 0 ] && [ $# -eq 0 ]; then
@@ -27,8 +28,8 @@ if [ "${FLEDGE_AHEAD:-1}" != 0 ] && [ $# -eq 0 ]; then
   echo "building the tiny targets in the background (log: $targets_log)"
   (export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 DS_ACCELERATOR=cpu
    .venv/bin/python -m fledge tiny-target --budget quick &
-   OMP_NUM_THREADS=1 .venv/bin/python -m fledge tiny-target --family moe
-   OMP_NUM_THREADS=1 .venv/bin/python -m fledge tiny-target --family mla
+   OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python -m fledge tiny-target --family moe
+   OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python -m fledge tiny-target --family mla
    wait) >"$targets_log" 2>&1 &
 fi
 if ! scripts/setup_oracle.sh; then
@@ -53,4 +54,5 @@ trap - EXIT
 cat "$engine_log" "$slurm_log" >&2
 rm -f "$engine_log" "$slurm_log"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=disabled DS_ACCELERATOR=cpu
-exec .venv/bin/python -m pytest -q "$@"
+# --durations: every run lists its slowest tests (docs/testing.md keeps the measured list)
+exec .venv/bin/python -m pytest -q --durations=25 "$@"

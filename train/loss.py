@@ -1,5 +1,5 @@
-"""Training losses (docs/architecture.md, Training-time test): the registry ``drafter.loss`` selects from, and the TTT
-soft CE.
+"""Training losses (docs/architecture.md, Training-time test): the registry ``drafter.loss`` selects from, and the
+shared TTT code.
 
 A loss is a :class:`TTTLoss` subclass registered under a name. It writes one method, ``loss_sum``: the
 summed loss of some rows given their drafter logits and teacher logits over the draft vocab (fp32
@@ -15,25 +15,36 @@ on every rank, :func:`step_denominators`), the metrics, and the execution::
 
     # then train with drafter.loss=my_loss (TTTModel receives build_loss(cfg.drafter))
 
-Execution paths. ``loss_sum`` runs through the *generic* path: per step, in row chunks recomputed in
-backward, the logits come from ``lm_head``'s own forward. It is the only path ZeRO-3 allows (the
-partitioned lm_head weight exists only inside that forward), and it serves every stage. The soft CE has,
-besides, a *shared-teacher* path: ``-sum_i p_i log softmax(y W)_i = lse(y W) - y . q`` with ``q = p W``
-depending on the teacher row alone, and since step k reads teacher row t+1+k the steps share teacher
-rows, so q is computed once per batch, not once per step (on CUDA the drafter's logsumexp is a Triton
-kernel). That path rewrites the formula, so it cannot be derived from ``loss_sum``: a loss that wants one
-provides ``shared_teacher_sums`` itself, and a test pins it to the generic path
-(tests/unit/train/test_loss.py::test_zero3_path_equals_the_shared_teacher_path).
+Registered: ``ttt_ce`` (the soft CE, forward KL up to a constant; the default), ``rkl``, ``jsd``
+(``drafter.loss_options.jsd_beta``), ``tv``, ``lk_lambda`` (``drafter.loss_options.lk_eta``), ``lk_alpha``
+and ``mix`` (``drafter.loss_mix``: weights of any of the others); their formulas and what each optimises
+are in train/divergences.py.
+
+Execution paths. Under ZeRO-3, ``loss_sum`` runs through the *generic* path: per step, in row chunks
+recomputed in backward, the logits come from ``lm_head``'s own forward (the partitioned lm_head weight
+exists only inside that forward). Elsewhere it runs through the *fp32-head* path
+(models/kernels/head_loss.py): step k reads teacher row t+1+k, so the steps share teacher rows, and there
+each chunk of teacher rows has its logits computed once for all K steps (measured 25% less time than per
+step at K=7); logits come from fp32-result GEMMs and lm_head's gradient is summed in fp32, which in bf16
+keeps the gradient accurate near convergence where the generic path's is not. Both derive from
+``loss_sum``: a new loss gets them for free. The soft CE has, besides, its own *shared-teacher* rewrite:
+``-sum_i p_i log softmax(y W)_i = lse(y W) - y . q`` with ``q = p W`` depending on the teacher row alone,
+so q is computed once per batch and each step pays for its drafter logsumexp only (on CUDA a Triton
+kernel). That rewrite cannot be derived from ``loss_sum``: a loss that has one provides
+``shared_teacher_sums`` itself, and a test pins it to the generic path
+(tests/unit/train/test_loss.py::test_zero3_path_equals_the_shared_teacher_path). The other registered losses
+have none: each couples p_v and q_v through a non-linear function per vocab entry, so the teacher's part
+does not reduce to a vector per teacher row.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from fledge.conf.drafter_rules import drafter_problems, raise_problems
@@ -42,7 +53,9 @@ from fledge.distributed import all_reduce_sum
 from fledge.models import alignment
 from fledge.models.alignment import step_key
 from fledge.models.kernels import draft_cross_entropy, draft_logsumexp, fp32_grad, teacher_expectation
+from fledge.models.kernels.head_loss import head_loss_steps
 from fledge.registry import Registry
+from fledge.train import divergences
 
 
 @dataclass
@@ -63,6 +76,7 @@ class TTTLoss(ABC):
     """
 
     name: ClassVar[str] = ""
+    options: ClassVar[tuple[str, ...]] = ()  # the drafter.loss_options fields the constructor takes
 
     def __init__(self, *, steps: int, step_weight: float, chunk_size: int, impl: str = "auto") -> None:
         raise_problems(drafter_problems(ttt_steps=steps))
@@ -77,9 +91,14 @@ class TTTLoss(ABC):
         """The loss summed over rows: fp32 scalar from the drafter's ``logits`` and the teacher's
         ``teacher_logits`` (both fp32 ``[rows, Vd]``; the teacher's carry no gradient)."""
 
+    @classmethod
+    def from_config(cls, drafter_cfg) -> TTTLoss:
+        """This loss with ``drafter_cfg``'s (a ``DrafterConfig``) K, w, chunk size, impl and options."""
+        return cls(**_base_args(drafter_cfg), **{k: getattr(drafter_cfg.loss_options, k) for k in cls.options})
+
     def shared_teacher_sums(self, ys_flat, rows, th_flat, lm_head, teacher_head):
-        """An optional fast path outside ZeRO-3, with the generic path's result: per step, (summed loss
-        over its counted rows, those flat row indices, the drafter's argmax at them); None = no such path."""
+        """An optional rewrite outside ZeRO-3, with the generic path's result: per step, (summed loss over
+        its counted rows, those flat row indices, the drafter's argmax at them); None = the fp32-head path."""
         return None
 
     def __call__(self, drafter, batch: FeatureBatch, teacher_head: torch.Tensor, shard=None,
@@ -106,12 +125,14 @@ class TTTLoss(ABC):
         ys = alignment.ttt_states(drafter, batch, self.steps, shard)
         rows = [_flat(s) for s in self._step_rows(drafter, batch, shard)]
         ys_flat = [y.reshape(B * T, -1) for y in ys]
-        scored = None
-        if not _partitioned(drafter.lm_head):  # under ZeRO-3 only lm_head's own forward sees its weight
-            scored = self.shared_teacher_sums(ys_flat, rows, th_flat, drafter.lm_head, teacher_head)
-        if scored is None:
+        if _partitioned(drafter.lm_head):  # under ZeRO-3 only lm_head's own forward sees its weight
             scored = _per_step_module_calls(self.loss_sum, ys_flat, rows, th_flat, drafter.lm_head, teacher_head,
                                             self.chunk_size)
+        else:
+            scored = self.shared_teacher_sums(ys_flat, rows, th_flat, drafter.lm_head, teacher_head)
+            if scored is None:
+                scored = _fp32_head_steps(self.loss_sum, ys_flat, rows, th_flat, drafter.lm_head, teacher_head,
+                                          self.chunk_size)
         return self._weigh(drafter, rows, scored, ys[0].device, shard, denominators)
 
     def counted_rows(self, drafter, batch: FeatureBatch, shard=None) -> torch.Tensor:
@@ -186,10 +207,21 @@ def register_loss(name: str):
     return add
 
 
+def check_loss_config(drafter_cfg) -> None:
+    """ValueError unless ``drafter_cfg`` (a ``DrafterConfig``) selects a loss that can be built: its name and,
+    for ``mix``, every name in ``drafter.loss_mix`` registered (the schema checks the values; it cannot see
+    the registry)."""
+    build_loss(drafter_cfg)
+
+
 def build_loss(drafter_cfg) -> TTTLoss:
-    """The loss ``drafter_cfg`` (a ``DrafterConfig``) selects, with its K, w, chunk size and impl."""
-    return LOSSES.get(drafter_cfg.loss)(steps=drafter_cfg.ttt_steps, step_weight=drafter_cfg.step_weight,
-                                    chunk_size=drafter_cfg.loss_chunk_size, impl=drafter_cfg.loss_impl)
+    """The loss ``drafter_cfg`` (a ``DrafterConfig``) selects, with its K, w, chunk size, impl and options."""
+    return LOSSES.get(drafter_cfg.loss).from_config(drafter_cfg)
+
+
+def _base_args(drafter_cfg) -> dict:
+    return dict(steps=drafter_cfg.ttt_steps, step_weight=drafter_cfg.step_weight,
+                chunk_size=drafter_cfg.loss_chunk_size, impl=drafter_cfg.loss_impl)
 
 
 @register_loss("ttt_ce")
@@ -198,15 +230,100 @@ class SoftCrossEntropy(TTTLoss):
     softmax and loss in fp32 (a bf16 KL has been measured 19-31% off in its gradient)."""
 
     def loss_sum(self, logits, teacher_logits):
-        teacher = F.softmax(teacher_logits, dim=-1)
-        return -(teacher * F.log_softmax(logits, dim=-1)).sum()
+        return divergences.soft_cross_entropy(logits, teacher_logits)
 
     def shared_teacher_sums(self, ys_flat, rows, th_flat, lm_head, teacher_head):
-        # The rewrite below is this class's loss_sum: a subclass that changes the formula runs generic.
+        # The rewrite below is this class's loss_sum: a subclass that changes the formula runs the fp32-head path.
         if type(self).loss_sum is not SoftCrossEntropy.loss_sum:
             return None
         impl = "auto" if self.impl == "auto" else "chunked"
         return _shared_teacher_steps(ys_flat, rows, th_flat, lm_head, teacher_head, impl, self.chunk_size)
+
+
+@register_loss("rkl")
+class ReverseKL(TTTLoss):
+    """KL(q || p), drafter to teacher (train/divergences.py ``reverse_kl``)."""
+
+    def loss_sum(self, logits, teacher_logits):
+        return divergences.reverse_kl(logits, teacher_logits)
+
+
+@register_loss("jsd")
+class JensenShannon(TTTLoss):
+    """The generalised JSD with the teacher's weight ``jsd_beta`` (train/divergences.py ``jsd``)."""
+
+    options = ("jsd_beta",)
+
+    def __init__(self, *, jsd_beta: float = 0.5, **base) -> None:
+        super().__init__(**base)
+        if not 0 < jsd_beta < 1:
+            raise ValueError(f"drafter.loss_options.jsd_beta={jsd_beta}: must be in (0, 1) (0.5: symmetric JSD)")
+        self.beta = jsd_beta
+
+    def loss_sum(self, logits, teacher_logits):
+        return divergences.jsd(logits, teacher_logits, self.beta)
+
+
+@register_loss("tv")
+class TotalVariation(TTTLoss):
+    """TV(p, q) = 1 - the acceptance probability of a draft under speculative sampling
+    (train/divergences.py ``total_variation``)."""
+
+    def loss_sum(self, logits, teacher_logits):
+        return divergences.total_variation(logits, teacher_logits)
+
+
+@register_loss("lk_lambda")
+class LKLambda(TTTLoss):
+    """The LK hybrid of KL and TV, weighted per row by exp(-lk_eta alpha) (train/divergences.py ``lk_lambda``)."""
+
+    options = ("lk_eta",)
+
+    def __init__(self, *, lk_eta: float = 3.0, **base) -> None:
+        super().__init__(**base)
+        if not lk_eta >= 0:
+            raise ValueError(f"drafter.loss_options.lk_eta={lk_eta}: must be >= 0 (0: pure forward KL)")
+        self.eta = lk_eta
+
+    def loss_sum(self, logits, teacher_logits):
+        return divergences.lk_lambda(logits, teacher_logits, self.eta)
+
+
+@register_loss("lk_alpha")
+class LKAlpha(TTTLoss):
+    """The LK negative log-acceptance -log alpha (train/divergences.py ``lk_alpha``)."""
+
+    def loss_sum(self, logits, teacher_logits):
+        return divergences.lk_alpha(logits, teacher_logits)
+
+
+@register_loss("mix")
+class Mix(TTTLoss):
+    """``sum_i w_i L_i`` of registered losses, ``drafter.loss_mix={ttt_ce: 0.5, tv: 0.5}`` (weights as given,
+    not normalised; each part with its ``drafter.loss_options``). One pass per chunk: every part reads the
+    same logits. It runs the generic and fp32-head paths: a part other than the soft CE needs each step's
+    logits anyway, and the soft CE on them is one more pass over the chunk."""
+
+    def __init__(self, *, weights: dict[str, float], options: dict | None = None, **base) -> None:
+        super().__init__(**base)
+        names = sorted(n for n in LOSSES if n != "mix")
+        bad = [n for n in weights if n not in names]
+        if bad or not weights:
+            what = f"{bad} not registered" if bad else "no losses"
+            raise ValueError(f"drafter.loss_mix={dict(weights)}: {what}; name registered losses "
+                             f"from {names} with their weights, e.g. '+drafter.loss_mix={{ttt_ce: 0.5, tv: 0.5}}'")
+        options = options or {}
+        self.parts = [(float(w), LOSSES.get(n)(**base, **{k: options[k] for k in LOSSES.get(n).options
+                                                         if k in options}))
+                      for n, w in weights.items() if w != 0]
+
+    @classmethod
+    def from_config(cls, drafter_cfg) -> Mix:
+        return cls(weights=dict(drafter_cfg.loss_mix), options=dataclasses.asdict(drafter_cfg.loss_options),
+                   **_base_args(drafter_cfg))
+
+    def loss_sum(self, logits, teacher_logits):
+        return sum(w * part.loss_sum(logits, teacher_logits) for w, part in self.parts)
 
 
 def ttt_loss(drafter, batch: FeatureBatch, teacher_head: torch.Tensor, *, steps: int, step_weight: float,
@@ -225,6 +342,20 @@ def _flat(step: alignment.StepRows) -> alignment.StepRows:
 def _partitioned(lm_head) -> bool:
     """ZeRO-3 partitions lm_head's weight and gathers it only inside lm_head's own forward."""
     return hasattr(lm_head.weight, "ds_id")
+
+
+def _fp32_head_steps(loss_sum, ys_flat, rows, th_flat, lm_head, teacher_head, chunk_size):
+    """Any ``loss_sum`` per step k, outside ZeRO-3: (summed over its counted rows, those rows, the drafter's
+    argmax there), through models/kernels/head_loss.py: fp32 logits, the teacher's computed once per chunk of
+    teacher rows for every step, chunks recomputed in backward, lm_head's gradient summed in fp32 through one
+    ``fp32_grad`` stand-in. A step without counted rows still gives lm_head a (zero) gradient: every rank
+    reduces the same buckets."""
+
+    idx = [s.counted.nonzero().squeeze(1) for s in rows]
+    scored = head_loss_steps([y[r] for y, r in zip(ys_flat, idx)], lm_head.weight, th_flat,
+                             teacher_head.to(th_flat.dtype), [r + s.lead for r, s in zip(idx, rows)], loss_sum,
+                             chunk_size, grad_into=fp32_grad(lm_head.weight))
+    return [(total, r, pred if r.numel() else None) for (total, pred), r in zip(scored, idx)]
 
 
 def _shared_teacher_steps(ys_flat, rows, th_flat, lm_head, teacher_head, impl, chunk_size):

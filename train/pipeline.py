@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fledge.conf.schema import Config
+from fledge.conf.schema import Config, LossOptions
 from fledge.distributed import broadcast_object
 from fledge.train.runner import Stage, StageContext, digest
 
@@ -107,8 +107,19 @@ def train(ctx: StageContext) -> dict:
 def train_inputs(cfg: Config) -> dict:
     d = dataclasses.asdict
     train = {k: v for k, v in d(cfg.train).items() if k not in TRAIN_CADENCE + LAYOUT_KEYS}
-    return {"drafter": d(cfg.drafter), "train": train, "deepspeed": d(cfg.deepspeed),
+    return {"drafter": _drafter_inputs(cfg), "train": train, "deepspeed": d(cfg.deepspeed),
             "capture": {"mode": cfg.capture.mode}, "run": {"seed": cfg.run.seed}}
+
+
+def _drafter_inputs(cfg: Config) -> dict:
+    """The drafter section, without the loss settings still at their defaults: a drafter.loss_options or
+    drafter.loss_mix left as it is trains what was trained before those keys existed, so a train run from
+    then keeps its hash and trains on."""
+    drafter = dataclasses.asdict(cfg.drafter)
+    for key, default in (("loss_options", dataclasses.asdict(LossOptions())), ("loss_mix", {})):
+        if drafter.get(key) == default:
+            drafter.pop(key)
+    return drafter
 
 
 def trained_enough(manifest: dict, cfg: Config) -> bool:

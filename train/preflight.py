@@ -24,7 +24,7 @@ from fledge.models.layers.kind import LAYER_KINDS, check_layer_format
 from fledge.registry import Registry
 from fledge.serving.dialects import DIALECTS, check_export_format
 from fledge.testbed.hints import build_hint
-from fledge.train.loss import LOSSES
+from fledge.train.loss import LOSSES, check_loss_config
 
 # Config key -> the registry its value (or each value of a list) must name. Target families are keyed by the
 # target's own model_type, read from its config.json when a stage loads it (models/families.py).
@@ -51,6 +51,7 @@ def check_config(cfg: Config) -> None:
     check_export_format(cfg.export.format, cfg.aux_layer_ids(), cfg.target.num_hidden_layers)
     check_layer_format(cfg.drafter.layer, cfg.export.format)
     check_set_names(cfg.eval.sets, cfg.eval.set_paths if "eval" in cfg.run.stages else {})
+    check_loss_config(cfg.drafter)  # drafter.loss=mix: every name in drafter.loss_mix registered
 
 
 def compose_checked(overrides: list[str]) -> Config:

@@ -10,7 +10,9 @@ token ids. For every configuration the driver builds one ``vllm.LLM``, generates
 records, per set: the output token ids of every prompt, wall time and output tokens, and the deltas of
 vLLM's own spec-decode counters over that set (drafts, drafted and accepted tokens, accepted per position).
 With ``logprobs`` it also returns, per generated position, the gap between the top-2 log-probabilities
-(the parent uses the plain run's gaps to tell a numerical tie from a real greedy divergence).
+(the parent uses the plain run's gaps to tell a numerical tie from a real greedy divergence). With
+``sampled_temperature`` a configuration also samples each set at that temperature, untimed, and returns that
+pass's counter deltas apart (``sampled``): the engine's acceptance under its own rejection sampling.
 
 ``-I`` keeps the script's own folder (fledge/models, with modules named like PyPI packages) off sys.path.
 vLLM starts its engine core with spawn, which re-imports this file: hence the ``__main__`` guard.
@@ -124,6 +126,14 @@ def run_engine(req: dict, conf: dict) -> dict:
             outs += [list(o.outputs[0].token_ids) for o in got]
         result["sets"][name] = {"outputs": outs, "wall_s": wall, "tokens": sum(map(len, outs)),
                                 "counters": delta(counters(llm), before)}
+        if conf.get("sampled_temperature"):  # untimed: vLLM's rejection sampling, counted apart from greedy
+            before = counters(llm)
+            sp = SamplingParams(temperature=float(conf["sampled_temperature"]), max_tokens=req["max_new_tokens"],
+                                stop_token_ids=req["stop_token_ids"], detokenize=False, seed=req.get("seed", 0))
+            got = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+            result["sets"][name]["sampled"] = {"temperature": float(conf["sampled_temperature"]),
+                                               "tokens": sum(len(o.outputs[0].token_ids) for o in got),
+                                               "counters": delta(counters(llm), before)}
         if logprobs:  # an untimed second pass (log-probs cost time the baseline should not pay)
             got = llm.generate([{"prompt_token_ids": p} for p in prompts], lp_params, use_tqdm=False)
             result["sets"][name]["top2_gaps"] = [top2_gaps(o.outputs[0].logprobs) for o in got]

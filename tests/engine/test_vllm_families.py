@@ -11,7 +11,6 @@ import json
 import pytest
 
 from tests.helpers.engine import engine_marks
-from tests.helpers.paths import REPO as ROOT
 
 pytestmark = engine_marks()
 
@@ -19,7 +18,6 @@ pytestmark = engine_marks()
 @pytest.mark.parametrize("family", ["mla", "moe"])
 def test_family_export_is_served_by_vllm_with_its_in_process_acceptance_and_lossless(tiny_family_run, family):
     run, _ = tiny_family_run(family)
-    gold = json.loads((ROOT / "recipes" / f"tiny_{family}" / "golden.json").read_text())
     rep = json.loads((run / "eval" / "report.json").read_text())
     assert "engine" in rep, "the shared run did not serve its export (is the engine installed?)"
     e = rep["engine"]
@@ -29,8 +27,8 @@ def test_family_export_is_served_by_vllm_with_its_in_process_acceptance_and_loss
         assert s["drafter"]["drafts"] > 0 and s["greedy_differences"] == [], name  # lossless in the engine
         assert abs(s["drafter"]["al"] - rep["sets"][name]["drafter"]["al"]) <= e["tolerance"], name
         assert s["drafter"]["al"] == pytest.approx(1 + sum(s["drafter"]["accept_at"])), name
-    assert e["sets"]["default"]["drafter"]["al"] == pytest.approx(gold["engine_al_default"],
-                                                                 abs=gold["engine_al_tolerance"])
+    # No golden engine AL: the target is not the same model on every CPU (tests/integration/test_family_recipes.py);
+    # the engine must accept what the same drafter accepts in process, above.
     # vLLM built the target and the drafter of the family's own kinds (its log names the resolved classes).
     log = (run / "eval" / "engine" / "engine.log").read_text()
     target_arch = {"mla": "DeepseekV3ForCausalLM", "moe": "Qwen3MoeForCausalLM"}[family]

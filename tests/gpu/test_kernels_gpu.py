@@ -67,6 +67,27 @@ def test_bf16_gradients_stay_accurate_near_convergence(impl):
         assert err <= bound, f"{name}: relative error {err:.3%} vs fp64, standard {bound / 1.5:.3%}"
 
 
+@pytest.mark.parametrize("name", ["rkl", "jsd", "tv", "lk_lambda", "lk_alpha"])
+def test_fp32_head_path_bf16_gradients_near_convergence(name):
+    """The path every loss but ttt_ce takes outside ZeRO-3 (models/kernels/head_loss.py) on tensor cores,
+    where mm_f32 splits fp32 operands into bf16 parts for cuBLAS: gradients against fp64 math (the formula
+    of train/divergences.py, itself checked against its definition in tests/unit/train/test_loss_family.py)
+    within 1.5x of the standard error, as on CPU."""
+    from loss_precision import near_converged, path_grads, reference_grads, rel_err
+
+    from fledge.train.loss import LOSSES
+
+    loss = LOSSES.get(name)(steps=3, step_weight=0.8, chunk_size=512)
+    problem = near_converged(n=2048, h=1024, vd=8000, steps=3, eps=0.03, device=DEV)
+    want_dy, want_dw, kl = reference_grads(problem, torch.float64, loss.loss_sum)
+    std_dy, std_dw, _ = reference_grads(problem, torch.float32, loss.loss_sum)
+    got_dy, got_dw = path_grads(problem, "fp32_head", loss.loss_sum, chunk_size=512)
+    assert kl < 0.01, f"not near convergence: KL {kl:.4f}"
+    for key, got, std, want in (("dy", got_dy, std_dy, want_dy), ("dW", got_dw, std_dw, want_dw)):
+        err, bound = rel_err(got, want), 1.5 * rel_err(std, want)
+        assert err <= bound, f"{key}: relative error {err:.3%} vs fp64, standard {bound / 1.5:.3%}"
+
+
 def test_fused_loss_fp32_exact_path():
     inputs = _loss_inputs(777, 512, 384, 5000, torch.float32)
     got, ref = _run("triton", inputs), _run("naive", inputs)

@@ -84,7 +84,9 @@ def test_greedy_identical_with_oracle_drafts_and_eos(target, noise):
 def test_prompt_lookup(target):
     lk = LookupProposer(max_ngram=3)
     assert lk.propose([1, 2, 3, 4, 1, 2], 3)[0] == [3, 4, 1]
-    assert lk.propose([7, 8, 9, 1, 2, 9, 1, 2], 2)[0] == [9, 1]  # the longest, latest match
+    assert lk.propose([7, 8, 9, 1, 2, 9, 1, 2], 2)[0] == [9, 1]  # the longest match
+    assert lk.propose([9, 1, 2, 4, 9, 1, 2, 5, 9, 1, 2], 2)[0] == [4, 9]  # the earliest, as vLLM's ngram picks
+    assert lk.propose([5] * 8, 3)[0] == [5, 5, 5]  # a loop: k tokens, not the one behind the tail
     assert lk.propose([1, 2, 3], 4)[0] == []
     plain = TargetRunner(target)
     for prompt in PROMPTS:

@@ -3,6 +3,7 @@ the greedy comparison, the failure messages, the report section (tests/engine/ s
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import sys
@@ -20,6 +21,9 @@ from fledge.serving.engine import (
     run_driver,
     speculative_config,
 )
+from tests.helpers.paths import REPO
+
+EVAL_DRIVER = REPO / "serving" / "vllm_side" / "eval_driver.py"
 
 
 def _cfg(**eval_kw) -> Config:
@@ -138,6 +142,22 @@ def test_a_collapse_on_every_set_fails_and_a_weak_set_alone_does_not():
     assert collapse_failures(sets(1.0), None, Path("exp"), "tgt") == []  # no estimate (eval without a train stage)
 
 
+def test_the_exports_held_out_estimate_judges_a_collapse_not_the_targets_own_output():
+    """A correct export of a drafter that accepts little of its target's greedy loop is no collapse (measured: the
+    tiny MLA target built with AVX2 kernels, AL 1.31 in process and 1.32 in vLLM, training estimate 3.45); an
+    export whose held-out estimate, measured through it, fell to under half the trained one is."""
+    from fledge.evaluation.engine_eval import collapse_failures, export_estimate
+
+    low = {"default": {**_section(1.25)["sets"]["default"], "in_process_al": 1.25}}
+    assert collapse_failures(low, 3.45, Path("exp"), "tgt", export_estimate=3.40) == []
+    (msg,) = collapse_failures(low, 3.45, Path("exp"), "tgt", export_estimate=1.9)  # 0.9 < 0.5 * 2.45
+    assert "held-out AL estimate 1.90" in msg and "estimate 3.45" in msg and "fledge lint exp --target tgt" in msg
+    assert collapse_failures(low, 3.45, Path("exp"), "tgt")  # no held-out measurement: the engine AL judges
+    rep = {"ttt_steps": 2, "heldout": {"acc": [0.9, 0.8, 0.7, 0.6], "full_acc": [0.9, 0.7, 0.5, 0.3]}}
+    assert export_estimate(rep) == pytest.approx(2.6)  # the trained steps only, as the training estimate
+    assert export_estimate({"ttt_steps": 2}) is None
+
+
 def test_lint_errors_of_the_served_export_fail_with_causes(tmp_path):
     from fledge.evaluation.engine_eval import lint_failures
 
@@ -172,3 +192,92 @@ def test_request_names_a_local_target_absolutely_and_a_hub_id_as_is(tmp_path, mo
     assert [e["name"] for e in req["engines"]] == ["plain", "drafter", "lookup"]
     cfg.target.name_or_path = "org/model"
     assert build_request(cfg, {"default": [[1]]}, tmp_path / "d", [5], 2048, "cuda")["target"] == "org/model"
+
+
+def test_a_sampled_eval_asks_the_drafter_engine_for_a_sampled_pass(tmp_path):
+    """eval.temperature > 0: the drafter's vLLM configuration also samples at that temperature (vLLM's
+    rejection sampling, the engine's sampled AL); plain and lookup stay greedy only."""
+    from fledge.evaluation.engine_eval import build_request
+
+    req = build_request(_cfg(engine="vllm", temperature=1.0), {"default": [[1, 2]]}, tmp_path / "d", [5], 2048, "cpu")
+    assert [e.get("sampled_temperature") for e in req["engines"]] == [None, 1.0, None]
+    req = build_request(_cfg(engine="vllm"), {"default": [[1, 2]]}, tmp_path / "d", [5], 2048, "cpu")
+    assert all("sampled_temperature" not in e for e in req["engines"])
+
+
+def _fake_vllm(monkeypatch):
+    """A stand-in ``vllm`` module: every generate call drafts 4 rounds per prompt, accepting 2 tokens per round
+    when greedy and 1 when sampling, and answers each prompt with [temperature]."""
+    import types
+
+    class Metric:
+        def __init__(self, name, value=0, values=None):
+            self.name, self.value, self.values = name, value, values
+
+    class LLM:
+        def __init__(self, **kwargs):
+            self.kwargs, self.c = kwargs, {"drafts": 0, "draft_tokens": 0, "accepted": 0}
+
+        def generate(self, prompts, params, use_tqdm=False):
+            per = 2 if params.temperature == 0 else 1
+            self.c = {"drafts": self.c["drafts"] + 4 * len(prompts),
+                      "draft_tokens": self.c["draft_tokens"] + 8 * len(prompts),
+                      "accepted": self.c["accepted"] + 4 * per * len(prompts)}
+            out = types.SimpleNamespace(token_ids=[params.temperature], logprobs=None)
+            return [types.SimpleNamespace(outputs=[out]) for _ in prompts]
+
+        def get_metrics(self):
+            return [Metric(_driver().COUNTERS[k], v) for k, v in self.c.items()]
+
+    class SamplingParams:
+        def __init__(self, temperature=1.0, **kwargs):
+            self.temperature, self.kwargs = temperature, kwargs
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM, SamplingParams=SamplingParams))
+
+
+def _driver():
+    """serving/vllm_side/eval_driver.py, loaded from its file: package data the engine's python runs, never a
+    module of Fledge's."""
+    spec = importlib.util.spec_from_file_location("eval_driver", EVAL_DRIVER)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_driver_counts_a_sampled_pass_apart_from_the_greedy_one(monkeypatch):
+    _fake_vllm(monkeypatch)
+    run_engine = _driver().run_engine
+    req = {"target": "t", "max_model_len": 64, "max_new_tokens": 8, "stop_token_ids": [], "seed": 3,
+           "sets": {"default": [[1, 2], [3]]}}
+    got = run_engine(req, {"name": "drafter", "speculative_config": {"method": "eagle3"}, "sampled_temperature": 1.0})
+    s = got["sets"]["default"]
+    assert s["outputs"] == [[0.0], [0.0]] and s["counters"]["accepted"] == 16  # greedy: 2 per round
+    assert s["sampled"]["counters"] == {"drafts": 8, "draft_tokens": 16, "accepted": 8, "accepted_per_pos": []}
+    assert s["sampled"]["temperature"] == 1.0
+    assert "sampled" not in run_engine(req, {"name": "drafter"})["sets"]["default"]
+
+
+def test_the_engine_section_carries_the_sampled_acceptance(monkeypatch, tmp_path):
+    import fledge.evaluation.engine_eval as E
+
+    def counters(accepted):
+        return {"drafts": 4, "draft_tokens": 8, "accepted": accepted, "accepted_per_pos": [accepted, 0]}
+
+    def engine_set(accepted, sampled=None):
+        s = {"outputs": [[1, 2]], "wall_s": 1.0, "tokens": 2, "counters": counters(accepted), "top2_gaps": [[1.0]]}
+        return {**s, "sampled": {"counters": counters(sampled), "tokens": 2, "temperature": 1.0}} if sampled else s
+
+    res = {"vllm_version": "0", "device": "CPU: test", "wall_s": 1.0,
+           "engines": {"plain": {"load_s": 1, "sets": {"default": engine_set(0)}},
+                       "drafter": {"load_s": 1, "sets": {"default": engine_set(4, sampled=2)}},
+                       "lookup": {"load_s": 1, "sets": {"default": engine_set(1)}}}}
+    monkeypatch.setattr(E, "run_driver", lambda *a, **k: res)
+    monkeypatch.setattr(E, "served_lint_errors", lambda *a, **k: [])
+    report = {"sets": {"default": {"drafter": {"al": 2.0}, "lookup": {"al": 1.25}}}}
+    cfg = _cfg(engine="vllm", temperature=1.0, draft_tokens=2)
+    section = E.run_engine_eval(cfg, {"default": [[1]]}, report, tmp_path / "d", tmp_path, [5], 64, "cpu",
+                                Path("py"))
+    s = section["sets"]["default"]
+    assert s["drafter"]["al"] == 2.0 and s["drafter_sampled"]["al"] == 1.5
+    assert s["drafter_sampled"]["accept_at"] == [0.5, 0.0]

@@ -202,18 +202,21 @@ def _two_micro_batches():
     return whole, parts
 
 
+@pytest.mark.parametrize("name", ["ttt_ce", "lk_lambda", "tv"])
 @pytest.mark.parametrize("partitioned", [False, True])
-def test_two_micro_batches_train_like_one_batch_holding_both(monkeypatch, partitioned):
+def test_two_micro_batches_train_like_one_batch_holding_both(monkeypatch, partitioned, name):
     """One rank, grad_accum=2: with the step's denominators (train/loss.py step_denominators, divisor 2)
     and each micro-batch's gradient halved (what DeepSpeed's backward does; tests/distributed/
     test_accumulation.py runs the engine itself), the loss and every gradient are those of one batch holding
     both micro-batches' rows, in fp32 to rounding. The micro-batches' own means (the old normalisation) are
-    far from it: their rows weigh 1/n of their own micro-batch, not of the step."""
+    far from it: their rows weigh 1/n of their own micro-batch, not of the step. It holds for every loss
+    (the counted rows and the denominators are shared code), the LK hybrid included: its KL weight is per row,
+    not per micro-batch."""
     import fledge.train.loss as L
-    from fledge.train.loss import SoftCrossEntropy, step_denominators
+    from fledge.train.loss import LOSSES, step_denominators
 
     monkeypatch.setattr(L, "_partitioned", lambda lm_head: partitioned)  # both execution paths
-    loss = SoftCrossEntropy(steps=K, step_weight=W, chunk_size=5)
+    loss = LOSSES.get(name)(steps=K, step_weight=W, chunk_size=5)
     head = torch.randn(40, 32, generator=torch.Generator().manual_seed(4))
     whole, parts = _two_micro_batches()
 
