@@ -8,7 +8,9 @@ never touched by this rule.
 
 Detection (``cpu_bf16_native``), in order:
 1. ``FLEDGE_CPU_BF16=1`` / ``=0`` forces yes / no (tests force "no" to prove no path computes in bf16).
-2. Linux: the CPU flags in /proc/cpuinfo: x86 ``avx512_bf16`` or ``amx_bf16``, Arm ``bf16`` (Armv8.6).
+2. Linux: the CPU flags in /proc/cpuinfo: x86 ``avx512_bf16`` or ``amx_bf16``, Arm ``bf16`` (Armv8.6); on x86
+   only while the process may use them (``_isa_limit``: not under ``ATEN_CPU_CAPABILITY=avx2`` or an
+   ``ONEDNN_MAX_CPU_ISA`` without bf16, which is how an AVX2-only machine is reproduced on a newer one).
 3. Anything else (macOS, Windows, an unreadable /proc): no, so fp32 (always correct, never pathological).
 
 Why not torch's own checks: ``torch.backends.cpu.get_cpu_capability()`` stops at ``AVX512`` (it reports
@@ -62,10 +64,28 @@ def _detect() -> tuple[bool, str]:
         return False, (f"no {CPUINFO} on {platform.system() or 'this OS'} to read the CPU flags from; "
                        f"assuming no native bf16 ({ENV_VAR}=1 overrides)")
     found = native_bf16_flags(text)
+    limit = _isa_limit(found)
+    if found and limit:
+        return False, f"the CPU has native bf16 ({', '.join(found)} in {CPUINFO}) but {limit}"
     if found:
         return True, f"the CPU has native bf16 ({', '.join(found)} in {CPUINFO})"
     return False, (f"the CPU has no native bf16 (no {' / '.join(NATIVE_BF16_FLAGS)} flag in {CPUINFO}; "
                    f"torch.backends.cpu.get_cpu_capability()={torch.backends.cpu.get_cpu_capability()})")
+
+
+def _isa_limit(flags: list[str]) -> str | None:
+    """Why torch will not use the native-bf16 instructions behind ``flags`` in this process, or None: the ISA
+    limits a user (or a test emulating an AVX2-only machine) sets, ``ATEN_CPU_CAPABILITY`` below avx512 for
+    torch's own kernels and ``ONEDNN_MAX_CPU_ISA`` without bf16 for oneDNN's matmuls. bf16 then runs emulated,
+    as on a CPU without the flags."""
+    if any(f in flags for f in ("avx512_bf16", "amx_bf16")):
+        cap = torch.backends.cpu.get_cpu_capability()
+        if cap != "AVX512":
+            return f"torch's CPU capability is {cap} (ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', '')})"
+        isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
+        if isa and isa not in ("ALL", "DEFAULT") and not any(t in isa for t in ("BF16", "AMX", "AVX10")):
+            return f"ONEDNN_MAX_CPU_ISA={isa} keeps oneDNN from bf16 instructions"
+    return None
 
 
 def describe_cpu() -> str:

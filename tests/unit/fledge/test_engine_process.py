@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -45,16 +46,26 @@ def _alive(pid: int) -> bool:
     return state != "Z"  # a zombie holds nothing; whoever adopted it reaps it
 
 
-def _tree_of_this_test(n: int = 3, wait_s: float = 60) -> list[int]:
-    """The stand-in's processes below this test process, once all ``n`` sleeps have started."""
+def _tree_of_this_test(stand_in: Path, before: set[int], n: int = 3, wait_s: float = 60) -> list[int]:
+    """The stand-in's processes below this test process, once all ``n`` sleeps have started: the descendants
+    new since ``before`` the driver started that run the stand-in or its sleeps. The session's background
+    builds and family runs (tests/conftest.py's _ahead) are descendants of this process too, and live on."""
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
-        pids = descendants(__import__("os").getpid())
-        sleeps = [p for p in pids if b"sleep" in Path(f"/proc/{p}/cmdline").read_bytes()] if pids else []
+        pids = [p for p in descendants(os.getpid()) if p not in before
+                and (b"sleep" in _cmdline(p) or str(stand_in).encode() in _cmdline(p))]
+        sleeps = [p for p in pids if b"sleep" in _cmdline(p)]
         if len(sleeps) >= n:
             return pids
         time.sleep(0.05)
     raise AssertionError("the stand-in engine did not start its processes")
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:  # ended while we looked
+        return b""
 
 
 def test_eval_engine_timeout_ends_every_process_the_driver_started(stand_in, tmp_path):
@@ -68,9 +79,10 @@ def test_eval_engine_timeout_ends_every_process_the_driver_started(stand_in, tmp
         except BaseException as e:  # noqa: BLE001 - handed to the test thread
             caught.append(e)
 
+    before = set(descendants(os.getpid()))
     t = threading.Thread(target=serve)
     t.start()
-    tree = _tree_of_this_test()
+    tree = _tree_of_this_test(stand_in, before)
     t.join(60)
     assert not t.is_alive() and caught and isinstance(caught[0], EngineError), caught
     assert not [p for p in tree if _alive(p)], "engine processes outlived the timeout"
@@ -96,8 +108,9 @@ def test_capture_engine_timeout_ends_every_process_the_driver_started(stand_in, 
     from fledge.data.capture.engine import EngineRun
 
     req, job = _capture_request(tmp_path)
+    before = set(descendants(os.getpid()))
     run = EngineRun(stand_in, req, tmp_path / "engine", timeout_s=3)
-    tree = _tree_of_this_test()
+    tree = _tree_of_this_test(stand_in, before)
     with pytest.raises(ValueError) as err:
         next(run.batches(job))
     assert not [p for p in tree if _alive(p)], "engine processes outlived the timeout"
@@ -111,8 +124,9 @@ def test_capture_engine_that_does_not_exit_is_a_user_error_and_is_ended(stand_in
     from fledge.data.capture.engine import EngineRun
 
     req, _ = _capture_request(tmp_path)
+    before = set(descendants(os.getpid()))
     run = EngineRun(stand_in, req, tmp_path / "engine", timeout_s=2)
-    tree = _tree_of_this_test()
+    tree = _tree_of_this_test(stand_in, before)
     with pytest.raises(ValueError,
                        match=r"did not exit after its last batch; no progress for capture.engine_timeout_s=2 s"):
         run.finish()

@@ -76,6 +76,7 @@ def test_native_bf16_is_read_from_the_cpu_flags():
 
 def test_detection_without_override(force, monkeypatch, tmp_path):
     monkeypatch.delenv(precision.ENV_VAR, raising=False)
+    monkeypatch.setattr(precision, "_isa_limit", lambda flags: None)  # this process's ISA limits: next test
     for text, want in ((SPR, True), (EPYC_AVX2, False), (SKYLAKE, False)):
         (tmp_path / "cpuinfo").write_text(text)
         monkeypatch.setattr(precision, "CPUINFO", tmp_path / "cpuinfo")
@@ -85,6 +86,30 @@ def test_detection_without_override(force, monkeypatch, tmp_path):
     precision._detect.cache_clear()
     native, why = precision.cpu_bf16_native()
     assert native is False and precision.ENV_VAR in why
+    precision._detect.cache_clear()  # the real CPU again for later tests
+
+
+def test_isa_limits_turn_native_bf16_off(force, monkeypatch, tmp_path):
+    """ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 on a CPU with avx512_bf16 (how the AVX2-only machine is
+    reproduced on a newer one): torch and oneDNN emulate bf16 there, so bf16 requests compute in fp32."""
+    monkeypatch.delenv(precision.ENV_VAR, raising=False)
+    (tmp_path / "cpuinfo").write_text(SPR)
+    monkeypatch.setattr(precision, "CPUINFO", tmp_path / "cpuinfo")
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    for cap, isa, want in (("AVX512", None, True), ("AVX2", None, False), ("AVX512", "AVX2", False),
+                           ("AVX512", "AVX512_CORE_AMX", True), ("AVX512", "avx512_core_bf16", True),
+                           ("DEFAULT", "ALL", False)):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda cap=cap: cap)
+        if isa:
+            monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
+        else:
+            monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+        precision._detect.cache_clear()
+        native, why = precision.cpu_bf16_native()
+        assert native is want, (cap, isa, why)
+        if not want:
+            assert "but" in why and (cap in why or isa.upper() in why), why
+    assert precision._isa_limit(["bf16"]) is None  # Arm's flag: torch's x86 capability says nothing of it
     precision._detect.cache_clear()  # the real CPU again for later tests
 
 
