@@ -14,6 +14,8 @@ Each config runs four variants, every one in a fresh subprocess: ``ttt`` (K step
 recipes), ``k1`` (one step: the ratio is the cost of training-time test), ``zero0`` (K steps without
 ZeRO) and ``perstep`` (K steps with the earlier loss that recomputes the teacher in every step, which
 ZeRO-3 still uses; train/loss.py). Ratios are against ``ttt`` measured in the same run, so the shared machine's noise cancels.
+``--losses tv rkl ...`` adds the ``ttt`` variant with each of those losses (``drafter.loss``; ``mix`` is
+ttt_ce 0.5 + tv 0.5): the training cost per step of each against the default ``ttt_ce``.
 
 Memory: on CPU the peak RSS of the subprocess, and ``train MiB`` = that minus the peak of a subprocess
 that only imports the same modules and builds the model and batch (so: gradients, optimizer state,
@@ -95,7 +97,11 @@ def train_flops(spec, steps: int, docs: list[int]) -> float:
     return float(flops)
 
 
-def _compose(name: str, k1: bool, zero: int):
+# --losses: the mix's parts (one mix; compare_losses.py sweeps others)
+MIX = "+drafter.loss_mix={ttt_ce: 0.5, tv: 0.5}"
+
+
+def _compose(name: str, k1: bool, zero: int, loss: str = "ttt_ce"):
     from fledge.conf import compose
 
     c = CONFIGS[name]
@@ -104,7 +110,8 @@ def _compose(name: str, k1: bool, zero: int):
                  f"train.micro_batch_tokens={c['T']}", "train.micro_batch_size=1", "train.grad_accum=1",
                  f"deepspeed.zero_stage={zero}", "deepspeed.offload_optimizer=false",
                  f"target.num_hidden_layers={c['shape']['num_hidden_layers']}",
-                 f"target.hidden_size={c['shape']['hidden_size']}", f"target.vocab_size={c['shape']['vocab_size']}"]
+                 f"target.hidden_size={c['shape']['hidden_size']}", f"target.vocab_size={c['shape']['vocab_size']}",
+                 f"drafter.loss={loss}", *([MIX] if loss == "mix" else [])]
     return compose(overrides)
 
 
@@ -159,10 +166,11 @@ def _one(job: dict) -> dict:
         import fledge.train.loss
 
         fledge.train.loss._partitioned = lambda lm_head: True
-    cfg = _compose(name, var["k1"], var["zero"])
+    loss = job.get("loss", "ttt_ce")
+    cfg = _compose(name, var["k1"], var["zero"], loss)
     cuda = world.device.type == "cuda"
     model, batch, spec = _build(name, cfg, world.device)
-    out = {"config": name, "variant": job["variant"], "K": cfg.drafter.ttt_steps, "zero": var["zero"],
+    out = {"config": name, "variant": job["variant"] + (f" {loss}" if loss != "ttt_ce" else ""), "K": cfg.drafter.ttt_steps, "zero": var["zero"],
            "T": CONFIGS[name]["T"], "tokens": batch.num_tokens,
            "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
     if job["mode"] == "build":
@@ -245,6 +253,8 @@ def main() -> None:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), help="default: tiny mid (cpu), llama8b (cuda)")
     ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    ap.add_argument("--losses", nargs="+", default=[], help="also the ttt variant with each of these registered "
+                    "losses (drafter.loss; mix = ttt_ce 0.5 + tv 0.5): the training cost of each against ttt_ce")
     ap.add_argument("--steps", type=int, help="timed steps, median reported (default 3 cpu, 10 cuda)")
     ap.add_argument("--warmup", type=int, help="untimed first steps (default 1 cpu, 3 cuda: flex compiles)")
     ap.add_argument("--peak-flops", type=float, help="for MFU; default 989e12 on cuda (H100/H200 bf16 dense), "
@@ -271,6 +281,13 @@ def main() -> None:
         base = None if cuda else _run({"config": name, "variant": "ttt", "mode": "build"}, args.device)
         for v in variants:
             r = _run({"config": name, "variant": v, "mode": "train", "steps": steps, "warmup": warmup}, args.device)
+            if base and "error" not in r:
+                r["train_mib"] = r["peak_mib"] - base.get("rss_mib", r["peak_mib"])
+            rows.append(r)
+            print(json.dumps({k: v for k, v in r.items() if k != "times"}), file=sys.stderr, flush=True)
+        for loss in args.losses:
+            r = _run({"config": name, "variant": "ttt", "loss": loss, "mode": "train", "steps": steps,
+                      "warmup": warmup}, args.device)
             if base and "error" not in r:
                 r["train_mib"] = r["peak_mib"] - base.get("rss_mib", r["peak_mib"])
             rows.append(r)
