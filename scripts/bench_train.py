@@ -15,7 +15,8 @@ recipes), ``k1`` (one step: the ratio is the cost of training-time test), ``zero
 ZeRO) and ``perstep`` (K steps with the earlier loss that recomputes the teacher in every step, which
 ZeRO-3 still uses; train/loss.py). Ratios are against ``ttt`` measured in the same run, so the shared machine's noise cancels.
 ``--losses tv rkl ...`` adds the ``ttt`` variant with each of those losses (``drafter.loss``; ``mix`` is
-ttt_ce 0.5 + tv 0.5): the training cost per step of each against the default ``ttt_ce``.
+ttt_ce 0.5 + tv 0.5): the training cost per step of each against the default ``ttt_ce``. ``step CPU-s`` (the process's CPU time
+per step, median) is the figure to compare on shared cores, where wall time follows the other jobs' load.
 
 Memory: on CPU the peak RSS of the subprocess, and ``train MiB`` = that minus the peak of a subprocess
 that only imports the same modules and builds the model and batch (so: gradients, optimizer state,
@@ -187,25 +188,27 @@ def _one(job: dict) -> dict:
     if cuda:
         sync()
         static = torch.cuda.memory_allocated()
-    times, losses = [], []
+    times, cpu_times, losses = [], [], []
     for i in range(job["warmup"] + job["steps"]):
         if cuda and i == job["warmup"]:
             torch.cuda.reset_peak_memory_stats()
         sync()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         loss = engine(batch).loss
         engine.backward(loss)
         engine.step()
         sync()
         if i >= job["warmup"]:
             times.append(time.perf_counter() - t0)
+            cpu_times.append(time.process_time() - c0)
         losses.append(loss.item())
     if cuda:
         out["peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
         out["train_mib"] = (torch.cuda.max_memory_allocated() - static) / 2**20
     else:
         out["peak_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    out.update(step_s=statistics.median(times), times=times, losses=losses, dtype=str(dtype).split(".")[-1],
+    out.update(step_s=statistics.median(times), times=times, step_cpu_s=statistics.median(cpu_times),
+               losses=losses, dtype=str(dtype).split(".")[-1],
                flops=train_flops(spec, cfg.drafter.ttt_steps, doc_lengths(CONFIGS[name]["T"])))
     destroy_world()
     return out
@@ -228,22 +231,24 @@ def _run(job: dict, device: str) -> dict:
 
 
 def _table(rows: list[dict], device: str, peak: float | None) -> str:
-    head = ("| config | variant | K | ZeRO | dtype | tokens/step | step s | tokens/s | tok/s vs ttt | peak MiB "
+    head = ("| config | variant | K | ZeRO | dtype | tokens/step | step s | step CPU-s | CPU-s vs ttt | tokens/s "
+            "| tok/s vs ttt | peak MiB "
             "| train MiB | train MiB vs ttt | TFLOP/s | MFU |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     ref = {r["config"]: r for r in rows if r.get("variant") == "ttt" and "error" not in r}
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['config']} | {r['variant']} | | | | | | | | | | | | {r['error']} |")
+            lines.append(f"| {r['config']} | {r['variant']} | | | | | | | | | | | | | | {r['error']} |")
             continue
         tps, base = r["tokens"] / r["step_s"], ref.get(r["config"])
         vs = f"{tps / (base['tokens'] / base['step_s']):.2f}x" if base else "-"
+        cpu_vs = f"{r['step_cpu_s'] / base['step_cpu_s']:.2f}x" if base else "-"
         mem_vs = f"{r['train_mib'] / base['train_mib']:.2f}x" if base and base.get("train_mib", 0) > 0 else "-"
         tflops = r["flops"] / r["step_s"] / 1e12
         mfu = f"{100 * tflops * 1e12 / peak:.1f} %" if peak else "-"
         train_mib = f"{r['train_mib']:.0f}" if "train_mib" in r else "-"
         lines.append(f"| {r['config']} | {r['variant']} | {r['K']} | {r['zero']} | {r['dtype']} | {r['tokens']} | "
-                     f"{r['step_s']:.3f} | {tps:.0f} | {vs} | {r['peak_mib']:.0f} | {train_mib} | {mem_vs} | "
+                     f"{r['step_s']:.3f} | {r['step_cpu_s']:.3f} | {cpu_vs} | {tps:.0f} | {vs} | {r['peak_mib']:.0f} | {train_mib} | {mem_vs} | "
                      f"{tflops:.3g} | {mfu} |")
     return "\n".join(lines)
 
