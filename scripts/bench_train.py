@@ -13,8 +13,11 @@ head_dim 128, I 14336, Vd 32000, V 128256, K 7, T 4096). fp32 on CPU, bf16 on CU
 Each config runs four variants, every one in a fresh subprocess: ``ttt`` (K steps, ZeRO-2 as the
 recipes), ``k1`` (one step: the ratio is the cost of training-time test), ``zero0`` (K steps without
 ZeRO) and ``perstep`` (K steps with the earlier loss that recomputes the teacher in every step, which
-ZeRO-3 still uses; train/loss.py). Ratios are against ``ttt`` measured in the same run, so the shared machine's noise
-cancels.
+ZeRO-3 still uses; train/loss.py). Ratios are against ``ttt`` measured in the same run, so the shared machine's
+noise cancels. ``--losses tv rkl ...`` adds the ``ttt`` variant with each of those losses (``drafter.loss``;
+``mix`` is ttt_ce 0.5 + tv 0.5): the training cost per step of each against the default ``ttt_ce``.
+``step CPU-s`` (the process's CPU time per step, median) is the figure to compare on shared cores, where wall
+time follows the other jobs' load.
 
 Memory: on CPU the peak RSS of the subprocess, and ``train MiB`` = that minus the peak of a subprocess
 that only imports the same modules and builds the model and batch (so: gradients, optimizer state,
@@ -96,7 +99,11 @@ def train_flops(spec, steps: int, docs: list[int]) -> float:
     return float(flops)
 
 
-def _compose(name: str, k1: bool, zero: int):
+# --losses: the mix's parts (one mix; compare_losses.py sweeps others)
+MIX = "+drafter.loss_mix={ttt_ce: 0.5, tv: 0.5}"
+
+
+def _compose(name: str, k1: bool, zero: int, loss: str = "ttt_ce"):
     from fledge.conf import compose
 
     c = CONFIGS[name]
@@ -105,7 +112,8 @@ def _compose(name: str, k1: bool, zero: int):
                  f"train.micro_batch_tokens={c['T']}", "train.micro_batch_size=1", "train.grad_accum=1",
                  f"deepspeed.zero_stage={zero}", "deepspeed.offload_optimizer=false",
                  f"target.num_hidden_layers={c['shape']['num_hidden_layers']}",
-                 f"target.hidden_size={c['shape']['hidden_size']}", f"target.vocab_size={c['shape']['vocab_size']}"]
+                 f"target.hidden_size={c['shape']['hidden_size']}", f"target.vocab_size={c['shape']['vocab_size']}",
+                 f"drafter.loss={loss}", *([MIX] if loss == "mix" else [])]
     return compose(overrides)
 
 
@@ -160,10 +168,12 @@ def _one(job: dict) -> dict:
         import fledge.train.loss
 
         fledge.train.loss._partitioned = lambda lm_head: True
-    cfg = _compose(name, var["k1"], var["zero"])
+    loss = job.get("loss", "ttt_ce")
+    cfg = _compose(name, var["k1"], var["zero"], loss)
     cuda = world.device.type == "cuda"
     model, batch, spec = _build(name, cfg, world.device)
-    out = {"config": name, "variant": job["variant"], "K": cfg.drafter.ttt_steps, "zero": var["zero"],
+    variant = job["variant"] + (f" {loss}" if loss != "ttt_ce" else "")
+    out = {"config": name, "variant": variant, "K": cfg.drafter.ttt_steps, "zero": var["zero"],
            "T": CONFIGS[name]["T"], "tokens": batch.num_tokens,
            "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
     if job["mode"] == "build":
@@ -180,25 +190,27 @@ def _one(job: dict) -> dict:
     if cuda:
         sync()
         static = torch.cuda.memory_allocated()
-    times, losses = [], []
+    times, cpu_times, losses = [], [], []
     for i in range(job["warmup"] + job["steps"]):
         if cuda and i == job["warmup"]:
             torch.cuda.reset_peak_memory_stats()
         sync()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         loss = engine(batch).loss
         engine.backward(loss)
         engine.step()
         sync()
         if i >= job["warmup"]:
             times.append(time.perf_counter() - t0)
+            cpu_times.append(time.process_time() - c0)
         losses.append(loss.item())
     if cuda:
         out["peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
         out["train_mib"] = (torch.cuda.max_memory_allocated() - static) / 2**20
     else:
         out["peak_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    out.update(step_s=statistics.median(times), times=times, losses=losses, dtype=str(dtype).split(".")[-1],
+    out.update(step_s=statistics.median(times), times=times, step_cpu_s=statistics.median(cpu_times),
+               losses=losses, dtype=str(dtype).split(".")[-1],
                flops=train_flops(spec, cfg.drafter.ttt_steps, doc_lengths(CONFIGS[name]["T"])))
     destroy_world()
     return out
@@ -221,22 +233,25 @@ def _run(job: dict, device: str) -> dict:
 
 
 def _table(rows: list[dict], device: str, peak: float | None) -> str:
-    head = ("| config | variant | K | ZeRO | dtype | tokens/step | step s | tokens/s | tok/s vs ttt | peak MiB "
+    head = ("| config | variant | K | ZeRO | dtype | tokens/step | step s | step CPU-s | CPU-s vs ttt | tokens/s "
+            "| tok/s vs ttt | peak MiB "
             "| train MiB | train MiB vs ttt | TFLOP/s | MFU |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     ref = {r["config"]: r for r in rows if r.get("variant") == "ttt" and "error" not in r}
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['config']} | {r['variant']} | | | | | | | | | | | | {r['error']} |")
+            lines.append(f"| {r['config']} | {r['variant']} | | | | | | | | | | | | | | {r['error']} |")
             continue
         tps, base = r["tokens"] / r["step_s"], ref.get(r["config"])
         vs = f"{tps / (base['tokens'] / base['step_s']):.2f}x" if base else "-"
+        cpu_vs = f"{r['step_cpu_s'] / base['step_cpu_s']:.2f}x" if base else "-"
         mem_vs = f"{r['train_mib'] / base['train_mib']:.2f}x" if base and base.get("train_mib", 0) > 0 else "-"
         tflops = r["flops"] / r["step_s"] / 1e12
         mfu = f"{100 * tflops * 1e12 / peak:.1f} %" if peak else "-"
         train_mib = f"{r['train_mib']:.0f}" if "train_mib" in r else "-"
         lines.append(f"| {r['config']} | {r['variant']} | {r['K']} | {r['zero']} | {r['dtype']} | {r['tokens']} | "
-                     f"{r['step_s']:.3f} | {tps:.0f} | {vs} | {r['peak_mib']:.0f} | {train_mib} | {mem_vs} | "
+                     f"{r['step_s']:.3f} | {r['step_cpu_s']:.3f} | {cpu_vs} | {tps:.0f} | {vs} | {r['peak_mib']:.0f} | "
+                     f"{train_mib} | {mem_vs} | "
                      f"{tflops:.3g} | {mfu} |")
     return "\n".join(lines)
 
@@ -246,6 +261,8 @@ def main() -> None:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), help="default: tiny mid (cpu), llama8b (cuda)")
     ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    ap.add_argument("--losses", nargs="+", default=[], help="also the ttt variant with each of these registered "
+                    "losses (drafter.loss; mix = ttt_ce 0.5 + tv 0.5): the training cost of each against ttt_ce")
     ap.add_argument("--steps", type=int, help="timed steps, median reported (default 3 cpu, 10 cuda)")
     ap.add_argument("--warmup", type=int, help="untimed first steps (default 1 cpu, 3 cuda: flex compiles)")
     ap.add_argument("--peak-flops", type=float, help="for MFU; default 989e12 on cuda (H100/H200 bf16 dense), "
@@ -272,6 +289,13 @@ def main() -> None:
         base = None if cuda else _run({"config": name, "variant": "ttt", "mode": "build"}, args.device)
         for v in variants:
             r = _run({"config": name, "variant": v, "mode": "train", "steps": steps, "warmup": warmup}, args.device)
+            if base and "error" not in r:
+                r["train_mib"] = r["peak_mib"] - base.get("rss_mib", r["peak_mib"])
+            rows.append(r)
+            print(json.dumps({k: v for k, v in r.items() if k != "times"}), file=sys.stderr, flush=True)
+        for loss in args.losses:
+            r = _run({"config": name, "variant": "ttt", "loss": loss, "mode": "train", "steps": steps,
+                      "warmup": warmup}, args.device)
             if base and "error" not in r:
                 r["train_mib"] = r["peak_mib"] - base.get("rss_mib", r["peak_mib"])
             rows.append(r)

@@ -229,8 +229,9 @@ def run(args) -> int:
     t0 = time.time()
     _train_main(args.nproc, [*common, "run.name=base", "run.stages=[prepare,capture]"])
     times, dirs = {"prepare+capture": time.time() - t0}, []
-    for tag, loss in specs:
-        for seed in args.seeds:
+    # Seed-major: a sweep cut short still has every loss at the seeds it finished.
+    for seed in args.seeds:
+        for tag, loss in specs:
             name = f"{tag}_s{seed}"
             run_dir = root / name
             run_dir.mkdir(parents=True, exist_ok=True)

@@ -136,9 +136,10 @@ def test_the_sweep_trains_every_loss_and_seed_from_one_capture(cl, tmp_path, mon
     for call in calls:
         assert "recipe=tiny" in call and "train.max_steps=5" in call and "eval.temperature=1.0" in call
     names = [next(x for x in c if x.startswith("run.name=")) for c in calls[1:]]
-    assert names == ["run.name=ttt_ce_s0", "run.name=ttt_ce_s1", "run.name=mix_ttt_ce0.5_tv0.5_s0",
+    # seed-major: a sweep cut short has every loss at the seeds it finished
+    assert names == ["run.name=ttt_ce_s0", "run.name=mix_ttt_ce0.5_tv0.5_s0", "run.name=ttt_ce_s1",
                      "run.name=mix_ttt_ce0.5_tv0.5_s1"]
-    assert "+drafter.loss_mix={ttt_ce: 0.5, tv: 0.5}" in calls[3] and "run.seed=1" in calls[4]
+    assert "+drafter.loss_mix={ttt_ce: 0.5, tv: 0.5}" in calls[2] and "run.seed=1" in calls[4]
     c = json.loads((root / "compare_losses.json").read_text())
     assert c["order"] == ["ttt_ce", "mix(ttt_ce=0.5,tv=0.5)"] and c["groups"]["ttt_ce"]["seeds"] == [0, 1]
     assert json.loads((root / "sweep_times.json").read_text())["total_s"] >= 0
