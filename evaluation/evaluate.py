@@ -18,7 +18,6 @@ Outputs: the report (report.json, report.md) and PNG plots (evaluation/report.py
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,6 +25,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from fledge.atomic import read_jsonl
 from fledge.data.prepare.build import load_tokenizer
 from fledge.data.prepare.chat import ChatRenderer, eot_ids_from_target, prompt_ids
 from fledge.evaluation import long_context
@@ -60,15 +60,7 @@ HALF_TIE_GAP = 0.25
 
 # ------------------------------------------------------------------------------------------ prompts
 def read_conversations(path: Path) -> list[dict]:
-    convs = []
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    convs.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{i}: not valid JSON ({e}); re-run the prepare stage") from None
-    return convs
+    return read_jsonl(path, "re-run the prepare stage")
 
 
 def prompt_upto(conv: dict) -> int:

@@ -15,10 +15,11 @@ builds the prompts and keeps the per-bucket summary the report and ``fledge comp
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+from fledge.atomic import read_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -83,14 +84,7 @@ def check_long_source(path: str, key: str = "eval.long_context_source", hint: st
 def read_long_source(path: str, key: str = "eval.long_context_source") -> list[dict]:
     """The conversations of a jsonl file; a missing file is a ValueError naming ``key`` and the fix."""
     check_long_source(path, key)
-    convs = []
-    for i, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
-        if line.strip():
-            try:
-                convs.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{i}: not valid JSON ({e}); fix or regenerate {key}") from None
-    return convs
+    return read_jsonl(path, f"fix or regenerate {key}")
 
 
 def summarize(bucket: int, result: dict, drift: dict) -> dict:

@@ -29,6 +29,20 @@ def read_json(path: str | Path) -> dict | None:
         raise ValueError(f"{p}: not valid JSON ({e}); delete it to start that step over") from None
 
 
+def read_jsonl(path: str | Path, fix: str) -> list[dict]:
+    """The records of a jsonl file (blank lines skipped); a bad line is a ValueError naming the file, the line
+    and ``fix``."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{i}: not valid JSON ({e}); {fix}") from None
+    return out
+
+
 def write_json_atomic(path: str | Path, obj: Any) -> None:
     """``obj`` as strict JSON: a non-finite number (an AL over no rounds, an infinite log-prob gap) is
     written as null, since jq, JavaScript and most dashboards refuse the NaN / Infinity Python emits."""
