@@ -15,6 +15,7 @@ import sys
 
 import pytest
 
+from tests.helpers.memory import saved_bytes
 from tests.helpers.paths import REPO
 
 CHECKS = ("fused_loss", "fused_loss_bf16", "fused_loss_bf16_near_convergence", "rmsnorm", "fp8",
@@ -227,22 +228,6 @@ def check_drafter_triton_norms():
         _close(f"grad {name}", gb[name], ga[name], 1e-5, 1e-4)
 
 
-def _saved_bytes(fn, inputs):
-    """Bytes of the storages autograd keeps for backward, beyond those of ``inputs``."""
-    import torch
-
-    storages = {}
-
-    def pack(t):
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    own = {x.untyped_storage().data_ptr() for x in inputs}
-    return sum(b for ptr, b in storages.items() if ptr not in own)
-
-
 def check_saved_memory():
     """What the loss keeps between forward and backward does not grow with the vocab: one fp32 lse and one
     index per row and the teacher's fp32 q [N, H], whatever Vd is (the naive path, the negative control,
@@ -257,13 +242,13 @@ def check_saved_memory():
     for impl in ("triton", "naive"):
         for vd in (40, 160):
             inputs = _loss_inputs(torch.float32, n=n, h=h, vd=vd)
-            saved[impl, vd] = _saved_bytes(lambda inputs=inputs, impl=impl: fused_draft_loss(*inputs, impl=impl),
+            saved[impl, vd] = saved_bytes(lambda inputs=inputs, impl=impl: fused_draft_loss(*inputs, impl=impl),
                                            inputs)
     assert saved["triton", 40] == saved["triton", 160] == n * 4 + n * 8 + n * h * 4, saved
     assert saved["naive", 160] > saved["naive", 40] + n * 120 * 4, saved
     x = torch.randn(5, 7, 96, dtype=torch.bfloat16, requires_grad=True)
     w = torch.ones(96, dtype=torch.bfloat16, requires_grad=True)
-    assert _saved_bytes(lambda: rms_norm(x, w, impl="triton"), (x, w)) == 5 * 7 * 4
+    assert saved_bytes(lambda: rms_norm(x, w, impl="triton"), (x, w)) == 5 * 7 * 4
 
 
 if __name__ == "__main__":

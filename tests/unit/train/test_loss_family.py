@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from fledge.models.alignment import StepRows
+from tests.helpers.memory import saved_bytes
 from tests.helpers.models import FLAGS, make_drafter, packed_batch
 
 K, W = 3, 0.8
@@ -198,20 +199,6 @@ def test_bf16_gradients_near_convergence(name):
 
 
 # ---- the memory rule --------------------------------------------------------------------------------------
-def _saved_bytes(fn, own):
-    """Bytes of the storages autograd keeps between forward and backward, besides those of ``own``."""
-    storages = {}
-
-    def pack(t):
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    mine = {x.untyped_storage().data_ptr() for x in own}
-    return sum(b for ptr, b in storages.items() if ptr not in mine)
-
-
 @pytest.mark.parametrize("path", ["generic", "fp32_head", "materialised"])
 @pytest.mark.parametrize("name", ["tv", "lk_lambda", "mix"])
 def test_no_step_keeps_its_logits_for_backward(name, path):
@@ -236,7 +223,7 @@ def test_no_step_keeps_its_logits_for_backward(name, path):
 
         run = {"generic": L._per_step_module_calls, "fp32_head": L._fp32_head_steps,
                "materialised": materialised}[path]
-        saved[vd] = _saved_bytes(lambda run=run, loss_sum=loss_sum, ys=ys, prob=prob, head=head:
+        saved[vd] = saved_bytes(lambda run=run, loss_sum=loss_sum, ys=ys, prob=prob, head=head:
                                  run(loss_sum, ys, prob["rows"], prob["t"], head, prob["w_t"], 7),
                                  [*ys, prob["t"], prob["w_t"], head.weight])
     rows = sum(int(s.counted.sum()) for s in prob["rows"])
