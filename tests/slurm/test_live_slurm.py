@@ -87,8 +87,23 @@ def losses(run: Path) -> list[dict[str, float]]:
     return [{k: v for k, v in r.items() if k.startswith("loss")} | {"step": r["step"]} for r in rows if "loss_0" in r]
 
 
+# What the drafter's own greedy drafts decide (its acceptance figures, and the attention drift measured along
+# the drafted tokens): a weight that differs in the 5th digit can flip one near-tie draft token, which moves a
+# set's AL by one accepted token over its rounds (measured on an AMX Xeon, whose bf16 capture gives features one
+# rounding step apart: 36/29 vs 36/28 = 1.241 vs 1.286 on 2 prompts of 24 tokens). There the report allows
+# one such flip and no more; everything else, the target's own figures (prompt lookup, distinct-3, held-out
+# loss and estimate) included, still holds to the stage's relative tolerance.
+DRAFTED = re.compile(r"(^eval/al_(default|perturbed|long)$|/drafter(_non_degenerate)?/|/al_minus_lookup|"
+                     r"^report\.json/(drift|offline_vs_measured)/)")
+ONE_FLIP = {"al": 0.1, "rounds": 1, "other": 0.05}  # AL within 0.1, rounds within 1, fractions within 0.05
+
+
 def assert_close(a, b, where: str = "", rel: float = 1e-6) -> None:
-    if isinstance(a, float) and isinstance(b, float):
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and DRAFTED.search(where):
+        name = where.rsplit("/", 1)[-1]
+        tol = ONE_FLIP["rounds"] if name == "rounds" else ONE_FLIP["al" if "al" in name else "other"]
+        assert abs(a - b) <= tol or math.isclose(a, b, rel_tol=rel), f"{where}: {a} != {b} beyond one draft flip"
+    elif isinstance(a, float) and isinstance(b, float):
         assert math.isclose(a, b, rel_tol=rel, abs_tol=1e-9) or (math.isnan(a) and math.isnan(b)), \
             f"{where}: {a} != {b}"
     elif isinstance(a, dict) and isinstance(b, dict):
