@@ -135,6 +135,29 @@ def test_drafters_trained_from_either_store_have_the_same_loss_curve(runs):
     assert a[(steps[-1], "loss_0")] < a[(steps[0], "loss_0")] - 0.5  # and it is a curve: the drafter learned
 
 
+def test_drafter_trained_online_from_vllm_equals_one_trained_from_its_store(runs):
+    """capture.mode=online, capture.engine=vllm (data/capture/stream.py): the engine streams the same prepared
+    data through the bounded buffer in the global batch plan's order; every logged loss of the 20 steps
+    equals the store-trained run's within 1e-6 relative, and no store is written."""
+    run, _, ov = runs
+    online = run.parent / "online"
+    online.mkdir()
+    shutil.copytree(run / "prepare", online / "prepare")
+    torchrun(*ov, "run.name=online", "run.stages=[train]", "capture.mode=online", "capture.engine=vllm",
+             "capture.buffer_batches=2")
+    a, b = _losses(online), _losses(run)
+    assert a.keys() == b.keys() and len(a) >= 10 * 3
+    for key in a:
+        assert abs(a[key] - b[key]) <= 1e-6 * abs(b[key]), (key, a[key], b[key])
+    assert not (online / "capture").exists()
+    out = manifest(online, "train")["outputs"]
+    assert out["engine_starts"] == 1 and out["engine_wait_s"] > 0
+    spool = online / "train" / "stream" / "rank00000" / "train" / "spool"
+    assert not list(spool.glob("*.safetensors"))  # every streamed batch was consumed and deleted
+    req = json.loads((spool.parent / "request.json").read_text())
+    assert req["max_pending_batches"] == 2 and len(req["jobs"][0]["batches"]) == 20
+
+
 def test_two_array_tasks_capture_through_vllm_at_once(tiny_target, tiny_data, tmp_path):
     """Array capture with capture.engine=vllm: two slice tasks of one run directory at the same time, each
     with its own engine and work directory (capture/engine/sliceNNNNN/rankNNNNN: the tasks share rank
