@@ -43,7 +43,8 @@ def _engine_sources(cfg: Config, ctx: StageContext, dtype: torch.dtype, rank: in
     env = engine_env(w.device.type, w.rank, w.local_rank, w.world_size, cap.tensor_parallel_size, 1,
                      os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500")) + 1)
     spec = dict(python=python, target=tc.name_or_path, revision=tc.revision, trust_remote_code=tc.trust_remote_code,
-                dtype=engine_dtype, aux_layer_ids=list(cfg.aux_layer_ids()), num_layers=shape.num_hidden_layers,
+                dtype=engine_dtype, feature_dtype=dtype, aux_layer_ids=list(cfg.aux_layer_ids()),
+                num_layers=shape.num_hidden_layers,
                 rms_norm_eps=shape.rms_norm_eps, aux_dtype=cap.dtype, env=env, timeout_s=cap.engine_timeout_s,
                 buffer_batches=cap.buffer_batches, restarts=cap.engine_restarts, device=w.device)
     out = []

@@ -14,12 +14,15 @@ into a FeatureBatch and deletes the files. So backpressure runs both ways, the b
 The data position is the contract: a resumed trainer seeks to its checkpoint's position and starts a fresh
 engine from there (a killed run's unconsumed buffer is dropped), so no sample is lost or repeated. An
 engine that dies is started again from the batch the trainer waits for, ``capture.engine_restarts`` times,
-then the run fails with one line naming the engine's log. The held-out set is streamed by a short-lived
+then the run fails with one line naming the engine's log. Every consumed batch is appended to
+``<rank dir>/train-consumed.jsonl`` (global batch, sample ids): the record a resumed or restarted run
+is checked against. The held-out set is streamed by a short-lived
 engine of its own at each evaluation.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -51,6 +54,7 @@ class StreamSpec:
     revision: str | None
     trust_remote_code: bool
     dtype: torch.dtype  # the engine's and the head's compute dtype
+    feature_dtype: torch.dtype  # the trainer's: float features are decoded to it, as FeatureLoader does
     aux_layer_ids: list[int]
     num_layers: int
     rms_norm_eps: float
@@ -125,8 +129,9 @@ class EngineFeatureSource(BatchIterator):
             # the store's rounding, so online and offline training see the very same numbers
             e = encode_sample(row["input_ids"], row["loss_mask"], aux, final, argmax, n_aux, s.aux_dtype)
             out.append({"input_ids": e["input_ids"].long(), "loss_mask": e["loss_mask"].bool(),
-                        "aux_hidden": decode_aux(e["aux_hidden"], e.get("aux_scale"), n_aux, s.dtype),
-                        "target_hidden": e["target_hidden"].to(s.dtype), "target_argmax": e["target_argmax"].long()})
+                        "aux_hidden": decode_aux(e["aux_hidden"], e.get("aux_scale"), n_aux, s.feature_dtype),
+                        "target_hidden": e["target_hidden"].to(s.feature_dtype),
+                        "target_argmax": e["target_argmax"].long()})
         return out
 
     def _next_from_engine(self, g: int) -> list[dict]:
@@ -137,12 +142,12 @@ class EngineFeatureSource(BatchIterator):
             try:
                 got = next(self._stream)
             except (ValueError, StopIteration) as e:
-                dead = self._run.proc.returncode is not None
+                dead, log_path = self._run.proc.returncode is not None, self._run.log_path
                 if not dead or self._restarts_left <= 0:
                     self.close()
                     if isinstance(e, StopIteration):
                         raise ValueError(f"capture.engine=vllm: the engine's stream ended before global batch {g}; "
-                                         f"see {self._run.log_path}") from None
+                                         f"see {log_path}") from None
                     raise
                 self._restarts_left -= 1
                 log.warning("capture.engine=vllm: the engine died before global batch %d (%s); starting it again "
@@ -153,7 +158,10 @@ class EngineFeatureSource(BatchIterator):
             finally:
                 self.wait_s += time.perf_counter() - t0
             self._next_g = g + self.world
-            return self._features(got, g)
+            out = self._features(got, g)
+            with open(Path(self.spec.workdir) / f"{self.name}-consumed.jsonl", "a") as f:  # the fault tests' record
+                f.write(json.dumps({"batch": g, "samples": self._samples_of(g)}) + "\n")
+            return out
 
     # -- BatchIterator ------------------------------------------------------------------------------------
 

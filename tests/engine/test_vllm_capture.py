@@ -135,16 +135,32 @@ def test_drafters_trained_from_either_store_have_the_same_loss_curve(runs):
     assert a[(steps[-1], "loss_0")] < a[(steps[0], "loss_0")] - 0.5  # and it is a curve: the drafter learned
 
 
-def test_drafter_trained_online_from_vllm_equals_one_trained_from_its_store(runs):
+def _online(run: Path, ov: list[str], name: str) -> list[str]:
+    """A run directory ``name`` beside ``run`` holding its prepared data; the online command's overrides."""
+    (run.parent / name).mkdir()
+    shutil.copytree(run / "prepare", run.parent / name / "prepare")
+    return [*ov, f"run.name={name}", "run.stages=[train]", "capture.mode=online", "capture.engine=vllm",
+            "capture.buffer_batches=2"]
+
+
+def _consumed(run: Path) -> list[tuple[int, list[int]]]:
+    """The global batches the trainer consumed, in order, with their sample ids (data/capture/stream.py)."""
+    path = run / "train" / "stream" / "rank00000" / "train-consumed.jsonl"
+    return [(r["batch"], r["samples"]) for r in map(json.loads, path.read_text().splitlines())]
+
+
+@pytest.fixture(scope="module")
+def online(runs):
+    run, _, ov = runs
+    torchrun(*_online(run, ov, "online"))
+    return run.parent / "online"
+
+
+def test_drafter_trained_online_from_vllm_equals_one_trained_from_its_store(runs, online):
     """capture.mode=online, capture.engine=vllm (data/capture/stream.py): the engine streams the same prepared
     data through the bounded buffer in the global batch plan's order; every logged loss of the 20 steps
     equals the store-trained run's within 1e-6 relative, and no store is written."""
-    run, _, ov = runs
-    online = run.parent / "online"
-    online.mkdir()
-    shutil.copytree(run / "prepare", online / "prepare")
-    torchrun(*ov, "run.name=online", "run.stages=[train]", "capture.mode=online", "capture.engine=vllm",
-             "capture.buffer_batches=2")
+    run, _, _ = runs
     a, b = _losses(online), _losses(run)
     assert a.keys() == b.keys() and len(a) >= 10 * 3
     for key in a:
@@ -152,10 +168,44 @@ def test_drafter_trained_online_from_vllm_equals_one_trained_from_its_store(runs
     assert not (online / "capture").exists()
     out = manifest(online, "train")["outputs"]
     assert out["engine_starts"] == 1 and out["engine_wait_s"] > 0
-    spool = online / "train" / "stream" / "rank00000" / "train" / "spool"
-    assert not list(spool.glob("*.safetensors"))  # every streamed batch was consumed and deleted
-    req = json.loads((spool.parent / "request.json").read_text())
+    assert [g for g, _ in _consumed(online)] == list(range(20))
+    work = online / "train" / "stream" / "rank00000" / "train"
+    assert not list((work / "spool").rglob("*.safetensors"))  # every streamed batch was consumed and deleted
+    req = json.loads((work / "request.json").read_text())
     assert req["max_pending_batches"] == 2 and len(req["jobs"][0]["batches"]) == 20
+
+
+def _drivers(pid: int) -> list[int]:
+    return [p for p in descendants(pid) if "capture_driver.py" in _cmdline(p)]
+
+
+@pytest.mark.skipif(not FULL, reason="FLEDGE_ENGINE_FULL=1 runs the streaming engine's kill -9 test (CI time budget)")
+def test_streaming_engine_killed_is_restarted_with_no_sample_lost_or_repeated(runs, online):
+    """kill -9 of the engine mid-training: the trainer starts it again from the batch it waits for, and
+    consumes exactly the uninterrupted run's batches (same sample ids, same order) with the same losses."""
+    run, _, ov = runs
+    proc = subprocess.Popen(cmd(*_online(run, ov, "engine_killed")), cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    killed = run.parent / "engine_killed"
+    try:
+        deadline = time.monotonic() + 600
+        log = killed / "train" / "stream" / "rank00000" / "train-consumed.jsonl"
+        while not (log.exists() and len(log.read_text().splitlines()) >= 5):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-4000:]
+            time.sleep(0.2)
+        drivers = _drivers(proc.pid)
+        assert drivers
+        for pid in drivers:
+            os.kill(pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=900)
+        assert proc.returncode == 0, out[-6000:]
+    finally:
+        proc.kill()
+    assert "the engine died before global batch" in out
+    assert manifest(killed, "train")["outputs"]["engine_starts"] == 2
+    assert _consumed(killed) == _consumed(online)
+    a, b = _losses(killed), _losses(online)
+    assert a.keys() == b.keys() and all(abs(a[k] - b[k]) <= 1e-6 * abs(b[k]) for k in a)
 
 
 def test_two_array_tasks_capture_through_vllm_at_once(tiny_target, tiny_data, tmp_path):
