@@ -352,8 +352,9 @@ print(json.dumps(out))
 @pytest.mark.skipif(not FULL, reason="FLEDGE_ENGINE_FULL=1 runs the streaming job's kill -9 test (CI time budget)")
 def test_streaming_job_killed_resumes_from_its_checkpoint_with_no_sample_lost_or_repeated(runs, online):
     """kill -9 of the whole job (torchrun and its trainer rank; the engine, orphaned, ends itself) after a
-    checkpoint, then the same command: training resumes at the checkpoint's data position with a fresh engine; the batches trained
-    into the final drafter are the uninterrupted run's (same sample ids, same order), and so are the losses."""
+    checkpoint, then the same command: training resumes at the checkpoint's data position with a fresh engine;
+    the batches trained into the final drafter are the uninterrupted run's (same sample ids, same order), and so
+    are the losses."""
     run, _, ov = runs
     # checkpoints on logged steps, so every logged loss averages the same steps in both runs
     ov = [o for o in ov if not o.startswith("train.save_every=")] + ["train.save_every=4"]
