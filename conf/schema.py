@@ -134,6 +134,11 @@ class CaptureConfig:
     tensor_parallel_size: int = 1  # vllm: GPUs per engine (one engine per Fledge rank)
     expert_parallel: bool = False  # vllm: enable_expert_parallel (MoE experts over the TP x DP GPUs)
     data_parallel_size: int = 1  # vllm: 1 = independent engine per rank; world size = one vLLM DP group
+    # vllm + mode=online (data/capture/stream.py): global batches each rank's engine may run ahead of its trainer
+    # (the stream buffer under <run>/train/stream/, at most this many batches of states on disk), and how often a
+    # dead engine is started again from the trainer's data position before the run fails.
+    buffer_batches: int = 4
+    engine_restarts: int = 1
 
 
 @dataclass
@@ -258,10 +263,15 @@ class Config:
         _one_of("capture.mode", self.capture.mode, ("offline", "online"))
         _one_of("capture.dtype", self.capture.dtype, ("bf16", "fp8"))
         _one_of("capture.engine", self.capture.engine, ("hf", "vllm"))
-        if self.capture.engine == "vllm" and (self.capture.mode != "offline" or self.capture.device_map):
-            raise ValueError("capture.engine=vllm writes the offline store with the engine's own parallelism: use it "
-                             "with capture.mode=offline and without capture.device_map (set "
-                             "capture.tensor_parallel_size / expert_parallel instead)")
+        if self.capture.engine == "vllm" and self.capture.device_map:
+            raise ValueError("capture.engine=vllm runs the target with the engine's own parallelism: drop "
+                             "capture.device_map (set capture.tensor_parallel_size / expert_parallel instead)")
+        if self.capture.engine == "vllm" and self.capture.mode == "online" and self.capture.data_parallel_size > 1:
+            raise ValueError("capture.mode=online with capture.engine=vllm streams from one engine per trainer rank: "
+                             "set capture.data_parallel_size=1")
+        if self.capture.buffer_batches < 1:
+            raise ValueError(f"capture.buffer_batches={self.capture.buffer_batches}: must be >= 1 (batches the "
+                             "engine may run ahead of the trainer)")
         _check_capture_slices(self)
         _one_of("deepspeed.zero_stage", self.deepspeed.zero_stage, (0, 1, 2, 3))
         _one_of("train.optim.schedule", self.train.optim.schedule, ("cosine", "linear", "constant"))

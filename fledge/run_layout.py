@@ -98,6 +98,11 @@ class TrainDir:
         return self.root / "metrics.jsonl"
 
     @property
+    def stream(self) -> Path:
+        """capture.mode=online with capture.engine=vllm: each rank's engine work dir and bounded stream buffer."""
+        return self.root / "stream"
+
+    @property
     def best(self) -> Path:
         return self.root / "best"
 

@@ -16,6 +16,49 @@ from fledge.models.target import FrozenTarget
 from fledge.train.runner import StageContext
 
 
+def _engine_sources(cfg: Config, ctx: StageContext, dtype: torch.dtype, rank: int, world_size: int):
+    """capture.mode=online, capture.engine=vllm: one engine per rank streams each split (data/capture/stream.py)."""
+    import os
+
+    from transformers import AutoConfig
+
+    from fledge.data.capture.engine import engine_env
+    from fledge.data.capture.stream import EngineFeatureSource, StreamSpec
+    from fledge.engine_process import SETUP_HINT, engine_python
+    from fledge.models.families import read_target
+    from fledge.models.precision import compute_dtype
+    from fledge.models.target import check_target_config
+
+    t, cap, w, tc = cfg.train, cfg.capture, ctx.world, cfg.target
+    python = engine_python(cap.engine_python)
+    if not python.exists():
+        raise ValueError(f"capture.engine=vllm: no engine python at {python}; "
+                         f"{SETUP_HINT.replace('eval.engine_python', 'capture.engine_python')}")
+    hf_config = AutoConfig.from_pretrained(tc.name_or_path, revision=tc.revision,
+                                           trust_remote_code=tc.trust_remote_code)
+    check_target_config(hf_config, tc)
+    shape = read_target(hf_config)[1]
+    want = tc.dtype if tc.dtype != "auto" else str(getattr(hf_config, "dtype", None) or "bfloat16")
+    engine_dtype = compute_dtype(getattr(torch, str(want).replace("torch.", "")), w.device, f"target.dtype={tc.dtype}")
+    env = engine_env(w.device.type, w.rank, w.local_rank, w.world_size, cap.tensor_parallel_size, 1,
+                     os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500")) + 1)
+    spec = dict(python=python, target=tc.name_or_path, revision=tc.revision, trust_remote_code=tc.trust_remote_code,
+                dtype=engine_dtype, feature_dtype=dtype, aux_layer_ids=list(cfg.aux_layer_ids()),
+                num_layers=shape.num_hidden_layers,
+                rms_norm_eps=shape.rms_norm_eps, aux_dtype=cap.dtype, env=env, timeout_s=cap.engine_timeout_s,
+                buffer_batches=cap.buffer_batches, restarts=cap.engine_restarts, device=w.device)
+    out = []
+    for split in ("train", "eval"):
+        src = EngineFeatureSource(ctx.layout.prepare.split(split),
+                                  StreamSpec(workdir=ctx.layout.train.stream / f"rank{w.rank:05d}", **spec),
+                                  rank, world_size, t.micro_batch_tokens, t.micro_batch_size, cfg.run.seed, name=split)
+        if split == "train":  # the engine's job runs to the end of training (per_step global batches a step)
+            per_step = t.grad_accum * world_size
+            src.end = t.max_steps * per_step if t.max_steps else t.epochs * src.rounds_per_epoch * world_size
+        out.append(src)
+    return tuple(out)
+
+
 def build_loaders(cfg: Config, ctx: StageContext, dtype: torch.dtype, rank: int | None = None,
                   world_size: int | None = None) -> tuple[BatchIterator, BatchIterator]:
     """This rank's (train, eval) loaders; online mode shares one frozen target between them. ``rank`` /
@@ -33,6 +76,8 @@ def build_loaders(cfg: Config, ctx: StageContext, dtype: torch.dtype, rank: int 
             loader.store.check_compatible(cfg.target, cfg.aux_layer_ids())
         return loaders
 
+    if cfg.capture.engine == "vllm":
+        return _engine_sources(cfg, ctx, dtype, rank, world_size)
     target = FrozenTarget.load(cfg.target, w.device, cfg.aux_layer_ids(), cfg.capture.device_map)
     return tuple(OnlineFeatureSource(ctx.layout.prepare.split(split), target, rank, world_size,
                                      t.micro_batch_tokens, t.micro_batch_size, cfg.run.seed,

@@ -201,6 +201,8 @@ def run_training(ctx: StageContext) -> dict:
             if preempt:
                 raise Preempted(step)
     finally:
+        for source in (train_data, eval_data):  # an engine streaming states (data/capture/stream.py) ends here
+            getattr(source, "close", lambda: None)()
         bar.close()
         sigterm.restore()
         if metrics_log:
@@ -209,7 +211,9 @@ def run_training(ctx: StageContext) -> dict:
             "best": str(paths.best if paths.best.exists() else last_drafter_dir),
             "best_step": state["best_step"], "best_al_estimate": state["best_al"], "skipped_steps": skipped,
             "global_batches": train_data.position, "global_batches_per_epoch": train_data.global_batches_per_epoch,
-            "global_batches_per_step": per_step}
+            "global_batches_per_step": per_step,
+            **({"engine_wait_s": round(train_data.wait_s, 3), "engine_starts": train_data.engine_starts}
+               if hasattr(train_data, "wait_s") else {})}
 
 
 @torch.no_grad()

@@ -109,6 +109,22 @@ class TargetHead:
     def logits(self, final: torch.Tensor) -> torch.Tensor:
         return final.to(self.lm_head.dtype) @ self.lm_head.T
 
+    def argmax_chunk(self) -> int:
+        """Rows per logits matmul for the full-vocab argmax (a 256 MiB fp32 logits block)."""
+        return max(1, (1 << 28) // (4 * self.lm_head.shape[0]))
+
+
+def sample_features(head: TargetHead, states: torch.Tensor, eng_ids: list[int], aux_layer_ids: list[int],
+                    num_layers: int, row: dict, sampled: int, sample_id: int, dtype, device, chunk: int):
+    """One sample's engine states -> (aux [T, n*H], final normed [T, H], argmax [T]) on ``device``, after
+    checking the boundary convention; the offline store and the online stream both come through here."""
+    aux, probe, last = split_columns(states, eng_ids, aux_layer_ids, num_layers)
+    final = head.final_norm(last.to(device, dtype))
+    argmax = torch.cat([head.logits(final[i:i + chunk]).argmax(-1) for i in range(0, final.shape[0], chunk)])
+    check_boundary_convention(head, torch.as_tensor(row["input_ids"]), probe, head.logits(final[-1:])[0], sampled,
+                              sample_id, dtype)
+    return aux.to(device), final, argmax
+
 
 def split_columns(states: torch.Tensor, engine_ids: list[int], aux_layer_ids: list[int], num_layers: int):
     """Engine file [T, n_engine, H] -> (aux [T, n*H] in aux-id order, probe [T, H] (id 0), last [T, H] (id L))."""
@@ -150,7 +166,8 @@ def check_boundary_convention(head: TargetHead, token_ids: torch.Tensor, probe: 
 def build_request(target: str, revision: str | None, trust_remote_code: bool, dtype: str, max_model_len: int,
                   layer_ids: list[int], tensor_parallel_size: int, expert_parallel: bool,
                   data_parallel_size: int, env: dict, workdir: Path, jobs: list[dict], seed: int = 0,
-                  floor: bool = False, data_parallel_rank: int = 0, done_dir: Path | None = None) -> dict:
+                  floor: bool = False, data_parallel_rank: int = 0, done_dir: Path | None = None,
+                  max_pending_batches: int = 4) -> dict:
     """The driver's JSON request. ``jobs``: [{"name", "spool", "batches": [[[id, token ids], ...], ...]}].
     With data parallelism, ``done_dir`` is where each DP rank's driver says its jobs are done (the
     driver keeps its engine in the group until every rank has: data/capture/vllm_side/capture_driver.py)."""
@@ -164,7 +181,7 @@ def build_request(target: str, revision: str | None, trust_remote_code: bool, dt
             "tensor_parallel_size": int(tensor_parallel_size), "enable_expert_parallel": bool(expert_parallel),
             "data_parallel": dp,
             "gpu_memory_utilization": 0.85, "env": env, "connector_dir": str(Path(workdir).resolve() / "connector"),
-            "max_pending_batches": 4, "floor": floor, "jobs": jobs}
+            "max_pending_batches": int(max_pending_batches), "floor": floor, "jobs": jobs}
 
 
 def write_job(name: str, ds, batches: list[list[int]], workdir: Path) -> dict:
@@ -218,7 +235,7 @@ class EngineRun:
             out = []
             for (sid, off, n), (sid2, sampled) in zip(batch, got):
                 assert sid == sid2, (sid, sid2)
-                path = spool / f"{sid}.safetensors"
+                path = spool / f"{k:07d}-{sid}.safetensors"
                 d = load_file(str(path))
                 if d["token_ids"].tolist() != flat[off:off + n].tolist():
                     raise ValueError(f"the engine's hidden states for sample {sid} belong to other tokens "
@@ -322,19 +339,15 @@ def capture_with_engine(splits: dict, python: Path, target, revision, trust_remo
                         done_dir=parallel.get("data_parallel_done"))
     head = TargetHead.load(target, revision, rms_norm_eps, device, dtype) if work else None
     run = EngineRun(python, req, workdir, timeout_s)
-    chunk = max(1, (1 << 28) // (4 * head.lm_head.shape[0])) if head else 1
+    chunk = head.argmax_chunk() if head else 1
     try:
         for job in jobs:
             sc = splits[job["name"]]
             for got in run.batches(job):
                 rows = sc.ds.select([sid for sid, _, _ in got])
                 for (sid, states, sampled), row in zip(got, rows):
-                    aux, probe, last = split_columns(states, eng_ids, aux_layer_ids, num_layers)
-                    final = head.final_norm(last.to(device, dtype))
-                    argmax = torch.cat([head.logits(final[i:i + chunk]).argmax(-1)
-                                        for i in range(0, final.shape[0], chunk)])
-                    check_boundary_convention(head, torch.as_tensor(row["input_ids"]), probe,
-                                              head.logits(final[-1:])[0], sampled, sid, dtype)
+                    aux, final, argmax = sample_features(head, states, eng_ids, aux_layer_ids, num_layers, row,
+                                                         sampled, sid, dtype, device, chunk)
                     sc.add(sid, row, aux, final, argmax)
         return run.finish()
     finally:

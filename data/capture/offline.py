@@ -361,7 +361,8 @@ def capture(target_cfg: TargetConfig, cap: CaptureConfig, aux_layer_ids: list[in
     ``capture/slices/`` and return a partial summary (the stage stays incomplete); with
     ``cap.num_slices > 1`` and no slice index, merge the finished slices instead of capturing."""
     if cap.mode == "online":
-        log.warning("capture.mode=online: no feature store is written; the trainer runs the target itself")
+        log.warning("capture.mode=online: no feature store is written; the trainer runs the target itself "
+                    "(capture.engine=hf) or streams it from a vLLM engine (capture.engine=vllm)")
         return {"mode": "online"}
     if not prep.split("train").exists():
         raise ValueError(f"{prep.split('train')} does not exist: run the prepare stage first "

@@ -135,6 +135,79 @@ def test_drafters_trained_from_either_store_have_the_same_loss_curve(runs):
     assert a[(steps[-1], "loss_0")] < a[(steps[0], "loss_0")] - 0.5  # and it is a curve: the drafter learned
 
 
+def _online(run: Path, ov: list[str], name: str) -> list[str]:
+    """A run directory ``name`` beside ``run`` holding its prepared data; the online command's overrides."""
+    (run.parent / name).mkdir()
+    shutil.copytree(run / "prepare", run.parent / name / "prepare")
+    return [*ov, f"run.name={name}", "run.stages=[train]", "capture.mode=online", "capture.engine=vllm",
+            "capture.buffer_batches=2"]
+
+
+def _consumed(run: Path) -> list[tuple[int, list[int]]]:
+    """The global batches the trainer consumed, in order, with their sample ids (data/capture/stream.py)."""
+    path = run / "train" / "stream" / "rank00000" / "train-consumed.jsonl"
+    return [(r["batch"], r["samples"]) for r in map(json.loads, path.read_text().splitlines())]
+
+
+@pytest.fixture(scope="module")
+def online(runs):
+    run, _, ov = runs
+    torchrun(*_online(run, ov, "online"))
+    return run.parent / "online"
+
+
+def test_drafter_trained_online_from_vllm_equals_one_trained_from_its_store(runs, online):
+    """capture.mode=online, capture.engine=vllm (data/capture/stream.py): the engine streams the same prepared
+    data through the bounded buffer in the global batch plan's order; every logged loss of the 20 steps
+    equals the store-trained run's within 1e-6 relative, and no store is written."""
+    run, _, _ = runs
+    a, b = _losses(online), _losses(run)
+    assert a.keys() == b.keys() and len(a) >= 10 * 3
+    for key in a:
+        assert abs(a[key] - b[key]) <= 1e-6 * abs(b[key]), (key, a[key], b[key])
+    assert not (online / "capture").exists()
+    out = manifest(online, "train")["outputs"]
+    assert out["engine_starts"] == 1 and out["engine_wait_s"] > 0
+    assert [g for g, _ in _consumed(online)] == list(range(20))
+    work = online / "train" / "stream" / "rank00000" / "train"
+    assert not list((work / "spool").rglob("*.safetensors"))  # every streamed batch was consumed and deleted
+    req = json.loads((work / "request.json").read_text())
+    assert req["max_pending_batches"] == 2 and len(req["jobs"][0]["batches"]) == 20
+
+
+def _drivers(pid: int) -> list[int]:
+    return [p for p in descendants(pid) if "capture_driver.py" in _cmdline(p)]
+
+
+@pytest.mark.skipif(not FULL, reason="FLEDGE_ENGINE_FULL=1 runs the streaming engine's kill -9 test (CI time budget)")
+def test_streaming_engine_killed_is_restarted_with_no_sample_lost_or_repeated(runs, online):
+    """kill -9 of the engine mid-training: the trainer starts it again from the batch it waits for, and
+    consumes exactly the uninterrupted run's batches (same sample ids, same order) with the same losses."""
+    run, _, ov = runs
+    proc = subprocess.Popen(cmd(*_online(run, ov, "engine_killed")), cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    killed = run.parent / "engine_killed"
+    try:
+        deadline = time.monotonic() + 600
+        log = killed / "train" / "stream" / "rank00000" / "train-consumed.jsonl"
+        while not (log.exists() and len(log.read_text().splitlines()) >= 5):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-4000:]
+            time.sleep(0.2)
+        drivers = _drivers(proc.pid)
+        assert drivers
+        for pid in drivers:
+            os.kill(pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=900)
+        assert proc.returncode == 0, out[-6000:]
+    finally:
+        proc.kill()
+    assert "the engine died before global batch" in out
+    assert manifest(killed, "train")["outputs"]["engine_starts"] == 2
+    assert _consumed(killed) == _consumed(online)
+    a, b = _losses(killed), _losses(online)
+    assert a.keys() == b.keys() and all(abs(a[k] - b[k]) <= 1e-6 * abs(b[k]) for k in a)
+
+
 def test_two_array_tasks_capture_through_vllm_at_once(tiny_target, tiny_data, tmp_path):
     """Array capture with capture.engine=vllm: two slice tasks of one run directory at the same time, each
     with its own engine and work directory (capture/engine/sliceNNNNN/rankNNNNN: the tasks share rank
@@ -274,3 +347,47 @@ print(json.dumps(out))
     assert out["gpu"] == ["ExampleHiddenStatesConnector", True]
     assert out["cpu"] == ["FledgeHiddenStatesConnector", True]
     assert out["overrides"] == ["_submit_async_write"] and out["relies_on"]
+
+
+@pytest.mark.skipif(not FULL, reason="FLEDGE_ENGINE_FULL=1 runs the streaming job's kill -9 test (CI time budget)")
+def test_streaming_job_killed_resumes_from_its_checkpoint_with_no_sample_lost_or_repeated(runs, online):
+    """kill -9 of the whole job (torchrun and its trainer rank; the engine, orphaned, ends itself) after a
+    checkpoint, then the same command: training resumes at the checkpoint's data position with a fresh engine;
+    the batches trained into the final drafter are the uninterrupted run's (same sample ids, same order), and so
+    are the losses."""
+    run, _, ov = runs
+    # checkpoints on logged steps, so every logged loss averages the same steps in both runs
+    ov = [o for o in ov if not o.startswith("train.save_every=")] + ["train.save_every=4"]
+    command = cmd(*_online(run, ov, "job_killed"))
+    killed = run.parent / "job_killed"
+    proc = subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        log = killed / "train" / "stream" / "rank00000" / "train-consumed.jsonl"
+        ckpt = killed / "train" / "checkpoints" / "latest"  # a complete checkpoint (train/checkpoint.py)
+        while not (ckpt.exists() and log.exists() and len(log.read_text().splitlines()) >= 6):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-4000:]
+            time.sleep(0.1)
+        below = descendants(proc.pid)  # torchrun starts its ranks in sessions of their own: killpg misses them
+        drivers = [p for p in below if "capture_driver.py" in _cmdline(p)]
+        for pid in [proc.pid, *(p for p in below if p not in drivers)]:  # the engines are left to notice
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    end = time.monotonic() + 60  # an orphaned engine ends itself (capture_driver.py), never lingers
+    while any(Path(f"/proc/{p}").exists() and "capture_driver" in _cmdline(p) for p in drivers):
+        assert time.monotonic() < end, drivers
+        time.sleep(0.2)
+    saved = int((killed / "train" / "checkpoints" / "latest").read_text().strip()[len("step_"):])
+    assert saved < 20, "the kill came after the last checkpoint: nothing left to resume"
+    torchrun(*command[command.index("train/main.py") + 1:])
+    record = _consumed(killed)
+    resumed_at = next(i for i in range(1, len(record)) if record[i][0] <= record[i - 1][0])
+    assert record[resumed_at][0] == saved and resumed_at > saved  # from the checkpoint's position (1 batch a step)
+    assert record[:saved] + record[resumed_at:] == _consumed(online)
+    a, b = _losses(killed), _losses(online)
+    assert a.keys() == b.keys() and all(abs(a[k] - b[k]) <= 1e-6 * abs(b[k]) for k in a)

@@ -16,7 +16,7 @@ the layer-id convention. On GPUs the stock ``ExampleHiddenStatesConnector`` writ
 The request (written by fledge.data.capture.engine) lists jobs (one per split), each a list of batches
 of [sample id, offset, length] into the job's flat int32 token file. For every batch the driver
 generates, moves each request's file to
-``<spool>/<id>.safetensors`` and then writes ``<spool>/batch-<k>.json`` ({"samples": [[id, sampled
+``<spool>/<k>-<id>.safetensors`` and then writes ``<spool>/batch-<k>.json`` ({"samples": [[id, sampled
 token], ...]}): Fledge reads a batch once its json exists and deletes what it consumed. The driver
 waits while more than ``max_pending_batches`` batches are unconsumed (bounded spool disk). ``floor``
 requests run the same prompts without extraction (vLLM's own prefill-only speed, for the benchmark).
@@ -152,7 +152,7 @@ def run_job(llm, job: dict, req: dict) -> dict:
                 path = out.kv_transfer_params["hidden_states_path"]
                 if os.path.exists(path + ".lock"):
                     load_hidden_states(path)  # blocks on the connector's lock until the file is complete
-                os.replace(path, spool / f"{sid}.safetensors")
+                os.replace(path, spool / f"{k:07d}-{sid}.safetensors")  # a sample may recur in a later batch
                 try:
                     os.remove(path + ".lock")
                 except FileNotFoundError:

@@ -138,8 +138,14 @@ def test_config_keys():
     assert cfg.capture.engine == "vllm" and cfg.capture.tensor_parallel_size == 8
     with pytest.raises(ValueError, match="capture.engine='sglang'"):
         compose(["recipe=tiny", "capture.engine=sglang"])
-    with pytest.raises(ValueError, match="capture.mode=offline"):
-        compose(["recipe=tiny", "capture.engine=vllm", "capture.mode=online"])
+    online = compose(["recipe=tiny", "capture.engine=vllm", "capture.mode=online", "capture.buffer_batches=2"])
+    assert online.capture.mode == "online" and online.capture.buffer_batches == 2
+    with pytest.raises(ValueError, match="capture.data_parallel_size=1"):
+        compose(["recipe=tiny", "capture.engine=vllm", "capture.mode=online", "capture.data_parallel_size=2"])
+    with pytest.raises(ValueError, match="capture.buffer_batches=0"):
+        compose(["recipe=tiny", "capture.engine=vllm", "capture.mode=online", "capture.buffer_batches=0"])
+    with pytest.raises(ValueError, match="capture.device_map"):
+        compose(["recipe=tiny", "capture.engine=vllm", "capture.device_map=auto"])
 
 
 def test_capture_inputs_hash():
