@@ -28,7 +28,7 @@ import torch
 
 from fledge.atomic import read_json, write_json_atomic
 from fledge.models.precision import describe_cpu
-from fledge.testbed import tiny_tasks, tiny_target as tt
+from fledge.testbed import tiny_target as tt, tiny_tasks
 
 VERSION = 1
 MODEL = dict(vocab_size=2560, hidden_size=128, intermediate_size=384, num_hidden_layers=8, num_attention_heads=4,
@@ -64,7 +64,8 @@ def build_data(root: Path | None = None) -> Path:
 
 def build_tokenizer(root: Path | None = None) -> Path:
     out = _dir(root) / "tokenizer"
-    key = tt._key(kind="writer_tokenizer", version=VERSION, vocab=MODEL["vocab_size"], template=tiny_tasks.CHAT_TEMPLATE)
+    key = tt._key(kind="writer_tokenizer", version=VERSION, vocab=MODEL["vocab_size"],
+                  template=tiny_tasks.CHAT_TEMPLATE)
 
     def build(tmp: Path) -> None:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
