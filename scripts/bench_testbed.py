@@ -1,7 +1,7 @@
 """Benchmark the writing tiny target (testbed/tiny_writer.py) on this machine, in one run: build time,
 held-out loss and top-1, and per eval set (default, perturbed, long) the greedy distinct-3, the share of
 non-degenerate prompts, how many prompts give distinct continuations, and prompt lookup's AL; with
-``--report`` (a finished recipe run's eval/report.json, e.g. ``fledge run recipe=tiny``), the drafter's AL
+``--report`` (a finished recipe run's eval/report.json, e.g. ``fledge run recipe=tiny_writer``), the drafter's AL
 beside lookup's as a ratio. The baseline of the run is prompt lookup, measured on the same target.
 
     OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_testbed.py                        # fresh build in a temp dir
@@ -22,6 +22,24 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+def lookup_al(path: Path, data_dir: Path, name: str, k: int = 5) -> float:
+    """Prompt lookup's AL (n <= 3, k drafts, greedy, to the end of the answer) on eval set ``name``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fledge.evaluation.speculative import LookupProposer, TargetRunner, speculative_decode
+    from fledge.testbed import tiny_writer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    runner = TargetRunner(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())
+    tokens = rounds = 0
+    with torch.no_grad():
+        for ids, _ in tiny_writer.prompts(tok, data_dir, name):
+            res = speculative_decode(runner, LookupProposer(3), ids, k, tiny_writer.GEN_TOKENS, [tok.eos_token_id])
+            tokens, rounds = tokens + len(res.tokens), rounds + len(res.rounds)
+    return tokens / max(1, rounds)
+
+
 def main() -> None:
     from fledge.testbed import tiny_writer
 
@@ -36,6 +54,8 @@ def main() -> None:
         path = tiny_writer.build_writer(args.root or Path(tmp), args.steps)
         wall = time.time() - t0
         m = json.loads((path / "metrics.json").read_text())
+        for name in tiny_writer.SETS:
+            m[name]["lookup_al"] = lookup_al(path, path.parent / "data", name)
     print(f"machine: {m['cpu']}, {m['torch_threads']} threads, ISA limit "
           f"{os.environ.get('ATEN_CPU_CAPABILITY', 'native')}, {time.strftime('%Y-%m-%d')}")
     print(f"build: {wall:.0f} s wall (train {m['train_seconds']:.0f} s, {m['train_cpu_seconds']:.0f} CPU-s, "

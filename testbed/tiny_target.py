@@ -1,6 +1,6 @@
 """Build the tiny real targets: small causal LMs and a BPE chat tokenizer trained on the stdlib's source.
 
-    fledge tiny-target --budget quick|testbed|long|writer [--family llama|moe|mla] [--out .cache/tiny_target] [--device
+    fledge tiny-target --budget quick|testbed|long [--family llama|moe|mla] [--out .cache/tiny_target] [--device
     cpu|cuda]
 
 Writes, under ``--out`` (default: the repo's .cache/tiny_target, gitignored):
@@ -398,8 +398,7 @@ def long_position_loss(path: Path, root: Path | None = None) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--budget", default="quick", choices=sorted([*BUDGETS, "writer"]),
-                    help="writer: the chat-task target that writes (testbed/tiny_writer.py), minutes to build")
+    ap.add_argument("--budget", default="quick", choices=sorted(BUDGETS))
     ap.add_argument("--family", default="llama", choices=["llama", *tiny_families.SHAPES],
                     help="llama (recipe=tiny), moe (Qwen3-MoE-shaped: recipe=tiny_moe), mla (DeepSeek-V3-shaped: "
                          "recipe=tiny_mla); moe and mla have only the quick budget")
@@ -408,16 +407,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                     help="train on this device (cuda: the same steps in fp32 on a GPU, minutes instead of ~30)")
     args = ap.parse_args(argv)
-    if args.budget == "writer":
-        from fledge.testbed import tiny_writer
-
-        path = tiny_writer.build_writer(args.out, args.steps, args.device)
-        m = read_json(path / "metrics.json")
-        sets = ", ".join(f"{s} distinct-3 {m[s]['distinct3']:.2f} ({m[s]['non_degenerate']:.0%} non-degenerate)"
-                         for s in tiny_writer.SETS)
-        print(f"{path}: held-out loss {m['heldout_loss']:.3f}, top-1 {m['heldout_top1']:.1%}, {sets}; "
-              f"{m['steps']} steps in {m['train_seconds']:.0f}s")
-        return
     path = build_tiny_target(args.budget, args.out, args.steps, args.device, args.family)
     print(f"long-context eval prompts (eval.long_context_source): {build_long_eval(args.out) / 'long_eval.jsonl'}")
     if args.budget == "long":

@@ -1,6 +1,6 @@
 """The writing tiny target: a small Llama trained on testbed/tiny_tasks.py's chat language, in minutes.
 
-    fledge tiny-target --budget writer [--out .cache/tiny_target]
+    fledge tiny-writer [--out .cache/tiny_target] [--steps N]
 
 Writes, under ``<out>/writer/``:
     data/train.jsonl           drafter training conversations: the default layout only
@@ -36,6 +36,7 @@ MODEL = dict(vocab_size=2560, hidden_size=128, intermediate_size=384, num_hidden
              tie_word_embeddings=False)
 BUDGET = dict(steps=700, seq_len=256, batch_size=8, lr=3e-3, warmup=40)
 N_TRAIN, N_EVAL, N_LONG = 2000, 100, 16
+N_PROMPTS, GEN_TOKENS = 16, 96  # greedy continuations scored per set
 SETS = ("eval", "eval_perturbed", "long_eval")
 DEGENERATE_BELOW = 0.5  # distinct-3 under this marks a prompt's greedy output degenerate
 
@@ -91,15 +92,23 @@ def _render(tok, conv: dict, prompt_only: bool) -> list[int]:
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
+def _distinct3(ids: list[int]) -> float:
+    grams = list(zip(ids, ids[1:], ids[2:]))
+    return len(set(grams)) / max(1, len(grams))
+
+
+def prompts(tok, data_dir: Path, name: str, n: int = N_PROMPTS) -> list[tuple[list[int], str]]:
+    """The first ``n`` (prompt ids, reference answer) of eval set ``name``."""
+    rows = [json.loads(line) for line in (data_dir / f"{name}.jsonl").read_text().splitlines()][:n]
+    return [(_render(tok, c, True), c["messages"][-1]["content"]) for c in rows]
+
+
 @torch.no_grad()
-def evaluate(path: Path, data_dir: Path, n_prompts: int = 16, max_new_tokens: int = 96, k: int = 5) -> dict:
+def evaluate(path: Path, data_dir: Path, max_new_tokens: int = GEN_TOKENS) -> dict:
     """Per set: greedy distinct-3 (mean, share of prompts >= DEGENERATE_BELOW), distinct continuations,
-    answer exact-match, prompt-lookup AL at k; on the default set, held-out loss and top-1 on answers."""
+    exact answers; on the default set, held-out loss and top-1 on answer tokens (fp32 from the bf16 weights)."""
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from fledge.evaluation.evaluate import distinct_ngram_ratio
-    from fledge.evaluation.speculative import LookupProposer, TargetRunner, speculative_decode
 
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -115,22 +124,19 @@ def evaluate(path: Path, data_dir: Path, n_prompts: int = 16, max_new_tokens: in
         correct += (logits[mask].argmax(-1) == target[mask]).sum().item()
         count += int(mask.sum())
     out.update(heldout_loss=nll / count, heldout_top1=correct / count, heldout_tokens=count)
-    runner, lookup = TargetRunner(model), LookupProposer(3)
     for name in SETS:
-        rows = [json.loads(line) for line in (data_dir / f"{name}.jsonl").read_text().splitlines()][:n_prompts]
-        ratios, texts, exact, accepted, rounds = [], [], 0, 0, 0
-        for c in rows:
-            res = speculative_decode(runner, lookup, _render(tok, c, True), k, max_new_tokens, [tok.eos_token_id])
-            ratios.append(distinct_ngram_ratio(res.tokens, 3))
-            text = tok.decode(res.tokens, skip_special_tokens=True)
-            texts.append(text)
-            exact += text.strip() == c["messages"][-1]["content"].strip()
-            accepted += len(res.tokens)
-            rounds += len(res.rounds)
-        out[name] = {"prompts": len(rows), "distinct3": sum(ratios) / len(ratios),
+        ratios, texts, exact = [], [], 0
+        for ids, answer in prompts(tok, data_dir, name):
+            gen = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False)[0, len(ids):]
+            row = gen.tolist()
+            row = row[: row.index(tok.eos_token_id) + 1] if tok.eos_token_id in row else row
+            ratios.append(_distinct3(row))
+            texts.append(tok.decode(row, skip_special_tokens=True))
+            exact += texts[-1].strip() == answer.strip()
+        out[name] = {"prompts": len(texts), "distinct3": sum(ratios) / len(ratios),
                      "non_degenerate": sum(r >= DEGENERATE_BELOW for r in ratios) / len(ratios),
-                     "distinct_outputs": len(set(texts)) / len(texts), "exact_answers": exact / len(rows),
-                     "lookup_al": accepted / max(1, rounds), "samples": texts[:3]}
+                     "distinct_outputs": len(set(texts)) / len(texts), "exact_answers": exact / len(texts),
+                     "samples": texts[:3]}
     return out
 
 
@@ -166,3 +172,23 @@ def build_writer(root: Path | None = None, steps: int | None = None, device: str
         write_json_atomic(tmp / "metrics.json", metrics)
 
     return tt._cached(out, key, build)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=tt.default_root())
+    ap.add_argument("--steps", type=int, default=None, help="override the step count (smoke tests)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    args = ap.parse_args(argv)
+    path = build_writer(args.out, args.steps, args.device)
+    m = read_json(path / "metrics.json")
+    sets = ", ".join(f"{s} distinct-3 {m[s]['distinct3']:.2f} ({m[s]['non_degenerate']:.0%} non-degenerate)"
+                     for s in SETS)
+    print(f"{path}: held-out loss {m['heldout_loss']:.3f}, top-1 {m['heldout_top1']:.1%}, {sets}; "
+          f"{m['steps']} steps in {m['train_seconds']:.0f}s")
+
+
+if __name__ == "__main__":
+    main()
