@@ -2,6 +2,7 @@
 
     fledge run recipe=tiny [overrides]          the pipeline in one process (torchrun train/main.py for N)
     fledge tiny-target --budget quick           build the tiny recipe's target and data under .cache/
+    fledge tiny-writer                          build the writing tiny target (chat tasks) under .cache/
     fledge lint DIR [--target T | --recipe R]   check a drafter directory against its target (docs/serving.md, Silent
     failures) fledge push DIR ORG/NAME                    upload with a model card (token from HF_TOKEN)
     fledge submit pipeline recipe=NAME ...      fill the Slurm templates, print the sbatch commands
@@ -23,6 +24,7 @@ import sys
 COMMANDS = {
     "run": ("fledge.train.main", "cli", "run the pipeline in this process: fledge run recipe=NAME [overrides]"),
     "tiny-target": ("fledge.testbed.tiny_target", "main", "build the tiny recipe's target and data under .cache/"),
+    "tiny-writer": ("fledge.testbed.tiny_writer", "main", "build the writing tiny target (chat tasks) under .cache/"),
     "lint": ("fledge.serving.lint", "main", "check an exported drafter against its target"),
     "push": ("fledge.train.publish", "main", "upload a drafter with a generated model card"),
     "submit": ("fledge.train.slurm.submit", "main", "fill the Slurm templates and print the sbatch commands"),

@@ -197,16 +197,21 @@ def save_random_target(out: Path, root: Path | None = None, seed: int = SEED) ->
     return Path(out)
 
 
-def _batches(tok, files, seed: int, seq_len: int, batch_size: int, long_share: float = 0.0) -> Iterator[torch.Tensor]:
+def _batches(tok, files, seed: int, seq_len: int, batch_size: int, long_share: float = 0.0,
+             stream: Iterator[dict] | None = None) -> Iterator[torch.Tensor]:
     """(batch, seq_len + 1) windows of chat-rendered conversations packed end to end (with ``long_share``
-    of them whole files: testbed/tiny_long.py)."""
+    of them whole files: testbed/tiny_long.py); ``stream`` replaces the stdlib conversations (each rendered
+    with its own ``template_kwargs``: testbed/tiny_writer.py)."""
 
-    stream = (tiny_long.mixed_stream(files, seed, long_share) if long_share
-              else tiny_corpus.conversation_stream(files, seed))
+    if stream is None:
+        stream = (tiny_long.mixed_stream(files, seed, long_share) if long_share
+                  else tiny_corpus.conversation_stream(files, seed))
     buf: list[int] = []
     rows: list[list[int]] = []
     while True:
-        texts = [tok.apply_chat_template(next(stream)["messages"], tokenize=False) for _ in range(64)]
+        convs = [next(stream) for _ in range(64)]
+        texts = [tok.apply_chat_template(c["messages"], tokenize=False, **(c.get("template_kwargs") or {}))
+                 for c in convs]
         for ids in tok(texts, add_special_tokens=False)["input_ids"]:
             buf.extend(ids)
         while len(buf) > seq_len:
@@ -228,19 +233,21 @@ def _lr_lambda(warmup: int, steps: int):
 
 def train_target(tok, files, steps: int, seq_len: int, batch_size: int, lr: float, warmup: int,
                  seed: int = SEED, log_every: int = 50, long_share: float = 0.0, model_overrides: dict | None = None,
-                 device: str = "cpu", family: str = "llama"):
+                 device: str = "cpu", family: str = "llama", stream: Iterator[dict] | None = None,
+                 model=None):
     """Train a tiny target of ``family`` from scratch on chat-rendered conversations, in fp32 on every CPU (no
     autocast: see the module docstring). ``device="cuda"`` trains the same steps on a GPU (fp32, TF32 off):
-    same data and initialisation, not bitwise the CPU build; the model is returned on the CPU."""
+    same data and initialisation, not bitwise the CPU build; the model is returned on the CPU. ``stream`` and
+    ``model`` (an untrained one) replace the stdlib conversations and the family's model."""
     torch.manual_seed(seed)
-    model = _new_model(tok, family, model_overrides).to(device)
+    model = (model if model is not None else _new_model(tok, family, model_overrides)).to(device)
     torch.backends.cuda.matmul.allow_tf32 = False
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=lr, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(warmup, steps))
-    batches = _batches(tok, files, seed + 1, seq_len, batch_size, long_share)
+    batches = _batches(tok, files, seed + 1, seq_len, batch_size, long_share, stream)
     model.train()
     t0, loss_sum, n = time.time(), 0.0, 0
     for step in range(1, steps + 1):

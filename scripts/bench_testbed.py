@@ -1,0 +1,79 @@
+"""Benchmark the writing tiny target (testbed/tiny_writer.py) on this machine, in one run: build time,
+held-out loss and top-1, and per eval set (default, perturbed, long) the greedy distinct-3, the share of
+non-degenerate prompts, how many prompts give distinct continuations, and prompt lookup's AL; with
+``--report`` (a finished recipe run's eval/report.json, e.g. ``fledge run recipe=tiny_writer``), the drafter's AL
+beside lookup's as a ratio. The baseline of the run is prompt lookup, measured on the same target.
+
+    OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_testbed.py                        # fresh build in a temp dir
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \\
+        OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_testbed.py                    # as an AVX2-only CPU
+    .venv/bin/python scripts/bench_testbed.py --root .cache/tiny_target --report runs/tiny/eval/report.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def lookup_al(path: Path, data_dir: Path, name: str, k: int = 5) -> float:
+    """Prompt lookup's AL (n <= 3, k drafts, greedy, to the end of the answer) on eval set ``name``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fledge.evaluation.speculative import LookupProposer, TargetRunner, speculative_decode
+    from fledge.testbed import tiny_writer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    runner = TargetRunner(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())
+    tokens = rounds = 0
+    with torch.no_grad():
+        for ids, _ in tiny_writer.prompts(tok, data_dir, name):
+            res = speculative_decode(runner, LookupProposer(3), ids, k, tiny_writer.GEN_TOKENS, [tok.eos_token_id])
+            tokens, rounds = tokens + len(res.tokens), rounds + len(res.rounds)
+    return tokens / max(1, rounds)
+
+
+def main() -> None:
+    from fledge.testbed import tiny_writer
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--root", type=Path, default=None, help="build (or reuse) here; default: a fresh temp dir")
+    ap.add_argument("--steps", type=int, default=None, help="override the step count")
+    ap.add_argument("--report", type=Path, default=None, help="a recipe run's eval/report.json")
+    ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.time()
+        path = tiny_writer.build_writer(args.root or Path(tmp), args.steps)
+        wall = time.time() - t0
+        m = json.loads((path / "metrics.json").read_text())
+        for name in tiny_writer.SETS:
+            m[name]["lookup_al"] = lookup_al(path, path.parent / "data", name)
+    print(f"machine: {m['cpu']}, {m['torch_threads']} threads, ISA limit "
+          f"{os.environ.get('ATEN_CPU_CAPABILITY', 'native')}, {time.strftime('%Y-%m-%d')}")
+    print(f"build: {wall:.0f} s wall (train {m['train_seconds']:.0f} s, {m['train_cpu_seconds']:.0f} CPU-s, "
+          f"{m['steps']} steps); {m['parameters'] / 1e6:.1f}M params")
+    print(f"held-out loss {m['heldout_loss']:.3f}, top-1 {m['heldout_top1']:.1%} ({m['heldout_tokens']} answer tokens)")
+    sets = (json.loads(args.report.read_text())["sets"] if args.report else {})
+    print("| set | prompts | distinct-3 | non-degenerate | distinct outputs | exact answers | lookup AL | drafter AL | "
+          "drafter / lookup |\n|---" + "|---" * 8 + "|")
+    for name in tiny_writer.SETS:
+        s = m[name]
+        key = {"eval": "default", "eval_perturbed": "perturbed", "long_eval": "long"}[name]
+        d = sets.get(key, {}).get("drafter", {}).get("al")
+        drafter = f"{d:.2f} | {d / s['lookup_al']:.2f}x" if d else "- | -"
+        print(f"| {key} | {s['prompts']} | {s['distinct3']:.2f} | {s['non_degenerate']:.0%} | "
+              f"{s['distinct_outputs']:.0%} | {s['exact_answers']:.0%} | {s['lookup_al']:.2f} | {drafter} |")
+    if args.json:
+        args.json.write_text(json.dumps({**m, "build_wall_seconds": wall}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

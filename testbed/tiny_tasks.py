@@ -1,0 +1,160 @@
+"""A synthetic chat language a few-million-parameter target learns in minutes and that does not loop.
+
+Each user turn states a task on a small random "document" (records, an order, a table, a phrase); the
+assistant's answer is a deterministic function of it, so greedy output depends on the prompt, ends, and is
+mostly *computed* (sorted, summed, reworded, upper-cased), not copied, which keeps prompt lookup honest.
+Conversations are rendered under several chat layouts (``LAYOUTS``: role markers and turn layout, chosen by
+the ``layout`` template variable) and system prompts, so the target stays fluent under all of them, while a
+drafter's data uses the default layout only: the perturbed eval set (another layout, another system prompt)
+changes what the drafter conditions on and not what the target writes.
+
+``conversation(rng)`` draws one; ``long_conversation(rng, rows)`` a table question over many rows (the
+long-context set).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+NAMES = ["Ada", "Bob", "Cleo", "Dan", "Eve", "Finn", "Gus", "Hana", "Ivo", "Jade", "Kai", "Lena", "Milo",
+         "Nora", "Otto", "Pia", "Quin", "Rosa", "Sam", "Tara", "Uma", "Vic", "Wes", "Xena", "Yuri", "Zoe"]
+CITIES = ["Oslo", "Lima", "Rome", "Kyiv", "Cairo", "Paris", "Tokyo", "Quito", "Delhi", "Perth", "Riga",
+          "Bern", "Accra", "Hanoi", "Dakar", "Porto"]
+JOBS = ["baker", "pilot", "nurse", "coder", "judge", "tailor", "farmer", "singer", "doctor", "painter",
+        "sailor", "writer", "miner", "chef"]
+ITEMS = ["apple", "pear", "lamp", "chair", "book", "cup", "shirt", "candle", "brush", "kettle", "rope",
+         "plate", "clock", "glove", "map", "drum"]
+COLORS = ["red", "blue", "green", "black", "white", "yellow", "grey", "pink"]
+WORDS = ["quick", "fox", "river", "stone", "light", "music", "paper", "garden", "window", "silver", "cloud",
+         "forest", "bridge", "winter", "candle", "ocean", "letter", "mirror", "shadow", "engine"]
+
+SYSTEM_PROMPTS = ["You are a helpful assistant.", "Answer precisely and briefly.",
+                  "You are a careful clerk who checks every number.", "Follow the user's format exactly."]
+DEFAULT_LAYOUT = "chat"
+# Role markers and layout per template variable ``layout``; the special tokens stay (the mask needs them).
+LAYOUTS = ("chat", "hash", "inst")
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% set lay = layout | default('chat') %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{% if lay == 'hash' %}### Assistant:\n{% elif lay == 'inst' %}[ANSWER]\n{% else %}<|assistant|>{% endif %}"
+    "{% generation %}{{ message['content'] }}<|end|>{% endgeneration %}\n"
+    "{% elif message['role'] in ['system', 'user'] %}"
+    "{% if lay == 'hash' %}### {{ message['role'] | capitalize }}:\n{{ message['content'] }}\n\n"
+    "{% elif lay == 'inst' %}"
+    "[{{ message['role'] | upper }}] {{ message['content'] }} [/{{ message['role'] | upper }}]\n"
+    "{% else %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>\n{% endif %}"
+    "{% else %}{{ raise_exception('unknown role: ' + message['role']) }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}"
+    "{% if lay == 'hash' %}### Assistant:\n{% elif lay == 'inst' %}[ANSWER]\n{% else %}<|assistant|>{% endif %}"
+    "{% endif %}"
+)
+
+
+def _people(rng: random.Random, n: int) -> list[dict]:
+    return [dict(name=name, city=rng.choice(CITIES), job=rng.choice(JOBS), age=rng.randint(18, 80))
+            for name in rng.sample(NAMES, n)]
+
+
+def _profile(rng):
+    p = _people(rng, 1)[0]
+    style = rng.choice(["short profile", "formal bio", "one-line summary"])
+    facts = "; ".join(f"{k}={p[k]}" for k in rng.sample(["name", "city", "job", "age"], 4))
+    user = f"Facts: {facts}. Write a {style}."
+    if style == "short profile":
+        ans = (f"{p['name']} is a {p['age']}-year-old {p['job']} from {p['city']}. "
+               f"In ten years {p['name']} will be {p['age'] + 10}.")
+    elif style == "formal bio":
+        ans = (f"Name: {p['name'].upper()}\nOccupation: {p['job'].capitalize()}\nResidence: {p['city']}\n"
+               f"Born: {2026 - p['age']}")
+    else:
+        ans = f"{p['job'].capitalize()}, {p['age']}, {p['city']} ({p['name'][0]}.)"
+    return user, ans
+
+
+def _sort(rng):
+    people = _people(rng, rng.randint(3, 6))
+    key, order = rng.choice(["age", "name"]), rng.choice(["ascending", "descending"])
+    lines = "\n".join(f"- {p['name']} ({p['age']})" for p in people)
+    user = f"Sort by {key}, {order}:\n{lines}"
+    ranked = sorted(people, key=lambda p: p[key], reverse=order == "descending")
+    ans = "\n".join(f"{i}. {p['name']} is {p['age']}" for i, p in enumerate(ranked, 1))
+    return user, ans + f"\nOldest minus youngest: {max(p['age'] for p in people) - min(p['age'] for p in people)}."
+
+
+def _order(rng):
+    items = [(rng.choice(ITEMS), rng.randint(1, 9), rng.randint(2, 20)) for _ in range(rng.randint(2, 4))]
+    user = "Order: " + "; ".join(f"{q} x {it} at {pr}" for it, q, pr in items) + ". What is the total?"
+    lines = [f"{it}: {q} * {pr} = {q * pr}" for it, q, pr in items]
+    total = sum(q * pr for _, q, pr in items)
+    return user, "\n".join(lines) + f"\nTotal: {total}. With a ten percent tip: {total + total // 10}."
+
+
+def _reverse(rng):
+    words = rng.sample(WORDS, rng.randint(3, 7))
+    return f"Reverse the order of: {' '.join(words)}", " ".join(reversed(words)) + f" ({len(words)} words)"
+
+
+def _shout(rng):
+    words = rng.sample(WORDS, rng.randint(3, 6))
+    return f"Shout this: {' '.join(words)}", " ".join(w.upper() for w in words) + "!"
+
+
+def _table(rng, n: int | None = None):
+    people = _people(rng, n or rng.randint(3, 6)) if (n or 0) <= len(NAMES) else None
+    people = people or [dict(name=f"{rng.choice(NAMES)}{i}", city=rng.choice(CITIES), job=rng.choice(JOBS),
+                             age=rng.randint(18, 80)) for i in range(n)]
+    rows = "\n".join(f"{p['name']} | {p['city']} | {p['job']} | {p['age']}" for p in people)
+    who = rng.choice(people)
+    user = f"Table:\nname | city | job | age\n{rows}\nWhat do we know about {who['name']}?"
+    same = [p["name"] for p in people if p["city"] == who["city"] and p is not who]
+    ans = (f"{who['name']} works as a {who['job']} in {who['city']} and is {who['age']}. "
+           + (f"Also in {who['city']}: {', '.join(same)}." if same else f"Nobody else lives in {who['city']}."))
+    return user, ans
+
+
+def _count(rng):
+    things = [(rng.choice(COLORS), rng.choice(ITEMS)) for _ in range(rng.randint(3, 7))]
+    color = rng.choice(things)[0]
+    hits = [it for c, it in things if c == color]
+    user = f"How many {color} things are in: {', '.join(f'{c} {it}' for c, it in things)}?"
+    return user, f"There {'is' if len(hits) == 1 else 'are'} {len(hits)}: {' and '.join(hits)}."
+
+
+TASKS = (_profile, _sort, _order, _reverse, _shout, _table, _count)
+
+
+def conversation(rng: random.Random, layout: str | None = None, system: bool | None = None) -> dict:
+    """One conversation (one or two tasks), a system turn with probability 0.35 (or as ``system`` says), under
+    ``layout`` (drawn from LAYOUTS when None) given as the ``template_kwargs`` the pipeline renders with."""
+    msgs = []
+    for _ in range(1 if rng.random() < 0.75 else 2):
+        user, ans = rng.choice(TASKS)(rng)
+        msgs += [{"role": "user", "content": user}, {"role": "assistant", "content": ans}]
+    if (rng.random() < 0.35) if system is None else system:
+        msgs.insert(0, {"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
+    return {"messages": msgs, "template_kwargs": {"layout": layout or rng.choice(LAYOUTS)}}
+
+
+def long_conversation(rng: random.Random, rows: int, layout: str = DEFAULT_LAYOUT) -> dict:
+    """A table question over ``rows`` rows: the answer sits anywhere in a long context."""
+    user, ans = _table(rng, rows)
+    return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": ans}],
+            "template_kwargs": {"layout": layout}}
+
+
+def stream(seed: int) -> Iterator[dict]:
+    """The target's endless training stream: every layout, with and without system prompts."""
+    rng = random.Random(seed)
+    while True:
+        yield conversation(rng)
+
+
+def tokenizer_texts(seed: int, n: int = 4000) -> Iterator[str]:
+    rng = random.Random(seed)
+    for _ in range(n):
+        for m in conversation(rng)["messages"]:
+            yield m["content"]

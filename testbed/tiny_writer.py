@@ -1,0 +1,194 @@
+"""The writing tiny target: a small Llama trained on testbed/tiny_tasks.py's chat language, in minutes.
+
+    fledge tiny-writer [--out .cache/tiny_target] [--steps N]
+
+Writes, under ``<out>/writer/``:
+    data/train.jsonl           drafter training conversations: the default layout only
+    data/eval.jsonl            held-out conversations, default layout (the default set)
+    data/eval_perturbed.jsonl  held-out conversations under another layout and system prompt (the target saw
+                               them in training, a drafter trained on data/train.jsonl did not)
+    data/long_eval.jsonl       table questions over 40-80 rows (1-2K tokens of context)
+    tokenizer/                 byte-level BPE (2,560 tokens) with the multi-layout chat template
+    target/                    the LlamaForCausalLM + metrics.json (per set: greedy distinct-3, the share of
+                               non-degenerate prompts, prompt dependence; held-out loss / top-1)
+Cached and atomic like testbed/tiny_target.py (a build.json key per artifact), deterministic by step count.
+What it can show: acceptance on output that depends on the prompt and does not loop, and a drafter's drift
+under a template it was not trained on. What it cannot: natural language or code; a 5 ms target forward makes
+wall-clock speed-ups on CPU a measure of the harness as much as of the drafter.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from fledge.atomic import read_json, write_json_atomic
+from fledge.models.precision import describe_cpu
+from fledge.testbed import tiny_target as tt, tiny_tasks
+
+VERSION = 1
+MODEL = dict(vocab_size=2560, hidden_size=128, intermediate_size=384, num_hidden_layers=8, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-5,
+             tie_word_embeddings=False)
+BUDGET = dict(steps=700, seq_len=256, batch_size=8, lr=3e-3, warmup=40)
+N_TRAIN, N_EVAL, N_LONG = 2000, 100, 16
+N_PROMPTS, GEN_TOKENS = 16, 96  # greedy continuations scored per set
+SETS = ("eval", "eval_perturbed", "long_eval")
+DEGENERATE_BELOW = 0.5  # distinct-3 under this marks a prompt's greedy output degenerate
+
+
+def _dir(root: Path | None) -> Path:
+    return Path(root or tt.default_root()) / "writer"
+
+
+def build_data(root: Path | None = None) -> Path:
+    out = _dir(root) / "data"
+    key = tt._key(kind="writer_data", version=VERSION, n=[N_TRAIN, N_EVAL, N_LONG], template=tiny_tasks.CHAT_TEMPLATE)
+
+    def build(tmp: Path) -> dict:
+        rng = random.Random(tt.SEED + 11)  # apart from the target's stream (seed + 1)
+        alt = [lay for lay in tiny_tasks.LAYOUTS if lay != tiny_tasks.DEFAULT_LAYOUT]
+        rows = {"train": [tiny_tasks.conversation(rng, tiny_tasks.DEFAULT_LAYOUT) for _ in range(N_TRAIN)],
+                "eval": [tiny_tasks.conversation(rng, tiny_tasks.DEFAULT_LAYOUT) for _ in range(N_EVAL)],
+                "eval_perturbed": [tiny_tasks.conversation(rng, rng.choice(alt), system=True) for _ in range(N_EVAL)],
+                "long_eval": [tiny_tasks.long_conversation(rng, rng.randint(40, 80)) for _ in range(N_LONG)]}
+        for name, convs in rows.items():
+            (tmp / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in convs))
+        return {name: len(convs) for name, convs in rows.items()}
+
+    return tt._cached(out, key, build)
+
+
+def build_tokenizer(root: Path | None = None) -> Path:
+    out = _dir(root) / "tokenizer"
+    key = tt._key(kind="writer_tokenizer", version=VERSION, vocab=MODEL["vocab_size"],
+                  template=tiny_tasks.CHAT_TEMPLATE)
+
+    def build(tmp: Path) -> None:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+        from transformers import PreTrainedTokenizerFast
+
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=MODEL["vocab_size"], special_tokens=tt.tiny_corpus.SPECIAL_TOKENS,
+                                      show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        tok.train_from_iterator(tiny_tasks.tokenizer_texts(tt.SEED + 5), trainer)
+        c = tt.tiny_corpus
+        PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=c.BOS, eos_token=c.END, pad_token=c.PAD,
+                                chat_template=tiny_tasks.CHAT_TEMPLATE, model_max_length=2048).save_pretrained(tmp)
+
+    return tt._cached(out, key, build)
+
+
+def _render(tok, conv: dict, prompt_only: bool) -> list[int]:
+    msgs = conv["messages"][:-1] if prompt_only else conv["messages"]
+    text = tok.apply_chat_template(msgs, add_generation_prompt=prompt_only, tokenize=False,
+                                   **(conv.get("template_kwargs") or {}))
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def _distinct3(ids: list[int]) -> float:
+    grams = list(zip(ids, ids[1:], ids[2:]))
+    return len(set(grams)) / max(1, len(grams))
+
+
+def prompts(tok, data_dir: Path, name: str, n: int = N_PROMPTS) -> list[tuple[list[int], str]]:
+    """The first ``n`` (prompt ids, reference answer) of eval set ``name``."""
+    rows = [json.loads(line) for line in (data_dir / f"{name}.jsonl").read_text().splitlines()][:n]
+    return [(_render(tok, c, True), c["messages"][-1]["content"]) for c in rows]
+
+
+@torch.no_grad()
+def evaluate(path: Path, data_dir: Path, max_new_tokens: int = GEN_TOKENS) -> dict:
+    """Per set: greedy distinct-3 (mean, share of prompts >= DEGENERATE_BELOW), distinct continuations,
+    exact answers; on the default set, held-out loss and top-1 on answer tokens (fp32 from the bf16 weights)."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out: dict = {}
+    convs = [json.loads(line) for line in (data_dir / "eval.jsonl").read_text().splitlines()]
+    nll, correct, count = 0.0, 0, 0
+    for c in convs:
+        enc = tok.apply_chat_template(c["messages"], return_dict=True, return_assistant_tokens_mask=True,
+                                      return_tensors="pt", **c["template_kwargs"])
+        logits = model(input_ids=enc["input_ids"]).logits[0, :-1]
+        mask, target = enc["assistant_masks"][0, 1:].bool(), enc["input_ids"][0, 1:]
+        nll += F.cross_entropy(logits[mask], target[mask], reduction="sum").item()
+        correct += (logits[mask].argmax(-1) == target[mask]).sum().item()
+        count += int(mask.sum())
+    out.update(heldout_loss=nll / count, heldout_top1=correct / count, heldout_tokens=count)
+    for name in SETS:
+        ratios, texts, exact = [], [], 0
+        for ids, answer in prompts(tok, data_dir, name):
+            gen = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False)[0, len(ids):]
+            row = gen.tolist()
+            row = row[: row.index(tok.eos_token_id) + 1] if tok.eos_token_id in row else row
+            ratios.append(_distinct3(row))
+            texts.append(tok.decode(row, skip_special_tokens=True))
+            exact += texts[-1].strip() == answer.strip()
+        out[name] = {"prompts": len(texts), "distinct3": sum(ratios) / len(ratios),
+                     "non_degenerate": sum(r >= DEGENERATE_BELOW for r in ratios) / len(ratios),
+                     "distinct_outputs": len(set(texts)) / len(texts), "exact_answers": exact / len(texts),
+                     "samples": texts[:3]}
+    return out
+
+
+def build_writer(root: Path | None = None, steps: int | None = None, device: str = "cpu") -> Path:
+    """Build (once) the writing target; returns its from_pretrained directory (``<root>/writer/target``)."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    settings = dict(BUDGET, **({"steps": steps} if steps else {}))
+    data_dir, tok_dir = build_data(root), build_tokenizer(root)
+    out = _dir(root) / "target"
+    key = tt._key(kind="writer_target", version=VERSION, budget=settings, model=MODEL, seed=tt.SEED,
+                  data=read_json(data_dir / "build.json")["key"], tok=read_json(tok_dir / "build.json")["key"])
+
+    def build(tmp: Path) -> None:
+        tok = AutoTokenizer.from_pretrained(tok_dir)
+        m = dict(MODEL)
+        rope = {"rope_type": "default", "rope_theta": m.pop("rope_theta")}
+        from transformers import LlamaConfig
+
+        torch.manual_seed(tt.SEED)
+        model = LlamaForCausalLM(LlamaConfig(**m, rope_parameters=rope, bos_token_id=tok.bos_token_id,
+                                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
+        t0, c0 = time.time(), time.process_time()
+        model = tt.train_target(tok, [], **settings, device=device, stream=tiny_tasks.stream(tt.SEED + 1),
+                                model=model)
+        train_s, train_cpu = time.time() - t0, time.process_time() - c0
+        tt._save_model(model, tok, tmp)
+        metrics = evaluate(tmp, data_dir)
+        metrics.update(budget="writer", **settings, train_seconds=round(train_s, 1),
+                       train_cpu_seconds=round(train_cpu, 1), torch_threads=torch.get_num_threads(),
+                       compute_dtype="float32", cpu=describe_cpu(), train_device=device,
+                       parameters=sum(p.numel() for p in model.parameters()))
+        write_json_atomic(tmp / "metrics.json", metrics)
+
+    return tt._cached(out, key, build)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=tt.default_root())
+    ap.add_argument("--steps", type=int, default=None, help="override the step count (smoke tests)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    args = ap.parse_args(argv)
+    path = build_writer(args.out, args.steps, args.device)
+    m = read_json(path / "metrics.json")
+    sets = ", ".join(f"{s} distinct-3 {m[s]['distinct3']:.2f} ({m[s]['non_degenerate']:.0%} non-degenerate)"
+                     for s in SETS)
+    print(f"{path}: held-out loss {m['heldout_loss']:.3f}, top-1 {m['heldout_top1']:.1%}, {sets}; "
+          f"{m['steps']} steps in {m['train_seconds']:.0f}s")
+
+
+if __name__ == "__main__":
+    main()
