@@ -139,6 +139,11 @@ class CaptureConfig:
     # dead engine is started again from the trainer's data position before the run fails.
     buffer_batches: int = 4
     engine_restarts: int = 1
+    # vllm + mode=online on a cluster (docs/slurm.md): the command prefix each engine's driver starts under, e.g.
+    # srun into the engine nodes of a heterogeneous job ([] = a local process beside its trainer rank), and how
+    # many consecutive trainer ranks share one engine (its leader, the group's first rank, starts it).
+    engine_launcher: list[str] = field(default_factory=list)
+    ranks_per_engine: int = 1
 
 
 @dataclass
@@ -272,6 +277,13 @@ class Config:
         if self.capture.buffer_batches < 1:
             raise ValueError(f"capture.buffer_batches={self.capture.buffer_batches}: must be >= 1 (batches the "
                              "engine may run ahead of the trainer)")
+        if self.capture.ranks_per_engine < 1:
+            raise ValueError(f"capture.ranks_per_engine={self.capture.ranks_per_engine}: must be >= 1 (trainer ranks "
+                             "one engine serves)")
+        if (self.capture.engine_launcher or self.capture.ranks_per_engine > 1) and not (
+                self.capture.mode == "online" and self.capture.engine == "vllm"):
+            raise ValueError("capture.engine_launcher / capture.ranks_per_engine place the engines of capture.mode="
+                             "online with capture.engine=vllm; set those two, or drop these keys")
         _check_capture_slices(self)
         _one_of("deepspeed.zero_stage", self.deepspeed.zero_stage, (0, 1, 2, 3))
         _one_of("train.optim.schedule", self.train.optim.schedule, ("cosine", "linear", "constant"))

@@ -89,9 +89,10 @@ def capture_inputs(cfg: Config) -> dict:
     # The slice fields are left out: the array tasks of one capture and its merge must agree on the hash (and
     # slicing does not change the store's content).
     cap = {k: v for k, v in dataclasses.asdict(cfg.capture).items() if k not in ("num_slices", "slice_index")}
-    # The engine's python and patience do not change the store; with engine=hf none of the vLLM keys exist for
-    # the hash, so HF stores keep the hash they had before capture.engine existed.
-    drop = ("engine_python", "engine_timeout_s") + (ENGINE_KEYS if cfg.capture.engine == "hf" else ())
+    # The engine's python, patience and placement do not change the store; with engine=hf none of the vLLM keys
+    # exist for the hash, so HF stores keep the hash they had before capture.engine existed.
+    drop = ("engine_python", "engine_timeout_s", "engine_launcher", "ranks_per_engine") + (
+        ENGINE_KEYS if cfg.capture.engine == "hf" else ())
     cap = {k: v for k, v in cap.items() if k not in drop}
     return {"target": _target(cfg), "capture": cap, "aux_layer_ids": cfg.aux_layer_ids()}
 

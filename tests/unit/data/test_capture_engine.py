@@ -144,6 +144,13 @@ def test_config_keys():
         compose(["recipe=tiny", "capture.engine=vllm", "capture.mode=online", "capture.data_parallel_size=2"])
     with pytest.raises(ValueError, match="capture.buffer_batches=0"):
         compose(["recipe=tiny", "capture.engine=vllm", "capture.mode=online", "capture.buffer_batches=0"])
+    placed = compose(["recipe=tiny", "capture.engine=vllm", "capture.mode=online", "capture.ranks_per_engine=2",
+                      "capture.engine_launcher=[srun,'--het-group=1']"])
+    assert placed.capture.engine_launcher == ["srun", "--het-group=1"] and placed.capture.ranks_per_engine == 2
+    with pytest.raises(ValueError, match="capture.ranks_per_engine=0"):
+        compose(["recipe=tiny", "capture.engine=vllm", "capture.mode=online", "capture.ranks_per_engine=0"])
+    with pytest.raises(ValueError, match="capture.engine_launcher / capture.ranks_per_engine"):
+        compose(["recipe=tiny", "capture.engine=vllm", "capture.ranks_per_engine=2"])
     with pytest.raises(ValueError, match="capture.device_map"):
         compose(["recipe=tiny", "capture.engine=vllm", "capture.device_map=auto"])
 
