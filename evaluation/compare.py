@@ -15,6 +15,17 @@ curves and held-out accuracy per step (3.1 solid, 3 dashed), and the offline-est
 position. Figures: AL(3.1)/AL(3) and drafter-minus-lookup AL per set (default / perturbed / long), held-out
 accuracy per step up to 2K, offline AL estimate vs measured AL; with ``eval.context_buckets`` on both runs,
 AL(3.1)/AL(3) and the drift figures per context length, and ``compare_al_vs_length.png``.
+
+Over seeds, as the paper measures (evaluation/seeds.py trains both drafters per seed from one capture):
+
+    fledge compare --train outputs/compare_tiny --seeds 0 1 2 --nproc 2 -- recipe=tiny eval.engine=vllm
+    fledge compare --eagle31 outputs/c/eagle31_s0 outputs/c/eagle31_s1 --eagle3 outputs/c/eagle3_s0 ... --out DIR
+
+writes the same files, headed by the table over seeds: per set and AL kind (greedy and sampled at
+eval.temperature, in process and, with eval.engine=vllm, in vLLM) each drafter's mean ± std, AL(3.1)/AL(3) of
+the means beside the paper's ratio, prompt lookup and distinct-3; perturbed over default AL per drafter (a
+perturbation that leaves EAGLE-3's AL where it was does not stress a drafter); AL per context length. The
+single-run tables and plots below it are the first seed's pair.
 """
 
 from __future__ import annotations
@@ -29,9 +40,15 @@ from pathlib import Path
 from fledge.atomic import write_bytes_atomic, write_json_atomic
 from fledge.evaluation.long_context import drift_at
 from fledge.evaluation.report import plot_context
+from fledge.evaluation.seeds import cell, load_run, set_figures, spread, sweep, warnings
 from fledge.run_layout import RunLayout
 
 LABELS = ("EAGLE-3.1", "EAGLE-3")
+# The EAGLE-3.1 paper's AL(3.1)/AL(3), per eval set of ours that measures the same thing.
+PAPER = {"default": "1.10x (standard benchmarks)", "perturbed": "up to 2x (template perturbation)",
+         "long": "1.18x (long context)"}
+AL_KINDS = (("al", "greedy"), ("al_sampled", "sampled"), ("al_engine", "vLLM greedy"),
+            ("al_engine_sampled", "vLLM sampled"))
 
 
 def load_report(run_dir: Path, want_31: bool) -> dict:
@@ -171,6 +188,76 @@ def markdown(c: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _is_31(drafter: dict) -> bool:
+    return bool(drafter.get("fc_norm") and drafter.get("norm_output"))
+
+
+def compare_seeds(runs31: list[dict], runs3: list[dict]) -> dict:
+    """The figures over seeds (JSON-safe) from evaluation/seeds.py ``load_run`` records of each drafter."""
+    r31, r3 = [r["report"] for r in runs31], [r["report"] for r in runs3]
+    bad = [r["dir"] for r in runs31 if not _is_31(r["drafter"])] + [r["dir"] for r in runs3 if _is_31(r["drafter"])]
+    out: dict = {"k": r31[0]["k"], "ttt_steps": r31[0]["ttt_steps"], "temperature": r31[0].get("temperature", 0.0),
+                 "seeds": {LABELS[0]: [r["seed"] for r in runs31], LABELS[1]: [r["seed"] for r in runs3]},
+                 "runs": {LABELS[0]: [r["dir"] for r in runs31], LABELS[1]: [r["dir"] for r in runs3]},
+                 "warnings": warnings(runs31 + runs3) + ([f"not the drafter their side says (flags): {bad}"] if bad
+                                                         else []), "sets": {}}
+    names = [n for n in r31[0]["sets"] if all(n in r["sets"] for r in r31 + r3)]
+    for name in names:
+        a, b = set_figures(r31, name), set_figures(r3, name)
+        out["sets"][name] = {LABELS[0]: a, LABELS[1]: b, "paper": PAPER.get(name),
+                             "ratio": {key: _ratio(a[key]["mean"], b[key]["mean"]) for key, _ in AL_KINDS}}
+    if "default" in names and "perturbed" in names:
+        sets = out["sets"]
+        out["perturbed_vs_default"] = {lab: {key: _ratio(sets["perturbed"][lab][key]["mean"],
+                                                         sets["default"][lab][key]["mean"]) for key, _ in AL_KINDS}
+                                       for lab in LABELS}
+    buckets = [{b["bucket"] for b in r.get("context_buckets") or []} for r in r31 + r3]
+    common = sorted(set.intersection(*buckets)) if buckets else []
+    out["context"] = []
+    for bucket in common:
+        row: dict = {"bucket": bucket}
+        for lab, reports in zip(LABELS, (r31, r3)):
+            at = [next(b for b in r["context_buckets"] if b["bucket"] == bucket) for r in reports]
+            row[lab] = {"al": spread(b["al"] for b in at), "al_sampled": spread(b.get("al_sampled") for b in at),
+                        "lookup_al": spread(b.get("lookup_al") for b in at)}
+        row["ratio"] = _ratio(row[LABELS[0]]["al"]["mean"], row[LABELS[1]]["al"]["mean"])
+        out["context"].append(row)
+    return out
+
+
+def markdown_seeds(c: dict) -> str:
+    n31, n3 = len(c["seeds"][LABELS[0]]), len(c["seeds"][LABELS[1]])
+    lines = [f"## EAGLE-3.1 vs EAGLE-3 over seeds (chain k={c['k']}, trained K={c['ttt_steps']}; mean ± std over "
+             f"{n31} and {n3} seeds; sampled at temperature {c['temperature']})", ""]
+    lines += [f"**Warning:** {w}" for w in c["warnings"]] + ([""] if c["warnings"] else [])
+    lines += ["| set | AL | EAGLE-3.1 | EAGLE-3 | AL(3.1)/AL(3) | paper |", "|---" * 6 + "|"]
+    for name, s in c["sets"].items():
+        for key, what in AL_KINDS:
+            if s[LABELS[0]][key]["mean"] is None and s[LABELS[1]][key]["mean"] is None:
+                continue
+            ratio = s["ratio"][key]
+            lines.append(f"| {name} | {what} | {cell(s[LABELS[0]][key])} | {cell(s[LABELS[1]][key])} | "
+                         f"{'n/a' if ratio is None else f'{ratio:.2f}x'} | {s['paper'] or ''} |")
+    lines += ["", "Baselines on the same prompts: prompt lookup's AL (in process; vLLM's ngram where served) and the "
+              "target's distinct-3-gram ratio (near 0: the target loops and every AL measures the loop):", "",
+              "| set | lookup AL | vLLM ngram AL | distinct-3 |", "|---" * 4 + "|"]
+    for name, s in c["sets"].items():
+        a = s[LABELS[0]]
+        lines.append(f"| {name} | {cell(a['lookup_al'])} | {cell(a['lookup_al_engine'])} | {cell(a['distinct3'])} |")
+    if c.get("perturbed_vs_default"):
+        p = c["perturbed_vs_default"]
+        lines += ["", "Perturbed over default AL per drafter (1.00: the perturbation does not move the drafter):", "",
+                  "| AL | EAGLE-3.1 | EAGLE-3 |", "|---" * 3 + "|"]
+        lines += [f"| {what} | {_f(p[LABELS[0]][key])} | {_f(p[LABELS[1]][key])} |" for key, what in AL_KINDS
+                  if p[LABELS[0]][key] is not None or p[LABELS[1]][key] is not None]
+    if c["context"]:
+        lines += ["", "Greedy AL vs context length:", "",
+                  "| context tokens | EAGLE-3.1 | EAGLE-3 | AL(3.1)/AL(3) | lookup AL |", "|---" * 5 + "|"]
+        lines += [f"| {r['bucket']} | {cell(r[LABELS[0]]['al'])} | {cell(r[LABELS[1]]['al'])} | {_f(r['ratio'])} | "
+                  f"{cell(r[LABELS[0]]['lookup_al'])} |" for r in c["context"]]
+    return "\n".join(lines) + "\n"
+
+
 def _save(fig, path: Path) -> None:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
@@ -242,20 +329,59 @@ def plots(c: dict, r31: dict, r3: dict, out: Path) -> None:
                      styles)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("eagle31_run", type=Path, help="run directory trained with drafter=eagle31")
-    ap.add_argument("eagle3_run", type=Path, help="run directory trained with drafter=eagle3")
-    ap.add_argument("--out", type=Path, default=None, help="output directory (default: <eagle31_run>/compare)")
-    args = ap.parse_args(argv)
-    r31, r3 = load_report(args.eagle31_run, True), load_report(args.eagle3_run, False)
-    out = args.out or args.eagle31_run / "compare"
+def _write(out: Path, r31: dict, r3: dict, seeds: dict | None = None) -> str:
+    """compare.md / compare.json / the plots for the pair (r31, r3), headed by the table over seeds."""
     out.mkdir(parents=True, exist_ok=True)
     c = compare(r31, r3)
     md = markdown(c)
-    plots(c, r31, r3, out)
+    if seeds is not None:
+        c = {"seeds": seeds, "first_seed": c}
+        md = markdown_seeds(seeds) + "\n### The first seed's pair in detail\n\n" + md.split("\n", 1)[1]
+    plots(c.get("first_seed", c), r31, r3, out)
     write_json_atomic(out / "compare.json", c)
     write_bytes_atomic(out / "compare.md", md.encode())
+    return md
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    overrides = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="After --: Hydra overrides for every "
+                                 "run of --train (recipe=NAME ...).")
+    ap.add_argument("eagle31_run", type=Path, nargs="?", help="run directory trained with drafter=eagle31")
+    ap.add_argument("eagle3_run", type=Path, nargs="?", help="run directory trained with drafter=eagle3")
+    ap.add_argument("--eagle31", type=Path, nargs="+", help="EAGLE-3.1 run directories, one per seed")
+    ap.add_argument("--eagle3", type=Path, nargs="+", help="EAGLE-3 run directories, one per seed")
+    ap.add_argument("--train", type=Path, metavar="ROOT", help="first train both drafters at every --seeds from one "
+                    "capture, as run.output_root=ROOT (re-running resumes)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--nproc", type=int, default=1, help="ranks per run of --train (torchrun --nproc_per_node)")
+    ap.add_argument("--out", type=Path, default=None, help="output directory (default: <first EAGLE-3.1 run>/compare, "
+                    "with --train ROOT/compare)")
+    args = ap.parse_args(argv)
+    if args.train:
+        if not any(o.startswith("recipe=") for o in overrides):
+            ap.error("--train needs the runs' overrides after --, at least recipe=NAME")
+        extra = overrides + ([] if any(o.startswith("eval.temperature=") for o in overrides)
+                             else ["eval.temperature=1.0"])  # the eval then reports greedy and sampled AL
+        dirs = sweep(args.train, [("eagle31", ["drafter=eagle31"]), ("eagle3", ["drafter=eagle3"])], args.seeds,
+                     args.nproc, extra)
+        args.eagle31 = [Path(d) for d in dirs if Path(d).name.startswith("eagle31_")]
+        args.eagle3 = [Path(d) for d in dirs if Path(d).name.startswith("eagle3_")]
+        args.out = args.out or args.train / "compare"
+    if args.eagle31 or args.eagle3:
+        if not (args.eagle31 and args.eagle3) or args.eagle31_run:
+            ap.error("give --eagle31 DIR... and --eagle3 DIR... (one run per seed each), or two run directories")
+        runs31, runs3 = [load_run(d) for d in args.eagle31], [load_run(d) for d in args.eagle3]
+        out = args.out or args.eagle31[0] / "compare"
+        md = _write(out, runs31[0]["report"], runs3[0]["report"], compare_seeds(runs31, runs3))
+    else:
+        if not (args.eagle31_run and args.eagle3_run):
+            ap.error("give two run directories (EAGLE-3.1, EAGLE-3), --eagle31/--eagle3 runs, or --train ROOT")
+        r31, r3 = load_report(args.eagle31_run, True), load_report(args.eagle3_run, False)
+        out = args.out or args.eagle31_run / "compare"
+        md = _write(out, r31, r3)
     print(md)
     print(f"written to {out}")
     return 0

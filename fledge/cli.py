@@ -3,11 +3,12 @@
     fledge run recipe=tiny [overrides]          the pipeline in one process (torchrun train/main.py for N)
     fledge tiny-target --budget quick           build the tiny recipe's target and data under .cache/
     fledge tiny-writer                          build the writing tiny target (chat tasks) under .cache/
-    fledge lint DIR [--target T | --recipe R]   check a drafter directory against its target (docs/serving.md, Silent
-    failures) fledge push DIR ORG/NAME                    upload with a model card (token from HF_TOKEN)
+    fledge lint DIR [--target T | --recipe R]   check a drafter directory against its target (docs/serving.md)
+    fledge push DIR ORG/NAME                    upload with a model card (token from HF_TOKEN)
     fledge submit pipeline recipe=NAME ...      fill the Slurm templates, print the sbatch commands
     fledge regenerate --input ... --output ...  re-answer a data set with the target
     fledge compare RUN_A RUN_B                  EAGLE-3.1 vs EAGLE-3 report from two runs
+    fledge compare --train ROOT -- recipe=NAME  both drafters x 3 seeds from one capture, the table over seeds
     fledge config recipe=NAME [overrides]       print the composed, validated config
 
 Each tool's module owns its arguments (``fledge TOOL --help``); this file only dispatches, importing
@@ -29,7 +30,7 @@ COMMANDS = {
     "push": ("fledge.train.publish", "main", "upload a drafter with a generated model card"),
     "submit": ("fledge.train.slurm.submit", "main", "fill the Slurm templates and print the sbatch commands"),
     "regenerate": ("fledge.data.prepare.regenerate", "main", "re-answer a chat data set with the target"),
-    "compare": ("fledge.evaluation.compare", "main", "EAGLE-3.1 vs EAGLE-3 report from two runs"),
+    "compare": ("fledge.evaluation.compare", "main", "EAGLE-3.1 vs EAGLE-3 from two runs, or over seeds (--train)"),
     "config": ("fledge.cli", "print_config", "print the composed, validated config of a recipe"),
 }
 

@@ -7,12 +7,10 @@ features, then one table of what each objective buys (as `fledge compare` does f
     # or only the table, from run directories (LABEL=DIR names a run's group; default: its loss)
     python scripts/compare_losses.py table outputs/losses/ttt_ce_s0 outputs/losses/tv_s0 ... --out outputs/losses
 
-``run`` runs ``train/main.py`` under torchrun: ``<root>/base`` with run.stages=[prepare,capture], then per
-loss and seed ``<root>/<loss>_s<seed>`` with run.stages=[train,export,eval], run.seed=<seed> and the loss,
-its ``prepare`` and ``capture`` directories symlinked to the base's (not-selected stages are read as they
-are, train/runner.py; a copy per run would be one feature store per run), eval.temperature=1.0 unless the
-overrides set it (greedy and sampled AL). A run whose stages are done is skipped by the runner itself, so
-re-running the command resumes. A loss is a registered name or ``mix:name=w,name=w``.
+``run`` is evaluation/seeds.py's ``sweep``: ``<root>/base`` prepares and captures once, then per loss and seed
+``<root>/<loss>_s<seed>`` trains, exports and evaluates with run.seed=<seed> and the loss, its ``prepare`` and
+``capture`` symlinked to the base's; eval.temperature=1.0 unless the overrides set it (greedy and sampled AL).
+Re-running the command resumes. A loss is a registered name or ``mix:name=w,name=w``.
 
 ``table`` reads each run's <run>/eval/report.json (evaluation/evaluate.py), <run>/train/manifest.json (its loss and
 seed) and train/metrics.jsonl, groups the runs by loss and writes compare_losses.md (also printed) and
@@ -27,27 +25,15 @@ the ``ttt_ce`` group. Runs that did not read the same capture are flagged: their
 from __future__ import annotations
 
 import argparse
-import json
-import math
-import os
-import statistics
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-from fledge.atomic import read_json, write_bytes_atomic, write_json_atomic
-from fledge.run_layout import RunLayout
+from fledge.atomic import write_bytes_atomic, write_json_atomic
+from fledge.evaluation.seeds import cell, load_run, set_figures, spread, sweep, warnings
 
-REPO = Path(__file__).resolve().parents[1]
 BASELINE = "ttt_ce"
 
 
 # ------------------------------------------------------------------------------------------------- reading
-def _num(x):
-    return None if x is None or (isinstance(x, float) and not math.isfinite(x)) else float(x)
-
-
 def loss_label(drafter: dict) -> str:
     """The group a run belongs to, from its train config's drafter section: the loss with what it reads
     (``jsd(beta=0.3)``, ``lk_lambda(eta=3.0)``, ``mix(ttt_ce=0.5,tv=0.5)``)."""
@@ -61,40 +47,13 @@ def loss_label(drafter: dict) -> str:
     return name
 
 
-def load_run(run_dir: Path, label: str | None = None) -> dict:
-    """What the table needs of one run directory (SystemExit naming the missing file)."""
-    run_dir = Path(run_dir)
-    layout = RunLayout(run_dir)
-    report, manifest = read_json(layout.eval.report_json), read_json(layout.manifest("train"))
-    for path, got in ((layout.eval.report_json, report), (layout.manifest("train"), manifest)):
-        if not got:
-            raise SystemExit(f"{path} not found: run the pipeline through the eval stage for {run_dir}")
-    config = (manifest.get("inputs") or {}).get("config") or {}
-    metrics = layout.train.metrics
-    lines = metrics.read_text().splitlines() if metrics.exists() else []
-    records = [json.loads(line) for line in lines if line.strip()]
-    speeds = [r["tokens_per_s"] for r in records if _num(r.get("tokens_per_s"))]
-    steps = max((r["step"] for r in records if "step" in r), default=0)
-    return {"dir": str(run_dir), "label": label or loss_label(config.get("drafter") or {}),
-            "seed": (config.get("run") or {}).get("seed"), "report": report,
-            "capture": (manifest.get("read") or {}).get("capture"),
-            "tokens_per_s": statistics.median(speeds) if speeds else None,
-            "s_per_step": manifest["seconds"] / steps if steps and manifest.get("seconds") else None}
+def labelled(run_dir: Path, label: str | None = None) -> dict:
+    """One run's figures (evaluation/seeds.py), grouped by ``label`` or by its loss."""
+    r = load_run(run_dir)
+    return {**r, "label": label or loss_label(r["drafter"])}
 
 
 # -------------------------------------------------------------------------------------------------- figures
-def _spread(values) -> dict:
-    """mean and sample standard deviation over seeds (std None with one value), n the values present."""
-    vals = [v for v in map(_num, values) if v is not None]
-    return {"mean": statistics.fmean(vals) if vals else None, "std": statistics.stdev(vals) if len(vals) > 1 else None,
-            "n": len(vals)}
-
-
-def _per_position(stats: list[dict | None]) -> list[dict]:
-    lists = [s["accept_at"] for s in stats if s]
-    return [_spread(col) for col in zip(*lists)] if lists else []
-
-
 def summarise(runs: list[dict]) -> dict:
     """The table's figures (JSON-safe), groups in first-seen order, the baseline's first."""
     groups: dict[str, list[dict]] = {}
@@ -102,34 +61,13 @@ def summarise(runs: list[dict]) -> dict:
         groups.setdefault(r["label"], []).append(r)
     first = runs[0]["report"]
     out: dict = {"k": first.get("k"), "ttt_steps": first.get("ttt_steps"), "temperature": first.get("temperature"),
-                 "order": list(groups), "groups": {}, "warnings": []}
-    if len({(r["report"].get("k"), r["report"].get("ttt_steps")) for r in runs}) > 1:
-        out["warnings"].append("the runs differ in eval k or trained K: their AL do not compare")
-    if len({r["capture"] for r in runs}) > 1:
-        out["warnings"].append("the runs read different captures (features): the rows compare data, not only losses")
+                 "order": list(groups), "groups": {}, "warnings": warnings(runs)}
     for label, rs in groups.items():
         sets = [n for n in rs[0]["report"]["sets"] if all(n in r["report"]["sets"] for r in rs)]
-        g: dict = {"seeds": [r["seed"] for r in rs], "runs": [r["dir"] for r in rs], "sets": {},
-                   "tokens_per_s": _spread(r["tokens_per_s"] for r in rs),
-                   "s_per_step": _spread(r["s_per_step"] for r in rs)}
-        for name in sets:
-            per = [r["report"]["sets"][name] for r in rs]
-            engine = [((r["report"].get("engine") or {}).get("sets") or {}).get(name) for r in rs]
-            engine = [e or {} for e in engine]
-            g["sets"][name] = {
-                "al": _spread(s["drafter"]["al"] for s in per),
-                "al_sampled": _spread((s.get("drafter_sampled") or {}).get("al") for s in per),
-                "al_engine": _spread(e.get("drafter", {}).get("al") for e in engine),
-                "al_engine_sampled": _spread(e.get("drafter_sampled", {}).get("al") for e in engine),
-                "lookup_al": _spread(s["lookup"]["al"] for s in per),
-                "lookup_al_engine": _spread(e.get("lookup", {}).get("al") for e in engine),
-                "distinct3": _spread(s.get("distinct3_mean") for s in per),
-                "accept_at": _per_position([s["drafter"] for s in per]),
-                "accept_at_sampled": _per_position([s.get("drafter_sampled") for s in per]),
-                "accept_at_engine": _per_position([e.get("drafter") for e in engine]),
-                "accept_at_engine_sampled": _per_position([e.get("drafter_sampled") for e in engine]),
-            }
-        out["groups"][label] = g
+        out["groups"][label] = {"seeds": [r["seed"] for r in rs], "runs": [r["dir"] for r in rs],
+                                "sets": {n: set_figures([r["report"] for r in rs], n) for n in sets},
+                                "tokens_per_s": spread(r["tokens_per_s"] for r in rs),
+                                "s_per_step": spread(r["s_per_step"] for r in rs)}
     base = (out["groups"].get(BASELINE) or {}).get("tokens_per_s", {}).get("mean")
     for g in out["groups"].values():
         tps = g["tokens_per_s"]["mean"]
@@ -138,12 +76,6 @@ def summarise(runs: list[dict]) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------- markdown
-def _cell(s: dict, d: int = 2) -> str:
-    if s["mean"] is None:
-        return "n/a"
-    return f"{s['mean']:.{d}f}" + (f" ± {s['std']:.{d}f}" if s["std"] is not None else "")
-
-
 def markdown(c: dict) -> str:
     groups = {label: c["groups"][label] for label in c["order"]}
     sets = list(dict.fromkeys(n for g in groups.values() for n in g["sets"]))
@@ -159,9 +91,9 @@ def markdown(c: dict) -> str:
     lines += ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for label, g in groups.items():
         row = [label, str(len(g["seeds"]))]
-        row += [_cell(g["sets"][n][key]) if n in g["sets"] else "n/a" for n in sets for key, _ in columns]
+        row += [cell(g["sets"][n][key]) if n in g["sets"] else "n/a" for n in sets for key, _ in columns]
         cost = g["cost_vs_baseline"]
-        row += [_cell(g["tokens_per_s"], 0), _cell(g["s_per_step"]), "n/a" if cost is None else f"{cost:.2f}x"]
+        row += [cell(g["tokens_per_s"], 0), cell(g["s_per_step"]), "n/a" if cost is None else f"{cost:.2f}x"]
         lines.append("| " + " | ".join(row) + " |")
     for key, what in (("accept_at", "greedy"), ("accept_at_sampled", f"sampled, temperature {c['temperature']}"),
                       ("accept_at_engine", "greedy, vLLM"),
@@ -173,7 +105,7 @@ def markdown(c: dict) -> str:
         k = max(len(p) for _, _, p in rows)
         lines += ["", f"Acceptance per draft position ({what}): P(draft i accepted)", "",
                   "| set | loss | " + " | ".join(str(i + 1) for i in range(k)) + " |", "|---" * (k + 2) + "|"]
-        lines += [f"| {n} | {label} | " + " | ".join(_cell(s) for s in p) + " |" for n, label, p in rows]
+        lines += [f"| {n} | {label} | " + " | ".join(cell(s) for s in p) + " |" for n, label, p in rows]
     lines += ["", "Cost: tokens/s is the median of a run's logged training steps, s/step the train stage's wall "
               f"time over its steps (evals and checkpoints included); cost vs {BASELINE} = its tokens/s over this "
               "loss's."]
@@ -184,7 +116,7 @@ def table(args) -> int:
     runs = []
     for spec in args.runs:
         label, _, path = spec.rpartition("=") if "=" in spec and not Path(spec).exists() else ("", "", spec)
-        runs.append(load_run(Path(path), label or None))
+        runs.append(labelled(Path(path), label or None))
     if not runs:
         raise SystemExit("no run directories given")
     c = summarise(runs)
@@ -213,40 +145,12 @@ def loss_overrides(spec: str) -> tuple[str, list[str]]:
     return tag, ["drafter.loss=mix", "+drafter.loss_mix={" + ", ".join(f"{n}: {w}" for n, w in weights.items()) + "}"]
 
 
-def _train_main(nproc: int, overrides: list[str]) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", str(REPO / "train" / "main.py"),
-           *overrides]
-    print("+", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, env=dict(os.environ))
-
-
 def run(args) -> int:
-    root, extra = args.root.resolve(), list(args.overrides)
+    extra = list(args.overrides)
     if not any(o.startswith("eval.temperature=") for o in extra):
         extra.append("eval.temperature=1.0")  # the eval then reports greedy and sampled AL
-    specs = [loss_overrides(s) for s in args.losses]
-    common = [*extra, f"run.output_root={root}"]
-    t0 = time.time()
-    _train_main(args.nproc, [*common, "run.name=base", "run.stages=[prepare,capture]"])
-    times, dirs = {"prepare+capture": time.time() - t0}, []
-    # Seed-major: a sweep cut short still has every loss at the seeds it finished.
-    for seed in args.seeds:
-        for tag, loss in specs:
-            name = f"{tag}_s{seed}"
-            run_dir = root / name
-            run_dir.mkdir(parents=True, exist_ok=True)
-            for stage in ("prepare", "capture"):
-                link = run_dir / stage
-                if not link.is_symlink() and not link.exists():
-                    link.symlink_to(Path("..") / "base" / stage)
-            t = time.time()
-            _train_main(args.nproc, [*common, f"run.name={name}", f"run.seed={seed}", *loss,
-                                     "run.stages=[train,export,eval]"])
-            times[name] = time.time() - t
-            dirs.append(str(run_dir))
-    write_json_atomic(root / "sweep_times.json", {"seconds": times, "total_s": time.time() - t0})
-    print(f"wall seconds: {json.dumps({k: round(v) for k, v in times.items()})}", flush=True)
-    return table(argparse.Namespace(runs=dirs, out=args.out or root))
+    dirs = sweep(args.root, [loss_overrides(s) for s in args.losses], args.seeds, args.nproc, extra)
+    return table(argparse.Namespace(runs=dirs, out=args.out or args.root.resolve()))
 
 
 def main(argv=None) -> int:

@@ -253,6 +253,56 @@ def _strict_json(path: Path):
     return json.loads(path.read_text(), parse_constant=refuse)
 
 
+def test_compare_over_seeds_tables_mean_and_spread_and_the_perturbation(evaluated, tmp_path, monkeypatch):
+    """``fledge compare --train``: both drafters at every seed from one capture (training mocked here), then the
+    table over seeds: each drafter's mean ± std per set and AL kind, the ratio of means beside the paper's,
+    perturbed over default AL per drafter, AL per context length; wrong flags are flagged."""
+    import fledge.evaluation.compare as cmp
+
+    base = json.loads((evaluated[0] / "report.json").read_text())
+    calls = []
+
+    def fake_train(nproc, overrides):
+        calls.append(overrides)
+        o = dict(x.split("=", 1) for x in overrides if "=" in x)
+        run = RunLayout(Path(o["run.output_root"]) / o["run.name"])
+        if o["run.stages"] == "[prepare,capture]":
+            return
+        is31, seed = o["drafter"] == "eagle31", int(o["run.seed"])
+        rep = json.loads(json.dumps(base))
+        rep["flags"] = {"fc_norm": is31, "norm_output": is31}
+        for name, al in (("default", 3.0), ("perturbed", 3.0 if is31 else 1.5), ("long", 2.0)):
+            rep["sets"][name]["drafter"]["al"] = (al if is31 else min(al, 2.0)) + 0.1 * seed
+        rep["context_buckets"][0]["al"] = 2.0 + (0.0 if is31 else -1.0)
+        write_json_atomic(run.eval.report_json, rep)
+        write_json_atomic(run.manifest("train"), {"seconds": 10.0, "read": {"capture": "c1"}, "inputs": {"config": {
+            "drafter": {"fc_norm": is31, "norm_output": is31}, "run": {"seed": seed}}}})
+
+    monkeypatch.setattr("fledge.evaluation.seeds._train_main", fake_train)
+    root = tmp_path / "cmp"
+    assert cmp.main(["--train", str(root), "--seeds", "0", "1", "2", "--", "recipe=tiny", "train.max_steps=5"]) == 0
+    assert len(calls) == 1 + 3 * 2 and all("eval.temperature=1.0" in c and "recipe=tiny" in c for c in calls)
+    c = json.loads((root / "compare" / "compare.json").read_text())["seeds"]
+    d = c["sets"]["default"]
+    assert d["EAGLE-3.1"]["al"]["mean"] == pytest.approx(3.1) and d["EAGLE-3.1"]["al"]["std"] == pytest.approx(0.1)
+    assert d["ratio"]["al"] == pytest.approx(3.1 / 2.1) and d["paper"].startswith("1.10x")
+    assert c["perturbed_vs_default"]["EAGLE-3"]["al"] == pytest.approx(1.6 / 2.1)  # EAGLE-3 moved by the template
+    assert c["perturbed_vs_default"]["EAGLE-3.1"]["al"] == pytest.approx(1.0)
+    assert c["context"][0]["ratio"] == pytest.approx(2.0) and c["seeds"]["EAGLE-3"] == [0, 1, 2]
+    assert c["warnings"] == []
+    md = (root / "compare" / "compare.md").read_text()
+    assert "over seeds" in md and "| default | greedy | 3.10 ± 0.10 | 2.10 ± 0.10 | 1.48x | 1.10x" in md
+    assert "Perturbed over default AL per drafter" in md and "The first seed's pair in detail" in md
+    assert (root / "compare" / "compare_drift.png").exists()
+    # the same table from the run directories; a run on the wrong side is flagged
+    runs31 = [str(root / f"eagle31_s{s}") for s in range(3)]
+    assert cmp.main(["--eagle31", *runs31[:2], str(root / "eagle3_s2"), "--eagle3", str(root / "eagle3_s0"),
+                     "--out", str(tmp_path / "o")]) == 0
+    assert "not the drafter" in json.loads((tmp_path / "o" / "compare.json").read_text())["seeds"]["warnings"][0]
+    with pytest.raises(SystemExit):
+        cmp.main(["--eagle31", runs31[0]])
+
+
 def test_report_and_compare_are_strict_json_when_no_prompt_is_non_degenerate(run, tmp_path):
     """A set with no non-degenerate prompt has no non-degenerate AL: report.json (and compare.json made from
     two such reports) carry null there, never NaN, which strict parsers refuse."""

@@ -1,0 +1,133 @@
+"""Drafters compared over seeds: train one run per variant x seed from one prepared data set and one capture,
+then summarise each variant's eval reports as mean and spread over its seeds.
+
+Used by ``fledge compare`` (evaluation/compare.py: EAGLE-3.1 vs EAGLE-3) and scripts/compare_losses.py (one
+variant per training objective). ``sweep`` runs ``train/main.py`` under torchrun: ``<root>/base`` with
+run.stages=[prepare,capture], then per variant and seed ``<root>/<variant>_s<seed>`` with
+run.stages=[train,export,eval] and run.seed=<seed>, its ``prepare`` and ``capture`` directories symlinked to
+the base's (stages not selected are read as they are, train/runner.py; a copy per run would be one feature
+store per run). A run whose stages are done is skipped by the runner itself, so re-running resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from fledge.atomic import read_json, write_json_atomic
+from fledge.run_layout import RunLayout
+
+
+def num(x) -> float | None:
+    return None if x is None or (isinstance(x, float) and not math.isfinite(x)) else float(x)
+
+
+def spread(values) -> dict:
+    """mean and sample standard deviation over seeds (std None with one value), n the values present."""
+    vals = [v for v in map(num, values) if v is not None]
+    return {"mean": statistics.fmean(vals) if vals else None, "std": statistics.stdev(vals) if len(vals) > 1 else None,
+            "n": len(vals)}
+
+
+def per_position(stats: list[dict | None]) -> list[dict]:
+    lists = [s["accept_at"] for s in stats if s]
+    return [spread(col) for col in zip(*lists)] if lists else []
+
+
+def cell(s: dict, d: int = 2) -> str:
+    """``mean ± std`` (``n/a`` with no value)."""
+    if s["mean"] is None:
+        return "n/a"
+    return f"{s['mean']:.{d}f}" + (f" ± {s['std']:.{d}f}" if s["std"] is not None else "")
+
+
+def load_run(run_dir: Path) -> dict:
+    """What a summary needs of one run directory (SystemExit naming the missing file): its eval report, its
+    train config (drafter, seed), the capture it read, and its training speed."""
+    run_dir = Path(run_dir)
+    layout = RunLayout(run_dir)
+    report, manifest = read_json(layout.eval.report_json), read_json(layout.manifest("train"))
+    for path, got in ((layout.eval.report_json, report), (layout.manifest("train"), manifest)):
+        if not got:
+            raise SystemExit(f"{path} not found: run the pipeline through the eval stage for {run_dir}")
+    config = (manifest.get("inputs") or {}).get("config") or {}
+    metrics = layout.train.metrics
+    lines = metrics.read_text().splitlines() if metrics.exists() else []
+    records = [json.loads(line) for line in lines if line.strip()]
+    speeds = [r["tokens_per_s"] for r in records if num(r.get("tokens_per_s"))]
+    steps = max((r["step"] for r in records if "step" in r), default=0)
+    return {"dir": str(run_dir), "drafter": config.get("drafter") or {}, "seed": (config.get("run") or {}).get("seed"),
+            "report": report, "capture": (manifest.get("read") or {}).get("capture"),
+            "tokens_per_s": statistics.median(speeds) if speeds else None,
+            "s_per_step": manifest["seconds"] / steps if steps and manifest.get("seconds") else None}
+
+
+def set_figures(reports: list[dict], name: str) -> dict:
+    """One eval set over seeds: greedy and sampled AL in process and in vLLM, the baselines beside them
+    (prompt lookup, vLLM's ngram, the target's distinct-3) and acceptance per draft position."""
+    per = [r["sets"][name] for r in reports]
+    engine = [(((r.get("engine") or {}).get("sets") or {}).get(name)) or {} for r in reports]
+    return {
+        "al": spread(s["drafter"]["al"] for s in per),
+        "al_sampled": spread((s.get("drafter_sampled") or {}).get("al") for s in per),
+        "al_engine": spread(e.get("drafter", {}).get("al") for e in engine),
+        "al_engine_sampled": spread(e.get("drafter_sampled", {}).get("al") for e in engine),
+        "lookup_al": spread(s["lookup"]["al"] for s in per),
+        "lookup_al_engine": spread(e.get("lookup", {}).get("al") for e in engine),
+        "distinct3": spread(s.get("distinct3_mean") for s in per),
+        "accept_at": per_position([s["drafter"] for s in per]),
+        "accept_at_sampled": per_position([s.get("drafter_sampled") for s in per]),
+        "accept_at_engine": per_position([e.get("drafter") for e in engine]),
+        "accept_at_engine_sampled": per_position([e.get("drafter_sampled") for e in engine]),
+    }
+
+
+def warnings(runs: list[dict]) -> list[str]:
+    """What makes the runs' figures not comparable."""
+    out = []
+    if len({(r["report"].get("k"), r["report"].get("ttt_steps")) for r in runs}) > 1:
+        out.append("the runs differ in eval k or trained K: their AL do not compare")
+    if len({r["capture"] for r in runs}) > 1:
+        out.append("the runs read different captures (features): the rows compare data, not only drafters")
+    return out
+
+
+def _train_main(nproc: int, overrides: list[str]) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "-m", "fledge.train.main",
+           *overrides]
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, env=dict(os.environ))
+
+
+def sweep(root: Path, variants: list[tuple[str, list[str]]], seeds: list[int], nproc: int,
+          overrides: list[str]) -> list[str]:
+    """Train every (name, overrides) variant at every seed from one base capture; the run directories, seed-major
+    (a sweep cut short has every variant at the seeds it finished). Wall times go to <root>/sweep_times.json."""
+    root = Path(root).resolve()
+    common = [*overrides, f"run.output_root={root}"]
+    t0 = time.time()
+    _train_main(nproc, [*common, "run.name=base", "run.stages=[prepare,capture]"])
+    times, dirs = {"prepare+capture": time.time() - t0}, []
+    for seed in seeds:
+        for tag, extra in variants:
+            name = f"{tag}_s{seed}"
+            run_dir = root / name
+            run_dir.mkdir(parents=True, exist_ok=True)
+            for stage in ("prepare", "capture"):
+                link = run_dir / stage
+                if not link.is_symlink() and not link.exists():
+                    link.symlink_to(Path("..") / "base" / stage)
+            t = time.time()
+            _train_main(nproc, [*common, f"run.name={name}", f"run.seed={seed}", *extra,
+                                "run.stages=[train,export,eval]"])
+            times[name] = time.time() - t
+            dirs.append(str(run_dir))
+    write_json_atomic(root / "sweep_times.json", {"seconds": times, "total_s": time.time() - t0})
+    print(f"wall seconds: {json.dumps({k: round(v) for k, v in times.items()})}", flush=True)
+    return dirs
