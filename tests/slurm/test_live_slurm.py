@@ -6,6 +6,8 @@ slurmctld, and two slurmd n1 and n2 that are both this machine, partition ``cpu`
 - the pipeline (prepare job -> 2-task capture array -> train job that merges the slices, trains, exports and
   evaluates) ends with the same report as the single command ``torchrun --nproc_per_node=2 train/main.py
   recipe=tiny`` on the same target and overrides, run here first;
+- a served target's heterogeneous job (``--engine-nodes 1``) puts the trainers' step on n1 and, through
+  the ``capture.engine_launcher`` prefix submit writes, an engine step started from inside it on n2;
 - the train job on two nodes, requeued mid-run by ``scontrol requeue`` and then stopped by the warning
   signal its sbatch asks for (``--signal=B:USR1@300``, sent early with ``scancel --batch --signal``),
   resumes each time and ends at the direct run's losses, step for step; jobs.tsv and the job log say so.
@@ -156,6 +158,51 @@ def test_two_node_job_meets_at_the_first_node(slurm_cluster, tmp_path):
     socket.gethostbyname(endpoint.group(1))  # what torchrun will do with it
     start = ledger(run)[0]
     assert start[1] == jobs["train"] and start[3] == "0" and start[4] == "n[1-2]", start
+
+
+# Stands in for the nodes' python in the trainers' step of a het job: train.launch's dry run (the torchrun it would
+# exec), then the command prefix capture.engine_launcher gives an engine, parsed as Hydra parses it, running
+# `printenv` where the engine's driver would run.
+PROBE = """#!{python}
+import os, subprocess, sys
+from hydra.core.override_parser.overrides_parser import OverridesParser
+args = sys.argv[1:]
+print("trainer step on", *(os.environ.get(k) for k in ("SLURMD_NODENAME", "SLURM_STEP_NODELIST", "SLURM_CPUS_PER_TASK")),
+      flush=True)
+subprocess.run([sys.executable, *args], env={{**os.environ, "FLEDGE_LAUNCH_DRY_RUN": "1"}}, check=True, timeout=60)
+word = next(a for a in args if a.startswith("capture.engine_launcher="))
+launcher = OverridesParser.create().parse_override(word).value()
+print("launcher", launcher, flush=True)
+res = subprocess.run([*launcher, "printenv", "SLURMD_NODENAME", "SLURM_CPUS_PER_TASK"], capture_output=True,
+                     text=True, timeout=60)
+print("engine step on", " ".join(res.stdout.split()), "rc", res.returncode, res.stderr.strip(), flush=True)
+"""
+
+
+def test_served_target_job_puts_trainers_on_n1_and_their_engines_on_n2(slurm_cluster, tmp_path):
+    """``capture.mode=online capture.engine=vllm --engine-nodes 1``: one het job, component 0 (the batch shell and
+    the trainers' step) on n1, component 1 on n2; an ``srun --het-group=1`` from inside the trainers' step (the
+    launcher submit wrote into capture.engine_launcher, through bash and Hydra) lands on n2 with the CPUs the
+    layout gave it, and the rendezvous is n1's alone."""
+    out, probe = tmp_path / "out", tmp_path / "probe"
+    probe.write_text(PROBE.format(python=sys.executable))
+    probe.chmod(0o755)
+    t0 = time.monotonic()
+    jobs = submit(slurm_cluster, "train", "recipe=tiny", "capture.mode=online", "capture.engine=vllm", "--engine-nodes",
+                  "1", "--partition", "cpu", "--nproc-per-node", "1", "--python", str(probe), f"run.output_root={out}")
+    run = out / "tiny"
+    states = slurm_cluster.wait_done(list(jobs.values()), timeout=120)
+    wall = time.monotonic() - t0
+    assert states == {jobs["train"]: {"COMPLETED"}}, job_logs(run)
+    components = {j["HetJobOffset"]: j["NodeList"] for j in slurm_cluster.jobs(jobs["train"])}
+    assert components == {"0": "n1", "1": "n2"}, components
+    log = (run / "logs" / f"fledge-train-tiny-{jobs['train']}.out").read_text()
+    assert "trainer step on n1 n1 2" in log, log  # and its CPUs (a het job sets only SLURM_CPUS_PER_TASK_HET_GROUP_0)
+    cmd = next(line for line in log.splitlines() if "torch.distributed.run" in line)
+    assert "--nnodes=1" in cmd and "--rdzv_endpoint=127.0.0.1:" in cmd, cmd  # n1's NodeAddr
+    assert "engine step on n2 2 rc 0" in log, log  # the one engine gets the engine node's 2 CPUs (tiny's)
+    assert ledger(run)[0][4] == "n1+n2", ledger(run)
+    print(f"\nslurm het job: {wall:.1f} s from submit to its end")
 
 
 def test_pipeline_runs_every_stage_as_jobs_and_matches_the_direct_run(slurm_cluster, direct_run, tiny_target,
