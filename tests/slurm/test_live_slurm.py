@@ -167,8 +167,8 @@ PROBE = """#!{python}
 import os, subprocess, sys
 from hydra.core.override_parser.overrides_parser import OverridesParser
 args = sys.argv[1:]
-print("trainer step on", *(os.environ.get(k) for k in ("SLURMD_NODENAME", "SLURM_STEP_NODELIST", "SLURM_CPUS_PER_TASK")),
-      flush=True)
+keys = ("SLURMD_NODENAME", "SLURM_STEP_NODELIST", "SLURM_CPUS_PER_TASK")
+print("trainer step on", *(os.environ.get(k) for k in keys), flush=True)
 subprocess.run([sys.executable, *args], env={{**os.environ, "FLEDGE_LAUNCH_DRY_RUN": "1"}}, check=True, timeout=60)
 word = next(a for a in args if a.startswith("capture.engine_launcher="))
 launcher = OverridesParser.create().parse_override(word).value()

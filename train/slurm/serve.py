@@ -68,8 +68,9 @@ def server_command(args: argparse.Namespace, node: str, port: int) -> list[str]:
     launcher = list(args.launcher)
     if launcher and Path(launcher[0]).name == "srun":
         launcher.insert(1, f"--nodelist={node}")
-    cmd = [*launcher, str(engine_python(args.engine_python)), "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,
-           "--host", "0.0.0.0", "--port", str(port), "--tensor-parallel-size", str(args.tensor_parallel_size)]
+    cmd = [*launcher, str(engine_python(args.engine_python)), "-m", "vllm.entrypoints.openai.api_server",
+           "--model", args.model, "--host", "0.0.0.0", "--port", str(port),
+           "--tensor-parallel-size", str(args.tensor_parallel_size)]
     if args.revision:
         cmd += ["--revision", args.revision]
     if args.trust_remote_code:
