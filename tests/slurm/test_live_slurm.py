@@ -41,6 +41,7 @@ LEAN = ["data.sources.0.max_samples=96", "data.eval_sources.0.max_samples=16", f
         "train.save_every=5", "train.eval_every=5", "train.eval_batches=2", "train.log_every=1",
         "train.optim.warmup_steps=2", "eval.num_prompts=2", "eval.max_new_tokens=24"]
 JOB_TIMEOUT_S = 1800
+ONLINE_ARGS = ["capture.mode=online", "capture.engine=vllm"]
 
 
 @pytest.fixture(scope="module")
@@ -188,8 +189,8 @@ def test_served_target_job_puts_trainers_on_n1_and_their_engines_on_n2(slurm_clu
     probe.write_text(PROBE.format(python=sys.executable))
     probe.chmod(0o755)
     t0 = time.monotonic()
-    jobs = submit(slurm_cluster, "train", "recipe=tiny", "capture.mode=online", "capture.engine=vllm", "--engine-nodes",
-                  "1", "--partition", "cpu", "--nproc-per-node", "1", "--python", str(probe), f"run.output_root={out}")
+    jobs = submit(slurm_cluster, "train", "recipe=tiny", *ONLINE_ARGS, "--engine-nodes", "1", "--partition", "cpu",
+                  "--nproc-per-node", "1", "--python", str(probe), f"run.output_root={out}")
     run = out / "tiny"
     states = slurm_cluster.wait_done(list(jobs.values()), timeout=120)
     wall = time.monotonic() - t0
@@ -203,6 +204,40 @@ def test_served_target_job_puts_trainers_on_n1_and_their_engines_on_n2(slurm_clu
     assert "engine step on n2 2 rc 0" in log, log  # the one engine gets the engine node's 2 CPUs (tiny's)
     assert ledger(run)[0][4] == "n1+n2", ledger(run)
     print(f"\nslurm het job: {wall:.1f} s from submit to its end")
+
+
+@pytest.mark.skipif(os.environ.get("FLEDGE_ENGINE_FULL") != "1" or not (REPO / ".engine/venv/bin/python").exists(),
+                    reason="starts vLLM's server on the engine node (~1-2 min): FLEDGE_ENGINE_FULL=1 with .engine/venv")
+def test_regenerate_phase_serves_the_target_on_n2_and_prepares_its_answers(slurm_cluster, tiny_target, tiny_data,
+                                                                           tmp_path):
+    """``--regenerate IN:OUT`` in the het job: vLLM's OpenAI server starts on n2 (component 1), `fledge regenerate`
+    re-answers 4 conversations against it from n1 with the key from FLEDGE_API_KEY, the server is stopped, and the
+    prepare stage reads OUT; the same job again serves nothing (OUT is complete)."""
+    out, regen = tmp_path / "out", tmp_path / "regen.jsonl"
+    args = ["train", "recipe=tiny", *ONLINE_ARGS, "--engine-nodes", "1", "--partition", "cpu", "--nproc-per-node", "1",
+            "--stages", "[prepare]", f"run.output_root={out}", f"target.name_or_path={tiny_target}",
+            "--regenerate", f"{tiny_data}/train.jsonl:{regen}", f"data.sources.0.path={regen}",
+            "--regenerate-args", "--max-samples 4 --max-tokens 16 --concurrency 2",
+            "--serve-args", "--max-model-len 512 --enforce-eager"]
+    env = {"FLEDGE_API_KEY": "test-key-not-secret", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    t0 = time.monotonic()
+    jobs = submit(slurm_cluster, *args, **env)
+    run = out / "tiny"
+    states = slurm_cluster.wait_done(list(jobs.values()), timeout=900)
+    wall = time.monotonic() - t0
+    assert states == {jobs["train"]: {"COMPLETED"}}, job_logs(run) + (run / "logs/serve.log").read_text()[-3000:]
+    log = (run / "logs" / f"fledge-train-tiny-{jobs['train']}.out").read_text()
+    assert "serving the target on n2" in log and "server healthy" in log, log
+    rows = [json.loads(x) for x in regen.read_text().splitlines()]
+    assert len(rows) == 4 and all(r["regenerated"]["model"] == str(tiny_target) for r in rows), rows
+    assert "test-key-not-secret" not in log + (run / "logs/serve.log").read_text()
+    assert outputs(run, "prepare")["splits"]["train"]["conversations"] == 4  # prepared from OUT
+    assert not [p for p in slurm_cluster.leftovers() if "api_server" in Path(f"/proc/{p}/cmdline").read_text()]
+    jobs = submit(slurm_cluster, *args, **env)  # a rerun: nothing left to regenerate, nothing served
+    assert slurm_cluster.wait_done(list(jobs.values()), timeout=300) == {jobs["train"]: {"COMPLETED"}}
+    log = (run / "logs" / f"fledge-train-tiny-{jobs['train']}.out").read_text()
+    assert "the target is not served" in log, log
+    print(f"\nslurm regenerate phase: {wall:.0f} s from submit to the job's end")
 
 
 def test_pipeline_runs_every_stage_as_jobs_and_matches_the_direct_run(slurm_cluster, direct_run, tiny_target,
