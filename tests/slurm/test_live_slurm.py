@@ -240,6 +240,38 @@ def test_regenerate_phase_serves_the_target_on_n2_and_prepares_its_answers(slurm
     print(f"\nslurm regenerate phase: {wall:.0f} s from submit to the job's end")
 
 
+@pytest.mark.skipif(os.environ.get("FLEDGE_ENGINE_FULL") != "1" or not (REPO / ".engine/venv/bin/python").exists(),
+                    reason="trains from vLLM on the engine node (~2-3 min): FLEDGE_ENGINE_FULL=1 with .engine/venv")
+def test_online_het_job_trains_on_n1_from_an_engine_on_n2(slurm_cluster, tiny_target, tiny_data, tmp_path):
+    """The real thing on the local cluster: 2 trainer ranks on n1 share one vLLM engine (capture.ranks_per_engine=2)
+    that the leader starts through the launcher submit wrote, as a step of component 1 on n2; 10 steps stream."""
+    out = tmp_path / "out"
+    t0 = time.monotonic()
+    jobs = submit(slurm_cluster, "train", "recipe=tiny", *ONLINE_ARGS, "capture.ranks_per_engine=2", "--engine-nodes",
+                  "1", "--partition", "cpu", "--stages", "[prepare,train]", f"run.output_root={out}",
+                  f"target.name_or_path={tiny_target}", f"data.sources.0.path={tiny_data}/train.jsonl",
+                  "data.sources.0.max_samples=48", "data.eval_sources.0.max_samples=8", "train.max_steps=10",
+                  "train.log_every=2", "train.eval_every=100", "train.save_every=100", VLLM_CPU_KVCACHE_SPACE="1")
+    job, run = jobs["train"], out / "tiny"
+    seen: set[tuple[str, str]] = set()  # (step id, its nodes) while the job runs
+    deadline = time.monotonic() + 900
+    while slurm_cluster.state(job) & {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING"}:
+        assert time.monotonic() < deadline, job_logs(run)
+        steps = slurm_cluster.run("squeue", "-h", "-s", "-o", "%i %N", check=False)  # -j LEADER omits component 1
+        seen |= {tuple(line.split()) for line in steps.splitlines() if len(line.split()) == 2}
+        time.sleep(0.5)
+    wall = time.monotonic() - t0
+    assert slurm_cluster.state(job) == {"COMPLETED"}, job_logs(run)
+    engine_job = next(j["JobId"] for j in slurm_cluster.jobs(job) if j["HetJobOffset"] == "1")
+    assert {n for i, n in seen if i.startswith(f"{engine_job}.")} == {"n2"}, seen  # the engine's step
+    assert {n for i, n in seen if i.startswith(f"{job}.") and not i.endswith("batch")} == {"n1"}, seen  # trainers'
+    for rank in (0, 1):
+        consumed = (run / "train" / "stream" / f"rank{rank:05d}" / "train-consumed.jsonl").read_text().splitlines()
+        assert len(consumed) == 10, (rank, consumed)
+    assert losses(run) and all(math.isfinite(v) for r in losses(run) for v in r.values())
+    print(f"\nslurm online het job: {wall:.0f} s from submit to the job's end; steps {sorted(seen)}")
+
+
 def test_pipeline_runs_every_stage_as_jobs_and_matches_the_direct_run(slurm_cluster, direct_run, tiny_target,
                                                                        tmp_path):
     """prepare -> capture array (2 slices) -> train (merge, train, export, eval), chained by afterok."""
