@@ -102,11 +102,12 @@ def pending(pair: tuple[str, str], extra: list[str]) -> int:
 def wait_healthy(url: str, server: subprocess.Popen, timeout_s: float, log: Path) -> None:
     """Poll ``url`` until it answers 200; fail at once when the server exits, and after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # a node's address: never via http_proxy
     while True:
         if server.poll() is not None:
             raise RuntimeError(f"the target's server exited {server.returncode} before {url} answered; see {log}")
         try:
-            with urllib.request.urlopen(url, timeout=5) as r:
+            with direct.open(url, timeout=5) as r:
                 if r.status == 200:
                     return
         except (urllib.error.URLError, OSError):
