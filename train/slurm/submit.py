@@ -184,10 +184,10 @@ def plan(kind: str, args: argparse.Namespace, overrides: list[str]) -> list[Job]
     if args.engine_nodes is not None and not served:
         raise ValueError("--engine-nodes places the engines of a served target: add capture.mode=online "
                          "capture.engine=vllm (or drop --engine-nodes)")
+    if args.engine_nodes is not None and args.engine_nodes < 0:
+        raise ValueError(f"--engine-nodes {args.engine_nodes}: a node count (0: each engine beside its trainer rank)")
     engines = None
-    if served and res.engine_nodes:
-        if res.engine_nodes < 1:
-            raise ValueError(f"--engine-nodes {res.engine_nodes}: need at least 1 engine node")
+    if served and res.engine_nodes:  # 0 engine nodes: one plain job, the engines beside their ranks
         if kind == "capture":
             raise ValueError("capture.mode=online writes no feature store: submit train or pipeline (one "
                              "heterogeneous job) instead of capture")

@@ -364,6 +364,13 @@ def test_the_layout_sizes_engines_from_ranks_per_engine_and_tp(capsys, tmp_path)
     assert "#SBATCH --gpus-per-node" not in out.split("#SBATCH hetjob")[1].split("# ---- knobs")[0]
 
 
+def test_no_engine_nodes_is_one_plain_job(capsys, tmp_path):
+    rc, out, _ = _dry(capsys, "pipeline", "recipe=kimi_k2", *ONLINE, "--engine-nodes", "0",
+                      f"run.output_root={tmp_path}")
+    assert rc == 0 and "\n#SBATCH hetjob\n" not in out and out.count("#!/bin/bash") == 2  # capture, then train
+    assert "engine_launcher" not in "".join(x for x in out.splitlines() if x.startswith("OVERRIDES="))
+
+
 def test_a_launcher_on_the_command_line_is_kept(capsys, tmp_path):
     mine = "capture.engine_launcher=[srun,'--het-group=1','--nodes=1','--overlap']"
     rc, out, err = _dry(capsys, "train", "recipe=kimi_k2", *ONLINE, mine, f"run.output_root={tmp_path}")
@@ -383,6 +390,7 @@ def test_a_launcher_on_the_command_line_is_kept(capsys, tmp_path):
     (["train", "recipe=tiny", *ONLINE, "--engine-nodes", "1", "--engine-cpus-per-task", "1"],
      "2 engines per node on 1 CPUs"),
     (["capture", "recipe=kimi_k2", *ONLINE], "submit train or pipeline"),
+    (["train", "recipe=kimi_k2", *ONLINE, "--engine-nodes", "-1"], "a node count"),
     (["pipeline", "recipe=kimi_k2", *ONLINE, "--array", "4"], "drop --array"),
     (["train", "recipe=llama3", "--regenerate", "a.jsonl:b.jsonl"], "--regenerate serves the target"),
     (["train", "recipe=kimi_k2", *ONLINE, "--regenerate", "a.jsonl:b.jsonl"],
