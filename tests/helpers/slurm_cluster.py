@@ -212,6 +212,8 @@ MpiDefault=none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/backfill
+# heterogeneous jobs are started by the backfill scheduler alone: every second, not every 30 s
+SchedulerParameters=bf_interval=1
 # the two slurmd report the same machine; take the CPUs written here
 SlurmdParameters=config_overrides
 ReturnToService=2

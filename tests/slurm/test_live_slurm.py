@@ -6,6 +6,8 @@ slurmctld, and two slurmd n1 and n2 that are both this machine, partition ``cpu`
 - the pipeline (prepare job -> 2-task capture array -> train job that merges the slices, trains, exports and
   evaluates) ends with the same report as the single command ``torchrun --nproc_per_node=2 train/main.py
   recipe=tiny`` on the same target and overrides, run here first;
+- a served target's heterogeneous job (``--engine-nodes 1``) puts the trainers' step on n1 and, through
+  the ``capture.engine_launcher`` prefix submit writes, an engine step started from inside it on n2;
 - the train job on two nodes, requeued mid-run by ``scontrol requeue`` and then stopped by the warning
   signal its sbatch asks for (``--signal=B:USR1@300``, sent early with ``scancel --batch --signal``),
   resumes each time and ends at the direct run's losses, step for step; jobs.tsv and the job log say so.
@@ -39,6 +41,7 @@ LEAN = ["data.sources.0.max_samples=96", "data.eval_sources.0.max_samples=16", f
         "train.save_every=5", "train.eval_every=5", "train.eval_batches=2", "train.log_every=1",
         "train.optim.warmup_steps=2", "eval.num_prompts=2", "eval.max_new_tokens=24"]
 JOB_TIMEOUT_S = 1800
+ONLINE_ARGS = ["capture.mode=online", "capture.engine=vllm"]
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +159,117 @@ def test_two_node_job_meets_at_the_first_node(slurm_cluster, tmp_path):
     socket.gethostbyname(endpoint.group(1))  # what torchrun will do with it
     start = ledger(run)[0]
     assert start[1] == jobs["train"] and start[3] == "0" and start[4] == "n[1-2]", start
+
+
+# Stands in for the nodes' python in the trainers' step of a het job: train.launch's dry run (the torchrun it would
+# exec), then the command prefix capture.engine_launcher gives an engine, parsed as Hydra parses it, running
+# `printenv` where the engine's driver would run.
+PROBE = """#!{python}
+import os, subprocess, sys
+from hydra.core.override_parser.overrides_parser import OverridesParser
+args = sys.argv[1:]
+keys = ("SLURMD_NODENAME", "SLURM_STEP_NODELIST", "SLURM_CPUS_PER_TASK")
+print("trainer step on", *(os.environ.get(k) for k in keys), flush=True)
+subprocess.run([sys.executable, *args], env={{**os.environ, "FLEDGE_LAUNCH_DRY_RUN": "1"}}, check=True, timeout=60)
+word = next(a for a in args if a.startswith("capture.engine_launcher="))
+launcher = OverridesParser.create().parse_override(word).value()
+print("launcher", launcher, flush=True)
+res = subprocess.run([*launcher, "printenv", "SLURMD_NODENAME", "SLURM_CPUS_PER_TASK"], capture_output=True,
+                     text=True, timeout=60)
+print("engine step on", " ".join(res.stdout.split()), "rc", res.returncode, res.stderr.strip(), flush=True)
+"""
+
+
+def test_served_target_job_puts_trainers_on_n1_and_their_engines_on_n2(slurm_cluster, tmp_path):
+    """``capture.mode=online capture.engine=vllm --engine-nodes 1``: one het job, component 0 (the batch shell and
+    the trainers' step) on n1, component 1 on n2; an ``srun --het-group=1`` from inside the trainers' step (the
+    launcher submit wrote into capture.engine_launcher, through bash and Hydra) lands on n2 with the CPUs the
+    layout gave it, and the rendezvous is n1's alone."""
+    out, probe = tmp_path / "out", tmp_path / "probe"
+    probe.write_text(PROBE.format(python=sys.executable))
+    probe.chmod(0o755)
+    t0 = time.monotonic()
+    jobs = submit(slurm_cluster, "train", "recipe=tiny", *ONLINE_ARGS, "--engine-nodes", "1", "--partition", "cpu",
+                  "--nproc-per-node", "1", "--python", str(probe), f"run.output_root={out}")
+    run = out / "tiny"
+    states = slurm_cluster.wait_done(list(jobs.values()), timeout=120)
+    wall = time.monotonic() - t0
+    assert states == {jobs["train"]: {"COMPLETED"}}, job_logs(run)
+    components = {j["HetJobOffset"]: j["NodeList"] for j in slurm_cluster.jobs(jobs["train"])}
+    assert components == {"0": "n1", "1": "n2"}, components
+    log = (run / "logs" / f"fledge-train-tiny-{jobs['train']}.out").read_text()
+    assert "trainer step on n1 n1 2" in log, log  # and its CPUs (a het job sets only SLURM_CPUS_PER_TASK_HET_GROUP_0)
+    cmd = next(line for line in log.splitlines() if "torch.distributed.run" in line)
+    assert "--nnodes=1" in cmd and "--rdzv_endpoint=127.0.0.1:" in cmd, cmd  # n1's NodeAddr
+    assert "engine step on n2 2 rc 0" in log, log  # the one engine gets the engine node's 2 CPUs (tiny's)
+    assert ledger(run)[0][4] == "n1+n2", ledger(run)
+    print(f"\nslurm het job: {wall:.1f} s from submit to its end")
+
+
+@pytest.mark.skipif(os.environ.get("FLEDGE_ENGINE_FULL") != "1" or not (REPO / ".engine/venv/bin/python").exists(),
+                    reason="starts vLLM's server on the engine node (~1-2 min): FLEDGE_ENGINE_FULL=1 with .engine/venv")
+def test_regenerate_phase_serves_the_target_on_n2_and_prepares_its_answers(slurm_cluster, tiny_target, tiny_data,
+                                                                           tmp_path):
+    """``--regenerate IN:OUT`` in the het job: vLLM's OpenAI server starts on n2 (component 1), `fledge regenerate`
+    re-answers 4 conversations against it from n1 with the key from FLEDGE_API_KEY, the server is stopped, and the
+    prepare stage reads OUT; the same job again serves nothing (OUT is complete)."""
+    out, regen = tmp_path / "out", tmp_path / "regen.jsonl"
+    args = ["train", "recipe=tiny", *ONLINE_ARGS, "--engine-nodes", "1", "--partition", "cpu", "--nproc-per-node", "1",
+            "--stages", "[prepare]", f"run.output_root={out}", f"target.name_or_path={tiny_target}",
+            "--regenerate", f"{tiny_data}/train.jsonl:{regen}", f"data.sources.0.path={regen}",
+            "--regenerate-args", "--max-samples 4 --max-tokens 16 --concurrency 2",
+            "--serve-args", "--max-model-len 512 --enforce-eager"]
+    env = {"FLEDGE_API_KEY": "test-key-not-secret", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    t0 = time.monotonic()
+    jobs = submit(slurm_cluster, *args, **env)
+    run = out / "tiny"
+    states = slurm_cluster.wait_done(list(jobs.values()), timeout=900)
+    wall = time.monotonic() - t0
+    assert states == {jobs["train"]: {"COMPLETED"}}, job_logs(run) + (run / "logs/serve.log").read_text()[-3000:]
+    log = (run / "logs" / f"fledge-train-tiny-{jobs['train']}.out").read_text()
+    assert "serving the target on n2" in log and "server healthy" in log, log
+    rows = [json.loads(x) for x in regen.read_text().splitlines()]
+    assert len(rows) == 4 and all(r["regenerated"]["model"] == str(tiny_target) for r in rows), rows
+    assert "test-key-not-secret" not in log + (run / "logs/serve.log").read_text()
+    assert outputs(run, "prepare")["splits"]["train"]["conversations"] == 4  # prepared from OUT
+    assert not [p for p in slurm_cluster.leftovers() if "api_server" in Path(f"/proc/{p}/cmdline").read_text()]
+    jobs = submit(slurm_cluster, *args, **env)  # a rerun: nothing left to regenerate, nothing served
+    assert slurm_cluster.wait_done(list(jobs.values()), timeout=300) == {jobs["train"]: {"COMPLETED"}}
+    log = (run / "logs" / f"fledge-train-tiny-{jobs['train']}.out").read_text()
+    assert "the target is not served" in log, log
+    print(f"\nslurm regenerate phase: {wall:.0f} s from submit to the job's end")
+
+
+@pytest.mark.skipif(os.environ.get("FLEDGE_ENGINE_FULL") != "1" or not (REPO / ".engine/venv/bin/python").exists(),
+                    reason="trains from vLLM on the engine node (~2-3 min): FLEDGE_ENGINE_FULL=1 with .engine/venv")
+def test_online_het_job_trains_on_n1_from_an_engine_on_n2(slurm_cluster, tiny_target, tiny_data, tmp_path):
+    """The real thing on the local cluster: 2 trainer ranks on n1 share one vLLM engine (capture.ranks_per_engine=2)
+    that the leader starts through the launcher submit wrote, as a step of component 1 on n2; 10 steps stream."""
+    out = tmp_path / "out"
+    t0 = time.monotonic()
+    jobs = submit(slurm_cluster, "train", "recipe=tiny", *ONLINE_ARGS, "capture.ranks_per_engine=2", "--engine-nodes",
+                  "1", "--partition", "cpu", "--stages", "[prepare,train]", f"run.output_root={out}",
+                  f"target.name_or_path={tiny_target}", f"data.sources.0.path={tiny_data}/train.jsonl",
+                  "data.sources.0.max_samples=48", "data.eval_sources.0.max_samples=8", "train.max_steps=10",
+                  "train.log_every=2", "train.eval_every=100", "train.save_every=100", VLLM_CPU_KVCACHE_SPACE="1")
+    job, run = jobs["train"], out / "tiny"
+    seen: set[tuple[str, str]] = set()  # (step id, its nodes) while the job runs
+    deadline = time.monotonic() + 900
+    while slurm_cluster.state(job) & {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING"}:
+        assert time.monotonic() < deadline, job_logs(run)
+        steps = slurm_cluster.run("squeue", "-h", "-s", "-o", "%i %N", check=False)  # -j LEADER omits component 1
+        seen |= {tuple(line.split()) for line in steps.splitlines() if len(line.split()) == 2}
+        time.sleep(0.5)
+    wall = time.monotonic() - t0
+    assert slurm_cluster.state(job) == {"COMPLETED"}, job_logs(run)
+    engine_job = next(j["JobId"] for j in slurm_cluster.jobs(job) if j["HetJobOffset"] == "1")
+    assert {n for i, n in seen if i.startswith(f"{engine_job}.")} == {"n2"}, seen  # the engine's step
+    assert {n for i, n in seen if i.startswith(f"{job}.") and not i.endswith("batch")} == {"n1"}, seen  # trainers'
+    for rank in (0, 1):
+        consumed = (run / "train" / "stream" / f"rank{rank:05d}" / "train-consumed.jsonl").read_text().splitlines()
+        assert len(consumed) == 10, (rank, consumed)
+    assert losses(run) and all(math.isfinite(v) for r in losses(run) for v in r.values())
+    print(f"\nslurm online het job: {wall:.0f} s from submit to the job's end; steps {sorted(seen)}")
 
 
 def test_pipeline_runs_every_stage_as_jobs_and_matches_the_direct_run(slurm_cluster, direct_run, tiny_target,

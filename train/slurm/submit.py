@@ -13,11 +13,19 @@ N-task capture array (each task runs only the capture stage, on slice SLURM_ARRA
 prepare, which would race on one directory); `train` = every stage (complete ones are skipped, so it
 resumes; after an array capture, `capture.num_slices=N` makes its capture stage merge the slices, or
 name the ones to rerun); `pipeline` = capture then train, chained with --dependency=afterok.
+
+A served target (``capture.mode=online capture.engine=vllm --engine-nodes N``): train and pipeline are ONE
+heterogeneous job, component 0 the trainer nodes (the batch script and the trainer's step), component 1 the
+engine nodes; each trainer rank that leads an engine starts it there through ``capture.engine_launcher``
+(an ``srun --het-group=1`` prefix written here). ``--regenerate INPUT:OUTPUT`` first serves the target on
+component 1 and re-answers INPUT into OUTPUT (train/slurm/serve.py), then trains on it. docs/slurm.md,
+"A served target".
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import shlex
 import sys
@@ -43,6 +51,13 @@ class Resources:
     cpus_per_task: int = 64
     time: dict[str, str] = field(default_factory=lambda: {"prepare": "04:00:00", "capture": "24:00:00",
                                                           "train": "48:00:00"})
+    # capture.mode=online capture.engine=vllm only: the het job's engine component (0 nodes: each engine runs
+    # beside its trainer rank), its GPUs and CPUs per node (None: as the trainer nodes), and the capture
+    # overrides the recipe's engines need there unless the command line sets those keys
+    engine_nodes: int = 0
+    engine_gpus_per_node: int | None = None
+    engine_cpus_per_task: int | None = None
+    online: tuple[str, ...] = ()
 
 
 RESOURCES = {
@@ -50,6 +65,10 @@ RESOURCES = {
                       time={"prepare": "00:20:00", "capture": "00:30:00", "train": "01:00:00"}),
     "llama3": Resources(),
     "qwen3": Resources(),
+    # 16 H200 training + 16 H200 serving (recipes/kimi_k2/capture_plan.md, "Online"): one TP-8 engine per node,
+    # each shared by the 8 ranks of one trainer node
+    "kimi_k2": Resources(nodes=2, engine_nodes=2,
+                         online=("capture.ranks_per_engine=8", "capture.tensor_parallel_size=8")),
 }
 
 
@@ -62,6 +81,59 @@ class Job:
     text: str
     depends_on: str | None = None  # shell variable holding the upstream job id
     logs: Path | None = None  # where Slurm writes its log (sbatch does not create the directory)
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """The engine component of a het job: nodes x GPUs, engines of ``tp`` GPUs, ``cpus`` each."""
+
+    nodes: int
+    gpus_per_node: int
+    cpus_per_task: int
+    engines: int
+    tp: int
+    cpus: int  # per engine
+
+    def launcher(self) -> list[str]:
+        """capture.engine_launcher: one engine = one task on one engine node, with its GPUs and CPUs only
+        (--exact: several engines share a node); explicit counts, since the step's environment (SLURM_NTASKS,
+        SRUN_CPUS_PER_TASK, SLURM_GPUS_PER_NODE of the trainer step) would otherwise size it."""
+        gpus = [f"--gpus-per-node={self.tp}"] if self.gpus_per_node else []
+        return ["srun", "--het-group=1", "--nodes=1", "--ntasks=1", "--exact", *gpus,
+                f"--cpus-per-task={self.cpus}"]
+
+
+def hydra_list(words: list[str]) -> str:
+    """A Hydra list of strings, each double-quoted (an item with '=' or ',' does not parse bare), quotes and
+    interpolations (``${``) escaped."""
+    return "[" + ",".join('"' + w.replace('"', '\\"').replace("${", "\\${") + '"' for w in words) + "]"
+
+
+def engine_layout(cfg, res: Resources, ranks: int) -> EngineLayout:
+    """The engines ``ranks`` trainer ranks need (one per capture.ranks_per_engine, capture.tensor_parallel_size
+    GPUs each) laid out on the engine nodes; ValueError naming the flag or key when they do not fit."""
+    k, tp = cfg.capture.ranks_per_engine, cfg.capture.tensor_parallel_size
+    nodes, gpus = res.engine_nodes, res.engine_gpus_per_node
+    cpus_node = res.engine_cpus_per_task
+    if ranks % k:
+        raise ValueError(f"{ranks} trainer ranks do not split into engines of capture.ranks_per_engine={k}: "
+                         "make the ranks a multiple of it")
+    engines = ranks // k
+    if gpus:
+        if tp > gpus:
+            raise ValueError(f"capture.tensor_parallel_size={tp} GPUs per engine do not fit on one engine node of "
+                             f"{gpus} GPUs (--engine-gpus-per-node): an engine runs on one node")
+        per_node = gpus // tp
+        if nodes * per_node < engines:
+            raise ValueError(f"{engines} engines ({ranks} trainer ranks / capture.ranks_per_engine={k}) of "
+                             f"capture.tensor_parallel_size={tp} GPUs need {math.ceil(engines / per_node)} engine "
+                             f"nodes of {gpus} GPUs; --engine-nodes {nodes} holds {nodes * per_node}")
+    else:  # CPU engine nodes (a test cluster): the engines spread evenly
+        per_node = math.ceil(engines / nodes)
+    if cpus_node // per_node < 1:
+        raise ValueError(f"{per_node} engines per node on {cpus_node} CPUs (--engine-cpus-per-task): "
+                         "give each at least one")
+    return EngineLayout(nodes, gpus, cpus_node, engines, tp, cpus_node // per_node)
 
 
 def render(template: str, sbatch: dict[str, str | None], knobs: dict[str, str | list[str]]) -> str:
@@ -100,7 +172,42 @@ def plan(kind: str, args: argparse.Namespace, overrides: list[str]) -> list[Job]
         res = Resources()
     res = replace(res, **{k: v for k, v in (("nodes", args.nodes), ("gpus_per_node", args.gpus_per_node),
                                                ("nproc_per_node", args.nproc_per_node),
-                                               ("cpus_per_task", args.cpus_per_task)) if v is not None})
+                                               ("cpus_per_task", args.cpus_per_task),
+                                               ("engine_nodes", args.engine_nodes),
+                                               ("engine_gpus_per_node", args.engine_gpus_per_node),
+                                               ("engine_cpus_per_task", args.engine_cpus_per_task)) if v is not None})
+    res = replace(res, engine_gpus_per_node=res.gpus_per_node if res.engine_gpus_per_node is None
+                  else res.engine_gpus_per_node,
+                  engine_cpus_per_task=res.engine_cpus_per_task or res.cpus_per_task)
+    overrides = list(overrides)
+    served = cfg.capture.mode == "online" and cfg.capture.engine == "vllm"
+    if args.engine_nodes is not None and not served:
+        raise ValueError("--engine-nodes places the engines of a served target: add capture.mode=online "
+                         "capture.engine=vllm (or drop --engine-nodes)")
+    if args.engine_nodes is not None and args.engine_nodes < 0:
+        raise ValueError(f"--engine-nodes {args.engine_nodes}: a node count (0: each engine beside its trainer rank)")
+    engines = None
+    if served and res.engine_nodes:  # 0 engine nodes: one plain job, the engines beside their ranks
+        if kind == "capture":
+            raise ValueError("capture.mode=online writes no feature store: submit train or pipeline (one "
+                             "heterogeneous job) instead of capture")
+        if args.array:
+            raise ValueError("--array slices an offline capture; a served target streams (no capture array): "
+                             "drop --array")
+        given = {o.lstrip("+").split("=", 1)[0] for o in overrides}
+        overrides += [o for o in res.online if o.split("=", 1)[0] not in given]  # the recipe's engine shape
+        cfg = compose(overrides)
+        ranks = res.nodes * (res.nproc_per_node or res.gpus_per_node or 1)
+        engines = engine_layout(cfg, res, ranks)
+        if cfg.capture.engine_launcher:
+            print(f"submit: keeping capture.engine_launcher={cfg.capture.engine_launcher} from the command line "
+                  f"(the layout would give {engines.launcher()})", file=sys.stderr)
+        else:
+            overrides.append(f"capture.engine_launcher={hydra_list(engines.launcher())}")
+            cfg = compose(overrides)  # the override as train/main.py will parse it
+    if args.regenerate and engines is None:
+        raise ValueError("--regenerate serves the target on the engine nodes of a heterogeneous job: add "
+                         "capture.mode=online capture.engine=vllm --engine-nodes N")
     if args.array is not None and args.array < 1:
         raise ValueError(f"--array {args.array}: need at least 1 slice")
     if any(o.startswith(("run.stages=", "+run.stages=", "++run.stages=")) for o in overrides):
@@ -111,6 +218,7 @@ def plan(kind: str, args: argparse.Namespace, overrides: list[str]) -> list[Job]
     layout = RunLayout.of(cfg.run)
     layout = RunLayout(Path.cwd() / layout.root)  # the nodes' working directory may be another (an absolute root stays)
     user = [o for o in overrides if not o.startswith(("recipe=", "run.name=", "run.output_root="))]
+    regenerate = regenerate_args(cfg, args, engines, layout) if args.regenerate else []
 
     def job(name: str, template: str, stages: str, res: Resources, extra: list[str], launch: list[str],
             depends_on: str | None = None, array: str | None = None) -> Job:
@@ -129,12 +237,16 @@ def plan(kind: str, args: argparse.Namespace, overrides: list[str]) -> list[Job]
         knobs = {"RECIPE": cfg.recipe, "RUN_NAME": cfg.run.name, "OUTPUT_ROOT": cfg.run.output_root,
                  "STAGES": stages, "OVERRIDES": user + extra, "LAUNCH_ARGS": launch,
                  "FLEDGE_ROOT": str(Path.cwd()), "PYTHON": args.python}
+        if name == "train" and engines is not None:
+            knobs["REGENERATE"] = regenerate
         text = render((SLURM_DIR / template).read_text(), sbatch, knobs)
+        if name == "train" and engines is not None:
+            text = add_component(text, engines, sbatch)
         return Job(name, layout.slurm_script(name), text, depends_on, layout.logs)
 
     jobs: list[Job] = []
     slices = [f"capture.num_slices={args.array:d}"] if args.array else []
-    if kind in ("capture", "pipeline"):
+    if kind in ("capture", "pipeline") and engines is None:  # served: prepare runs in the het job itself
         if args.array:
             cpu_only = replace(res, nodes=1, gpus_per_node=0, nproc_per_node=1)
             jobs.append(job("prepare", "capture.sbatch", "[prepare]", cpu_only, [], []))
@@ -147,6 +259,44 @@ def plan(kind: str, args: argparse.Namespace, overrides: list[str]) -> list[Job]
         jobs.append(job("train", "train.sbatch", args.stages or ALL_STAGES, res, slices, [],
                         depends_on=jobs[-1].name if jobs else None))
     return jobs
+
+
+def add_component(text: str, engines: EngineLayout, sbatch: dict[str, str | None]) -> str:
+    """``#SBATCH hetjob`` and the engine component's lines, after the trainer component's (the first)."""
+    lines = ["#SBATCH hetjob", f"#SBATCH --nodes={engines.nodes}", "#SBATCH --ntasks-per-node=1"]
+    lines += [f"#SBATCH --gpus-per-node={engines.gpus_per_node}"] if engines.gpus_per_node else []
+    lines += [f"#SBATCH --cpus-per-task={engines.cpus_per_task}", f"#SBATCH --time={sbatch['time']}"]
+    lines += [f"#SBATCH --{k}={sbatch[k]}" for k in ("partition", "account") if sbatch[k]]
+    last = list(re.finditer(r"^#{1,2}SBATCH .*$", text, re.M))[-1]
+    return text[:last.end()] + "\n" + "\n".join(lines) + text[last.end():]
+
+
+def regenerate_args(cfg, args: argparse.Namespace, engines: EngineLayout, layout: RunLayout) -> list[str]:
+    """train/slurm/serve.py's arguments for the ``--regenerate INPUT:OUTPUT`` pairs; each OUTPUT must be what a
+    data source reads, or the job would train on the data it did not regenerate."""
+    reads = {s.path for s in cfg.data.sources}
+    out = ["--model", cfg.target.name_or_path, "--tensor-parallel-size", str(cfg.capture.tensor_parallel_size),
+           "--log", str(layout.logs / "serve.log")]
+    for pair in args.regenerate:
+        inp, sep, output = pair.rpartition(":")
+        if not (sep and inp and output):
+            raise ValueError(f"--regenerate {pair!r}: expected INPUT:OUTPUT (a data file or hub id, and the jsonl "
+                             "to write)")
+        if output not in reads:
+            raise ValueError(f"--regenerate {pair!r}: no data source reads {output}; add "
+                             f"data.sources.N.path={output} for the source it replaces")
+        out += ["--pair", pair]
+    if cfg.capture.engine_python:
+        out += ["--engine-python", cfg.capture.engine_python]
+    if cfg.target.revision:
+        out += ["--revision", cfg.target.revision]
+    if cfg.target.trust_remote_code:
+        out.append("--trust-remote-code")
+    if args.regenerate_args:
+        out += ["--regenerate-args", args.regenerate_args]
+    if args.serve_args:
+        out += ["--server-args", args.serve_args]
+    return out + ["--", *(cfg.capture.engine_launcher or engines.launcher())]
 
 
 def commands(jobs: list[Job]) -> list[str]:
@@ -173,6 +323,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--account")
     p.add_argument("--array", type=int, metavar="N", help="capture as an N-task array job over data slices")
     p.add_argument("--max-parallel", type=int, metavar="K", help="run at most K array tasks at once (%%K)")
+    p.add_argument("--engine-nodes", type=int, metavar="N", help="capture.mode=online capture.engine=vllm: a "
+                   "heterogeneous job whose 2nd component, N nodes, runs the engines")
+    p.add_argument("--engine-gpus-per-node", type=int, help="GPUs per engine node (default: as --gpus-per-node)")
+    p.add_argument("--engine-cpus-per-task", type=int, help="CPUs per engine node (default: as --cpus-per-task)")
+    p.add_argument("--regenerate", action="append", metavar="INPUT:OUTPUT", help="with --engine-nodes: first "
+                   "serve the target there and re-answer INPUT into OUTPUT (a data source's path); repeatable")
+    p.add_argument("--regenerate-args", help="more `fledge regenerate` words, e.g. '--split train_sft "
+                   "--concurrency 64'")
+    p.add_argument("--serve-args", help="more words for vLLM's OpenAI server, e.g. '--max-model-len 8192'")
     p.add_argument("--run-name", help="run directory name (default: the recipe's run.name)")
     p.add_argument("--stages", help="override the job's stage list, e.g. '[train,export]'")
     p.add_argument("--python", default=".venv/bin/python", help="interpreter on the nodes (relative to the repo)")

@@ -1,0 +1,207 @@
+"""The regenerate phase of a heterogeneous job: serve the target on the engine nodes, re-answer, stop it.
+
+    python -m fledge.train.slurm.serve --model M --engine-python P --pair IN:OUT [...] -- srun --het-group=1 ...
+
+``fledge submit train|pipeline ... --engine-nodes N --regenerate IN:OUT`` puts this line in the batch script
+(train/slurm/train.sbatch, knob ``REGENERATE``), which runs it on component 0's first node before the trainer's
+step. It starts vLLM's OpenAI server under the launcher words after ``--`` (an srun into component 1, pinned
+here to that component's first node), waits (at most ``--wait-s``) for ``/health`` at the node's NodeAddr,
+runs ``fledge regenerate --endpoint http://ADDR:PORT/v1`` for every pair, and stops the server (SIGTERM to srun
+ends the step; SIGKILL after a grace). A pair whose output already holds every input conversation is skipped,
+and when all are, the target is not served at all: a requeued job goes straight to training.
+
+The server's API key is ``FLEDGE_API_KEY`` from the environment, handed to vLLM as ``VLLM_API_KEY`` (srun
+exports the environment); it is never on a command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from pathlib import Path
+
+from fledge.engine_process import engine_python
+from fledge.train.slurm.launch import PORT_BASE, PORT_SPAN, expand_nodelist
+
+API_KEY_ENV = "FLEDGE_API_KEY"  # as data/prepare/regenerate.py reads it
+ENGINE_GROUP = "1"  # the het job's engine component
+STOP_GRACE_S = 30.0
+
+
+def engine_node(env: Mapping[str, str]) -> str:
+    """The first node of the engine component (SLURM_JOB_NODELIST_HET_GROUP_1)."""
+    nodes = env.get(f"SLURM_JOB_NODELIST_HET_GROUP_{ENGINE_GROUP}")
+    if not nodes:
+        raise ValueError(f"not inside a heterogeneous job with an engine component (SLURM_JOB_NODELIST_HET_GROUP_"
+                         f"{ENGINE_GROUP} unset): submit with `fledge submit ... --engine-nodes N`")
+    return expand_nodelist(nodes)[0]
+
+
+def node_addr(node: str, timeout: float = 30) -> str:
+    """The address Slurm reaches ``node`` at (its NodeAddr); the node name when scontrol does not say."""
+    try:
+        out = subprocess.run(["scontrol", "show", "node", node], capture_output=True, text=True,
+                             timeout=timeout).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return node
+    for word in out.split():
+        if word.startswith("NodeAddr="):
+            return word.split("=", 1)[1] or node
+    return node
+
+
+def default_port(env: Mapping[str, str]) -> int:
+    """A port from the job id, one above the trainers' rendezvous port (train/slurm/launch.py)."""
+    job = "".join(ch for ch in env.get("SLURM_JOB_ID", "0") if ch.isdigit()) or "0"
+    return PORT_BASE + (int(job) + 1) % PORT_SPAN
+
+
+def server_command(args: argparse.Namespace, node: str, port: int) -> list[str]:
+    """The launcher words (pinned to ``node``), then vLLM's OpenAI server on ``port`` of every interface."""
+    launcher = list(args.launcher)
+    if launcher and Path(launcher[0]).name == "srun":
+        launcher.insert(1, f"--nodelist={node}")
+    cmd = [*launcher, str(engine_python(args.engine_python)), "-m", "vllm.entrypoints.openai.api_server",
+           "--model", args.model, "--host", "0.0.0.0", "--port", str(port),
+           "--tensor-parallel-size", str(args.tensor_parallel_size)]
+    if args.revision:
+        cmd += ["--revision", args.revision]
+    if args.trust_remote_code:
+        cmd.append("--trust-remote-code")
+    return cmd + shlex.split(args.server_args)
+
+
+def pending(pair: tuple[str, str], extra: list[str]) -> int:
+    """Input conversations of ``pair`` not yet in its output (what `fledge regenerate` would still do)."""
+    from fledge.data.prepare.regenerate import done_indices
+    from fledge.data.prepare.sources import DataError, iter_rows, normalize
+
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--split", default="train")
+    p.add_argument("--max-samples", type=int)
+    known, _ = p.parse_known_args(extra)
+    have, todo = done_indices(pair[1]), 0
+    for row in iter_rows(pair[0], known.split, known.max_samples):
+        if row.error or row.index in have:
+            continue
+        try:  # a row regenerate skips as bad is not work left
+            normalize(row.record, row.where)
+        except DataError:
+            continue
+        todo += 1
+    return todo
+
+
+def wait_healthy(url: str, server: subprocess.Popen, timeout_s: float, log: Path) -> None:
+    """Poll ``url`` until it answers 200; fail at once when the server exits, and after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # a node's address: never via http_proxy
+    while True:
+        if server.poll() is not None:
+            raise RuntimeError(f"the target's server exited {server.returncode} before {url} answered; see {log}")
+        try:
+            with direct.open(url, timeout=5) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} did not answer within {timeout_s:.0f} s (--wait-s); see {log}")
+        time.sleep(2)
+
+
+def stop(server: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM to srun (which ends the step at once), SIGKILL after ``grace_s``."""
+    if server.poll() is None:
+        server.terminate()
+        try:
+            server.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(timeout=grace_s)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m fledge.train.slurm.serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="the target, as vLLM loads it (and the name it serves)")
+    p.add_argument("--engine-python", help="the python that has vLLM, on the engine nodes (default: "
+                   "$FLEDGE_ENGINE_PYTHON, else .engine/venv)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--revision")
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--server-args", default="", help="more words for vLLM's server, e.g. '--max-model-len 8192'")
+    p.add_argument("--pair", action="append", required=True, metavar="INPUT:OUTPUT")
+    p.add_argument("--regenerate-args", default="", help="more words for `fledge regenerate`, e.g. '--split x'")
+    p.add_argument("--port", type=int, help="default: from the job id")
+    p.add_argument("--wait-s", type=float, default=3600, help="longest wait for the server's /health")
+    p.add_argument("--log", type=Path, required=True, help="the server's output (appended)")
+    p.add_argument("launcher", nargs=argparse.REMAINDER, help="after --: the command prefix the server runs under")
+    args = p.parse_args(argv)
+    args.launcher = args.launcher[1:] if args.launcher[:1] == ["--"] else args.launcher
+    args.pairs = []
+    for pair in args.pair:
+        inp, sep, out = pair.rpartition(":")
+        if not (sep and inp and out):
+            p.error(f"--pair {pair!r}: expected INPUT:OUTPUT")
+        args.pairs.append((inp, out))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    extra = shlex.split(args.regenerate_args)
+    if "--api-key" in extra:
+        print(f"fledge.serve: an API key on the command line is visible to every user; export {API_KEY_ENV}",
+              file=sys.stderr)
+        return 2
+    todo = [pair for pair in args.pairs if pending(pair, extra)]
+    for inp, out in sorted(set(args.pairs) - set(todo)):
+        print(f"fledge.serve: {out} already holds every conversation of {inp}", flush=True)
+    if not todo:
+        print("fledge.serve: nothing to regenerate; the target is not served", flush=True)
+        return 0
+    try:
+        node = engine_node(os.environ)
+    except ValueError as e:
+        print(f"fledge.serve: {e}", file=sys.stderr)
+        return 2
+    addr, port = node_addr(node), args.port or default_port(os.environ)
+    env = dict(os.environ)
+    if env.get(API_KEY_ENV):
+        env["VLLM_API_KEY"] = env[API_KEY_ENV]
+    cmd = server_command(args, node, port)
+    args.log.parent.mkdir(parents=True, exist_ok=True)
+    print(f"fledge.serve: serving the target on {node} ({addr}:{port}), log {args.log}: {shlex.join(cmd)}",
+          flush=True)
+    with open(args.log, "ab") as log:
+        server = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+    rc = 0
+    try:
+        t0 = time.monotonic()
+        wait_healthy(f"http://{addr}:{port}/health", server, args.wait_s, args.log)
+        print(f"fledge.serve: server healthy after {time.monotonic() - t0:.0f} s", flush=True)
+        for inp, out in todo:
+            regen = [sys.executable, "-m", "fledge", "regenerate", "--input", inp, "--output", out, "--endpoint",
+                     f"http://{addr}:{port}/v1", "--model", args.model, *extra]
+            print(f"fledge.serve: {shlex.join(regen)}", flush=True)
+            rc = subprocess.run(regen).returncode or rc
+    except RuntimeError as e:
+        print(f"fledge.serve: {e}", file=sys.stderr)
+        rc = 1
+    finally:
+        stop(server)
+    if rc:
+        print(f"fledge.serve: regeneration failed (exit {rc}); resubmit the same job to retry what is missing",
+              file=sys.stderr)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
