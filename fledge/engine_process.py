@@ -63,12 +63,12 @@ def group_members(pgid: int) -> list[int]:
 
 
 class DriverProcess:
-    """``python -I DRIVER request.json result.json`` in ``workdir``, in a session of its own.
+    """``[launcher...] python -I DRIVER request.json result.json`` in ``workdir``, in a session of its own.
 
     ``wait`` waits for the driver; ``stop`` ends its whole process group (call it after every run: an
     engine that exited normally may leave a process still shutting down)."""
 
-    def __init__(self, python: Path, driver: Path, workdir: Path, request: dict):
+    def __init__(self, python: Path, driver: Path, workdir: Path, request: dict, launcher: list[str] = ()):
         self.workdir = Path(workdir).resolve()  # the driver runs in it: every path handed over is absolute
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.req_path, self.res_path = self.workdir / REQUEST, self.workdir / RESULT
@@ -79,9 +79,11 @@ class DriverProcess:
         self.started = time.monotonic()
         # -I: the driver's folder stays off sys.path and Fledge's PYTHONPATH is ignored, so the engine's
         # python sees only its own packages.
-        self.proc = subprocess.Popen([str(python), "-I", str(driver), str(self.req_path), str(self.res_path)],
-                                     cwd=self.workdir, stdout=self._log, stderr=subprocess.STDOUT, env=engine_env(),
-                                     start_new_session=True)
+        # ``launcher``: a command prefix (e.g. srun onto another node); ending the group ends the launcher, and
+        # srun ends its step on SIGTERM.
+        argv = [*launcher, str(python), "-I", str(driver), str(self.req_path), str(self.res_path)]
+        self.proc = subprocess.Popen(argv, cwd=self.workdir, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=engine_env(), start_new_session=True)
 
     @property
     def returncode(self) -> int | None:

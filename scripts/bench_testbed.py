@@ -66,8 +66,8 @@ def main() -> None:
           f"{m['parameters'] / 1e6:.1f}M params")
     print(f"held-out loss {m['heldout_loss']:.3f}, top-1 {m['heldout_top1']:.1%} ({m['heldout_tokens']} answer tokens)")
     sets = (json.loads(args.report.read_text())["sets"] if args.report else {})
-    print("| set | prompts | distinct-3 | non-degenerate | distinct outputs | pairs sharing | exact answers | lookup AL | "
-          "drafter AL | drafter / lookup |\n|---" + "|---" * 9 + "|")
+    print("| set | prompts | distinct-3 | non-degenerate | distinct outputs | pairs sharing | exact answers | "
+          "lookup AL | drafter AL | drafter / lookup |\n|---" + "|---" * 9 + "|")
     for name in tiny_writer.SETS:
         s = m[name]
         key = {"eval": "default", "eval_perturbed": "perturbed", "long_eval": "long"}[name]

@@ -22,7 +22,9 @@ across ranks), each with ``capture.tensor_parallel_size`` GPUs and ``capture.exp
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,6 +36,9 @@ from fledge.engine_process import DriverProcess
 from fledge.models.weights import final_norm_name, input_embedding_name, load_lm_head_rows, read_tensors, weight_map
 
 DRIVER = Path(__file__).resolve().parent / "vllm_side" / "capture_driver.py"  # package data, run by the engine
+# A driver started through capture.engine_launcher watches this file in its work directory, touched by its rank
+# every HEARTBEAT_S; older than HEARTBEAT_STALE_S, the rank is gone and the driver ends its engine.
+HEARTBEAT, HEARTBEAT_S, HEARTBEAT_STALE_S = "owner.alive", 2.0, 60.0
 ARGMAX_TIE = {torch.float32: 1e-3, torch.float64: 1e-6}  # logit gap below which two tokens tie
 HALF_TIE = 0.05  # bf16 / fp16 engines
 
@@ -212,13 +217,21 @@ class EngineRun:
     so the spool holds at most a few batches. A dead driver, or one silent for ``timeout_s``, is an error
     naming its log; either way the engine's whole process group is ended (fledge/engine_process.py)."""
 
-    def __init__(self, python: Path, request: dict, workdir: Path, timeout_s: float):
+    def __init__(self, python: Path, request: dict, workdir: Path, timeout_s: float, launcher: list[str] = ()):
         self.workdir = Path(workdir).resolve()
         for leftover in ("spool", "connector"):  # a killed run's unconsumed files: those samples run again
             shutil.rmtree(self.workdir / leftover, ignore_errors=True)
         self.timeout_s = timeout_s
         self.dp = request.get("data_parallel") or {}
-        self.proc = DriverProcess(python, DRIVER, self.workdir, request)
+        self._beating = None
+        if launcher:  # the driver's parent is the launcher, not this rank: it watches a heartbeat instead
+            beat = self.workdir / HEARTBEAT
+            self.workdir.mkdir(parents=True, exist_ok=True)
+            beat.touch()
+            request = {**request, "owner": {"heartbeat": str(beat), "stale_s": HEARTBEAT_STALE_S}}
+            self._beating = threading.Event()
+            threading.Thread(target=_beat, args=(beat, self._beating), daemon=True).start()
+        self.proc = DriverProcess(python, DRIVER, self.workdir, request, launcher)
         self.log_path, self.res_path = self.proc.log_path, self.proc.res_path
 
     def batches(self, job: dict) -> Iterator[list[tuple[int, torch.Tensor, int]]]:
@@ -250,16 +263,21 @@ class EngineRun:
     def _wait_for(self, path: Path, what: str) -> None:
         deadline = time.monotonic() + self.timeout_s
         while not path.exists():
-            code = self.proc.returncode
-            if code is not None and not path.exists():
-                self.proc.stop()
-                raise ValueError(f"capture.engine=vllm: the engine's driver exited (code {code}) before "
-                                 f"{path.name}; {self._error()}")
-            if time.monotonic() > deadline:
-                raise ValueError(self.proc.timed_out(
-                    "capture.engine=vllm", "capture.engine_timeout_s", self.timeout_s,
-                    f"the engine (vLLM, driver pid {self.proc.proc.pid}) did not write {what}", self._hints()))
+            self.check(path, what, deadline)
             time.sleep(0.02)
+
+    def check(self, path: Path, what: str, deadline: float) -> None:
+        """While waiting for ``path``: a ValueError naming the log when the driver exited without writing it, or
+        when ``deadline`` (time.monotonic) passed (then the engine is ended)."""
+        code = self.proc.returncode
+        if code is not None and not path.exists():
+            self.proc.stop()
+            raise ValueError(f"capture.engine=vllm: the engine's driver exited (code {code}) before "
+                             f"{path.name}; {self._error()}")
+        if time.monotonic() > deadline:
+            raise ValueError(self.proc.timed_out(
+                "capture.engine=vllm", "capture.engine_timeout_s", self.timeout_s,
+                f"the engine (vLLM, driver pid {self.proc.proc.pid}) did not write {what}", self._hints()))
 
     def _hints(self) -> str:
         hints = ("raise capture.engine_timeout_s (a large target's first load can take many minutes: the log "
@@ -303,7 +321,18 @@ class EngineRun:
         return result
 
     def close(self) -> None:
+        if self._beating is not None:
+            self._beating.set()
         self.proc.stop()
+
+
+def _beat(path: Path, stop: threading.Event) -> None:
+    """Touch ``path`` every HEARTBEAT_S until ``stop``: a launched driver ends itself when this rank is gone."""
+    while not stop.wait(HEARTBEAT_S):
+        try:
+            os.utime(path)
+        except OSError:
+            pass
 
 
 def capture_with_engine(splits: dict, python: Path, target, revision, trust_remote_code: bool, dtype: torch.dtype,

@@ -18,12 +18,23 @@ then the run fails with one line naming the engine's log. Every consumed batch i
 ``<rank dir>/train-consumed.jsonl`` (global batch, sample ids): the record a resumed or restarted run
 is checked against. The held-out set is streamed by a short-lived
 engine of its own at each evaluation.
+
+On a cluster the engines run on GPUs of their own: ``capture.engine_launcher`` is the command prefix each
+engine's driver starts under (``srun --het-group=1 ...`` in the heterogeneous job of train/slurm/submit.py;
+the buffer is then on the shared file system, and the driver, whose parent is srun, watches its rank's
+heartbeat file to end itself when the rank is gone), and ``capture.ranks_per_engine`` = k lets one engine
+(TP GPUs: a 1T target does not fit one per rank) serve k consecutive ranks: the group's first rank starts it,
+with the group's batches interleaved in the order they are consumed and each written, keyed by its global
+batch, into the consuming rank's spool. A restarted shared engine begins at the start of the leader's
+optimizer step, since a member may still wait for a batch made before the leader's; each rank drops the
+keys below the one it waits for, so a batch made twice is read once.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,17 +70,28 @@ class StreamSpec:
     num_layers: int
     rms_norm_eps: float
     aux_dtype: str  # capture.dtype: the features are rounded as the offline store rounds them
-    workdir: Path  # this rank's stream directory
+    workdir: Path  # this rank's stream directory (its siblings rankNNNNN are the other ranks')
     env: dict
     timeout_s: float
     buffer_batches: int
     restarts: int
     device: torch.device
+    launcher: tuple[str, ...] = ()  # capture.engine_launcher: the command prefix the engine starts under
+    ranks_per_engine: int = 1  # capture.ranks_per_engine: consecutive ranks one engine serves
+    grad_accum: int = 1  # global batches of a rank per optimizer step (a shared engine restarts at a step start)
+
+
+EVAL_KEY = 10_000_000  # the k-th evaluation's batches are keyed k * EVAL_KEY + g: keys grow in every spool
 
 
 class EngineFeatureSource(BatchIterator):
     """The trainer's FeatureBatch stream from a vLLM engine (see the module docstring); ``end``: the global
-    batch the run stops before (the engine's job runs to there; a trainer that asks for more restarts it)."""
+    batch the run stops before (the engine's job runs to there; a trainer that asks for more restarts it).
+
+    Ranks ``leader .. leader + ranks_per_engine - 1`` share one engine, started by the leader: its job
+    interleaves the group's batches in the order they are consumed (g, g + 1, ... for each of the leader's g)
+    and writes each into the consuming rank's spool, keyed by global batch. Every rank reads its own spool
+    by key and drops keys below the one it waits for (batches a restarted engine made again)."""
 
     def __init__(self, dataset_dir: str | Path, spec: StreamSpec, rank: int, world: int, row_tokens: int,
                  rows_per_batch: int, seed: int, end: int | None = None, name: str = "train"):
@@ -80,50 +102,124 @@ class EngineFeatureSource(BatchIterator):
         self.ds = load_from_disk(str(dataset_dir))
         self.spec, self.name = spec, name
         super().__init__(dataset_lengths(self.ds), rank, world, row_tokens, rows_per_batch, seed)
+        k = spec.ranks_per_engine
+        if world % k:
+            raise ValueError(f"capture.ranks_per_engine={k}: must divide the data-parallel world size ({world})")
+        self.leader, self.members = rank - rank % k, list(range(rank - rank % k, rank - rank % k + k))
+        # A killed run's unconsumed batches go: they would hold back-pressure room the new engine needs. Every
+        # rank clears its own spool before any engine starts (train/train_data.py waits for all of them).
+        shutil.rmtree(self.spool(rank), ignore_errors=True)
         self.end = end if end is not None else self.global_batches_per_epoch
         self.eng_ids = engine_layer_ids(spec.aux_layer_ids, spec.num_layers)
         self.head: TargetHead | None = None
         self._run: EngineRun | None = None
-        self._stream = None
         self._next_g: int | None = None
         self._restarts_left = spec.restarts
+        self._evals = 0
         self.wait_s = 0.0  # trainer time spent waiting on the engine (the stall, for scripts/bench_online.py)
         self.engine_starts = 0
 
-    # -- the engine ---------------------------------------------------------------------------------------
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == self.leader
+
+    def spool(self, rank: int) -> Path:
+        """Where rank ``rank``'s batches of this split land (the leader's engine writes every member's)."""
+        base = Path(self.spec.workdir)  # this rank's (a data-parallel rank's under sequence parallelism)
+        if rank != self.rank:
+            base = base.parent / f"rank{rank:05d}"  # a member's: shared engines run without sequence parallelism
+        return base / self.name / "spool" / self.name
+
+    # -- the engine (the leader's) ------------------------------------------------------------------------
 
     def _samples_of(self, g: int) -> list[int]:
         epoch, i = divmod(g, self.global_batches_per_epoch)
         return [j for row in self.global_plan(epoch)[i] for j in row]
 
-    def _start(self, gs: list[int], name: str) -> tuple[EngineRun, dict]:
+    def _start(self, order: list[tuple[int, int, int]], name: str) -> EngineRun:
+        """The leader's engine for ``order``: (global batch whose samples to run, its file key, member index), in
+        the order the group consumes them."""
         s = self.spec
-        if self.head is None:
-            self.head = TargetHead.load(s.target, s.revision, s.rms_norm_eps, s.device, s.dtype)
         work = Path(s.workdir) / name
-        job = write_job(name, self.ds, [self._samples_of(g) for g in gs], work)
+        job = write_job(name, self.ds, [self._samples_of(g) for g, _, _ in order], work)
+        job.update(spools=[str(self.spool(m)) for m in self.members], spool_of=[i for _, _, i in order],
+                   keys=[key for _, key, _ in order])
         longest = max((n for b in job["batches"] for _, _, n in b), default=1)
         req = build_request(s.target, s.revision, s.trust_remote_code, str(s.dtype).replace("torch.", ""),
                             longest + 1, self.eng_ids, 1, False, 1, s.env, work, [job],
                             max_pending_batches=s.buffer_batches)
         self.engine_starts += 1
-        return EngineRun(s.python, req, work, s.timeout_s), job
+        return EngineRun(s.python, req, work, s.timeout_s, list(s.launcher))
 
     def _open(self, g: int) -> None:
+        """Start the group's engine at the leader's global batch ``g``, to the end of the run."""
         self.close()
-        gs = list(range(g, max(self.end, g + 1), self.world))
-        self._run, job = self._start(gs, self.name)
-        self._stream = self._run.batches(job)
+        ks = range(len(self.members))
+        order = [(h + i, h + i, i) for h in range(g, max(self.end, g + 1), self.world) for i in ks
+                 if h + i < max(self.end, g + 1)]
+        self._run = self._start(order, self.name)
         self._next_g = g
 
+    def _restart_point(self, g: int) -> int:
+        """Where a restarted engine begins: at ``g`` for an engine of its own; for a shared one, at the start
+        of the leader's optimizer step, since a member may still wait for a batch made before the leader's."""
+        if self.spec.ranks_per_engine == 1:
+            return g
+        return g - (g // self.world) % self.spec.grad_accum * self.world
+
+    # -- reading a rank's spool ---------------------------------------------------------------------------
+
+    def _read(self, key: int, samples: list[int], what: str) -> list:
+        """The engine's [(sample id, its file's tensors, sampled token)] for batch ``key`` of this rank's spool, waiting
+        for it (bounded) and deleting its files; stale keys below it are dropped on the way."""
+        from safetensors.torch import load_file
+
+        spool, s = self.spool(self.rank), self.spec
+        done = spool / f"batch-{key:07d}.json"
+        waited = s.timeout_s * (1 + s.restarts) if self._run is None else s.timeout_s
+        deadline = time.monotonic() + waited
+        while True:
+            self._drop_stale(spool, key)
+            try:
+                got = json.loads(done.read_text())["samples"]
+                out = [(sid, load_file(str(spool / f"{key:07d}-{sid}.safetensors")), int(tok)) for sid, tok in got]
+                break
+            except FileNotFoundError:  # not written yet, or being made again by a restarted engine
+                pass
+            if self._run is not None:
+                self._run.check(done, what, deadline)
+            elif time.monotonic() > deadline:
+                raise ValueError(f"capture.engine=vllm: rank {self.rank} waited {waited:g} s (capture.engine_timeout_s "
+                                 f"x (1 + capture.engine_restarts)) for {what} from the engine of rank {self.leader} "
+                                 f"(capture.ranks_per_engine={s.ranks_per_engine}); see its log, "
+                                 f"{Path(s.workdir).parent / f'rank{self.leader:05d}' / self.name / 'engine.log'}")
+            time.sleep(0.02)
+        if [sid for sid, _, _ in out] != samples:
+            raise ValueError(f"{s.workdir}: the engine streamed samples {[x for x, _, _ in out][:8]} for {what}, "
+                             f"which holds {samples[:8]}; another run is using this run directory")
+        for sid, _, _ in out:
+            (spool / f"{key:07d}-{sid}.safetensors").unlink(missing_ok=True)
+        done.unlink(missing_ok=True)
+        return out
+
+    @staticmethod
+    def _drop_stale(spool: Path, key: int) -> None:
+        for old in spool.glob("batch-*.json"):
+            k = int(old.stem.split("-")[1])
+            if k < key:
+                for f in spool.glob(f"{k:07d}-*.safetensors"):
+                    f.unlink(missing_ok=True)
+                old.unlink(missing_ok=True)
+
     def _features(self, got: list, g: int) -> list[dict]:
-        want = self._samples_of(g)
-        if [sid for sid, _, _ in got] != want:
-            raise ValueError(f"{self.spec.workdir}: the engine streamed samples {[s for s, _, _ in got][:8]} for "
-                             f"global batch {g}, which holds {want[:8]}; another run is using this run directory")
-        rows = self.ds.select(want)
+        """The engine's files of one batch -> the per-sample tensors the offline store would hold."""
+        rows = self.ds.select([sid for sid, _, _ in got])
         out, n_aux, s = [], len(self.spec.aux_layer_ids), self.spec
-        for (sid, states, sampled), row in zip(got, rows):
+        for (sid, files, sampled), row in zip(got, rows):
+            if files["token_ids"].tolist() != list(row["input_ids"]):
+                raise ValueError(f"{s.workdir}: the engine's hidden states for sample {sid} belong to other tokens; "
+                                 "another run is using this run directory")
+            states = files["hidden_states"]
             aux, final, argmax = sample_features(self.head, states, self.eng_ids, s.aux_layer_ids, s.num_layers, row,
                                                  sampled, sid, s.dtype, s.device, self.head.argmax_chunk())
             # the store's rounding, so online and offline training see the very same numbers
@@ -134,33 +230,40 @@ class EngineFeatureSource(BatchIterator):
                         "target_argmax": e["target_argmax"].long()})
         return out
 
+    def _head(self) -> TargetHead:
+        s = self.spec
+        if self.head is None:
+            self.head = TargetHead.load(s.target, s.revision, s.rms_norm_eps, s.device, s.dtype)
+        return self.head
+
     def _next_from_engine(self, g: int) -> list[dict]:
+        self._head()
+        samples, what = self._samples_of(g), f"global batch {g}"
         while True:
-            if self._run is None or self._next_g != g:
+            if self.is_leader and (self._run is None or self._next_g != g):
                 self._open(g)
             t0 = time.perf_counter()
             try:
-                got = next(self._stream)
-            except (ValueError, StopIteration) as e:
-                dead, log_path = self._run.proc.returncode is not None, self._run.log_path
+                got = self._read(g, samples, what)
+            except ValueError as e:
+                dead = self._run is not None and self._run.proc.returncode is not None
                 if not dead or self._restarts_left <= 0:
                     self.close()
-                    if isinstance(e, StopIteration):
-                        raise ValueError(f"capture.engine=vllm: the engine's stream ended before global batch {g}; "
-                                         f"see {log_path}") from None
                     raise
                 self._restarts_left -= 1
                 log.warning("capture.engine=vllm: the engine died before global batch %d (%s); starting it again "
                             "from there (%d restarts left, capture.engine_restarts)", g,
                             str(e).splitlines()[0][:300], self._restarts_left)
                 self.close()
+                self._open(self._restart_point(g))
+                self._next_g = g
                 continue
             finally:
                 self.wait_s += time.perf_counter() - t0
             self._next_g = g + self.world
             out = self._features(got, g)
             with open(Path(self.spec.workdir) / f"{self.name}-consumed.jsonl", "a") as f:  # the fault tests' record
-                f.write(json.dumps({"batch": g, "samples": self._samples_of(g)}) + "\n")
+                f.write(json.dumps({"batch": g, "samples": samples}) + "\n")
             return out
 
     # -- BatchIterator ------------------------------------------------------------------------------------
@@ -174,24 +277,37 @@ class EngineFeatureSource(BatchIterator):
         return collate([[next(flat) for _ in row] for row in rows], self.row_tokens)
 
     def eval_batches(self, n: int):
-        """The held-out share of BatchIterator.eval_batches, through an engine of its own for this evaluation."""
+        """The held-out share of BatchIterator.eval_batches, through an engine of its own for this evaluation
+        (the leader's, for its group); a pad batch (g >= n) runs batch 0 again and is marked so."""
+        self._head()
         n = min(n, self.global_batches_per_epoch)
-        gs = list(range(self.rank, -(-n // self.world) * self.world, self.world))
-        mine = [g if g < n else 0 for g in gs]
-        run, job = self._start(mine, self.name)
+        padded = -(-n // self.world) * self.world
+        base = self._evals * EVAL_KEY
+        self._evals += 1
+        run = None
+        if self.is_leader:
+            order = [(g if g < n else 0, base + g, i) for j in range(0, padded, self.world)
+                     for i, g in enumerate(range(j + self.leader, j + self.leader + len(self.members)))]
+            run = self._start(order, self.name)
+        saved, self._run = self._run, run
         try:
-            for g, got in zip(gs, run.batches(job)):
-                rows = self.global_plan(0)[g if g < n else 0]
-                flat = iter(self._features(got, g if g < n else 0))
+            for g in range(self.rank, padded, self.world):
+                src = g if g < n else 0
+                got = self._read(base + g, self._samples_of(src), f"held-out batch {g}")
+                rows = self.global_plan(0)[src]
+                flat = iter(self._features(got, src))
                 yield collate([[next(flat) for _ in row] for row in rows], self.row_tokens), g < n
-            run.finish()
+            if run is not None:
+                run.finish()
         finally:
-            run.close()
+            self._run = saved
+            if run is not None:
+                run.close()
 
     def close(self) -> None:
         if self._run is not None:
             self._run.close()
-        self._run, self._stream, self._next_g = None, None, None
+        self._run, self._next_g = None, None
 
     def __del__(self):
         try:

@@ -50,13 +50,13 @@ def overrides(out: Path, target: str, data: str, *extra: str) -> list[str]:
             "eval.sets=[default]", "eval.num_prompts=4", "eval.max_new_tokens=16", *extra]
 
 
-def cmd(*ov: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
+def cmd(*ov: str, nproc: int = 1) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
             str(33500 + os.getpid() % 2000), "train/main.py", *ov]
 
 
-def torchrun(*ov: str) -> None:
-    res = subprocess.run(cmd(*ov), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=1800)
+def torchrun(*ov: str, nproc: int = 1) -> None:
+    res = subprocess.run(cmd(*ov, nproc=nproc), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=1800)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
 
 
@@ -143,9 +143,9 @@ def _online(run: Path, ov: list[str], name: str) -> list[str]:
             "capture.buffer_batches=2"]
 
 
-def _consumed(run: Path) -> list[tuple[int, list[int]]]:
+def _consumed(run: Path, rank: int = 0) -> list[tuple[int, list[int]]]:
     """The global batches the trainer consumed, in order, with their sample ids (data/capture/stream.py)."""
-    path = run / "train" / "stream" / "rank00000" / "train-consumed.jsonl"
+    path = run / "train" / "stream" / f"rank{rank:05d}" / "train-consumed.jsonl"
     return [(r["batch"], r["samples"]) for r in map(json.loads, path.read_text().splitlines())]
 
 
@@ -390,4 +390,88 @@ def test_streaming_job_killed_resumes_from_its_checkpoint_with_no_sample_lost_or
     assert record[resumed_at][0] == saved and resumed_at > saved  # from the checkpoint's position (1 batch a step)
     assert record[:saved] + record[resumed_at:] == _consumed(online)
     a, b = _losses(killed), _losses(online)
+    assert a.keys() == b.keys() and all(abs(a[k] - b[k]) <= 1e-6 * abs(b[k]) for k in a)
+
+
+# Two trainer ranks sharing one engine (capture.ranks_per_engine=2): checkpoints on logged steps, so a resumed
+# run's logged losses average the same steps as the uninterrupted one's.
+SHARED = ["capture.ranks_per_engine=2", "train.save_every=4"]
+
+
+def _two_ranks(ov: list[str]) -> list[str]:
+    return [o for o in ov if not o.startswith("train.save_every=")] + SHARED
+
+
+@pytest.fixture(scope="module")
+def shared(runs):
+    run, _, ov = runs
+    torchrun(*_online(run, _two_ranks(ov), "shared"), nproc=2)
+    return run.parent / "shared"
+
+
+@pytest.mark.skipif(not FULL, reason="FLEDGE_ENGINE_FULL=1 runs the shared-engine runs (CI time budget)")
+def test_two_ranks_sharing_one_engine_train_as_two_ranks_from_the_store(runs, shared):
+    """One engine serves both ranks (its leader, rank 0, starts it): every logged loss equals that of two ranks
+    trained from the vLLM store, and each rank consumed its own global batches in order."""
+    run, _, ov = runs
+    (run.parent / "store2").mkdir()
+    for stage in ("prepare", "capture"):
+        shutil.copytree(run / stage, run.parent / "store2" / stage)
+    torchrun(*[o for o in _two_ranks(ov) if o != "capture.ranks_per_engine=2"], "run.name=store2",
+             "run.stages=[train]", nproc=2)
+    a, b = _losses(shared), _losses(run.parent / "store2")
+    assert a.keys() == b.keys() and len(a) >= 10 * 3
+    assert all(abs(a[k] - b[k]) <= 1e-6 * abs(b[k]) for k in a), [(k, a[k], b[k]) for k in a if a[k] != b[k]][:3]
+    for rank in (0, 1):
+        assert [g for g, _ in _consumed(shared, rank)] == list(range(rank, 40, 2))
+    assert not (shared / "train" / "stream" / "rank00001" / "train" / "request.json").exists()  # no engine of its own
+
+
+def _rank_of(pid: int) -> int | None:
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    ranks = [int(e.split(b"=", 1)[1]) for e in env if e.startswith(b"RANK=")]
+    return ranks[0] if ranks else None
+
+
+@pytest.mark.skipif(not FULL, reason="FLEDGE_ENGINE_FULL=1 runs the shared-engine runs (CI time budget)")
+def test_a_trainer_rank_killed_resumes_with_no_sample_lost_or_repeated(runs, shared):
+    """kill -9 of one trainer rank (rank 1, not the engine's leader) after a checkpoint: torchrun ends the other
+    rank, the orphaned engine ends itself, and the same command resumes at the checkpoint's data position;
+    both ranks' batches trained into the final drafter are the uninterrupted run's, and so are the losses."""
+    run, _, ov = runs
+    command = cmd(*_online(run, _two_ranks(ov), "rank_killed"), nproc=2)
+    killed = run.parent / "rank_killed"
+    proc = subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        log = killed / "train" / "stream" / "rank00001" / "train-consumed.jsonl"
+        ckpt = killed / "train" / "checkpoints" / "latest"
+        while not (ckpt.exists() and log.exists() and len(log.read_text().splitlines()) >= 6):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-4000:]
+            time.sleep(0.1)
+        below = descendants(proc.pid)
+        drivers = [p for p in below if "capture_driver.py" in _cmdline(p)]
+        victim = [p for p in below if "train/main.py" in _cmdline(p) and _rank_of(p) == 1]
+        assert len(victim) == 1, victim
+        os.kill(victim[0], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode != 0, out[-3000:]
+    finally:
+        proc.kill()
+    end = time.monotonic() + 90
+    while any(Path(f"/proc/{p}").exists() and "capture_driver" in _cmdline(p) for p in drivers):
+        assert time.monotonic() < end, drivers
+        time.sleep(0.2)
+    saved = int(ckpt.read_text().strip()[len("step_"):])
+    assert saved < 20, "the kill came after the last checkpoint: nothing left to resume"
+    torchrun(*command[command.index("train/main.py") + 1:], nproc=2)
+    for rank in (0, 1):
+        record = _consumed(killed, rank)
+        resumed_at = next(i for i in range(1, len(record)) if record[i][0] <= record[i - 1][0])
+        assert record[resumed_at][0] == 2 * saved + rank  # the checkpoint's position: 2 global batches a step
+        assert record[:saved] + record[resumed_at:] == _consumed(shared, rank)
+    a, b = _losses(killed), _losses(shared)
     assert a.keys() == b.keys() and all(abs(a[k] - b[k]) <= 1e-6 * abs(b[k]) for k in a)

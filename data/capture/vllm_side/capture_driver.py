@@ -18,14 +18,17 @@ of [sample id, offset, length] into the job's flat int32 token file. For every b
 generates, moves each request's file to
 ``<spool>/<k>-<id>.safetensors`` and then writes ``<spool>/batch-<k>.json`` ({"samples": [[id, sampled
 token], ...]}): Fledge reads a batch once its json exists and deletes what it consumed. The driver
-waits while more than ``max_pending_batches`` batches are unconsumed (bounded spool disk). ``floor``
+waits while more than ``max_pending_batches`` batches are unconsumed in that spool (bounded disk). An
+online job may send each batch to another spool under another key (``spools``, ``spool_of``, ``keys``:
+one engine serving several trainer ranks, each batch keyed by its global batch). ``floor``
 requests run the same prompts without extraction (vLLM's own prefill-only speed, for the benchmark).
 
 With vLLM data parallelism (``data_parallel`` in the request: one driver per Fledge rank, each one rank
 of the engines' DP group) a driver whose jobs are done keeps its engine in the group's steps until every
 rank's is done (``take_part_until_all_done``). Fledge starts the driver in a session of its own and ends
 its whole process group (fledge.engine_process); a driver whose Fledge rank died ends that group
-itself.
+itself (its parent changed, or, started through a launcher such as srun, the rank's ``owner`` heartbeat
+file went stale).
 
 ``-I`` keeps the script's folder off the import path; the CPU connector is registered by module name from
 this folder (the CPU engine core runs in this process, so vLLM's import of ``kv_connector_module_path``
@@ -80,10 +83,19 @@ def engine_kwargs(req: dict, on_gpu: bool) -> dict:
 
 
 PARENT = os.getppid()
+OWNER: dict = {}  # the request's "owner": {"heartbeat": path, "stale_s": s} when started through a launcher
 
 
 def _orphaned() -> bool:
-    """Fledge's rank died (kill -9): stop instead of capturing for nobody."""
+    """Fledge's rank died (kill -9): stop instead of capturing for nobody. Started by the rank itself, the
+    driver's parent changes; started through a launcher (srun onto another node: the parent is the launcher),
+    the rank's heartbeat file stops being touched."""
+    beat = OWNER.get("heartbeat")
+    if beat:
+        try:
+            return time.time() - os.stat(beat).st_mtime > float(OWNER.get("stale_s", 60))
+        except FileNotFoundError:
+            return True
     return os.getppid() != PARENT
 
 
@@ -132,12 +144,18 @@ def run_job(llm, job: dict, req: dict) -> dict:
     from vllm import SamplingParams
     from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import load_hidden_states
 
-    spool = Path(job["spool"])
-    spool.mkdir(parents=True, exist_ok=True)
+    # Where each batch goes and its file key: by default the job's spool and the batch's index; an online job
+    # shared by several trainer ranks names each batch's rank spool and keys it by its global batch.
+    spools = [Path(p) for p in job.get("spools") or [job["spool"]]]
+    for spool in spools:
+        spool.mkdir(parents=True, exist_ok=True)
+    where = job.get("spool_of") or [0] * len(job["batches"])
+    keys = job.get("keys") or list(range(len(job["batches"])))
     flat = np.fromfile(job["tokens"], dtype=np.int32)
     params = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
     tokens, wall = 0, 0.0
     for k, batch in enumerate(job["batches"]):
+        spool, key = spools[where[k]], int(keys[k])
         _wait_for_room(spool, int(req.get("max_pending_batches", 2)))
         if _orphaned():
             _exit_orphaned()
@@ -152,7 +170,7 @@ def run_job(llm, job: dict, req: dict) -> dict:
                 path = out.kv_transfer_params["hidden_states_path"]
                 if os.path.exists(path + ".lock"):
                     load_hidden_states(path)  # blocks on the connector's lock until the file is complete
-                os.replace(path, spool / f"{k:07d}-{sid}.safetensors")  # a sample may recur in a later batch
+                os.replace(path, spool / f"{key:07d}-{sid}.safetensors")  # a sample may recur in a later batch
                 try:
                     os.remove(path + ".lock")
                 except FileNotFoundError:
@@ -160,10 +178,10 @@ def run_job(llm, job: dict, req: dict) -> dict:
             samples.append([sid, int(out.outputs[0].token_ids[0])])
         wall += time.perf_counter() - t0
         tokens += sum(n for _, _, n in batch)
-        tmp = spool / f".batch-{k:07d}.json.tmp"
+        tmp = spool / f".batch-{key:07d}.json.tmp"
         tmp.write_text(json.dumps({"samples": samples}))
-        os.replace(tmp, spool / f"batch-{k:07d}.json")
-    (spool / "done.json").write_text(json.dumps({"tokens": tokens, "wall_s": wall}))
+        os.replace(tmp, spool / f"batch-{key:07d}.json")
+    (Path(job["spool"]) / "done.json").write_text(json.dumps({"tokens": tokens, "wall_s": wall}))
     print(f"capture {job['name']}: {tokens} tokens in {wall:.1f} s", file=sys.stderr, flush=True)
     return {"tokens": tokens, "wall_s": wall}
 
@@ -220,6 +238,7 @@ def main(argv: list[str]) -> int:
     req = json.loads(Path(argv[0]).read_text())
     for key, value in (req.get("env") or {}).items():  # before vLLM is imported: it reads them at import
         os.environ[key] = str(value)
+    OWNER.update(req.get("owner") or {})
     out: dict = {"jobs": {}}
     try:
         import torch

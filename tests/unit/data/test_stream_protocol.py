@@ -1,0 +1,167 @@
+"""The online stream's protocol (data/capture/stream.py) with a stand-in engine (tests/helpers/fake_capture_engine.py:
+the real driver's run_job over a fake vllm.LLM), in seconds: one engine shared by two ranks hands each the very
+batches, in order, that an engine of its own would; a shared engine killed mid-run restarts at the leader's
+step start and no batch is lost or consumed twice; a driver started through a launcher stops when its rank's
+heartbeat goes stale. tests/engine/test_vllm_capture.py runs the same paths with real vLLM."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fledge.data.capture.engine import DRIVER
+from fledge.data.capture.stream import EngineFeatureSource, StreamSpec
+from tests.helpers.models import random_llama
+
+FAKE = Path(__file__).resolve().parents[2] / "helpers" / "fake_capture_engine.py"
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from datasets import Dataset
+
+    root = tmp_path_factory.mktemp("stream")
+    random_llama(seed=0).save_pretrained(root / "target")
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(1, 96, (int(n),), generator=g).tolist() for n in torch.randint(5, 20, (24,), generator=g)]
+    Dataset.from_dict({"input_ids": rows, "loss_mask": [[1] * len(r) for r in rows]}).save_to_disk(root / "data")
+    python = root / "python"
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} {FAKE} "$@"\n')
+    python.chmod(0o755)
+    return root, python
+
+
+def _sources(root: Path, python: Path, run: str, k: int, launcher=(), grad_accum: int = 2, timeout_s: float = 60):
+    spec = dict(python=python, target=str(root / "target"), revision=None, trust_remote_code=False,
+                dtype=torch.float32, feature_dtype=torch.float32, aux_layer_ids=[2, 3, 4], num_layers=6,
+                rms_norm_eps=1e-6, aux_dtype="bf16", env={}, timeout_s=timeout_s, buffer_batches=2, restarts=1,
+                device=torch.device("cpu"), launcher=tuple(launcher), ranks_per_engine=k, grad_accum=grad_accum)
+    return [EngineFeatureSource(root / "data", StreamSpec(workdir=root / run / f"rank{r:05d}", **spec), r, 2, 32, 1, 0)
+            for r in range(2)]
+
+
+def _consume(srcs, kill_after: int | None = None) -> dict[int, list]:
+    """Each rank in its own thread, as two trainer processes would: {rank: [(g, samples)]}."""
+    out, errors = {0: [], 1: []}, []
+
+    def run(src):
+        try:
+            for g in range(src.rank, src.end, src.world):
+                out[src.rank].append((g, src._next_from_engine(g)))
+                if kill_after is not None and src.rank == 0 and len(out[0]) == kill_after:
+                    os.killpg(src._run.proc.proc.pid, signal.SIGKILL)  # the engine, and its launcher, die
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in srcs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for s in srcs:
+        s.close()
+    assert not errors, errors
+    return out
+
+
+def _same(a: dict, b: dict) -> None:
+    for r in a:
+        assert [g for g, _ in a[r]] == [g for g, _ in b[r]] == list(range(r, 2 * len(a[r]), 2))
+        for (_, xs), (_, ys) in zip(a[r], b[r]):
+            for x, y in zip(xs, ys):
+                assert x.keys() == y.keys() and all(torch.equal(x[key], y[key]) for key in x)
+
+
+@pytest.fixture(scope="module")
+def own(setup):
+    root, python = setup
+    return _consume(_sources(root, python, "own", 1))
+
+
+def test_an_engine_shared_by_two_ranks_hands_each_the_batches_of_its_own_engine(setup, own):
+    root, python = setup
+    srcs = _sources(root, python, "shared", 2)
+    shared = _consume(srcs)
+    _same(shared, own)
+    assert [s.engine_starts for s in srcs] == [1, 0]  # the leader started the one engine
+    job = json.loads((root / "shared" / "rank00000" / "train" / "request.json").read_text())["jobs"][0]
+    assert job["spool_of"][:4] == [0, 1, 0, 1] and job["keys"][:4] == [0, 1, 2, 3]
+    for r in range(2):  # every batch consumed and deleted; the record says what each rank read
+        assert not list((root / "shared" / f"rank{r:05d}").rglob("*.safetensors"))
+        rec = [json.loads(x)["batch"] for x in (root / "shared" / f"rank{r:05d}" / "train-consumed.jsonl").open()]
+        assert rec == [g for g, _ in shared[r]]
+
+
+def test_a_killed_runs_leftover_batches_do_not_hold_the_new_engines_buffer(setup, own):
+    """A resumed run finds the killed run's unconsumed batches (keys above its position) in a member's spool;
+    left there they would fill its back-pressure room (buffer_batches=2) and the engine would wait forever."""
+    root, python = setup
+    spool = root / "leftover" / "rank00001" / "train" / "spool" / "train"
+    spool.mkdir(parents=True)
+    for key in (13, 15):
+        (spool / f"batch-{key:07d}.json").write_text('{"samples": []}')
+    _same(_consume(_sources(root, python, "leftover", 2, timeout_s=10)), own)
+
+
+def test_a_shared_engine_killed_mid_run_restarts_at_the_step_start_and_loses_nothing(setup, own, monkeypatch):
+    root, python = setup
+    monkeypatch.setenv("FAKE_ENGINE_DELAY_S", "0.05")  # so the member is still waiting when the engine dies
+    srcs = _sources(root, python, "killed", 2, launcher=["timeout", "300"])
+    _same(_consume(srcs, kill_after=3), own)
+    assert srcs[0].engine_starts == 2
+    restarted = json.loads((root / "killed" / "rank00000" / "train" / "request.json").read_text())
+    assert restarted["jobs"][0]["keys"][0] == 4  # the leader's 4th batch (g=6) is in the step that began at g=4
+    assert restarted["owner"]["heartbeat"].endswith("owner.alive")
+
+
+def test_eval_through_a_shared_engine_pads_and_keys_each_evaluation_anew(setup):
+    root, python = setup
+    srcs = _sources(root, python, "eval", 2)
+    got, errors = {0: [], 1: []}, []
+
+    def run(src):
+        try:
+            for _ in range(2):  # two evaluations: the second one's keys are above the first's
+                got[src.rank].append([(b.input_ids.clone(), real) for b, real in src.eval_batches(5)])
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in srcs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert [real for _, real in got[0][0]] == [True, True, True]
+    assert [real for _, real in got[1][0]] == [True, True, False]
+    for r in range(2):
+        assert all(torch.equal(a, b) for (a, _), (b, _) in zip(got[r][0], got[r][1]))
+    assert torch.equal(got[1][0][2][0], got[0][0][0][0])  # the pad re-reads batch 0
+
+
+def _driver():
+    spec = importlib.util.spec_from_file_location("capture_driver_under_test", DRIVER)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_a_launched_driver_is_orphaned_when_its_ranks_heartbeat_goes_stale(tmp_path):
+    drv = _driver()
+    beat = tmp_path / "owner.alive"
+    beat.touch()
+    drv.OWNER.update(heartbeat=str(beat), stale_s=30)
+    assert not drv._orphaned()
+    os.utime(beat, (time.time() - 31, time.time() - 31))
+    assert drv._orphaned()
+    beat.unlink()
+    assert drv._orphaned()
