@@ -88,3 +88,30 @@ def test_pairs_sharing():
 
     assert tiny_writer._pairs_sharing(["a", "b", "c"]) == 0
     assert tiny_writer._pairs_sharing(["a", "a", "b", "b"]) == 2 / 6
+
+
+def test_masked_loss_weighs_only_marked_targets(capsys):
+    """train_target's ``(ids, mask)`` batches: an all-ones mask gives the plain mean loss (the logged value) and
+    the same step; a mask that marks one target only gives another."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fledge.testbed import tiny_target
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=64)
+    x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
+    one = torch.zeros(2, 16, dtype=torch.long)
+    one[0, 3] = 1
+
+    def step(batch):
+        torch.manual_seed(0)
+        model = tiny_target.train_target(None, [], steps=1, seq_len=16, batch_size=2, lr=1e-2, warmup=1,
+                                         model=LlamaForCausalLM(cfg), batches=iter([batch]))
+        loss = float(capsys.readouterr().out.split(" loss ")[1].split()[0])
+        return loss, torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    (plain_loss, plain), (ones_loss, ones) = step(x), step((x, torch.ones(2, 16, dtype=torch.long)))
+    assert ones_loss == plain_loss and torch.allclose(ones, plain, atol=1e-6)
+    one_loss, one_step = step((x, one))
+    assert one_loss != plain_loss and not torch.allclose(one_step, plain, atol=1e-4)
