@@ -234,11 +234,12 @@ def _lr_lambda(warmup: int, steps: int):
 def train_target(tok, files, steps: int, seq_len: int, batch_size: int, lr: float, warmup: int,
                  seed: int = SEED, log_every: int = 50, long_share: float = 0.0, model_overrides: dict | None = None,
                  device: str = "cpu", family: str = "llama", stream: Iterator[dict] | None = None,
-                 model=None):
+                 model=None, batches: Iterator | None = None):
     """Train a tiny target of ``family`` from scratch on chat-rendered conversations, in fp32 on every CPU (no
     autocast: see the module docstring). ``device="cuda"`` trains the same steps on a GPU (fp32, TF32 off):
     same data and initialisation, not bitwise the CPU build; the model is returned on the CPU. ``stream`` and
-    ``model`` (an untrained one) replace the stdlib conversations and the family's model."""
+    ``model`` (an untrained one) replace the stdlib conversations and the family's model; ``batches`` (of
+    ``(ids, loss mask)`` pairs, the mask one shorter than the row) replaces the packing and weights the loss."""
     torch.manual_seed(seed)
     model = (model if model is not None else _new_model(tok, family, model_overrides)).to(device)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -247,13 +248,18 @@ def train_target(tok, files, steps: int, seq_len: int, batch_size: int, lr: floa
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=lr, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(warmup, steps))
-    batches = _batches(tok, files, seed + 1, seq_len, batch_size, long_share, stream)
+    batches = batches or _batches(tok, files, seed + 1, seq_len, batch_size, long_share, stream)
     model.train()
     t0, loss_sum, n = time.time(), 0.0, 0
     for step in range(1, steps + 1):
-        x = next(batches).to(device)
+        b = next(batches)
+        x, mask = (b[0].to(device), b[1].to(device)) if isinstance(b, tuple) else (b.to(device), None)
         logits = model(input_ids=x[:, :-1]).logits
-        loss = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+        if mask is None:
+            loss = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+        else:
+            w = mask.flatten().float()
+            loss = (F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten(), reduction="none") * w).sum() / w.sum()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

@@ -9,7 +9,8 @@ drafter's data uses the default layout only: the perturbed eval set (another lay
 changes what the drafter conditions on and not what the target writes.
 
 ``conversation(rng)`` draws one; ``long_conversation(rng, rows)`` a table question over many rows (the
-long-context set).
+long-context set); ``with_context`` prefixes a question with other tasks' answers, as the main job's long set
+is built (evaluation/evaluate.py ``lengthen``). ``mixed(rng)`` draws all three kinds, the target's stream.
 """
 
 from __future__ import annotations
@@ -146,11 +147,35 @@ def long_conversation(rng: random.Random, rows: int, layout: str = DEFAULT_LAYOU
             "template_kwargs": {"layout": layout}}
 
 
+def with_context(rng: random.Random, conv: dict, pieces: int) -> dict:
+    """``conv`` with its first user turn prefixed by ``pieces`` answers of other tasks, laid out as
+    evaluation/evaluate.py ``lengthen`` lays out the main job's long prompts: the answer ignores the context."""
+    context = "\n\n".join(rng.choice(TASKS)(rng)[1] for _ in range(pieces))
+    msgs = [dict(m) for m in conv["messages"]]
+    first = next(i for i, m in enumerate(msgs) if m["role"] == "user")
+    msgs[first]["content"] = f"Context:\n{context}\n\n{msgs[first]['content']}"
+    return {**conv, "messages": msgs}
+
+
+# The target's stream: shares of long tables (LONG_ROWS rows: their prompts fit a 512-token window) and of
+# context-prefixed questions; the rest are plain conversations.
+LONG_SHARE, CONTEXT_SHARE, LONG_ROWS, CONTEXT_PIECES = 0.08, 0.12, (12, 40), (2, 10)
+
+
+def mixed(rng: random.Random, layout: str | None = None) -> dict:
+    """One draw of the target's stream (under ``layout``, or one drawn from LAYOUTS)."""
+    r = rng.random()
+    if r < LONG_SHARE:
+        return long_conversation(rng, rng.randint(*LONG_ROWS), layout or rng.choice(LAYOUTS))
+    conv = conversation(rng, layout)
+    return with_context(rng, conv, rng.randint(*CONTEXT_PIECES)) if r < LONG_SHARE + CONTEXT_SHARE else conv
+
+
 def stream(seed: int) -> Iterator[dict]:
     """The target's endless training stream: every layout, with and without system prompts."""
     rng = random.Random(seed)
     while True:
-        yield conversation(rng)
+        yield mixed(rng)
 
 
 def tokenizer_texts(seed: int, n: int = 4000) -> Iterator[str]:

@@ -3,14 +3,16 @@
     fledge tiny-writer [--out .cache/tiny_target] [--steps N]
 
 Writes, under ``<out>/writer/``:
-    data/train.jsonl           drafter training conversations: the default layout only
+    data/train.jsonl           drafter training conversations: the target's mix (tiny_tasks.mixed), default layout only
     data/eval.jsonl            held-out conversations, default layout (the default set)
     data/eval_perturbed.jsonl  held-out conversations under another layout and system prompt (the target saw
                                them in training, a drafter trained on data/train.jsonl did not)
-    data/long_eval.jsonl       table questions over 40-80 rows (1-2K tokens of context)
+    data/long_eval.jsonl       table questions over 24-40 rows (200-400 tokens: inside the 512-token training windows)
     tokenizer/                 byte-level BPE (2,560 tokens) with the multi-layout chat template
     target/                    the LlamaForCausalLM + metrics.json (per set: greedy distinct-3, the share of
-                               non-degenerate prompts, prompt dependence; held-out loss / top-1)
+                               non-degenerate prompts, prompt dependence (distinct outputs, pairs sharing one);
+                               held-out loss / top-1)
+Trained on answer tokens only (the prompts are random draws), in 512-token windows.
 Cached and atomic like testbed/tiny_target.py (a build.json key per artifact), deterministic by step count.
 What it can show: acceptance on output that depends on the prompt and does not loop, and a drafter's drift
 under a template it was not trained on. What it cannot: natural language or code; a 5 ms target forward makes
@@ -30,11 +32,14 @@ from fledge.atomic import read_json, write_json_atomic
 from fledge.models.precision import describe_cpu
 from fledge.testbed import tiny_target as tt, tiny_tasks
 
-VERSION = 1
+VERSION = 2
 MODEL = dict(vocab_size=2560, hidden_size=128, intermediate_size=384, num_hidden_layers=8, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-5,
              tie_word_embeddings=False)
-BUDGET = dict(steps=700, seq_len=256, batch_size=8, lr=3e-3, warmup=40)
+# 512-token windows hold the long set's tables (LONG_EVAL_ROWS) and the main job's long prompts; the loss is
+# on answer tokens only (prompts are random draws: their loss is noise the answers need not learn).
+BUDGET = dict(steps=600, seq_len=512, batch_size=4, lr=3e-3, warmup=40)
+LONG_EVAL_ROWS = (24, 40)
 N_TRAIN, N_EVAL, N_LONG = 2000, 100, 16
 N_PROMPTS, GEN_TOKENS = 16, 96  # greedy continuations scored per set
 SETS = ("eval", "eval_perturbed", "long_eval")
@@ -47,15 +52,17 @@ def _dir(root: Path | None) -> Path:
 
 def build_data(root: Path | None = None) -> Path:
     out = _dir(root) / "data"
-    key = tt._key(kind="writer_data", version=VERSION, n=[N_TRAIN, N_EVAL, N_LONG], template=tiny_tasks.CHAT_TEMPLATE)
+    key = tt._key(kind="writer_data", version=VERSION, n=[N_TRAIN, N_EVAL, N_LONG], template=tiny_tasks.CHAT_TEMPLATE,
+                  rows=LONG_EVAL_ROWS, mix=[tiny_tasks.LONG_SHARE, tiny_tasks.CONTEXT_SHARE, tiny_tasks.LONG_ROWS,
+                                            tiny_tasks.CONTEXT_PIECES])
 
     def build(tmp: Path) -> dict:
         rng = random.Random(tt.SEED + 11)  # apart from the target's stream (seed + 1)
         alt = [lay for lay in tiny_tasks.LAYOUTS if lay != tiny_tasks.DEFAULT_LAYOUT]
-        rows = {"train": [tiny_tasks.conversation(rng, tiny_tasks.DEFAULT_LAYOUT) for _ in range(N_TRAIN)],
+        rows = {"train": [tiny_tasks.mixed(rng, tiny_tasks.DEFAULT_LAYOUT) for _ in range(N_TRAIN)],
                 "eval": [tiny_tasks.conversation(rng, tiny_tasks.DEFAULT_LAYOUT) for _ in range(N_EVAL)],
                 "eval_perturbed": [tiny_tasks.conversation(rng, rng.choice(alt), system=True) for _ in range(N_EVAL)],
-                "long_eval": [tiny_tasks.long_conversation(rng, rng.randint(40, 80)) for _ in range(N_LONG)]}
+                "long_eval": [tiny_tasks.long_conversation(rng, rng.randint(*LONG_EVAL_ROWS)) for _ in range(N_LONG)]}
         for name, convs in rows.items():
             (tmp / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in convs))
         return {name: len(convs) for name, convs in rows.items()}
@@ -92,6 +99,26 @@ def _render(tok, conv: dict, prompt_only: bool) -> list[int]:
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
+def _batches(tok, stream, seq_len: int, batch_size: int):
+    """(ids ``[batch, seq_len + 1]``, answer mask ``[batch, seq_len]``) of conversations packed end to end; the
+    mask marks the targets inside assistant turns (their ``<|end|>`` included)."""
+    ids: list[int] = []
+    mask: list[int] = []
+    rows: list[tuple[list[int], list[int]]] = []
+    while True:
+        for c in [next(stream) for _ in range(64)]:
+            enc = tok.apply_chat_template(c["messages"], return_dict=True, return_assistant_tokens_mask=True,
+                                          **(c.get("template_kwargs") or {}))
+            ids += enc["input_ids"]
+            mask += enc["assistant_masks"]
+        while len(ids) > seq_len:
+            rows.append((ids[: seq_len + 1], mask[1: seq_len + 1]))
+            del ids[: seq_len + 1], mask[: seq_len + 1]
+            if len(rows) == batch_size:
+                yield torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows])
+                rows = []
+
+
 def _distinct3(ids: list[int]) -> float:
     grams = list(zip(ids, ids[1:], ids[2:]))
     return len(set(grams)) / max(1, len(grams))
@@ -101,6 +128,12 @@ def prompts(tok, data_dir: Path, name: str, n: int = N_PROMPTS) -> list[tuple[li
     """The first ``n`` (prompt ids, reference answer) of eval set ``name``."""
     rows = [json.loads(line) for line in (data_dir / f"{name}.jsonl").read_text().splitlines()][:n]
     return [(_render(tok, c, True), c["messages"][-1]["content"]) for c in rows]
+
+
+def _pairs_sharing(texts: list[str]) -> float:
+    """The share of prompt pairs whose continuations are equal (0: every prompt writes its own)."""
+    pairs = len(texts) * (len(texts) - 1) / 2
+    return sum(texts[i] == texts[j] for i in range(len(texts)) for j in range(i)) / max(1, pairs)
 
 
 @torch.no_grad()
@@ -135,7 +168,8 @@ def evaluate(path: Path, data_dir: Path, max_new_tokens: int = GEN_TOKENS) -> di
             exact += texts[-1].strip() == answer.strip()
         out[name] = {"prompts": len(texts), "distinct3": sum(ratios) / len(ratios),
                      "non_degenerate": sum(r >= DEGENERATE_BELOW for r in ratios) / len(ratios),
-                     "distinct_outputs": len(set(texts)) / len(texts), "exact_answers": exact / len(texts),
+                     "distinct_outputs": len(set(texts)) / len(texts), "pairs_sharing": _pairs_sharing(texts),
+                     "exact_answers": exact / len(texts),
                      "samples": texts[:3]}
     return out
 
@@ -160,8 +194,8 @@ def build_writer(root: Path | None = None, steps: int | None = None, device: str
         model = LlamaForCausalLM(LlamaConfig(**m, rope_parameters=rope, bos_token_id=tok.bos_token_id,
                                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
         t0, c0 = time.time(), time.process_time()
-        model = tt.train_target(tok, [], **settings, device=device, stream=tiny_tasks.stream(tt.SEED + 1),
-                                model=model)
+        batches = _batches(tok, tiny_tasks.stream(tt.SEED + 1), settings["seq_len"], settings["batch_size"])
+        model = tt.train_target(tok, [], **settings, device=device, model=model, batches=batches)
         train_s, train_cpu = time.time() - t0, time.process_time() - c0
         tt._save_model(model, tok, tmp)
         metrics = evaluate(tmp, data_dir)
