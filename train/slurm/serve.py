@@ -27,10 +27,10 @@ import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 
+from fledge.data.prepare.regenerate import API_KEY_ENV
 from fledge.engine_process import engine_python
 from fledge.train.slurm.launch import PORT_BASE, PORT_SPAN, expand_nodelist
 
-API_KEY_ENV = "FLEDGE_API_KEY"  # as data/prepare/regenerate.py reads it
 ENGINE_GROUP = "1"  # the het job's engine component
 STOP_GRACE_S = 30.0
 
