@@ -193,7 +193,7 @@ class EngineFeatureSource(BatchIterator):
                 raise ValueError(f"capture.engine=vllm: rank {self.rank} waited {waited:g} s (capture.engine_timeout_s "
                                  f"x (1 + capture.engine_restarts)) for {what} from the engine of rank {self.leader} "
                                  f"(capture.ranks_per_engine={s.ranks_per_engine}); see its log, "
-                                 f"{Path(s.workdir).parent / f'rank{self.leader:05d}' / self.name / 'engine.log'}")
+                                 f"{self.spool(self.leader).parents[1] / 'engine.log'}")
             time.sleep(0.02)
         if [sid for sid, _, _ in out] != samples:
             raise ValueError(f"{s.workdir}: the engine streamed samples {[x for x, _, _ in out][:8]} for {what}, "
@@ -212,7 +212,7 @@ class EngineFeatureSource(BatchIterator):
                     f.unlink(missing_ok=True)
                 old.unlink(missing_ok=True)
 
-    def _features(self, got: list, g: int) -> list[dict]:
+    def _features(self, got: list) -> list[dict]:
         """The engine's files of one batch -> the per-sample tensors the offline store would hold."""
         rows = self.ds.select([sid for sid, _, _ in got])
         out, n_aux, s = [], len(self.spec.aux_layer_ids), self.spec
@@ -262,7 +262,7 @@ class EngineFeatureSource(BatchIterator):
             finally:
                 self.wait_s += time.perf_counter() - t0
             self._next_g = g + self.world
-            out = self._features(got, g)
+            out = self._features(got)
             with open(Path(self.spec.workdir) / f"{self.name}-consumed.jsonl", "a") as f:  # the fault tests' record
                 f.write(json.dumps({"batch": g, "samples": samples}) + "\n")
             return out
@@ -296,7 +296,7 @@ class EngineFeatureSource(BatchIterator):
                 src = g if g < n else 0
                 got = self._read(base + g, self._samples_of(src), f"held-out batch {g}")
                 rows = self.global_plan(0)[src]
-                flat = iter(self._features(got, src))
+                flat = iter(self._features(got))
                 yield collate([[next(flat) for _ in row] for row in rows], self.row_tokens), g < n
             if run is not None:
                 run.finish()

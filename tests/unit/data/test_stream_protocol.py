@@ -49,16 +49,13 @@ def _sources(root: Path, python: Path, run: str, k: int, launcher=(), grad_accum
             for r in range(2)]
 
 
-def _consume(srcs, kill_after: int | None = None) -> dict[int, list]:
-    """Each rank in its own thread, as two trainer processes would: {rank: [(g, samples)]}."""
-    out, errors = {0: [], 1: []}, []
+def _each_rank(srcs, work) -> dict[int, list]:
+    """``work(src, out)`` for each rank in its own thread, as two trainer processes would; {rank: out}."""
+    out, errors = {s.rank: [] for s in srcs}, []
 
     def run(src):
         try:
-            for g in range(src.rank, src.end, src.world):
-                out[src.rank].append((g, src._next_from_engine(g)))
-                if kill_after is not None and src.rank == 0 and len(out[0]) == kill_after:
-                    os.killpg(src._run.proc.proc.pid, signal.SIGKILL)  # the engine, and its launcher, die
+            work(src, out[src.rank])
         except BaseException as e:  # noqa: BLE001 - handed to the test
             errors.append(e)
 
@@ -71,6 +68,17 @@ def _consume(srcs, kill_after: int | None = None) -> dict[int, list]:
         s.close()
     assert not errors, errors
     return out
+
+
+def _consume(srcs, kill_after: int | None = None) -> dict[int, list]:
+    """Every rank's training batches: {rank: [(g, samples)]}; the engine is killed after rank 0's kill_after-th."""
+    def work(src, out):
+        for g in range(src.rank, src.end, src.world):
+            out.append((g, src._next_from_engine(g)))
+            if kill_after is not None and src.rank == 0 and len(out) == kill_after:
+                os.killpg(src._run.proc.proc.pid, signal.SIGKILL)  # the engine, and its launcher, die
+
+    return _each_rank(srcs, work)
 
 
 def _same(a: dict, b: dict) -> None:
@@ -126,21 +134,12 @@ def test_a_shared_engine_killed_mid_run_restarts_at_the_step_start_and_loses_not
 def test_eval_through_a_shared_engine_pads_and_keys_each_evaluation_anew(setup):
     root, python = setup
     srcs = _sources(root, python, "eval", 2)
-    got, errors = {0: [], 1: []}, []
 
-    def run(src):
-        try:
-            for _ in range(2):  # two evaluations: the second one's keys are above the first's
-                got[src.rank].append([(b.input_ids.clone(), real) for b, real in src.eval_batches(5)])
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
+    def work(src, out):
+        for _ in range(2):  # two evaluations: the second one's keys are above the first's
+            out.append([(b.input_ids.clone(), real) for b, real in src.eval_batches(5)])
 
-    threads = [threading.Thread(target=run, args=(s,)) for s in srcs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
+    got = _each_rank(srcs, work)
     assert [real for _, real in got[0][0]] == [True, True, True]
     assert [real for _, real in got[1][0]] == [True, True, False]
     for r in range(2):
