@@ -12,8 +12,9 @@ report is written):
 
 - the engine's speculative greedy output must equal its plain greedy output token for token on every
   prompt (a difference at a top-2 log-prob tie is counted, not failed);
-- engine AL and Fledge's in-process AL must agree within ``eval.engine_al_tolerance`` on every set: both
-  read the export's config.json and weights, so a gap means the engine reads them differently from Fledge;
+- engine AL and Fledge's in-process AL counted as the engine counts (``al_uncut``: every accepted draft,
+  those past a round's end-of-turn token included) must agree within ``eval.engine_al_tolerance`` on every
+  set: both read the export's config.json and weights, so a gap means the engine reads them differently;
 - the engine AL of the best set must not collapse below half the accepted drafts the training-time
   estimate predicts (an export both readers read the same wrong way: a bad d2t, a flipped norm flag);
 - the served export must pass ``fledge lint`` against the target and its own training record (a config.json
@@ -120,8 +121,8 @@ def run_engine_eval(cfg, sets: dict[str, list[list[int]]], report: dict, drafter
         plain, spec, look = (engines[n]["sets"][name] for n in ("plain", "drafter", "lookup"))
         inproc = report["sets"][name]
         s = {"prompts": len(sets[name]), "drafter": acceptance(spec["counters"], k),
-             "lookup": acceptance(look["counters"], k), "in_process_al": inproc["drafter"]["al"],
-             "in_process_lookup_al": inproc["lookup"]["al"],
+             "lookup": acceptance(look["counters"], k), "in_process_al": _as_counted(inproc["drafter"]),
+             "in_process_lookup_al": _as_counted(inproc["lookup"]),
              "tokens_per_s": {n: r["tokens"] / r["wall_s"] if r["wall_s"] else float("nan")
                               for n, r in (("plain", plain), ("drafter", spec), ("lookup", look))}}
         if "sampled" in spec:  # reported, not held to the in-process figure: the two draw different samples
@@ -199,6 +200,12 @@ def export_estimate(report: dict) -> float | None:
     return al_estimate(StepAccuracy(h["acc"][:K], h["full_acc"][:K]))
 
 
+def _as_counted(stats: dict) -> float:
+    """The in-process AL an engine's counters would give (evaluation/evaluate.py acceptance_stats ``al_uncut``;
+    a report written before it existed: its ``al``)."""
+    return stats.get("al_uncut", stats["al"])
+
+
 def engine_failures(name: str, s: dict, tol: float, drafter_dir: Path, target: str) -> list[str]:
     """The messages that fail the stage for one set: greedy differences that are not ties; an engine AL
     beyond ``tol`` of the in-process AL."""
@@ -229,7 +236,8 @@ def engine_markdown(report: dict) -> list[str]:
     k, est = e["k"], report.get("train_al_estimate")
     lines = ["", f"## Served by {e['engine']} {e['version']} (measured by the engine)", "",
              f"Engine on {e['device']}, dtype {e['dtype']}, k={k}, batch {e['batch_size']}. Engine AL = 1 + "
-             "accepted / drafts from vLLM's spec-decode counters; engine lookup = vLLM's `ngram` method. "
+             "accepted / drafts from vLLM's spec-decode counters; engine lookup = vLLM's `ngram` method; in-process "
+             "AL here is counted the same way (drafts accepted past a round's end-of-turn token count). "
              f"Tolerance on |engine - in-process| AL: {e['tolerance']}.", "",
              "| set | train estimate | in-process AL | engine AL | engine - in-process | engine - estimate | "
              "in-process lookup AL | engine lookup AL | engine AL - lookup |", "|---|---|---|---|---|---|---|---|---|"]

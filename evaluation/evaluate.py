@@ -144,13 +144,16 @@ def acceptance_stats(results, k: int) -> dict:
     """Mean AL (bonus included, max k + 1) and per-position acceptance over the rounds not cut by the
     token budget. ``accept_at[i]`` = P(accepted >= i+1) over those rounds (a prompt-lookup miss drafts
     nothing and counts as a rejection), so AL = 1 + sum(accept_at) up to end-of-turn cuts;
-    ``accept_cond[i]`` = the same given draft i was accepted."""
+    ``accept_cond[i]`` = the same given draft i was accepted. ``al_uncut`` = 1 + sum(accept_at) is AL as an
+    engine's counters give it (vLLM: 1 + accepted / drafts), where drafts accepted past the end-of-turn token of
+    a round still count: above ``al`` by about one cut round per answer on a target whose answers end."""
     rounds = [r for res in results for r in res.rounds if not r.budget_limited]
     n = len(rounds)
     reach = [sum(r.accepted >= i for r in rounds) for i in range(k + 1)]
     out = {"rounds": n, "al": sum(r.emitted for r in rounds) / n if n else float("nan"),
            "accept_at": [reach[i] / n if n else float("nan") for i in range(1, k + 1)],
            "accept_cond": [reach[i] / reach[i - 1] if reach[i - 1] else float("nan") for i in range(1, k + 1)],
+           "al_uncut": 1 + sum(reach[1:]) / n if n else float("nan"),
            "draft_s": sum(r.draft_s for r in results), "verify_s": sum(r.verify_s for r in results),
            "tokens": sum(len(r.tokens) for r in results)}
     return out
