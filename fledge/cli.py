@@ -1,8 +1,7 @@
 """The ``fledge`` command (also ``python -m fledge``): the pipeline and the tools over the same code.
 
     fledge run recipe=tiny [overrides]          the pipeline in one process (torchrun train/main.py for N)
-    fledge tiny-target --budget quick           build the tiny recipe's target and data under .cache/
-    fledge tiny-writer                          build the writing tiny target (chat tasks) under .cache/
+    fledge tiny-target [moe|mla|long]           build the tiny recipe's target (or another) and data under .cache/
     fledge lint DIR [--target T | --recipe R]   check a drafter directory against its target (docs/serving.md)
     fledge push DIR ORG/NAME                    upload with a model card (token from HF_TOKEN)
     fledge submit pipeline recipe=NAME ...      fill the Slurm templates, print the sbatch commands
@@ -24,8 +23,7 @@ import sys
 # name -> (module, function, one line of help)
 COMMANDS = {
     "run": ("fledge.train.main", "cli", "run the pipeline in this process: fledge run recipe=NAME [overrides]"),
-    "tiny-target": ("fledge.testbed.tiny_target", "main", "build the tiny recipe's target and data under .cache/"),
-    "tiny-writer": ("fledge.testbed.tiny_writer", "main", "build the writing tiny target (chat tasks) under .cache/"),
+    "tiny-target": ("fledge.testbed.targets", "main", "build a tiny target (llama, moe, mla, long) under .cache/"),
     "lint": ("fledge.serving.lint", "main", "check an exported drafter against its target"),
     "push": ("fledge.train.publish", "main", "upload a drafter with a generated model card"),
     "submit": ("fledge.train.slurm.submit", "main", "fill the Slurm templates and print the sbatch commands"),

@@ -53,15 +53,15 @@ def trained_tokens(run: Path, batches: int, row_tokens: int, rows: int, seed: in
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--target", default=None, help="default: the quick tiny target (built once into .cache)")
+    ap.add_argument("--target", default=None, help="default: the tiny recipe's target (built once into .cache)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--samples", type=int, default=48)
     ap.add_argument("--buffer-batches", type=int, default=4)
     args = ap.parse_args()
-    import fledge.testbed.tiny_target as tiny
+    from fledge.testbed import targets, tiny_writer
 
-    target = args.target or str(tiny.build_tiny_target("quick"))
-    data = tiny.build_data()
+    target = args.target or str(targets.build("llama"))
+    data = tiny_writer.build_data()
     out = Path(tempfile.mkdtemp(prefix="bench_online_"))
     try:
         ov = ["recipe=tiny", f"run.output_root={out}", f"target.name_or_path={target}",

@@ -26,7 +26,7 @@ def main() -> None:
     from fledge.run_layout import RunLayout
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--target", default=".cache/tiny_target/quick", help="a dir with the target's tokenizer")
+    ap.add_argument("--target", default=".cache/tiny_target/llama", help="a dir with the target's tokenizer")
     ap.add_argument("--train", default=".cache/tiny_target/data/train.jsonl")
     ap.add_argument("--eval", default=".cache/tiny_target/data/eval.jsonl")
     ap.add_argument("--procs", default="1,2")

@@ -1,4 +1,4 @@
-"""Benchmark the writing tiny target (testbed/tiny_writer.py) on this machine, in one run: build time,
+"""Benchmark the tiny recipe's target (testbed/tiny_writer.py) on this machine, in one run: build time,
 held-out loss and top-1, and per eval set (default, perturbed, long) the greedy distinct-3, the share of
 non-degenerate prompts, how many prompts give distinct continuations and the share of prompt pairs that
 share one, and prompt lookup's AL; with
@@ -53,9 +53,9 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        cached = (Path(args.root or tmp) / "writer" / "target" / "build.json").exists()
+        cached = (Path(args.root or tmp) / "llama" / "build.json").exists()
         t0, r0 = time.time(), resource.getrusage(resource.RUSAGE_SELF)
-        path = tiny_writer.build_writer(args.root or Path(tmp), args.steps)
+        path = tiny_writer.build_target("llama", args.root or Path(tmp), args.steps)
         wall, r1 = time.time() - t0, resource.getrusage(resource.RUSAGE_SELF)
         cpu = r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
         m = json.loads((path / "metrics.json").read_text())

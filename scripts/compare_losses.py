@@ -3,7 +3,7 @@ features, then one table of what each objective buys (as `fledge compare` does f
 
     # train every loss x seed (a base run prepares and captures once; the others link its prepare/ and capture/)
     python scripts/compare_losses.py run --root outputs/losses --losses ttt_ce tv lk_lambda mix:ttt_ce=0.5,tv=0.5 \\
-        --seeds 0 1 2 --nproc 2 -- recipe=tiny target=tiny_testbed
+        --seeds 0 1 2 --nproc 2 -- recipe=tiny
     # or only the table, from run directories (LABEL=DIR names a run's group; default: its loss)
     python scripts/compare_losses.py table outputs/losses/ttt_ce_s0 outputs/losses/tv_s0 ... --out outputs/losses
 

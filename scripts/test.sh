@@ -17,19 +17,19 @@ slurm_pid=$!
 # leaves the system's packages half configured).
 trap 'kill "$engine_pid" 2>/dev/null || true; wait "$slurm_pid" 2>/dev/null || true' EXIT
 scripts/setup.sh
-# The trained tiny targets build in the background from here (the quick Llama: ~7 min of CPU; the MoE and MLA
-# ones ~1-2 min each, one thread as tests/helpers/recipe_runs.py runs them, at the lowest priority so that with the
-# quick build they never take a core from the foreground: 2 cores, not 3 threads) while the oracle and the
-# engine finish installing, which is mostly downloading. The suite's fixtures find them in .cache, or wait on their build
+# The trained tiny targets build in the background from here while the oracle and the engine finish installing
+# (mostly downloads), each with one thread, as recipes/tiny*/golden.json were measured (a build's sums, hence the
+# target, depend on the thread count): the Llama (~5 min) and, at the lowest priority so that they never take a
+# core from the foreground, the MoE and MLA ones (~4-5 min each). The suite's fixtures find them in .cache, or wait on their build
 # locks. Only for the whole suite (no arguments), so a run of a few tests does not start them; FLEDGE_AHEAD=0
 # leaves every build to the suite.
 if [ "${FLEDGE_AHEAD:-1}" != 0 ] && [ $# -eq 0 ]; then
   targets_log=$(mktemp "${TMPDIR:-/tmp}/fledge-tiny-targets.XXXXXX")
   echo "building the tiny targets in the background (log: $targets_log)"
   (export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 DS_ACCELERATOR=cpu
-   .venv/bin/python -m fledge tiny-target --budget quick &
-   OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python -m fledge tiny-target --family moe
-   OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python -m fledge tiny-target --family mla
+   OMP_NUM_THREADS=1 .venv/bin/python -m fledge tiny-target &
+   OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python -m fledge tiny-target moe
+   OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python -m fledge tiny-target mla
    wait) >"$targets_log" 2>&1 &
 fi
 if ! scripts/setup_oracle.sh; then

@@ -2,8 +2,9 @@
 
 The pipeline asks here before any stage runs (train/preflight.py, train/pipeline.py's checks), so a tiny
 recipe run before its target is built fails with the build command; no library below tests paths for the
-testbed's names. The layout is testbed/tiny_target.py's (under ``.cache/tiny_target``): ``<budget>/`` and
-``<family>-<budget>/`` targets, ``data/``, ``long_data/`` (the long budget's) and ``long_eval/``.
+testbed's names. The layout is testbed/tiny_target.py's (under ``.cache/tiny_target``): ``llama/``, ``moe/``,
+``mla/`` and ``long/`` targets, ``data/`` and ``tokenizer/`` (written by any build), ``long_data/`` and
+``long_eval/`` (the long target's).
 """
 
 from __future__ import annotations
@@ -20,9 +21,5 @@ def build_hint(path: str) -> str:
         return ""
     below = parts[parts.index(CACHE) + 1:]
     top = below[0] if below else ""
-    if top == "long_data":
-        return "build it with `fledge tiny-target --budget long`"
-    if top in ("", "data", "long_eval", "tokenizer"):  # written by any build
-        return "build it with `fledge tiny-target`"
-    family, _, budget = top.rpartition("-")
-    return f"build it with `fledge tiny-target --budget {budget}{f' --family {family}' if family else ''}`"
+    name = {"moe": "moe", "mla": "mla", "long": "long", "long_data": "long", "long_eval": "long"}.get(top)
+    return f"build it with `fledge tiny-target{f' {name}' if name else ''}`"

@@ -1,6 +1,6 @@
 """The tiny MoE and MLA targets' shapes: a Qwen3-MoE-shaped and a DeepSeek-V3-shaped causal LM of a few
-million parameters, built and trained by testbed/tiny_target.py (``fledge tiny-target --family moe|mla``) on
-the same corpus and tokenizer as the tiny Llama, so a drafter's acceptance on them means something.
+million parameters, built and trained by testbed/tiny_writer.py (``fledge tiny-target moe|mla``) on the same
+task language, tokenizer and loss as the tiny Llama, so a drafter's acceptance on them means something.
 
 Each keeps what makes its real family different for a drafter, at CI size:
 - ``moe`` (Qwen3MoeForCausalLM, like Qwen3-30B-A3B): routed experts in every layer (8 experts, top 2, the
@@ -15,20 +15,19 @@ Each keeps what makes its real family different for a drafter, at CI size:
 The MLA latent width is the real one, kv_lora_rank 512 + qk_rope_head_dim 64 = 576: vLLM's CPU MLA backends
 (CPU_MLA, AMX_MLA in v1/attention/backends/mla/) compile their decode kernel for that head size only, so a
 smaller latent could not be served on CPU. Eight layers, as the tiny Llama, so the default aux ids (2, 4, 5) are
-distinct. The step counts below fix each build (deterministic by step count, like the Llama's budgets); only ``quick``
-exists.
+distinct. Their step counts are tiny_writer.FAMILY_BUDGETS'.
 """
 
 from __future__ import annotations
 
 SHAPES: dict[str, dict] = {
-    "moe": dict(model_type="qwen3_moe", vocab_size=4096, hidden_size=128, intermediate_size=256,
+    "moe": dict(model_type="qwen3_moe", vocab_size=2560, hidden_size=128, intermediate_size=256,
                 moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
                 decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=8, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=32, max_position_embeddings=2048, rms_norm_eps=1e-6,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=True,
                 router_aux_loss_coef=0.001),
-    "mla": dict(model_type="deepseek_v3", vocab_size=4096, hidden_size=128, intermediate_size=256,
+    "mla": dict(model_type="deepseek_v3", vocab_size=2560, hidden_size=128, intermediate_size=256,
                 moe_intermediate_size=64, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
                 n_group=1, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=1.0, norm_topk_prob=True,
                 # DeepSeek-V3's router as its config.json names it: transformers always routes this way (sigmoid
@@ -43,8 +42,6 @@ SHAPES: dict[str, dict] = {
                                  "mscale": 1.0, "mscale_all_dim": 1.0},
                 tie_word_embeddings=False),
 }
-
-BUDGETS = {"quick": dict(steps=100, seq_len=256, batch_size=6, lr=3e-3, warmup=10)}
 
 
 def new_model(family: str, tok):

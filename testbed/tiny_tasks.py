@@ -32,7 +32,11 @@ WORDS = ["quick", "fox", "river", "stone", "light", "music", "paper", "garden", 
 
 SYSTEM_PROMPTS = ["You are a helpful assistant.", "Answer precisely and briefly.",
                   "You are a careful clerk who checks every number.", "Follow the user's format exactly."]
+SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+PAD, BOS, END = "<|pad|>", "<|bos|>", "<|end|>"
 DEFAULT_LAYOUT = "chat"
+# Assistant content and its end-of-turn token sit inside {% generation %}, so that
+# apply_chat_template(return_assistant_tokens_mask=True) marks exactly the tokens a drafter learns.
 # Role markers and layout per template variable ``layout``; the special tokens stay (the mask needs them).
 LAYOUTS = ("chat", "hash", "inst")
 CHAT_TEMPLATE = (

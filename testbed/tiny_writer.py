@@ -1,21 +1,18 @@
-"""The writing tiny target: a small Llama trained on testbed/tiny_tasks.py's chat language, in minutes.
+"""The tiny targets' data, tokenizer, build and checks, on testbed/tiny_tasks.py's chat language.
 
-    fledge tiny-writer [--out .cache/tiny_target] [--steps N]
-
-Writes, under ``<out>/writer/``:
+Under the testbed's root (testbed/tiny_target.py, ``fledge tiny-target``):
     data/train.jsonl           drafter training conversations: the target's mix (tiny_tasks.mixed), default layout only
     data/eval.jsonl            held-out conversations, default layout (the default set)
     data/eval_perturbed.jsonl  held-out conversations under another layout and system prompt (the target saw
                                them in training, a drafter trained on data/train.jsonl did not)
     data/long_eval.jsonl       table questions over 24-40 rows (200-400 tokens: inside the 512-token training windows)
     tokenizer/                 byte-level BPE (2,560 tokens) with the multi-layout chat template
-    target/                    the LlamaForCausalLM + metrics.json (per set: greedy distinct-3, the share of
-                               non-degenerate prompts, prompt dependence (distinct outputs, pairs sharing one);
-                               held-out loss / top-1)
-Trained on answer tokens only (the prompts are random draws), in 512-token windows.
-Cached and atomic like testbed/tiny_target.py (a build.json key per artifact), deterministic by step count.
-What it can show: acceptance on output that depends on the prompt and does not loop, and a drafter's drift
-under a template it was not trained on. What it cannot: natural language or code; a 5 ms target forward makes
+    llama/, moe/, mla/         the targets (testbed/tiny_families.py has the MoE and MLA shapes) + metrics.json (per
+                               set: greedy distinct-3, the share of non-degenerate prompts, prompt dependence
+                               (distinct outputs, pairs sharing one); held-out loss / top-1)
+Each target is trained on answer tokens only (the prompts are random draws), in 512-token windows.
+What they can show: acceptance on output that depends on the prompt and does not loop, and a drafter's drift
+under a template it was not trained on. What they cannot: natural language or code; a 5 ms target forward makes
 wall-clock speed-ups on CPU a measure of the harness as much as of the drafter.
 """
 
@@ -30,9 +27,9 @@ import torch
 
 from fledge.atomic import read_json, write_json_atomic
 from fledge.models.precision import describe_cpu
-from fledge.testbed import tiny_target as tt, tiny_tasks
+from fledge.testbed import tiny_families, tiny_target as tt, tiny_tasks
 
-VERSION = 2
+VERSION = 3
 MODEL = dict(vocab_size=2560, hidden_size=128, intermediate_size=384, num_hidden_layers=8, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-5,
              tie_word_embeddings=False)
@@ -46,8 +43,12 @@ SETS = ("eval", "eval_perturbed", "long_eval")
 DEGENERATE_BELOW = 0.5  # distinct-3 under this marks a prompt's greedy output degenerate
 
 
+# Per target: the steps that fit the CI budget (an MLA step costs ~2.7x a Llama one here, a MoE step ~1.1x).
+FAMILY_BUDGETS = {"llama": BUDGET, "moe": BUDGET, "mla": dict(BUDGET, steps=300)}
+
+
 def _dir(root: Path | None) -> Path:
-    return Path(root or tt.default_root()) / "writer"
+    return Path(root or tt.default_root())
 
 
 def build_data(root: Path | None = None) -> Path:
@@ -82,12 +83,12 @@ def build_tokenizer(root: Path | None = None) -> Path:
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=MODEL["vocab_size"], special_tokens=tt.tiny_corpus.SPECIAL_TOKENS,
+        trainer = trainers.BpeTrainer(vocab_size=MODEL["vocab_size"], special_tokens=tiny_tasks.SPECIAL_TOKENS,
                                       show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
         tok.train_from_iterator(tiny_tasks.tokenizer_texts(tt.SEED + 5), trainer)
-        c = tt.tiny_corpus
-        PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=c.BOS, eos_token=c.END, pad_token=c.PAD,
-                                chat_template=tiny_tasks.CHAT_TEMPLATE, model_max_length=2048).save_pretrained(tmp)
+        t = tiny_tasks
+        PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=t.BOS, eos_token=t.END, pad_token=t.PAD,
+                                chat_template=t.CHAT_TEMPLATE, model_max_length=4096).save_pretrained(tmp)
 
     return tt._cached(out, key, build)
 
@@ -137,7 +138,8 @@ def _pairs_sharing(texts: list[str]) -> float:
 
 
 @torch.no_grad()
-def evaluate(path: Path, data_dir: Path, max_new_tokens: int = GEN_TOKENS) -> dict:
+def evaluate(path: Path, data_dir: Path, max_new_tokens: int = GEN_TOKENS, n_prompts: int = N_PROMPTS,
+             n_heldout: int | None = None) -> dict:
     """Per set: greedy distinct-3 (mean, share of prompts >= DEGENERATE_BELOW), distinct continuations,
     exact answers; on the default set, held-out loss and top-1 on answer tokens (fp32 from the bf16 weights)."""
     import torch.nn.functional as F
@@ -146,7 +148,7 @@ def evaluate(path: Path, data_dir: Path, max_new_tokens: int = GEN_TOKENS) -> di
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     out: dict = {}
-    convs = [json.loads(line) for line in (data_dir / "eval.jsonl").read_text().splitlines()]
+    convs = [json.loads(line) for line in (data_dir / "eval.jsonl").read_text().splitlines()][:n_heldout]
     nll, correct, count = 0.0, 0, 0
     for c in convs:
         enc = tok.apply_chat_template(c["messages"], return_dict=True, return_assistant_tokens_mask=True,
@@ -156,10 +158,10 @@ def evaluate(path: Path, data_dir: Path, max_new_tokens: int = GEN_TOKENS) -> di
         nll += F.cross_entropy(logits[mask], target[mask], reduction="sum").item()
         correct += (logits[mask].argmax(-1) == target[mask]).sum().item()
         count += int(mask.sum())
-    out.update(heldout_loss=nll / count, heldout_top1=correct / count, heldout_tokens=count)
+    out.update(heldout_loss=nll / count, heldout_top1=correct / count, heldout_tokens=count, sets=list(SETS))
     for name in SETS:
         ratios, texts, exact = [], [], 0
-        for ids, answer in prompts(tok, data_dir, name):
+        for ids, answer in prompts(tok, data_dir, name, n_prompts):
             gen = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False)[0, len(ids):]
             row = gen.tolist()
             row = row[: row.index(tok.eos_token_id) + 1] if tok.eos_token_id in row else row
@@ -174,55 +176,55 @@ def evaluate(path: Path, data_dir: Path, max_new_tokens: int = GEN_TOKENS) -> di
     return out
 
 
-def build_writer(root: Path | None = None, steps: int | None = None, device: str = "cpu") -> Path:
-    """Build (once) the writing target; returns its from_pretrained directory (``<root>/writer/target``)."""
-    from transformers import AutoTokenizer, LlamaForCausalLM
+def new_model(name: str, tok, seed: int = tt.SEED):
+    """An untrained ``name`` target (llama: MODEL; moe, mla: testbed/tiny_families.py) with ``tok``'s ids (fp32)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    settings = dict(BUDGET, **({"steps": steps} if steps else {}))
+    torch.manual_seed(seed)
+    if name != "llama":
+        return tiny_families.new_model(name, tok)
+    m = dict(MODEL)
+    rope = {"rope_type": "default", "rope_theta": m.pop("rope_theta")}
+    return LlamaForCausalLM(LlamaConfig(**m, rope_parameters=rope, bos_token_id=tok.bos_token_id,
+                                        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
+
+
+def save_random_target(out: Path, root: Path | None = None, seed: int = tt.SEED) -> Path:
+    """Save an untrained Llama of the tiny target's shape with its tokenizer (seconds; for tests of mechanics
+    that do not need a learned target)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(build_tokenizer(root))
+    tt._save_model(new_model("llama", tok, seed), tok, Path(out))
+    return Path(out)
+
+
+def build_target(name: str = "llama", root: Path | None = None, steps: int | None = None,
+                 device: str = "cpu") -> Path:
+    """Build (once) the ``name`` target (llama, moe, mla); returns its from_pretrained directory, ``<root>/<name>``."""
+    from transformers import AutoTokenizer
+
+    settings = dict(FAMILY_BUDGETS[name], **({"steps": steps} if steps else {}))
     data_dir, tok_dir = build_data(root), build_tokenizer(root)
-    out = _dir(root) / "target"
-    key = tt._key(kind="writer_target", version=VERSION, budget=settings, model=MODEL, seed=tt.SEED,
+    out = _dir(root) / name
+    shape = MODEL if name == "llama" else tiny_families.SHAPES[name]
+    key = tt._key(kind="target", name=name, version=VERSION, budget=settings, model=shape, seed=tt.SEED,
                   data=read_json(data_dir / "build.json")["key"], tok=read_json(tok_dir / "build.json")["key"])
 
     def build(tmp: Path) -> None:
         tok = AutoTokenizer.from_pretrained(tok_dir)
-        m = dict(MODEL)
-        rope = {"rope_type": "default", "rope_theta": m.pop("rope_theta")}
-        from transformers import LlamaConfig
-
-        torch.manual_seed(tt.SEED)
-        model = LlamaForCausalLM(LlamaConfig(**m, rope_parameters=rope, bos_token_id=tok.bos_token_id,
-                                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
+        model = new_model(name, tok)
         t0, c0 = time.time(), time.process_time()
         batches = _batches(tok, tiny_tasks.stream(tt.SEED + 1), settings["seq_len"], settings["batch_size"])
-        model = tt.train_target(tok, [], **settings, device=device, model=model, batches=batches)
+        model = tt.train_target(model, batches, **settings, device=device)
         train_s, train_cpu = time.time() - t0, time.process_time() - c0
         tt._save_model(model, tok, tmp)
         metrics = evaluate(tmp, data_dir)
-        metrics.update(budget="writer", **settings, train_seconds=round(train_s, 1),
+        metrics.update(target=name, **settings, train_seconds=round(train_s, 1),
                        train_cpu_seconds=round(train_cpu, 1), torch_threads=torch.get_num_threads(),
-                       compute_dtype="float32", cpu=describe_cpu(), train_device=device,
+                       compute_dtype="float32", cpu=describe_cpu(),
+                       train_device=device if device == "cpu" else torch.cuda.get_device_name(),
                        parameters=sum(p.numel() for p in model.parameters()))
         write_json_atomic(tmp / "metrics.json", metrics)
 
     return tt._cached(out, key, build)
-
-
-def main(argv: list[str] | None = None) -> None:
-    import argparse
-
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, default=tt.default_root())
-    ap.add_argument("--steps", type=int, default=None, help="override the step count (smoke tests)")
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    args = ap.parse_args(argv)
-    path = build_writer(args.out, args.steps, args.device)
-    m = read_json(path / "metrics.json")
-    sets = ", ".join(f"{s} distinct-3 {m[s]['distinct3']:.2f} ({m[s]['non_degenerate']:.0%} non-degenerate)"
-                     for s in SETS)
-    print(f"{path}: held-out loss {m['heldout_loss']:.3f}, top-1 {m['heldout_top1']:.1%}, {sets}; "
-          f"{m['steps']} steps in {m['train_seconds']:.0f}s")
-
-
-if __name__ == "__main__":
-    main()

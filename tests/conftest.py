@@ -16,7 +16,8 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-import fledge.testbed.tiny_target as tiny_target_builder  # noqa: E402
+import fledge.testbed.targets as tiny_targets  # noqa: E402
+import fledge.testbed.tiny_writer as tiny_writer  # noqa: E402
 from tests.helpers.paths import REPO  # noqa: E402
 from tests.helpers.processes import descendants  # noqa: E402
 from tests.helpers.recipe_runs import run_family, run_recipe  # noqa: E402
@@ -33,7 +34,7 @@ def pytest_collection_modifyitems(config, items):
             if not HAS_CUDA:
                 item.add_marker(skip_gpu)
     # The trained tiny targets and the family recipe runs start in the background with the session (_ahead):
-    # modules that need none of them run first, then those that need the quick tiny Llama, then the family runs'.
+    # modules that need none of them run first, then those that need the tiny Llama, then the family runs'.
     group: dict[str, int] = {}
     for item in items:
         group[item.nodeid.split("::")[0]] = max(group.get(item.nodeid.split("::")[0], 0), _needs(item))
@@ -41,29 +42,23 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _needs(item) -> int:
-    """0: no trained tiny target; 1: the quick tiny Llama (``tiny_target``, directly or through a fixture);
+    """0: no trained tiny target; 1: the tiny Llama (``tiny_target``, directly or through a fixture);
     2: a tiny family run (``tiny_family_run``)."""
     names = set(getattr(item, "fixturenames", ()))
     return 2 if "tiny_family_run" in names else 1 if "tiny_target" in names else 0
 
 
 @pytest.fixture(scope="session")
-def tiny_target_script():
-    """The fledge.testbed.tiny_target module (build_tiny_target, build_data, build_tokenizer, ...)."""
-    return tiny_target_builder
-
-
-@pytest.fixture(scope="session")
 def tiny_target():
-    """Path of the quick tiny target (a trained Llama + chat tokenizer), built once into .cache (~7 min on 2 cores;
-    a session that needs it starts the build in the background as it begins: _ahead)."""
-    return tiny_target_builder.build_tiny_target("quick")
+    """Path of the tiny recipe's target (a trained Llama + chat tokenizer), built once into .cache (~4 min on 2
+    cores; a session that needs it starts the build in the background as it begins: _ahead)."""
+    return tiny_targets.build("llama")
 
 
 @pytest.fixture(scope="session")
 def tiny_data():
-    """Path of the tiny recipe's data dir (train.jsonl, eval.jsonl), built once into .cache (seconds)."""
-    return tiny_target_builder.build_data()
+    """Path of the tiny recipe's data dir (train.jsonl, eval.jsonl, ...), built once into .cache (seconds)."""
+    return tiny_writer.build_data()
 
 
 @pytest.fixture(scope="session")
@@ -78,8 +73,8 @@ FAMILIES = ("moe", "mla")
 
 @pytest.fixture(scope="session", autouse=True)
 def _ahead(request, tmp_path_factory):
-    """Start what the session's tests will wait for, in the background, as the session starts: the quick tiny
-    Llama's build (`fledge tiny-target`, ~7 min on 2 cores in CI) while the modules that need no trained target
+    """Start what the session's tests will wait for, in the background, as the session starts: the tiny
+    Llama's build (`fledge tiny-target`, ~4 min on 2 cores in CI) while the modules that need no trained target
     run (pytest_collection_modifyitems orders them first; the ``tiny_target`` fixture then waits on the build's
     lock), and both tiny family runs (tests/helpers/recipe_runs.py) at the lowest CPU priority, on the cores the rest
     of the suite leaves idle. FLEDGE_AHEAD=0 builds and runs each in the foreground when first needed.
@@ -96,8 +91,10 @@ def _ahead(request, tmp_path_factory):
     root, procs = REPO, []
     if needs & {1}:
         with open(out / "tiny_target.log", "w") as log:
-            procs.append(subprocess.Popen([sys.executable, "-m", "fledge", "tiny-target", "--budget", "quick"],
-                                          cwd=root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            # one thread, as scripts/test.sh builds it and recipes/tiny/golden.json was measured
+            procs.append(subprocess.Popen([sys.executable, "-m", "fledge", "tiny-target"], cwd=root, stdout=log,
+                                          stderr=subprocess.STDOUT, start_new_session=True,
+                                          env={**os.environ, "OMP_NUM_THREADS": "1"}))
     family = None
     if needs & {2}:
         with open(out / "family_runs.log", "w") as log:
@@ -151,7 +148,7 @@ def tiny_family_run(tmp_path_factory, _ahead):
 def random_tiny_target(tmp_path_factory):
     """Path of an untrained Llama of the tiny target's shape with its tokenizer (seconds), for tests of
     mechanics that do not need a learned target."""
-    return tiny_target_builder.save_random_target(tmp_path_factory.mktemp("random_tiny_target"))
+    return tiny_writer.save_random_target(tmp_path_factory.mktemp("random_tiny_target"))
 
 
 @pytest.fixture(scope="module")

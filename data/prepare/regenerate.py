@@ -36,7 +36,7 @@ USAGE = """Re-answer a chat data set's user turns with the target.
 
     FLEDGE_API_KEY=... fledge regenerate --input data.jsonl --output regen.jsonl \\
         --endpoint http://127.0.0.1:8000/v1 --model meta-llama/Llama-3.1-8B-Instruct --concurrency 64
-    fledge regenerate --input data.jsonl --output regen.jsonl --in-process .cache/tiny_target/quick
+    fledge regenerate --input data.jsonl --output regen.jsonl --in-process .cache/tiny_target/llama
 
 The server's API key, if it needs one, comes from the FLEDGE_API_KEY environment variable (never the
 command line, where other users of the machine can read it). Rerunning the same command resumes. Point

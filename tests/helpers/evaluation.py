@@ -26,7 +26,7 @@ def tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from fledge.testbed.tiny_corpus import BOS, CHAT_TEMPLATE, END, PAD, SPECIAL_TOKENS
+    from fledge.testbed.tiny_tasks import BOS, CHAT_TEMPLATE, END, PAD, SPECIAL_TOKENS
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

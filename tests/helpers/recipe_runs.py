@@ -1,7 +1,7 @@
 """End-to-end recipe runs shared by tests/integration and tests/engine (tests/conftest.py's session fixtures).
 
 ``run_recipe`` runs a recipe through the README's main command. Run as a script, this module runs the tiny
-family recipes (tiny_moe, tiny_mla: target build + recipe, ~7 min of CPU on 2 cores) at the lowest CPU
+family recipes (tiny_moe, tiny_mla: target build + recipe, ~8 min of CPU on 2 cores) at the lowest CPU
 priority from the start of a pytest session, so they use the cores the rest of the suite leaves idle (engine
 and interpreter start-ups, I/O); the ``tiny_family_run`` fixture then waits for their result files instead
 of starting them. ``python -m tests.helpers.recipe_runs OUT moe mla`` writes ``OUT/<family>.json`` per family.
@@ -40,9 +40,9 @@ def run_recipe(recipe: str, target, out: Path) -> tuple[Path, str]:
 
 def run_family(family: str, out: Path) -> tuple[Path, str]:
     """Build the tiny ``family`` target (once, into .cache) and run ``recipe=tiny_<family>`` on it."""
-    from fledge.testbed.tiny_target import build_tiny_target
+    from fledge.testbed.targets import build
 
-    target = build_tiny_target("quick", family=family)
+    target = build(family)
     return run_recipe(f"tiny_{family}", target, out / family)
 
 

@@ -75,4 +75,4 @@ def test_family_export_is_the_layer_vllm_builds_and_lints_clean(tiny_family_run,
     assert {k: cfg.get(k) for k in keys} == keys
     assert cfg["fc_norm"] is True and cfg["norm_output"] is True and cfg["num_hidden_layers"] == 1
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
-    assert cfg["draft_vocab_size"] == 2048 and cfg["vocab_size"] == 4096
+    assert cfg["draft_vocab_size"] == 1024 and cfg["vocab_size"] == 2560

@@ -52,7 +52,7 @@ def test_export_is_served_layout_and_lints_clean(tiny_run):
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
     assert cfg["fc_norm"] is True and cfg["norm_output"] is True
-    assert cfg["draft_vocab_size"] == 2048 and cfg["vocab_size"] == 4096
+    assert cfg["draft_vocab_size"] == 1024 and cfg["vocab_size"] == 2560
 
 
 def test_trained_drafter_beats_untrained_and_matches_golden(tiny_run, tiny_target):
@@ -71,3 +71,17 @@ def test_trained_drafter_beats_untrained_and_matches_golden(tiny_run, tiny_targe
     evals = manifest(run, "eval")["outputs"]
     for name in ("default", "perturbed", "long"):  # every prompt set the eval stage measures
         assert evals[f"al_{name}"] == pytest.approx(GOLDEN[f"al_{name}"], abs=GOLDEN["al_tolerance"]), name
+
+
+def test_report_shows_the_drafter_beating_prompt_lookup_on_output_that_does_not_loop(tiny_run):
+    """Issue 29's bar for the main job: on non-degenerate prompts (>= 90% of each set), EAGLE-3.1's AL is at
+    least prompt lookup's + 1.0 on the default set and above it on every set. (Its wall-clock speed-up over
+    lookup's is in the report, not held here: on 2 shared CI cores it measures the machine's load too.)"""
+    run, _ = tiny_run
+    report = json.loads((run / "eval" / "report.json").read_text())
+    for name in ("default", "perturbed", "long"):
+        s = report["sets"][name]
+        assert s["non_degenerate_prompts"] >= 0.9 * s["prompts"], (name, s["non_degenerate_prompts"])
+        assert s["al_minus_lookup_non_degenerate"] >= (1.0 if name == "default" else 0.5), (name, s)
+    md = (run / "eval" / "report.md").read_text()
+    assert "lookup" in md.lower() and "distinct-3" in md.lower()

@@ -10,7 +10,6 @@ output dtype is recorded (under autocast, fp32 weights give bf16 outputs, so aut
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 from pathlib import Path
 
@@ -133,23 +132,21 @@ def test_override_and_rule(force, caplog):
 
 # ------------------------------------------------------------------------------------------ the paths
 @pytest.mark.parametrize("native", ["0", "1"])
-def test_tiny_target_build_computes_fp32_on_every_cpu(force, native, random_tiny_target, tmp_path):
-    """train_target and evaluate_target (the whole build but its save) are fp32 whatever the CPU."""
+def test_tiny_target_build_computes_fp32_on_every_cpu(force, native, random_tiny_target, tiny_data):
+    """train_target and the builder's evaluate (the whole build but its save) are fp32 whatever the CPU."""
     from transformers import AutoTokenizer
 
-    from fledge.testbed import tiny_corpus, tiny_target
+    from fledge.testbed import tiny_target, tiny_tasks, tiny_writer
 
     force(native)
     tok = AutoTokenizer.from_pretrained(random_tiny_target)
-    files, eval_files = tiny_corpus.split_sources(tiny_corpus.list_sources())
+    batches = tiny_writer._batches(tok, tiny_tasks.stream(1), 32, 1)
     with linear_compute_dtypes() as seen:
-        model = tiny_target.train_target(tok, files, steps=2, seq_len=32, batch_size=1, lr=1e-3, warmup=1)
+        model = tiny_target.train_target(tiny_writer.new_model("llama", tok), batches, steps=2, lr=1e-3, warmup=1)
     assert_fp32(seen)
     assert {p.dtype for p in model.parameters()} == {torch.float32}
-    evals = tmp_path / "eval.jsonl"
-    evals.write_text("".join(json.dumps(c) + "\n" for c in tiny_corpus.eval_conversations(eval_files, 2, 1)))
     with linear_compute_dtypes() as seen:
-        metrics = tiny_target.evaluate_target(Path(random_tiny_target), evals)
+        metrics = tiny_writer.evaluate(Path(random_tiny_target), tiny_data, max_new_tokens=4, n_prompts=1, n_heldout=4)
     assert_fp32(seen)
     assert metrics["heldout_tokens"] > 0
 
@@ -160,7 +157,7 @@ def test_frozen_target_follows_the_rule_on_cpu(force, dtype, random_tiny_target)
     from fledge.models.target import FrozenTarget
 
     tcfg = tiny_cfg(random_tiny_target, f"target.dtype={dtype}").target
-    x = torch.randint(0, 4096, (1, 9), generator=torch.Generator().manual_seed(0))
+    x = torch.randint(0, 2560, (1, 9), generator=torch.Generator().manual_seed(0))
     force("0")
     target = FrozenTarget.load(tcfg, torch.device("cpu"), [2, 4, 5])
     with linear_compute_dtypes() as seen:

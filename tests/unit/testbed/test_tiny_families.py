@@ -53,16 +53,17 @@ def test_family_and_shape(saved):
 def test_capture_states_and_teacher_rows(saved):
     family, path, model = saved
     tcfg = TargetConfig(name_or_path=str(path), dtype="float32", num_hidden_layers=8, hidden_size=128,
-                        vocab_size=4096)
+                        vocab_size=tiny_families.SHAPES[family]["vocab_size"])
     frozen = FrozenTarget.load(tcfg, torch.device("cpu"), [2, 4, 5])
-    ids = torch.randint(3, 4096, (2, 11), generator=torch.Generator().manual_seed(1))
+    V = tiny_families.SHAPES[family]["vocab_size"]
+    ids = torch.randint(3, V, (2, 11), generator=torch.Generator().manual_seed(1))
     aux, final, argmax = frozen.capture(ids)
     ref = model(input_ids=ids, output_hidden_states=True)
     hs = ref.hidden_states
     torch.testing.assert_close(aux, torch.cat([hs[2], hs[4], hs[5]], -1), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(final, hs[-1], rtol=1e-5, atol=1e-5)
     assert torch.equal(argmax, ref.logits.argmax(-1))
-    rows = torch.tensor([4095, 3, 17])
+    rows = torch.tensor([V - 1, 3, 17])
     head = load_lm_head_rows(path, None, rows)
     torch.testing.assert_close(head.float(), model.lm_head.weight[rows].float())
     emb = load_input_embeddings(path)
