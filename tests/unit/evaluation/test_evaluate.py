@@ -113,6 +113,15 @@ def test_acceptance_stats_skips_budget_limited_rounds():
     assert s["al"] == pytest.approx((4 + 2 + 1) / 3)
     assert s["accept_at"] == pytest.approx([2 / 3, 1 / 3, 1 / 3])
     assert s["accept_cond"] == pytest.approx([2 / 3, 1 / 2, 1.0])
+    assert s["al_uncut"] == pytest.approx(1 + (3 + 1 + 0) / 3)  # = al where no round is cut at end-of-turn
+
+
+def test_al_uncut_counts_drafts_accepted_past_the_end_of_turn_as_an_engine_does():
+    """A round that accepts 3 drafts whose first is the end-of-turn token emits 1 token: ``al`` counts 1, an
+    engine's 1 + accepted / drafts counts 4 (``al_uncut``), which the eval stage holds vLLM's AL to."""
+    cut = DecodeResult(tokens=[0] * 5, rounds=[Round(3, 3, 4, False), Round(3, 3, 1, False)])
+    s = acceptance_stats([cut], 3)
+    assert s["al"] == pytest.approx((4 + 1) / 2) and s["al_uncut"] == pytest.approx(4.0)
 
 
 def test_eval_reports_al_vs_context_length(evaluated):
