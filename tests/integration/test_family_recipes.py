@@ -4,12 +4,11 @@ recipes/tiny_<family>/golden.json. tests/engine/test_vllm_families.py checks wha
 
 These targets are built on the machine that tests them, and the build is not the same model on every CPU: the
 MoE router's top-2 choices are discrete, so fp32 kernels that sum in another order (AVX2, AVX-512, AMX) flip
-experts and training goes elsewhere from there; the MLA target built with AVX2 kernels greedily writes one
-token outside the draft vocabulary. golden.json records what each CPU kind measured. No figure of these runs
+experts and training goes elsewhere from there (an earlier MLA target built with AVX2 kernels greedily wrote one
+token outside the draft vocabulary). golden.json records what was measured. No figure of these runs
 is held to one golden value: the tests hold what does not depend on the target's trajectory (every stage,
 lossless greedy output, a clean lint, the export is the drafter that was trained, and the drafter learned: its
-held-out estimate above a floor well below every CPU's measurement and far above an untrained drafter's ~1).
-Prompt lookup is no bar here: on these targets' loops vLLM's ngram accepts more than the MLA drafter does."""
+held-out estimate above a floor well below the measurement and far above an untrained drafter's ~1)."""
 
 from __future__ import annotations
 
