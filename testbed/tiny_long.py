@@ -180,8 +180,8 @@ def evaluate(path: Path, data_dir: Path, long_eval: Path) -> dict:
     answers = [c["messages"][-1]["content"] for c in rows]
     out["buckets"] = {}
     for b in BUCKETS:
-        cut_rows = [cut(c, encode, b) for c in rows]
-        out["buckets"][b] = _greedy(model, tok, cut_rows, answers) | {"answer": _answer_loss(model, tok, cut_rows, answers)}
+        cuts = [cut(c, encode, b) for c in rows]
+        out["buckets"][b] = _greedy(model, tok, cuts, answers) | {"answer": _answer_loss(model, tok, cuts, answers)}
     return out
 
 
