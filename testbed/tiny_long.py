@@ -12,7 +12,7 @@ Writes, under ``<out>``:
     long_eval/long_eval.jsonl the prompts of the AL-vs-context eval (eval.long_context_source): 4,100-5,000 tokens
                               of context, past the training windows, asking about the bottom lines only
 The stream is tiny_tasks.mixed with a LONG_SHARE of tiny_tasks.long_task conversations (a directory lookup or a
-ledger total over LONG_LINES lines, up to ~1,900 tokens), every layout, loss on answer tokens only.
+ledger total over LONG_LINES lines, log-uniform, up to ~1,900 tokens), every layout, loss on answer tokens only.
 The request is the first line of the user turn and the context one record a line, so evaluation/long_context.py
 can cut a prompt to any bucket by dropping lines from the top; the long eval asks about the last lines, so the
 answer is the same in every bucket and only the length of what precedes it changes.
@@ -34,10 +34,12 @@ from fledge.atomic import read_json, write_json_atomic
 from fledge.models.precision import describe_cpu
 from fledge.testbed import tiny_target as tt, tiny_tasks, tiny_writer
 
-VERSION = 1
+VERSION = 2  # 1: long tasks 15% of conversations, lines uniform in LONG_LINES
 MODEL = dict(tiny_writer.MODEL, max_position_embeddings=4096)
 BUDGET = dict(steps=420, seq_len=2048, batch_size=2, lr=3e-3, warmup=30)
-LONG_SHARE, LONG_LINES = 0.15, (16, 195)  # 195 lines: ~1,900 tokens, inside a 2,048-token window
+# Long tasks: a LONG_SHARE of the conversations, of LONG_LINES lines drawn log-uniformly (many short lookups teach
+# the copying, the long ones the reach; 195 lines: ~1,900 tokens, inside a 2,048-token window).
+LONG_SHARE, LONG_LINES = 0.3, (8, 195)
 N_TRAIN, N_EVAL = 800, 100
 # Long eval: context past the training windows (>= 3,968 tokens, the top bucket), the record asked about among
 # the last EVAL_TAIL lines.
@@ -52,7 +54,8 @@ def stream(seed: int, layout: str | None = None) -> Iterator[dict]:
     rng = random.Random(seed)
     while True:
         if rng.random() < LONG_SHARE:
-            yield tiny_tasks.long_task(rng, rng.randint(*LONG_LINES), layout=layout)
+            lo, hi = LONG_LINES
+            yield tiny_tasks.long_task(rng, int(lo * (hi / lo) ** rng.random()), layout=layout)
         else:
             yield tiny_tasks.mixed(rng, layout)
 
