@@ -143,6 +143,7 @@ def _greedy(model, tok, prompts: list[list[int]], answers: list[str]) -> dict:
     return {"prompts": len(texts), "distinct3": sum(ratios) / len(ratios),
             "non_degenerate": sum(r >= tiny_writer.DEGENERATE_BELOW for r in ratios) / len(ratios),
             "exact_answers": sum(t.strip() == a.strip() for t, a in zip(texts, answers)) / len(texts),
+            "distinct_outputs": len(set(texts)) / len(texts),  # 1/n: one answer whatever the prompt
             "samples": texts[:2]}
 
 
