@@ -103,7 +103,9 @@ def test_long_eval_prompts_reach_the_top_bucket_and_keep_their_answer(writer_tok
     from fledge.testbed import tiny_long
 
     encode = tiny_long.encoder(writer_tok)
-    for conv in tiny_long.long_eval_conversations(seed=41, n=6):
+    convs = tiny_long.long_eval_conversations(seed=41, n=tiny_long.N_LONG_EVAL)
+    assert {_user(c).split(" ")[0] for c in convs} == {"Directory", "Ledger"}
+    for conv in convs:
         assert len(encode(conv, 1)) >= tiny_long.BUCKETS[-1] > tiny_long.BUDGET["seq_len"]
         head, *rows = _user(conv).split("\n")
         if head.startswith("Directory"):
