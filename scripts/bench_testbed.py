@@ -2,7 +2,7 @@
 held-out loss and top-1, and per eval set (default, perturbed, long) the greedy distinct-3, the share of
 non-degenerate prompts, how many prompts give distinct continuations and the share of prompt pairs that
 share one, and prompt lookup's AL; with
-``--report`` (a finished recipe run's eval/report.json, e.g. ``torchrun ... train/main.py recipe=tiny_writer``), the
+``--report`` (a finished recipe run's eval/report.json, e.g. ``torchrun ... train/main.py recipe=tiny``), the
 drafter's AL and speed-up beside prompt lookup's on that report's prompts, as ratios. The baseline of each table is
 prompt lookup, measured on the same target and prompts.
 

@@ -187,3 +187,51 @@ def tokenizer_texts(seed: int, n: int = 4000) -> Iterator[str]:
     for _ in range(n):
         for m in conversation(rng)["messages"]:
             yield m["content"]
+
+
+# Long tasks (testbed/tiny_long.py): the request is the first line of the user turn and the context is one record a
+# line below it, so evaluation/long_context.py can drop lines from the top and keep the request. ``tail`` picks the
+# record asked about among the last ``tail`` lines (the long-context eval: the answer is the same whatever is cut
+# above it); None picks any line (training: the target learns to look back over its whole window).
+
+
+def _entries(rng: random.Random, n: int) -> list[dict]:
+    return [dict(name=f"{rng.choice(NAMES)}{rng.randint(10, 99)}", city=rng.choice(CITIES), job=rng.choice(JOBS),
+                 age=rng.randint(18, 80)) for _ in range(n)]
+
+
+def long_directory(rng: random.Random, n: int, tail: int | None = None) -> tuple[str, str]:
+    """A directory of ``n`` people, one a line; the request names one (among the last ``tail`` lines)."""
+    people = _entries(rng, n)
+    names = [p["name"] for p in people]
+    pick = [i for i in range(n if tail is None else max(0, n - tail), n) if names.count(names[i]) == 1]
+    who = people[rng.choice(pick)] if pick else people[-1]
+    rows = "\n".join(f"{p['name']} | {p['city']} | {p['job']} | {p['age']}" for p in people)
+    user = f"Directory of people. Find {who['name']} and describe them.\n{rows}"
+    return user, (f"{who['name']} is a {who['age']}-year-old {who['job']} from {who['city']}. "
+                  f"Born in {2026 - who['age']}.")
+
+
+def long_ledger(rng: random.Random, n: int, last: int | None = None) -> tuple[str, str]:
+    """A ledger of ``n`` sales, one a line; the request totals the last ``last`` (2-5) of them."""
+    last = last or rng.randint(2, 5)
+    sales = [(rng.choice(NAMES), rng.randint(1, 9), rng.choice(ITEMS), rng.randint(2, 20)) for _ in range(n)]
+    rows = "\n".join(f"{who} bought {q} {it} at {pr}" for who, q, it, pr in sales)
+    user = f"Ledger of sales. Total the last {last}.\n{rows}"
+    lines = [f"{who}: {q} {it} * {pr} = {q * pr}" for who, q, it, pr in sales[-last:]]
+    return user, "\n".join(lines) + f"\nTotal of the last {last}: {sum(q * pr for _, q, _, pr in sales[-last:])}."
+
+
+LONG_TASKS = (long_directory, long_ledger)
+
+
+def long_task(rng: random.Random, n: int, tail: int | None = None, layout: str | None = None,
+              system: bool | None = None) -> dict:
+    """One long conversation of ``n`` context lines (a drawn LONG_TASKS kind; ``tail`` as above), a system turn
+    with probability 0.35 (or as ``system`` says), under ``layout`` (drawn from LAYOUTS when None)."""
+    task = rng.choice(LONG_TASKS)
+    user, ans = task(rng, n, tail) if task is long_directory else task(rng, n)
+    msgs = [{"role": "user", "content": user}, {"role": "assistant", "content": ans}]
+    if (rng.random() < 0.35) if system is None else system:
+        msgs.insert(0, {"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
+    return {"messages": msgs, "template_kwargs": {"layout": layout or rng.choice(LAYOUTS)}}

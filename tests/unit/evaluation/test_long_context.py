@@ -1,5 +1,6 @@
 """AL vs context length (evaluation/long_context.py): the same conversations cut to each bucket, the request kept,
-the cut within a line of the bucket; the long tiny split and whole-file documents (testbed/tiny_long.py)."""
+the cut within a line of the bucket; the long tiny target's tasks, stream, data and eval prompts
+(testbed/tiny_long.py)."""
 
 
 import pytest
@@ -43,26 +44,6 @@ def test_buckets_hold_the_same_conversations():
     assert all(not any(w.startswith("short") for w in p) for ps in out.values() for p in ps)
 
 
-def test_long_eval_split_and_whole_files():
-    from fledge.testbed import tiny_corpus, tiny_long
-
-    train, held = tiny_corpus.split_sources(tiny_corpus.list_sources())
-    rows = tiny_long.long_eval_conversations(held, seed=7)
-    assert len(rows) >= 16 and len({r["source"] for r in rows}) >= 6
-    by_path = {f.path: f for f in held}
-    for r in rows:
-        user, answer = r["messages"][0]["content"], r["messages"][1]["content"]
-        f = by_path[r["source"]]
-        assert len(user) >= tiny_long.LONG_EVAL_MIN_CONTEXT_CHARS
-        assert user.endswith(f.lines[r["cut_line"] - 1]) and answer.startswith(f.lines[r["cut_line"]].strip("\n"))
-    stream = tiny_long.mixed_stream(train[:60], seed=0, long_share=0.5)
-    convs = [next(stream) for _ in range(200)]
-    asks = ("Show me the source", "Print ", "Paste the whole")
-    whole = [c for c in convs if c["messages"][0]["content"].startswith(asks)
-             and len(c["messages"]) == 2 and len(c["messages"][1]["content"]) > tiny_long.LONG_DOC_CHARS // 2]
-    assert 70 <= len(whole) <= 130  # about half, and those are long
-
-
 def test_context_buckets_are_validated():
     from fledge.conf.schema import Config
 
@@ -75,55 +56,129 @@ def test_context_buckets_are_validated():
     cfg.validate()
 
 
-def test_position_loss_buckets_every_predicted_token(random_tiny_target):
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+@pytest.fixture(scope="module")
+def writer_tok():
+    from transformers import AutoTokenizer
+
+    from fledge.testbed import tiny_long, tiny_writer
+
+    tok = AutoTokenizer.from_pretrained(tiny_writer.build_tokenizer())  # cached in .cache (seconds the first time)
+    tok.model_max_length = tiny_long.MODEL["max_position_embeddings"]
+    return tok
+
+
+def _user(conv):
+    return next(m["content"] for m in conv["messages"] if m["role"] == "user")
+
+
+def test_long_tasks_answer_from_their_lines():
+    """The long tasks' answers are computed from the context lines: a directory lookup of one unique name (among
+    the last ``tail`` lines when asked), a ledger total of the last lines."""
+    import random
+    import re
+
+    from fledge.testbed import tiny_tasks
+
+    rng = random.Random(3)
+    for _ in range(20):
+        user, ans = tiny_tasks.long_directory(rng, 300, tail=8)
+        head, *rows = user.split("\n")
+        who = re.search(r"Find (\S+) and", head).group(1)
+        hits = [i for i, r in enumerate(rows) if r.split(" | ")[0] == who]
+        assert len(hits) == 1 and hits[0] >= 300 - 8
+        _, city, job, age = rows[hits[0]].split(" | ")
+        assert ans.startswith(f"{who} is a {age}-year-old {job} from {city}.")
+        user, ans = tiny_tasks.long_ledger(rng, 300)
+        head, *rows = user.split("\n")
+        last = int(re.search(r"the last (\d+)", head).group(1))
+        sales = [re.fullmatch(r"(\w+) bought (\d+) (\w+) at (\d+)", r).groups() for r in rows[-last:]]
+        assert ans.endswith(f"Total of the last {last}: {sum(int(q) * int(p) for _, q, _, p in sales)}.")
+
+
+def test_long_eval_prompts_reach_the_top_bucket_and_keep_their_answer(writer_tok):
+    """Every long-eval prompt reaches the top bucket (past the training windows), and cut to any bucket it keeps
+    its request and every line its answer is computed from; tiny_long.cut is evaluation/long_context.py's cut."""
+    import re
 
     from fledge.testbed import tiny_long
 
-    tok = AutoTokenizer.from_pretrained(random_tiny_target)
-    model = AutoModelForCausalLM.from_pretrained(random_tiny_target, dtype=torch.float32).eval()
-    convs = [_conv(40), _conv(60, tag="y")]
-    out = tiny_long.position_loss(model, tok, convs, [0, 16, 32, 64], max_tokens=64)
-    assert out["tokens"] == [2 * 15, 2 * 16, 2 * 32]  # positions 1..63 of two 64-token rows
-    assert all(v is not None and 0 < v < 20 for v in out["loss"])
+    encode = tiny_long.encoder(writer_tok)
+    convs = tiny_long.long_eval_conversations(seed=41, n=tiny_long.N_LONG_EVAL)
+    assert {_user(c).split(" ")[0] for c in convs} == {"Directory", "Ledger"}
+    for conv in convs:
+        assert len(encode(conv, 1)) >= tiny_long.BUCKETS[-1] > tiny_long.BUDGET["seq_len"]
+        head, *rows = _user(conv).split("\n")
+        if head.startswith("Directory"):
+            who = re.search(r"Find (\S+) and", head).group(1)
+            needed = [r for r in rows if r.startswith(who + " |")]
+        else:
+            needed = rows[-int(re.search(r"the last (\d+)", head).group(1)):]
+        for b in tiny_long.BUCKETS:
+            ids = cut_to(conv, 1, encode, b)
+            assert b - 24 < len(ids) <= b and ids == tiny_long.cut(conv, encode, b)
+            text = writer_tok.decode(ids)
+            assert head in text and all(r in text for r in needed), (b, head)
 
 
-def test_long_training_data_is_the_long_stream_and_cached(tmp_path, monkeypatch):
-    """`fledge tiny-target --budget long` also writes the drafters' long conversations (data=tiny_long): about
-    half whole files, the same rows on a rebuild, and a finished build is reused, not rewritten."""
+def test_long_stream_fits_the_training_windows(writer_tok):
+    """The long target's stream: about LONG_SHARE long tasks, each (any layout, system turn included) inside one
+    2,048-token window, every layout drawn; seeded."""
+    from fledge.testbed import tiny_long, tiny_tasks
+
+    s = tiny_long.stream(0)
+    convs = [next(s) for _ in range(300)]
+    longs = [c for c in convs if tiny_long.is_long(c)]
+    assert 0.5 * tiny_long.LONG_SHARE * 300 <= len(longs) <= 1.5 * tiny_long.LONG_SHARE * 300
+    lengths = [len(writer_tok(writer_tok.apply_chat_template(c["messages"], tokenize=False, **c["template_kwargs"]),
+                              add_special_tokens=False)["input_ids"]) for c in longs]
+    assert max(lengths) <= tiny_long.BUDGET["seq_len"] and max(lengths) > tiny_long.BUDGET["seq_len"] // 2
+    assert {c["template_kwargs"]["layout"] for c in convs} == set(tiny_tasks.LAYOUTS)
+    assert [next(tiny_long.stream(0)) for _ in range(1)] == convs[:1]
+
+
+def test_long_data_is_the_stream_in_the_default_layout_and_cached(tmp_path, monkeypatch):
+    """build_long_data writes the stream's conversations in the default layout (train and a held-out eval), the
+    same rows on a rebuild; a finished build is reused, another setting rebuilt."""
     import json
 
-    from fledge.testbed import tiny_long, tiny_target
+    from fledge.testbed import tiny_long, tiny_tasks
 
-    monkeypatch.setattr(tiny_target, "N_LONG_TRAIN", 60)
-    out = tiny_target.build_long_data(tmp_path)
-    rows = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
-    assert len(rows) == 60 and all(r["messages"][-1]["role"] == "assistant" for r in rows)
-    long_rows = [r for r in rows if len(r["messages"][-1]["content"]) > tiny_long.LONG_DOC_CHARS // 2]
-    assert 15 <= len(long_rows) <= 45  # long_share 0.5 of whole files (each >= 7,000 characters)
-    meta = json.loads((out / "build.json").read_text())
-    assert meta["rows"] == 60 and meta["rows_over_6000_chars"] == len(long_rows)
+    monkeypatch.setattr(tiny_long, "N_TRAIN", 60)
+    monkeypatch.setattr(tiny_long, "N_EVAL", 10)
+    out = tiny_long.build_long_data(tmp_path)
+    rows = {n: [json.loads(x) for x in (out / f"{n}.jsonl").read_text().splitlines()] for n in ("train", "eval")}
+    assert len(rows["train"]) == 60 and len(rows["eval"]) == 10
+    assert all(r["template_kwargs"]["layout"] == tiny_tasks.DEFAULT_LAYOUT for rs in rows.values() for r in rs)
+    assert not {json.dumps(r) for r in rows["eval"]} & {json.dumps(r) for r in rows["train"]}
+    assert json.loads((out / "build.json").read_text())["long_train"] == sum(map(tiny_long.is_long, rows["train"])) > 0
     mtime = (out / "train.jsonl").stat().st_mtime_ns
-    assert tiny_target.build_long_data(tmp_path) == out and (out / "train.jsonl").stat().st_mtime_ns == mtime
-    monkeypatch.setattr(tiny_target, "N_LONG_TRAIN", 61)  # another setting is another key: rebuilt
-    tiny_target.build_long_data(tmp_path)
-    again = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
-    assert again[:60] == rows and len(again) == 61
+    assert tiny_long.build_long_data(tmp_path) == out and (out / "train.jsonl").stat().st_mtime_ns == mtime
+    monkeypatch.setattr(tiny_long, "N_TRAIN", 61)
+    tiny_long.build_long_data(tmp_path)
+    again = [json.loads(x) for x in (out / "train.jsonl").read_text().splitlines()]
+    assert again[:60] == rows["train"] and len(again) == 61
 
 
 def test_long_recipe_fits_the_long_target():
-    """recipe=tiny_long reads the long data and target; its rows fit a micro-batch and its largest context bucket
-    plus the generation fits the long target's positions (the builder's MODEL_FOR)."""
+    """recipe=tiny_long reads the long data and target; its rows fit a micro-batch, its largest context bucket plus
+    the generation fits the target's positions and lies past the training windows, the long set inside them."""
     from fledge.conf import compose
-    from fledge.testbed import tiny_target
+    from fledge.testbed import tiny_long, tiny_tasks
 
     cfg = compose(["recipe=tiny_long"])
     assert cfg.data.sources[0].path.endswith("long_data/train.jsonl") and cfg.target.name_or_path.endswith("/long")
-    assert cfg.train.micro_batch_tokens >= cfg.data.max_length >= tiny_target.BUDGETS["long"]["seq_len"]
-    positions = tiny_target.MODEL_FOR["long"]["max_position_embeddings"]
-    assert cfg.eval.context_buckets[-1] + cfg.eval.max_new_tokens <= positions
-    assert cfg.eval.context_buckets[-1] > tiny_target.BUDGETS["long"]["seq_len"]  # past the training length
+    assert cfg.data.eval_sources[0].path.endswith("long_data/eval.jsonl")
+    assert cfg.eval.long_context_source.endswith("long_eval/long_eval.jsonl")
+    seq = tiny_long.BUDGET["seq_len"]
+    assert cfg.train.micro_batch_tokens >= cfg.data.max_length >= seq
+    assert cfg.eval.context_buckets[-1] + cfg.eval.max_new_tokens <= tiny_long.MODEL["max_position_embeddings"]
+    assert cfg.eval.context_buckets[-1] > seq >= cfg.eval.long_prompt_tokens + cfg.eval.max_new_tokens
+    assert list(cfg.eval.context_buckets) == list(tiny_long.BUCKETS)
+    assert (cfg.target.hidden_size, cfg.target.vocab_size) == (tiny_long.MODEL["hidden_size"],
+                                                                 tiny_long.MODEL["vocab_size"])
+    assert cfg.drafter.draft_vocab_size <= tiny_long.MODEL["vocab_size"]
+    layouts = set(cfg.data.perturb.template_vars["layout"])
+    assert layouts and layouts <= set(tiny_tasks.LAYOUTS) - {tiny_tasks.DEFAULT_LAYOUT}
 
 
 def test_missing_tiny_target_names_its_build_command():
@@ -133,13 +188,13 @@ def test_missing_tiny_target_names_its_build_command():
     from fledge.train.pipeline import check_sources
     from fledge.train.preflight import check_target_path
 
-    for path, cmd in ((".cache/tiny_target/long", "--budget long`"), (".cache/tiny_target/quick", "--budget quick`"),
-                      (".cache/tiny_target/moe-quick", "--budget quick --family moe`")):
+    for path, cmd in ((".cache/tiny_target/long", "long`"), (".cache/tiny_target/llama", "`"),
+                      (".cache/tiny_target/moe", "moe`")):
         with pytest.raises(ValueError, match="target.name_or_path") as e:
             check_target_path(f"/nonexistent/{path}")
-        assert f"fledge tiny-target {cmd}" in str(e.value)
+        assert f"fledge tiny-target{' ' if cmd != '`' else ''}{cmd}" in str(e.value)
     cfg = compose(["recipe=tiny_long", "data.sources.0.path=/nonexistent/.cache/tiny_target/long_data/train.jsonl"])
-    with pytest.raises(ValueError, match="fledge tiny-target --budget long`"):  # recipe=tiny_long's data
+    with pytest.raises(ValueError, match="fledge tiny-target long`"):  # recipe=tiny_long's data
         check_sources(cfg)
     from fledge.data.prepare.sources import iter_rows
 
