@@ -153,7 +153,7 @@ def test_raising_the_run_length_trains_on_and_rebuilds_what_follows(tmp_path, ca
     export and eval rebuild; the same length again is up to date; lowered, one line says what was done,
     what was asked and the ways on."""
     five = "run.stages=[prepare,capture,train,export,eval]"
-    runner.run_stages(make_cfg(tmp_path, five), world, calls.fns)
+    runner.run_stages(make_cfg(tmp_path, five, "train.max_steps=200"), world, calls.fns)
     calls.clear()
     (tmp_path / "tiny" / "train" / "checkpoint").write_text("step 200")
     got = runner.run_stages(make_cfg(tmp_path, five, "train.max_steps=300"), world, calls.fns)
@@ -262,15 +262,19 @@ def test_a_train_stage_from_before_layout_keys_trains_on(tmp_path, calls, world,
 
     monkeypatch.setattr(torch, "__version__", "2.13.0")
     monkeypatch.setattr(transformers, "__version__", "5.23.0")
-    cfg = compose(["recipe=tiny", "target.name_or_path=org/target", "train.sequence_parallel=2", "train.grad_accum=4"])
+    # the tiny recipe as that runner knew it (its target and drafter sizes, 200 steps)
+    was = ["drafter.draft_vocab_size=2048", "train.max_steps=200", "train.save_every=100", "train.eval_every=100",
+           "target.hidden_size=256", "target.vocab_size=4096"]
+    cfg = compose(["recipe=tiny", "target.name_or_path=org/target", "train.sequence_parallel=2", "train.grad_accum=4",
+                   *was])
     inputs = runner.stage_inputs(cfg, stages.STAGES["train"], {"prepare": "p", "capture": "c"})
     assert stages.hash_before_layout_keys(cfg, inputs) == ("563a1042c08922d719fe",)  # what that runner wrote
     monkeypatch.undo()
 
-    runner.run_stages(make_cfg(tmp_path, "run.stages=[prepare,capture,train]"), world, calls.fns)
+    runner.run_stages(make_cfg(tmp_path, "run.stages=[prepare,capture,train]", "train.max_steps=200"), world, calls.fns)
     path = tmp_path / "tiny" / "train" / "manifest.json"
     m = json.loads(path.read_text())
-    cfg = make_cfg(tmp_path, "run.stages=[prepare,capture,train]")
+    cfg = make_cfg(tmp_path, "run.stages=[prepare,capture,train]", "train.max_steps=200")
     path.write_text(json.dumps({"stage": "train", "complete": True, "outputs": {"steps": 200},
                                 "inputs_hash": stages.hash_before_layout_keys(cfg, m["inputs"])[0]}))
     calls.clear()
