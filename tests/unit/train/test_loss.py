@@ -304,8 +304,8 @@ def test_a_registered_loss_is_what_the_trainer_builds_and_runs(double_ce, random
     from fledge.train.ttt_model import build_ttt_model
 
     counts = torch.randint(0, 100, (2560,), generator=torch.Generator().manual_seed(0))
-    DraftVocab.build(counts, 64).save(RunLayout(tmp_path).prepare.vocab)
-    base = ["recipe=tiny", f"target.name_or_path={random_tiny_target}", "drafter.draft_vocab_size=64",
+    DraftVocab.build(counts, 512).save(RunLayout(tmp_path).prepare.vocab)
+    base = ["recipe=tiny", f"target.name_or_path={random_tiny_target}", "drafter.draft_vocab_size=512",
             "drafter.loss_chunk_size=7"]
     out = {}
     for name in ("ttt_ce", "double_ce"):
