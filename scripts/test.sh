@@ -20,7 +20,7 @@ scripts/setup.sh
 # The trained tiny targets build in the background from here while the oracle and the engine finish installing
 # (mostly downloads), each with one thread, as recipes/tiny*/golden.json were measured (a build's sums, hence the
 # target, depend on the thread count): the Llama (~5 min) and, at the lowest priority so that they never take a
-# core from the foreground, the MoE and MLA ones (~3 and ~5 min of CPU), all three at once. The suite's
+# core from the foreground, with FLEDGE_ENGINE_FULL=1 the MoE and MLA ones (~3 and ~5 min of CPU), all at once. The suite's
 # fixtures find them in .cache, or wait on their build locks. Only for the whole suite (no arguments), so a run of
 # a few tests does not start them; FLEDGE_AHEAD=0 leaves every build to the suite.
 if [ "${FLEDGE_AHEAD:-1}" != 0 ] && [ $# -eq 0 ]; then
@@ -28,8 +28,10 @@ if [ "${FLEDGE_AHEAD:-1}" != 0 ] && [ $# -eq 0 ]; then
   echo "building the tiny targets in the background (log: $targets_log)"
   (export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 DS_ACCELERATOR=cpu
    OMP_NUM_THREADS=1 .venv/bin/python -m fledge tiny-target &
-   OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python -m fledge tiny-target moe &
-   OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python -m fledge tiny-target mla &
+   if [ "${FLEDGE_ENGINE_FULL:-0}" = 1 ]; then  # the family runs are the full suite's (~10 CPU-min of builds)
+     OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python -m fledge tiny-target moe &
+     OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python -m fledge tiny-target mla &
+   fi
    wait) >"$targets_log" 2>&1 &
 fi
 if ! scripts/setup_oracle.sh; then

@@ -13,12 +13,20 @@ held-out estimate above a floor well below the measurement and far above an untr
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 from fledge.evaluation.engine_eval import export_estimate
 from tests.helpers.paths import REPO as ROOT
+
+# The MoE and MLA targets that write cost ~10 CPU-minutes to build beside the suite, past CI's 30 minutes on 2 cores:
+# these runs are the full suite's (FLEDGE_ENGINE_FULL=1 scripts/test.sh), tests/unit/testbed/test_tiny_families.py
+# takes both shapes through capture, export and lint in CI.
+pytestmark = pytest.mark.skipif(os.environ.get("FLEDGE_ENGINE_FULL") != "1",
+                                reason="the tiny family runs are the full suite's: FLEDGE_ENGINE_FULL=1")
+
 
 FAMILIES = {
     # family: (architecture the hf dialect writes, the layer-specific config keys vLLM reads)
