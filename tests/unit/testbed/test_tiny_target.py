@@ -89,8 +89,8 @@ def test_tokenizer_is_deterministic(random_tiny_target, tmp_path):
 
 
 def test_target_writes_and_answers_each_prompt(tiny_target, tiny_data):
-    """Issue 29's bar for the main job's target: greedy output non-degenerate (distinct-3 >= 0.5) on >= 90% of
-    every set's prompts, and two prompts give two continuations."""
+    """The main job's target must write (recipes/tiny/README.md): greedy output non-degenerate (distinct-3 >= 0.5)
+    on >= 90% of every set's prompts, and two prompts give two continuations."""
     m = json.loads((tiny_target / "metrics.json").read_text())
     assert m["steps"] == tiny_writer.FAMILY_BUDGETS["llama"]["steps"] and m["parameters"] > 1e6
     assert m["heldout_loss"] < math.log(tiny_writer.MODEL["vocab_size"]) - 4 and m["heldout_top1"] > 0.5
