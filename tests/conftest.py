@@ -42,9 +42,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _needs(item) -> int:
-    """0: no trained tiny target; 1: the tiny Llama (``tiny_target``, directly or through a fixture);
-    2: a tiny family run (``tiny_family_run``)."""
-    names = set(getattr(item, "fixturenames", ()))
+    """0: no trained tiny target (or the test is skipped); 1: the tiny Llama (``tiny_target``, directly or through
+    a fixture); 2: a tiny family run (``tiny_family_run``)."""
+    skipped = any(m.name == "skip" or (m.name == "skipif" and m.args and m.args[0] is True)
+                  for m in item.iter_markers())
+    names = set() if skipped else set(getattr(item, "fixturenames", ()))
     return 2 if "tiny_family_run" in names else 1 if "tiny_target" in names else 0
 
 
@@ -83,7 +85,7 @@ def _ahead(request, tmp_path_factory):
     import subprocess
     import sys
 
-    needs = {_needs(item) for item in request.session.items if not item.get_closest_marker("skip")}
+    needs = {_needs(item) for item in request.session.items}
     if os.environ.get("FLEDGE_AHEAD") == "0" or not needs - {0}:
         yield None
         return
