@@ -134,17 +134,7 @@ def _read(path: Path) -> list[dict]:
 
 
 def _greedy(model, tok, prompts: list[list[int]], answers: list[str]) -> dict:
-    ratios, texts = [], []
-    for ids in prompts:
-        gen = model.generate(torch.tensor([ids]), max_new_tokens=GEN_TOKENS, do_sample=False)[0, len(ids):].tolist()
-        gen = gen[: gen.index(tok.eos_token_id) + 1] if tok.eos_token_id in gen else gen
-        ratios.append(tiny_writer._distinct3(gen))
-        texts.append(tok.decode(gen, skip_special_tokens=True))
-    return {"prompts": len(texts), "distinct3": sum(ratios) / len(ratios),
-            "non_degenerate": sum(r >= tiny_writer.DEGENERATE_BELOW for r in ratios) / len(ratios),
-            "exact_answers": sum(t.strip() == a.strip() for t, a in zip(texts, answers)) / len(texts),
-            "distinct_outputs": len(set(texts)) / len(texts),  # 1/n: one answer whatever the prompt
-            "samples": texts[:2]}
+    return tiny_writer.greedy_stats(model, tok, prompts, answers, GEN_TOKENS)
 
 
 def _answer_loss(model, tok, prompts: list[list[int]], answers: list[str]) -> dict:
@@ -202,7 +192,6 @@ def build_long_target(root: Path | None = None, steps: int | None = None, device
 
     def build(tmp: Path) -> None:
         tok = AutoTokenizer.from_pretrained(tok_dir)
-        tok.model_max_length = MODEL["max_position_embeddings"]
         m = dict(MODEL)
         rope = {"rope_type": "default", "rope_theta": m.pop("rope_theta")}
         torch.manual_seed(tt.SEED)

@@ -139,6 +139,23 @@ def _pairs_sharing(texts: list[str]) -> float:
 
 
 @torch.no_grad()
+def greedy_stats(model, tok, prompt_ids: list[list[int]], answers: list[str], max_new_tokens: int = GEN_TOKENS) -> dict:
+    """Greedy continuations of ``prompt_ids`` (to the end-of-turn token): mean distinct-3, the share of prompts
+    >= DEGENERATE_BELOW, prompt dependence (distinct outputs, pairs sharing one), exact answers, samples."""
+    ratios, texts = [], []
+    for ids in prompt_ids:
+        row = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False)[0, len(ids):].tolist()
+        row = row[: row.index(tok.eos_token_id) + 1] if tok.eos_token_id in row else row
+        ratios.append(_distinct3(row))
+        texts.append(tok.decode(row, skip_special_tokens=True))
+    return {"prompts": len(texts), "distinct3": sum(ratios) / len(ratios),
+            "non_degenerate": sum(r >= DEGENERATE_BELOW for r in ratios) / len(ratios),
+            "distinct_outputs": len(set(texts)) / len(texts), "pairs_sharing": _pairs_sharing(texts),
+            "exact_answers": sum(t.strip() == a.strip() for t, a in zip(texts, answers)) / len(texts),
+            "samples": texts[:3]}
+
+
+@torch.no_grad()
 def evaluate(path: Path, data_dir: Path, max_new_tokens: int = GEN_TOKENS, n_prompts: int = N_PROMPTS,
              n_heldout: int | None = None) -> dict:
     """Per set: greedy distinct-3 (mean, share of prompts >= DEGENERATE_BELOW), distinct continuations,
@@ -161,19 +178,8 @@ def evaluate(path: Path, data_dir: Path, max_new_tokens: int = GEN_TOKENS, n_pro
         count += int(mask.sum())
     out.update(heldout_loss=nll / count, heldout_top1=correct / count, heldout_tokens=count, sets=list(SETS))
     for name in SETS:
-        ratios, texts, exact = [], [], 0
-        for ids, answer in prompts(tok, data_dir, name, n_prompts):
-            gen = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False)[0, len(ids):]
-            row = gen.tolist()
-            row = row[: row.index(tok.eos_token_id) + 1] if tok.eos_token_id in row else row
-            ratios.append(_distinct3(row))
-            texts.append(tok.decode(row, skip_special_tokens=True))
-            exact += texts[-1].strip() == answer.strip()
-        out[name] = {"prompts": len(texts), "distinct3": sum(ratios) / len(ratios),
-                     "non_degenerate": sum(r >= DEGENERATE_BELOW for r in ratios) / len(ratios),
-                     "distinct_outputs": len(set(texts)) / len(texts), "pairs_sharing": _pairs_sharing(texts),
-                     "exact_answers": exact / len(texts),
-                     "samples": texts[:3]}
+        items = prompts(tok, data_dir, name, n_prompts)
+        out[name] = greedy_stats(model, tok, [i for i, _ in items], [a for _, a in items], max_new_tokens)
     return out
 
 
