@@ -161,8 +161,12 @@ def test_feedback_rms_tiny_target_states(tiny_target):
         out[flags] = _feedback_rms(d, aux, ids)
     post, pre = out["eagle31"], out["eagle3"]
     assert max(post) < 2.0 * post[0] + 1e-6, post
-    # pre-norm feedback accumulates the residual: monotone growth (measured 3.43 -> 3.88 over 7 steps)
-    assert all(b > a for a, b in zip(pre, pre[1:])) and pre[-1] > 1.1 * pre[0], pre
+    # Pre-norm feedback accumulates the residual: it grows at every step, and by more than the post-norm path
+    # varies. No fixed ratio: the tiny target is another model on each CPU kind (3.43 -> 3.88 over 7 steps on an
+    # AMX Xeon's build, 3.375 -> 3.571 on an AVX-512 EPYC's without AMX), so only what holds on every build is.
+    assert all(b > a for a, b in zip(pre, pre[1:])), pre
+    post_spread = (max(post) - min(post)) / post[0]
+    assert (pre[-1] - pre[0]) / pre[0] > max(2.0 * post_spread, 1e-3), (pre, post)
 
 
 @pytest.mark.parametrize(
