@@ -52,6 +52,7 @@ class ErrorLog:
 
     def __init__(self, policy: str):
         self.policy, self.count, self.first = policy, 0, []
+        self.sources: dict[str, dict] = {}  # per source: rows read (and, for a cut .json list, the bytes left)
 
     def add(self, err: DataError) -> None:
         if self.policy == "error":
@@ -79,8 +80,8 @@ def load_conversations(sources: list[SourceConfig], errors: ErrorLog, key: str =
     of its sources trains a different drafter than the recipe says."""
     out = []
     for i, src in enumerate(sources):
-        n_rows = 0
-        for row in iter_rows(src.path, src.split, src.max_samples):
+        n_rows, notes = 0, {}
+        for row in iter_rows(src.path, src.split, src.max_samples, notes):
             n_rows += 1
             try:
                 if row.error:
@@ -90,6 +91,7 @@ def load_conversations(sources: list[SourceConfig], errors: ErrorLog, key: str =
                 errors.add(e)
                 continue
             out.append({**conv, "source": src.path, "index": row.index, "where": row.where})
+        errors.sources[src.path] = {"rows": n_rows, **notes}
         if n_rows == 0:
             raise ValueError(f"{src.path}: no rows (split {src.split!r}); an empty file or a wrong split? "
                              f"fix {key}[{i}] or remove it")
@@ -229,7 +231,7 @@ def _build(data: DataConfig, target: TargetConfig, draft_vocab_size: int, seed: 
         "kept": tc["ok"] + tc["truncated"], "truncated": tc["truncated"], "dropped": tc["dropped"],
         "skipped": errors.count, "tokens": stats["train"]["tokens"], "masked_tokens": stats["train"]["masked_tokens"],
         "draft_vocab_coverage": vocab_meta["coverage"], "splits": stats, "status_counts": counts,
-        "errors_first": errors.first, **describe(renderer),
+        "errors_first": errors.first, "sources": errors.sources, **describe(renderer),
         "paths": {name: str(out.root / name) for name in sorted(os.listdir(build.root)) if not name.startswith(".")},
     }
     log.info("prepare: kept %d, truncated %d, dropped %d, skipped %d bad rows; %d tokens, %d masked; draft vocab "

