@@ -126,7 +126,8 @@ class EngineFeatureSource(BatchIterator):
 
     def spool(self, rank: int) -> Path:
         """Where rank ``rank``'s batches of this split land (the leader's engine writes every member's)."""
-        base = Path(self.spec.workdir)  # this rank's (a data-parallel rank's under sequence parallelism)
+        # absolute: the engine's driver runs in a directory of its own (a relative path would land under it)
+        base = Path(self.spec.workdir).resolve()  # this rank's (a data-parallel rank's under sequence parallelism)
         if rank != self.rank:
             base = base.parent / f"rank{rank:05d}"  # a member's: shared engines run without sequence parallelism
         return base / self.name / "spool" / self.name
