@@ -87,7 +87,8 @@ EVAL_KEY = 10_000_000  # the k-th evaluation's batches are keyed k * EVAL_KEY + 
 
 class EngineFeatureSource(BatchIterator):
     """The trainer's FeatureBatch stream from a vLLM engine (see the module docstring); ``end``: the global
-    batch the run stops before (the engine's job runs to there; a trainer that asks for more restarts it).
+    batch the run stops before (the engine's job runs to there; a trainer that asks for more restarts it), as
+    the trainer sets it with ``seek`` from its resume position and the run's length (default: one epoch).
 
     Ranks ``leader .. leader + ranks_per_engine - 1`` share one engine, started by the leader: its job
     interleaves the group's batches in the order they are consumed (g, g + 1, ... for each of the leader's g)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -63,6 +62,32 @@ def train_outputs(run: Path) -> dict:
     return json.loads((run / "train" / "manifest.json").read_text())["outputs"]
 
 
+@pytest.fixture(scope="module")
+def prepared(online) -> Path:
+    """The prepared data (one process), copied into each run below (run.stages=[train] reads it)."""
+    ok(fledge(online, "run.output_root=outputs", "run.name=base", "run.stages=[prepare]", nproc=1))
+    return online[0] / "outputs" / "base" / "prepare"
+
+
+def new_run(online, prepared: Path, name: str) -> list[str]:
+    shutil.copytree(prepared, online[0] / "outputs" / name / "prepare")
+    return ["run.output_root=outputs", f"run.name={name}", "run.stages=[train]"]
+
+
+def batches_per_epoch(prepared: Path, micro_batch_tokens: int) -> int:
+    """The global batches of one epoch of the prepared train split at ``micro_batch_tokens`` (the plan's rule)."""
+    from datasets import load_from_disk
+
+    from fledge.conf import compose
+    from fledge.data.capture.offline import dataset_lengths
+    from fledge.run_layout import PrepareDir
+
+    cfg = compose(["recipe=tiny"])
+    lengths = dataset_lengths(load_from_disk(str(PrepareDir(prepared).split("train"))))
+    return BatchIterator(lengths, 0, 1, micro_batch_tokens, cfg.train.micro_batch_size,
+                         cfg.run.seed).global_batches_per_epoch
+
+
 def test_a_relative_output_root_trains_online(online):
     """run.output_root=outputs (the default), relative to where the command runs, as a new user runs it."""
     log = ok(fledge(online, "run.output_root=outputs", "run.name=relative", "run.stages=[prepare,capture,train]",
@@ -70,3 +95,28 @@ def test_a_relative_output_root_trains_online(online):
     run = online[0] / "outputs" / "relative"
     assert train_outputs(run)["steps"] == 4 and "engine died" not in log
     assert consumed(run, 0) == [0, 2, 4, 6] and consumed(run, 1) == [1, 3, 5, 7]
+
+
+def test_a_run_resumed_at_half_its_steps_on_half_the_ranks_trains_to_the_end(online, prepared):
+    """A 1,000-step run resumed at step 500 on half the ranks, scaled down: 4 steps on 2 ranks, then 8 on 1. The
+    engine's job must run from the resume position to what the trainer will consume (batches 8..11), not to
+    max_steps x the new step size (8), past which the engine exits and the trainer finds it "died"."""
+    run = online[0] / "outputs" / "half"
+    ov = new_run(online, prepared, "half")
+    ok(fledge(online, *ov, "train.max_steps=4", "train.eval_every=4"))
+    log = ok(fledge(online, *ov, "train.max_steps=8", "train.eval_every=8", nproc=1))
+    assert train_outputs(run)["steps"] == 8 and train_outputs(run)["engine_starts"] == 1 and "engine died" not in log
+    assert consumed(run, 0) == [0, 2, 4, 6, 8, 9, 10, 11]
+
+
+def test_an_epoch_run_whose_batches_do_not_divide_by_the_world_trains_to_the_end(online, prepared):
+    """train.epochs=2 with an odd number of global batches per epoch on 2 ranks: the trainer consumes 2N batches
+    (whole steps of 2 from the run's data), the engine's job must hold them all, not 2 x (N // 2) x 2."""
+    tokens = next(t for t in range(256, 2048, 64) if batches_per_epoch(prepared, t) % 2 and
+                  batches_per_epoch(prepared, t) >= 3)
+    n = batches_per_epoch(prepared, tokens)
+    run = online[0] / "outputs" / "epochs"
+    log = ok(fledge(online, *new_run(online, prepared, "epochs"), "train.max_steps=0", "train.epochs=2",
+                    f"train.micro_batch_tokens={tokens}", f"train.eval_every={n}"))
+    assert train_outputs(run)["steps"] == n and train_outputs(run)["engine_starts"] == 1 and "engine died" not in log
+    assert consumed(run, 0) + consumed(run, 1) == [g for r in (0, 1) for g in range(r, 2 * n, 2)]
