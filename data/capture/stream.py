@@ -116,6 +116,7 @@ class EngineFeatureSource(BatchIterator):
         self.head: TargetHead | None = None
         self._run: EngineRun | None = None
         self._next_g: int | None = None
+        self._steps_from = 0  # the global batch the trainer's optimizer steps count from (its resume position)
         self._restarts_left = spec.restarts
         self._evals = 0
         self.wait_s = 0.0  # trainer time spent waiting on the engine (the stall, for scripts/bench_online.py)
@@ -165,10 +166,16 @@ class EngineFeatureSource(BatchIterator):
 
     def _restart_point(self, g: int) -> int:
         """Where a restarted engine begins: at ``g`` for an engine of its own; for a shared one, at the start
-        of the leader's optimizer step, since a member may still wait for a batch made before the leader's."""
+        of the leader's optimizer step, since a member may still wait for a batch made before the leader's. Steps
+        start at the resume position and every grad_accum rounds after it (not at multiples of the step size:
+        a run resumed after a change of grad_accum or world size)."""
         if self.spec.ranks_per_engine == 1:
             return g
-        return g - (g // self.world) % self.spec.grad_accum * self.world
+        return g - (g - self._steps_from) // self.world % self.spec.grad_accum * self.world
+
+    def seek(self, position: int, end: int | None = None) -> None:
+        super().seek(position, end)
+        self._steps_from = self.position
 
     # -- reading a rank's spool ---------------------------------------------------------------------------
 

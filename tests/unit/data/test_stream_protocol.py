@@ -71,10 +71,11 @@ def _each_rank(srcs, work) -> dict[int, list]:
     return out
 
 
-def _consume(srcs, kill_after: int | None = None) -> dict[int, list]:
-    """Every rank's training batches: {rank: [(g, samples)]}; the engine is killed after rank 0's kill_after-th."""
+def _consume(srcs, kill_after: int | None = None, start: int = 0) -> dict[int, list]:
+    """Every rank's training batches from global batch ``start`` on: {rank: [(g, samples)]}; the engine is killed
+    after rank 0's kill_after-th."""
     def work(src, out):
-        for g in range(src.rank, src.end, src.world):
+        for g in range(start + src.rank, src.end, src.world):
             out.append((g, src._next_from_engine(g)))
             if kill_after is not None and src.rank == 0 and len(out) == kill_after:
                 os.killpg(src._run.proc.proc.pid, signal.SIGKILL)  # the engine, and its launcher, die
@@ -173,6 +174,26 @@ def test_an_engine_writing_where_the_trainer_cannot_see_fails_in_one_line_at_onc
     assert time.monotonic() - t0 < 60 and src.engine_starts == 1 and src._run is None
     msg, work = str(e.value), root / "unseen" / "rank00000" / "train"
     assert "\n" not in msg and "does not see" in msg and str(work / "unseen") in msg, msg
+
+
+def test_a_shared_engine_restarts_at_the_step_start_of_a_run_resumed_off_the_step_size(setup, own, monkeypatch):
+    """A run resumed at global batch 2 with steps of 4 (after a change of grad_accum or world size): its steps are
+    [2..5], [6..9], ... Killed after the leader's batch 6, the engine must start again at 6 (the member may still
+    wait for 7), not at 8, a multiple of the step size, which would leave the member waiting for a batch the
+    restarted engine never makes."""
+    root, python = setup
+    monkeypatch.setenv("FAKE_ENGINE_DELAY_S", "0.05")  # so the member is still waiting when the engine dies
+    srcs = _sources(root, python, "offset", 2, timeout_s=10)
+    for src in srcs:
+        src.seek(2)
+    got = _consume(srcs, kill_after=3, start=2)
+    for r in got:
+        assert [g for g, _ in got[r]] == [g for g, _ in own[r]][1:]
+        for (_, xs), (_, ys) in zip(got[r], own[r][1:]):
+            assert all(torch.equal(x[key], y[key]) for x, y in zip(xs, ys) for key in x)
+    assert srcs[0].engine_starts == 2
+    restarted = json.loads((root / "offset" / "rank00000" / "train" / "request.json").read_text())
+    assert restarted["jobs"][0]["keys"][0] == 6
 
 
 def test_eval_through_a_shared_engine_pads_and_keys_each_evaluation_anew(setup):
