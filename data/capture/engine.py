@@ -44,6 +44,7 @@ HALF_TIE = 0.05  # bf16 / fp16 engines
 # The driver's note while its buffer is full (capture_driver.py FULL); held this long with none of the batches it
 # names visible here, the engine writes where this process does not read.
 BUFFER_FULL, BLIND_S = "buffer_full.json", 5.0
+PROGRESS = "progress.json"  # the driver's count of the batches of its job it has made (capture_driver.py)
 
 
 def engine_layer_ids(aux_layer_ids: list[int], num_layers: int) -> list[int]:
@@ -284,6 +285,30 @@ class EngineRun:
             raise ValueError(self.proc.timed_out(
                 "capture.engine=vllm", "capture.engine_timeout_s", self.timeout_s,
                 f"the engine (vLLM, driver pid {self.proc.proc.pid}) did not write {what}", self._hints()))
+
+    def made(self, job: str) -> int:
+        """How many batches of ``job`` the driver has made (its progress note; 0 before the first)."""
+        try:
+            note = json.loads((self.workdir / PROGRESS).read_text())
+        except (OSError, ValueError):  # none yet, or being replaced
+            return 0
+        return int(note["made"]) if note.get("job") == job else 0
+
+    def wait_made(self, job: str, n: int, what: str) -> None:
+        """Wait until the driver has made the first ``n`` batches of ``job``; a ValueError as ``check``'s when
+        it exits or stalls (capture.engine_timeout_s) first."""
+        deadline = time.monotonic() + self.timeout_s
+        while self.made(job) < n:
+            code = self.proc.returncode
+            if code is not None and self.made(job) < n:
+                self.proc.stop()
+                raise ValueError(f"capture.engine=vllm: the engine's driver exited (code {code}) before {what}; "
+                                 f"{self._error()}")
+            if time.monotonic() > deadline:
+                raise ValueError(self.proc.timed_out(
+                    "capture.engine=vllm", "capture.engine_timeout_s", self.timeout_s,
+                    f"the engine (vLLM, driver pid {self.proc.proc.pid}) did not make {what}", self._hints()))
+            time.sleep(0.02)
 
     def _check_buffer_visible(self, what: str) -> None:
         """A driver whose buffer has been full for BLIND_S with batches this process cannot see where it reads

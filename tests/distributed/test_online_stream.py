@@ -1,7 +1,8 @@
 """Training from a served target (capture.mode=online capture.engine=vllm) through the real entry point on 2 gloo
 ranks, with the stand-in engine (tests/helpers/fake_capture_engine.py: the real capture driver over a fake vLLM)
 and an untrained tiny target: the default relative run.output_root; a resume at half the steps on half the ranks;
-an epoch-mode run whose length is not a multiple of the world; a resume whose steps start off the new step size."""
+an epoch-mode run whose length is not a multiple of the world; an engine shared by both ranks killed between the
+leader's batch and the member's, in a fresh run and in one resumed with steps that start off the new step size."""
 
 from __future__ import annotations
 
@@ -39,12 +40,14 @@ def online(tmp_path_factory, random_tiny_target, tiny_data):
     return work, base
 
 
-def fledge(online, *overrides: str, nproc: int = 2, timeout: int = 600) -> subprocess.CompletedProcess:
+def fledge(online, *overrides: str, nproc: int = 2, timeout: int = 600, env: dict | None = None
+           ) -> subprocess.CompletedProcess:
     """train/main.py under torchrun in the work directory (so run.output_root=outputs is relative to it)."""
     work, base = online
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(ROOT / "train" / "main.py"), *base, *overrides]
-    return subprocess.run(cmd, cwd=work, env=ENV, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=work, env={**ENV, **(env or {})}, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def ok(res: subprocess.CompletedProcess) -> str:
@@ -120,3 +123,31 @@ def test_an_epoch_run_whose_batches_do_not_divide_by_the_world_trains_to_the_end
                     f"train.micro_batch_tokens={tokens}", f"train.eval_every={n}"))
     assert train_outputs(run)["steps"] == n and train_outputs(run)["engine_starts"] == 1 and "engine died" not in log
     assert consumed(run, 0) + consumed(run, 1) == [g for r in (0, 1) for g in range(r, 2 * n, 2)]
+
+
+SHARED = ["capture.ranks_per_engine=2", "capture.engine_timeout_s=30"]
+
+
+def test_a_shared_engine_killed_between_the_leaders_batch_and_the_members_restarts(online, prepared):
+    """Steps of 2 micro-batches on 2 ranks sharing one engine, which makes 0 (leader), 1 (member), 2 (leader), 3
+    (member), ... and is killed before batch 3: the leader holds its step (0, 2) and enters the step's
+    all-reduce while the member waits for 3. The leader must notice, and start the engine again at the step's
+    start, before it waits on the member; nothing is lost or consumed twice."""
+    run = online[0] / "outputs" / "shared"
+    log = ok(fledge(online, *new_run(online, prepared, "shared"), *SHARED, "train.grad_accum=2", "train.max_steps=3",
+                    "train.eval_every=3", env={"FAKE_ENGINE_DIE_ONCE": f"3:{online[0] / 'shared.died'}"}))
+    assert (online[0] / "shared.died").exists() and train_outputs(run)["engine_starts"] == 2, log[-3000:]
+    assert consumed(run, 0) == [0, 2, 4, 6, 8, 10] and consumed(run, 1) == [1, 3, 5, 7, 9, 11]
+
+
+def test_a_shared_engine_killed_in_a_run_resumed_off_the_step_size_restarts_at_the_steps_start(online, prepared):
+    """One step of 2 global batches (grad_accum 1), then steps of 4 (grad_accum 2) from batch 2: steps [2..5], [6..9].
+    The engine, killed after batch 2 (the leader's), must start again at 2, the step's start, not at 4 (a multiple
+    of the step size): the member still needs 3."""
+    run = online[0] / "outputs" / "offset"
+    ov = new_run(online, prepared, "offset")
+    ok(fledge(online, *ov, *SHARED, "train.max_steps=1", "train.eval_every=1"))
+    log = ok(fledge(online, *ov, *SHARED, "train.grad_accum=2", "train.max_steps=3", "train.eval_every=3",
+                    env={"FAKE_ENGINE_DIE_ONCE": f"1:{online[0] / 'offset.died'}"}))
+    assert (online[0] / "offset.died").exists() and train_outputs(run)["engine_starts"] == 2, log[-3000:]
+    assert consumed(run, 0) == [0, 2, 4, 6, 8] and consumed(run, 1) == [1, 3, 5, 7, 9]
