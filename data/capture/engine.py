@@ -41,8 +41,8 @@ DRIVER = Path(__file__).resolve().parent / "vllm_side" / "capture_driver.py"  # 
 HEARTBEAT, HEARTBEAT_S, HEARTBEAT_STALE_S = "owner.alive", 2.0, 60.0
 ARGMAX_TIE = {torch.float32: 1e-3, torch.float64: 1e-6}  # logit gap below which two tokens tie
 HALF_TIE = 0.05  # bf16 / fp16 engines
-# The driver's note while its buffer is full (capture_driver.py FULL); held this long with none of the batches it
-# names visible here, the engine writes where this process does not read.
+# The driver's note while its buffer is full (capture_driver.py FULL): held this long in a spool this process does
+# not read, or with none of its batches visible here, the engine writes where this process never drains it.
 BUFFER_FULL, BLIND_S = "buffer_full.json", 5.0
 PROGRESS = "progress.json"  # the driver's count of the batches of its job it has made (capture_driver.py)
 

@@ -167,7 +167,7 @@ class EngineFeatureSource(BatchIterator):
                  if h + i < max(self.end, g + 1)]
         self._run = self._start(order, self.name)
         self._next_g = g
-        self._made_by = {key: n + 1 for n, (_, key, _) in enumerate(order)}  # batches made once key is
+        self._made_by = {key: n + 1 for n, (_, key, _) in enumerate(order)}  # key -> the job's batches made with it
 
     def _restart_point(self, g: int) -> int:
         """Where a restarted engine begins: at ``g`` for an engine of its own; for a shared one, at the start
@@ -277,8 +277,8 @@ class EngineFeatureSource(BatchIterator):
                     self.close()
                     raise
                 self._restarts_left -= 1
-                log.warning("capture.engine=vllm: the engine died (%s); starting it again at global batch %d, "
-                            "the leader's step start (%d restarts left, capture.engine_restarts)",
+                log.warning("capture.engine=vllm: the engine died (%s); starting it again at global batch %d "
+                            "(%d restarts left, capture.engine_restarts)",
                             str(e).splitlines()[0][:300], self._restart_point(g), self._restarts_left)
                 self.close()
                 self._open(self._restart_point(g))
