@@ -81,7 +81,9 @@ class DriverProcess:
         # python sees only its own packages.
         # ``launcher``: a command prefix (e.g. srun onto another node); ending the group ends the launcher, and
         # srun ends its step on SIGTERM.
-        argv = [*launcher, str(python), "-I", str(driver), str(self.req_path), str(self.res_path)]
+        python = str(python)  # a path is made absolute (the driver runs elsewhere); a bare name is looked up in PATH
+        python = os.path.abspath(python) if os.sep in python else python
+        argv = [*launcher, python, "-I", str(Path(driver).resolve()), str(self.req_path), str(self.res_path)]
         self.proc = subprocess.Popen(argv, cwd=self.workdir, stdout=self._log, stderr=subprocess.STDOUT,
                                      env=engine_env(), start_new_session=True)
 

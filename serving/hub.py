@@ -3,8 +3,10 @@
 The pipeline's publish stage and ``fledge push`` (train/publish.py) call :func:`push_to_hub` with what the
 run measured of the very export pushed (a ``Measured``; the card shows nothing else). The token comes from
 ``HF_TOKEN`` (``fledge push`` also takes huggingface_hub's own login) and is never printed or logged. An
-export that fails the linter is refused. Transient failures (HTTP 5xx / 429, connection errors and
-timeouts) are retried with exponential backoff; other errors (401, 403, 404, ...) are raised at once.
+export that fails the linter is refused, and so is an existing repo whose visibility is not the one asked for
+(``create_repo(private=..., exist_ok=True)`` leaves an existing repo as it is). Transient failures (HTTP 5xx /
+429, connection errors and timeouts) are retried with exponential backoff; other errors (401, 403, 404, ...)
+are raised at once.
 """
 
 from __future__ import annotations
@@ -53,6 +55,19 @@ def with_retries(fn: Callable[[], T], what: str, attempts: int = 5, base_delay: 
     raise AssertionError("unreachable")
 
 
+def check_visibility(repo_id: str, private: bool, is_private: bool | None) -> None:
+    """Refuse to push into ``repo_id`` when it exists with another visibility than ``private`` asks for."""
+    if is_private is None or bool(is_private) == private:
+        return
+    if private:
+        raise ValueError(f"{repo_id} already exists on the Hub and is public, but the push asks for a private repo "
+                         "(export.private=true, the default; `fledge push` without --public): make it private in "
+                         "its settings, push to another export.repo_id, or set export.private=false to publish")
+    raise ValueError(f"{repo_id} already exists on the Hub and is private, but the push asks for a public repo "
+                     "(export.private=false; `fledge push --public`): make it public in its settings, or push "
+                     "with export.private=true")
+
+
 def push_to_hub(drafter_dir: str | Path, repo_id: str, private: bool = True, measured: Measured | None = None,
                 target_config: Any = None, speculative_tokens: int = 5, endpoint: str | None = None,
                 token: str | None = None, commit_message: str = "Upload Fledge drafter",
@@ -69,6 +84,8 @@ def push_to_hub(drafter_dir: str | Path, repo_id: str, private: bool = True, mea
     api = HfApi(endpoint=endpoint, token=token or os.environ.get("HF_TOKEN") or None)
     with_retries(lambda: api.create_repo(repo_id, private=private, exist_ok=True), "create_repo",
                  attempts, base_delay)
+    check_visibility(repo_id, private, with_retries(lambda: api.model_info(repo_id).private, "model_info",
+                                                    attempts, base_delay))
 
     def operations() -> list:  # fresh objects per attempt: a CommitOperationAdd is single-use
         ops = [CommitOperationAdd(path_in_repo=p.name, path_or_fileobj=str(p))

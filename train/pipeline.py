@@ -37,6 +37,9 @@ TRAIN_CADENCE = ("max_steps", "epochs", "save_every", "keep_last", "eval_every",
 LAYOUT_KEYS = ("sequence_parallel", "grad_accum")
 PUBLISH_KEYS = ("push_to_hub", "repo_id", "private")  # the publish stage's inputs; the export stage's are the rest
 ENGINE_KEYS = ("engine", "tensor_parallel_size", "expert_parallel", "data_parallel_size")
+# capture.mode=online: the capture keys that change the states the trainer gets (with the target and the aux ids);
+# the rest (buffer, restarts, parallelism, batch sizes) is how the engine runs, so a run in flight may change it
+ONLINE_STATE_KEYS = ("mode", "engine", "dtype")
 
 
 # ------------------------------------------------------------------------------------------ prepare
@@ -94,7 +97,19 @@ def capture_inputs(cfg: Config) -> dict:
     drop = ("engine_python", "engine_timeout_s", "engine_launcher", "ranks_per_engine") + (
         ENGINE_KEYS if cfg.capture.engine == "hf" else ())
     cap = {k: v for k, v in cap.items() if k not in drop}
+    if cfg.capture.mode == "online":
+        cap = {k: v for k, v in cap.items() if k in ONLINE_STATE_KEYS}
     return {"target": _target(cfg), "capture": cap, "aux_layer_ids": cfg.aux_layer_ids()}
+
+
+def capture_inputs_as_now(cfg: Config, inputs: dict) -> dict:
+    """A capture manifest's inputs as capture_inputs counts them now: an online run's from when the runtime keys
+    were hashed too (so a run in flight then goes on when one of them changes)."""
+    config = inputs.get("config") or {}
+    if cfg.capture.mode != "online" or "capture" not in config:
+        return inputs
+    cap = {k: v for k, v in config["capture"].items() if k in ONLINE_STATE_KEYS}
+    return {**inputs, "config": {**config, "capture": cap}}
 
 
 # ------------------------------------------------------------------------------------------ train
@@ -284,7 +299,7 @@ PIPELINE: tuple[Stage, ...] = (
     Stage("prepare", prepare, prepare_inputs, target_files=True, check=check_sources,
           key_names={"draft_vocab_size": "drafter.draft_vocab_size", "seed": "run.seed"}),
     Stage("capture", capture, capture_inputs, upstream="prepare", target_files=True,
-          key_names={"aux_layer_ids": "drafter.aux_layer_ids"}),
+          key_names={"aux_layer_ids": "drafter.aux_layer_ids"}, inputs_as_now=capture_inputs_as_now),
     Stage("train", train, train_inputs, upstream="capture", needs_upstream=_reads_the_store, done=trained_enough,
           older_hashes=hash_before_layout_keys),
     Stage("export", export, export_inputs, upstream="train", rebuild=True, target_files=True,

@@ -81,6 +81,10 @@ def _no_check(cfg: Config) -> None:
     return None
 
 
+def _same_inputs(cfg: Config, inputs: dict) -> dict:
+    return inputs
+
+
 @dataclass(frozen=True)
 class Stage:
     """One pipeline stage, as everything that handles stages reads it: the runner plans, hashes and runs it
@@ -94,7 +98,9 @@ class Stage:
     = nothing more to do, False = run again over its output (train asked for more steps), a ValueError = the
     config asks what this output cannot give. ``target_files``: the target's local files are an input.
     ``key_names``: slice entries whose name is not their config key (for the change message). ``older_hashes
-    (cfg, inputs)``: hashes an older Fledge wrote for these same inputs. ``check(cfg)``: what must hold
+    (cfg, inputs)``: hashes an older Fledge wrote for these same inputs. ``inputs_as_now(cfg, inputs)``: a
+    manifest's inputs as this Fledge counts them (a key no longer counted left out); equal to today's, the
+    stage keeps its manifest's hash, so the stages after it see no change. ``check(cfg)``: what must hold
     before it runs (a missing input file), called only when it will run."""
 
     name: str
@@ -108,6 +114,7 @@ class Stage:
     key_names: Mapping[str, str] = field(default_factory=dict)
     older_hashes: Callable[[Config, dict], tuple[str, ...]] = _no_older_hashes
     check: Callable[[Config], None] = _no_check
+    inputs_as_now: Callable[[Config, dict], dict] = _same_inputs
 
 
 class Refused(ValueError):
@@ -253,7 +260,7 @@ def plan_stages(cfg: Config, stages: Sequence[Stage], old: dict[str, dict | None
         h = digest(inputs)
         plan = _plan(cfg, stage, m, inputs, h, {k: out for k, (_, out) in ahead.items()}, [s.name for s in stages])
         plans[name] = plan
-        ahead[name] = (h, output_id(m) if plan.action == "skip" else NEW)
+        ahead[name] = (plan.inputs_hash, output_id(m) if plan.action == "skip" else NEW)
     return plans
 
 
@@ -264,6 +271,8 @@ def _plan(cfg: Config, stage: Stage, m: dict | None, inputs: dict, h: str, read:
         return _Plan("start over", inputs, h, f"run.force=[{name}]")
     if not m:
         return _Plan("run", inputs, h)
+    if "inputs" in m and m.get("inputs_hash") != h and digest(stage.inputs_as_now(cfg, m["inputs"])) == h:
+        inputs, h = m["inputs"], m["inputs_hash"]  # counted alike now: its hash stays, for the stages after it
     same = (h, *stage.older_hashes(cfg, inputs)) if "inputs" not in m else (h,)
     changes = describe_changes(m, inputs, h, read, cfg.run.force, same, stage.key_names)
     if changes:

@@ -54,15 +54,11 @@ def _engine_sources(cfg: Config, ctx: StageContext, dtype: torch.dtype, rank: in
                 rms_norm_eps=shape.rms_norm_eps, aux_dtype=cap.dtype, env=env, timeout_s=cap.engine_timeout_s,
                 buffer_batches=cap.buffer_batches, restarts=cap.engine_restarts, device=w.device,
                 launcher=tuple(cap.engine_launcher), ranks_per_engine=cap.ranks_per_engine, grad_accum=t.grad_accum)
-    out = []
-    for split in ("train", "eval"):
-        src = EngineFeatureSource(ctx.layout.prepare.split(split),
-                                  StreamSpec(workdir=ctx.layout.train.stream / f"rank{w.rank:05d}", **spec),
-                                  rank, world_size, t.micro_batch_tokens, t.micro_batch_size, cfg.run.seed, name=split)
-        if split == "train":  # the engine's job runs to the end of training (per_step global batches a step)
-            per_step = t.grad_accum * world_size
-            src.end = t.max_steps * per_step if t.max_steps else t.epochs * src.rounds_per_epoch * world_size
-        out.append(src)
+    # the train source's end (where the engine's job stops) is the trainer's: seek(position, end) at its resume
+    out = [EngineFeatureSource(ctx.layout.prepare.split(split),
+                               StreamSpec(workdir=ctx.layout.train.stream / f"rank{w.rank:05d}", **spec),
+                               rank, world_size, t.micro_batch_tokens, t.micro_batch_size, cfg.run.seed, name=split)
+           for split in ("train", "eval")]
     w.barrier()  # every rank's spool is cleared before any leader's engine writes into it
     return tuple(out)
 

@@ -105,7 +105,8 @@ def run_training(ctx: StageContext) -> dict:
         log.info("resumed from %s at step %d, global batch %d (saved by %d ranks)", tag, plan.step, plan.batches,
                  state["world_size"])
     step = plan.step
-    train_data.seek(plan.batches)
+    # the run ends after total - step more steps of per_step global batches (an engine streams exactly those)
+    train_data.seek(plan.batches, end=plan.batches + (total - step) * per_step)
     was = state.get("batches_per_step")
     if tag and was and was != per_step and world.is_main:
         log.warning("train: the optimizer step now takes %d global batches (train.grad_accum=%d x %d data-parallel "

@@ -41,6 +41,10 @@ DRIVER = Path(__file__).resolve().parent / "vllm_side" / "capture_driver.py"  # 
 HEARTBEAT, HEARTBEAT_S, HEARTBEAT_STALE_S = "owner.alive", 2.0, 60.0
 ARGMAX_TIE = {torch.float32: 1e-3, torch.float64: 1e-6}  # logit gap below which two tokens tie
 HALF_TIE = 0.05  # bf16 / fp16 engines
+# The driver's note while its buffer is full (capture_driver.py FULL): held this long in a spool this process does
+# not read, or with none of its batches visible here, the engine writes where this process never drains it.
+BUFFER_FULL, BLIND_S = "buffer_full.json", 5.0
+PROGRESS = "progress.json"  # the driver's count of the batches of its job it has made (capture_driver.py)
 
 
 def engine_layer_ids(aux_layer_ids: list[int], num_layers: int) -> list[int]:
@@ -223,6 +227,8 @@ class EngineRun:
             shutil.rmtree(self.workdir / leftover, ignore_errors=True)
         self.timeout_s = timeout_s
         self.dp = request.get("data_parallel") or {}
+        # where this process reads the driver's batches (a full buffer anywhere else is one it never drains)
+        self.spools = {str(Path(p).resolve()) for job in request["jobs"] for p in job.get("spools") or [job["spool"]]}
         self._beating = None
         if launcher:  # the driver's parent is the launcher, not this rank: it watches a heartbeat instead
             beat = self.workdir / HEARTBEAT
@@ -274,10 +280,53 @@ class EngineRun:
             self.proc.stop()
             raise ValueError(f"capture.engine=vllm: the engine's driver exited (code {code}) before "
                              f"{path.name}; {self._error()}")
+        self._check_buffer_visible(what)
         if time.monotonic() > deadline:
             raise ValueError(self.proc.timed_out(
                 "capture.engine=vllm", "capture.engine_timeout_s", self.timeout_s,
                 f"the engine (vLLM, driver pid {self.proc.proc.pid}) did not write {what}", self._hints()))
+
+    def made(self, job: str) -> int:
+        """How many batches of ``job`` the driver has made (its progress note; 0 before the first)."""
+        try:
+            note = json.loads((self.workdir / PROGRESS).read_text())
+        except (OSError, ValueError):  # none yet, or being replaced
+            return 0
+        return int(note["made"]) if note.get("job") == job else 0
+
+    def wait_made(self, job: str, n: int, what: str) -> None:
+        """Wait until the driver has made the first ``n`` batches of ``job``; a ValueError as ``check``'s when
+        it exits or stalls (capture.engine_timeout_s) first."""
+        deadline = time.monotonic() + self.timeout_s
+        while self.made(job) < n:
+            code = self.proc.returncode
+            if code is not None and self.made(job) < n:
+                self.proc.stop()
+                raise ValueError(f"capture.engine=vllm: the engine's driver exited (code {code}) before {what}; "
+                                 f"{self._error()}")
+            if time.monotonic() > deadline:
+                raise ValueError(self.proc.timed_out(
+                    "capture.engine=vllm", "capture.engine_timeout_s", self.timeout_s,
+                    f"the engine (vLLM, driver pid {self.proc.proc.pid}) did not make {what}", self._hints()))
+            time.sleep(0.02)
+
+    def _check_buffer_visible(self, what: str) -> None:
+        """A driver whose buffer has been full for BLIND_S with batches this process cannot see where it reads
+        them would wait for room forever, and this process for its batch: fail at once."""
+        note = self.workdir / BUFFER_FULL
+        try:
+            held = time.time() - note.stat().st_mtime
+            full = json.loads(note.read_text()) if held > BLIND_S else None
+        except (OSError, ValueError):  # none, or being replaced
+            return
+        if not full or (full["spool"] in self.spools
+                        and any((Path(full["spool"]) / name).exists() for name in full["batches"])):
+            return
+        raise ValueError(f"capture.engine=vllm: waiting for {what}, but the engine's buffer is full with "
+                         f"{len(full['batches'])} batches in {full['spool']}, which this process does not see "
+                         f"where it reads ({', '.join(sorted(self.spools))}): the engine and the trainer must see "
+                         "the run directory at the same absolute path (a file system both nodes share); engine "
+                         f"log {self.log_path}")
 
     def _hints(self) -> str:
         hints = ("raise capture.engine_timeout_s (a large target's first load can take many minutes: the log "

@@ -28,7 +28,10 @@ heartbeat file to end itself when the rank is gone), and ``capture.ranks_per_eng
 with the group's batches interleaved in the order they are consumed and each written, keyed by its global
 batch, into the consuming rank's spool. A restarted shared engine begins at the start of the leader's
 optimizer step, since a member may still wait for a batch made before the leader's; each rank drops the
-keys below the one it waits for, so a batch made twice is read once.
+keys below the one it waits for, so a batch made twice is read once. Once the leader has its step's last batch,
+it waits for the engine to have made the members' batches of the step too (the driver's progress note), and
+restarts a dead engine there: otherwise the leader, its step in hand, would sit in the step's all-reduce while a
+member waited on an engine nobody restarts.
 """
 
 from __future__ import annotations
@@ -87,7 +90,8 @@ EVAL_KEY = 10_000_000  # the k-th evaluation's batches are keyed k * EVAL_KEY + 
 
 class EngineFeatureSource(BatchIterator):
     """The trainer's FeatureBatch stream from a vLLM engine (see the module docstring); ``end``: the global
-    batch the run stops before (the engine's job runs to there; a trainer that asks for more restarts it).
+    batch the run stops before (the engine's job runs to there; a trainer that asks for more restarts it), as
+    the trainer sets it with ``seek`` from its resume position and the run's length (default: one epoch).
 
     Ranks ``leader .. leader + ranks_per_engine - 1`` share one engine, started by the leader: its job
     interleaves the group's batches in the order they are consumed (g, g + 1, ... for each of the leader's g)
@@ -115,6 +119,8 @@ class EngineFeatureSource(BatchIterator):
         self.head: TargetHead | None = None
         self._run: EngineRun | None = None
         self._next_g: int | None = None
+        self._made_by: dict[int, int] = {}
+        self._steps_from = 0  # the global batch the trainer's optimizer steps count from (its resume position)
         self._restarts_left = spec.restarts
         self._evals = 0
         self.wait_s = 0.0  # trainer time spent waiting on the engine (the stall, for scripts/bench_online.py)
@@ -126,7 +132,8 @@ class EngineFeatureSource(BatchIterator):
 
     def spool(self, rank: int) -> Path:
         """Where rank ``rank``'s batches of this split land (the leader's engine writes every member's)."""
-        base = Path(self.spec.workdir)  # this rank's (a data-parallel rank's under sequence parallelism)
+        # absolute: the engine's driver runs in a directory of its own (a relative path would land under it)
+        base = Path(self.spec.workdir).resolve()  # this rank's (a data-parallel rank's under sequence parallelism)
         if rank != self.rank:
             base = base.parent / f"rank{rank:05d}"  # a member's: shared engines run without sequence parallelism
         return base / self.name / "spool" / self.name
@@ -160,13 +167,30 @@ class EngineFeatureSource(BatchIterator):
                  if h + i < max(self.end, g + 1)]
         self._run = self._start(order, self.name)
         self._next_g = g
+        self._made_by = {key: n + 1 for n, (_, key, _) in enumerate(order)}  # key -> the job's batches made with it
 
     def _restart_point(self, g: int) -> int:
         """Where a restarted engine begins: at ``g`` for an engine of its own; for a shared one, at the start
-        of the leader's optimizer step, since a member may still wait for a batch made before the leader's."""
+        of the leader's optimizer step, since a member may still wait for a batch made before the leader's. Steps
+        start at the resume position and every grad_accum rounds after it (not at multiples of the step size:
+        a run resumed after a change of grad_accum or world size)."""
         if self.spec.ranks_per_engine == 1:
             return g
-        return g - (g // self.world) % self.spec.grad_accum * self.world
+        return g - (g - self._steps_from) // self.world % self.spec.grad_accum * self.world
+
+    def _await_members(self, g: int) -> None:
+        """The leader, holding its last batch ``g`` of a step: wait until the engine has made the members' batches
+        of the step too (they come after g), so no member waits on an engine that died after the leader's batch
+        while the leader waits for it in the step's collectives (a ValueError from a dead engine restarts it)."""
+        last = g + len(self.members) - 1
+        if not self.is_leader or last == g or (g - self._steps_from) // self.world % self.spec.grad_accum != \
+                self.spec.grad_accum - 1 or last not in self._made_by:
+            return
+        self._run.wait_made(self.name, self._made_by[last], f"global batch {last} (rank {self.rank + last - g}'s)")
+
+    def seek(self, position: int, end: int | None = None) -> None:
+        super().seek(position, end)
+        self._steps_from = self.position
 
     # -- reading a rank's spool ---------------------------------------------------------------------------
 
@@ -246,15 +270,16 @@ class EngineFeatureSource(BatchIterator):
             t0 = time.perf_counter()
             try:
                 got = self._read(g, samples, what)
+                self._await_members(g)
             except ValueError as e:
                 dead = self._run is not None and self._run.proc.returncode is not None
                 if not dead or self._restarts_left <= 0:
                     self.close()
                     raise
                 self._restarts_left -= 1
-                log.warning("capture.engine=vllm: the engine died before global batch %d (%s); starting it again "
-                            "from there (%d restarts left, capture.engine_restarts)", g,
-                            str(e).splitlines()[0][:300], self._restarts_left)
+                log.warning("capture.engine=vllm: the engine died (%s); starting it again at global batch %d "
+                            "(%d restarts left, capture.engine_restarts)",
+                            str(e).splitlines()[0][:300], self._restart_point(g), self._restarts_left)
                 self.close()
                 self._open(self._restart_point(g))
                 self._next_g = g

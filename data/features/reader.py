@@ -148,6 +148,7 @@ class BatchIterator:
         self.lengths, self.rank, self.world = list(lengths), rank, world
         self.row_tokens, self.rows_per_batch, self.seed = row_tokens, rows_per_batch, seed
         self.position = 0
+        self.end: int | None = None  # the global batch the run stops before, once the trainer says (seek)
         self._plan_cache: tuple[int, list] | None = None
         if not self.lengths:
             raise ValueError("no samples to train on; check the prepare stage's counts (kept/dropped)")
@@ -198,8 +199,12 @@ class BatchIterator:
         self.position += self.world
         return g, self.batch_at(g)
 
-    def seek(self, position: int) -> None:
+    def seek(self, position: int, end: int | None = None) -> None:
+        """Continue at global batch ``position``; ``end``: the global batch the run stops before (a source that
+        makes its batches ahead of the trainer, the online stream, makes none from there on)."""
         self.position = int(position)
+        if end is not None:
+            self.end = int(end)
 
     def __iter__(self) -> Iterator[FeatureBatch]:
         """This rank's next ``len(self)`` batches: one epoch's worth of rounds from the current position."""

@@ -2,7 +2,9 @@
 driver's ``run_job`` (spools, keys, backpressure, heartbeat) over a fake ``vllm.LLM`` whose states are made
 up but pass Fledge's checks: column 0 is the embedding of the tokens, the sampled token is the argmax Fledge
 computes from column L, and every other column is a deterministic function of the tokens. For the stream's
-protocol tests (tests/unit/data/test_stream_protocol.py) in seconds; tests/engine/ runs the real engine.
+protocol tests (tests/unit/data/test_stream_protocol.py, tests/distributed/test_online_stream.py) in seconds;
+tests/engine/ runs the real engine. ``FAKE_ENGINE_DIE_ONCE=N:PATH`` kills the engine (SIGKILL) as it is about to
+make its N-th batch (from 0), once: PATH, created then, marks it done for the engines started after it.
 
     python fake_capture_engine.py -I DRIVER REQUEST.json RESULT.json     (as fledge/engine_process.py calls it)
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -44,9 +47,15 @@ class FakeLLM:
         self.connector = Path(req["connector_dir"])
         self.connector.mkdir(parents=True, exist_ok=True)
         self.delay = float(os.environ.get("FAKE_ENGINE_DELAY_S", "0"))
+        self.calls = 0
 
     def generate(self, prompts, params, use_tqdm=False):
         time.sleep(self.delay)
+        die = os.environ.get("FAKE_ENGINE_DIE_ONCE")
+        if die and self.calls == int(die.split(":", 1)[0]) and not os.path.exists(die.split(":", 1)[1]):
+            Path(die.split(":", 1)[1]).touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+        self.calls += 1
         outs = []
         for p in prompts:
             ids = p["prompt_token_ids"]

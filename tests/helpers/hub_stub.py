@@ -15,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 class Stub(BaseHTTPRequestHandler):
     calls: list = []  # (path, authorization header, body) of every POST
     fail_commits = 0  # answer this many commits with 503 first
+    private: bool | None = None  # the repo's visibility: None until created (a test sets it for an existing repo)
 
     def log_message(self, *args):
         pass
@@ -32,6 +33,8 @@ class Stub(BaseHTTPRequestHandler):
         Stub.calls.append((self.path, self.headers.get("authorization"), body))
         base = f"http://127.0.0.1:{self.server.server_port}"
         if self.path == "/api/repos/create":
+            if Stub.private is None:  # create_repo(exist_ok=True) leaves an existing repo as it is
+                Stub.private = json.loads(body).get("visibility", "private") == "private"
             return self._reply(200, {"url": f"{base}/org/drafter", "name": "org/drafter"})
         if self.path == "/api/validate-yaml":
             return self._reply(200, {})
@@ -46,11 +49,16 @@ class Stub(BaseHTTPRequestHandler):
             return self._reply(200, {"commitUrl": f"{base}/org/drafter/commit/abc", "commitOid": "a" * 40})
         return self._reply(404, {"error": self.path})
 
+    def do_GET(self):
+        if self.path.startswith("/api/models/org/drafter") and Stub.private is not None:
+            return self._reply(200, {"id": "org/drafter", "private": Stub.private, "sha": "a" * 40})
+        return self._reply(404, {"error": self.path})
+
 
 @contextmanager
 def serve() -> Iterator[str]:
     """Run the stub on a free port (its recorded calls cleared); yields its base URL."""
-    Stub.calls, Stub.fail_commits = [], 0
+    Stub.calls, Stub.fail_commits, Stub.private = [], 0, None
     server = ThreadingHTTPServer(("127.0.0.1", 0), Stub)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:

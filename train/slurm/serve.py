@@ -5,13 +5,15 @@
 ``fledge submit train|pipeline ... --engine-nodes N --regenerate IN:OUT`` puts this line in the batch script
 (train/slurm/train.sbatch, knob ``REGENERATE``), which runs it on component 0's first node before the trainer's
 step. It starts vLLM's OpenAI server under the launcher words after ``--`` (an srun into component 1, pinned
-here to that component's first node), waits (at most ``--wait-s``) for ``/health`` at the node's NodeAddr,
+here to that component's first node, listening on that node's NodeAddr only), waits (at most ``--wait-s``) for
+``/health`` there,
 runs ``fledge regenerate --endpoint http://ADDR:PORT/v1`` for every pair, and stops the server (SIGTERM to srun
 ends the step; SIGKILL after a grace). A pair whose output already holds every input conversation is skipped,
 and when all are, the target is not served at all: a requeued job goes straight to training.
 
 The server's API key is ``FLEDGE_API_KEY`` from the environment, handed to vLLM as ``VLLM_API_KEY`` (srun
-exports the environment); it is never on a command line.
+exports the environment); it is never on a command line nor printed. Without it the phase refuses to serve (an
+open server on a shared cluster answers anyone who finds the port) unless ``--no-api-key`` says so.
 """
 
 from __future__ import annotations
@@ -63,13 +65,14 @@ def default_port(env: Mapping[str, str]) -> int:
     return PORT_BASE + (int(job) + 1) % PORT_SPAN
 
 
-def server_command(args: argparse.Namespace, node: str, port: int) -> list[str]:
-    """The launcher words (pinned to ``node``), then vLLM's OpenAI server on ``port`` of every interface."""
+def server_command(args: argparse.Namespace, node: str, addr: str, port: int) -> list[str]:
+    """The launcher words (pinned to ``node``), then vLLM's OpenAI server on ``addr:port`` (the node's cluster
+    address, not every interface)."""
     launcher = list(args.launcher)
     if launcher and Path(launcher[0]).name == "srun":
         launcher.insert(1, f"--nodelist={node}")
     cmd = [*launcher, str(engine_python(args.engine_python)), "-m", "vllm.entrypoints.openai.api_server",
-           "--model", args.model, "--host", "0.0.0.0", "--port", str(port),
+           "--model", args.model, "--host", addr, "--port", str(port),
            "--tensor-parallel-size", str(args.tensor_parallel_size)]
     if args.revision:
         cmd += ["--revision", args.revision]
@@ -142,6 +145,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--port", type=int, help="default: from the job id")
     p.add_argument("--wait-s", type=float, default=3600, help="longest wait for the server's /health")
     p.add_argument("--log", type=Path, required=True, help="the server's output (appended)")
+    p.add_argument("--no-api-key", action="store_true", help=f"serve without a key when {API_KEY_ENV} is unset "
+                   "(anyone who reaches the node's port can use the server)")
     p.add_argument("launcher", nargs=argparse.REMAINDER, help="after --: the command prefix the server runs under")
     args = p.parse_args(argv)
     args.launcher = args.launcher[1:] if args.launcher[:1] == ["--"] else args.launcher
@@ -167,16 +172,24 @@ def main(argv: list[str] | None = None) -> int:
     if not todo:
         print("fledge.serve: nothing to regenerate; the target is not served", flush=True)
         return 0
+    env = dict(os.environ)
+    if env.get(API_KEY_ENV):
+        env["VLLM_API_KEY"] = env[API_KEY_ENV]
+    elif args.no_api_key:
+        print(f"fledge.serve: warning: serving without an API key (--no-api-key, {API_KEY_ENV} unset)",
+              file=sys.stderr, flush=True)
+    else:
+        print(f"fledge.serve: {API_KEY_ENV} is not set in the job's environment, and a server without a key answers "
+              f"anyone: export it in the shell that runs sbatch (`fledge submit ... | {API_KEY_ENV}=... bash`), or "
+              "submit with --no-api-key", file=sys.stderr)
+        return 2
     try:
         node = engine_node(os.environ)
     except ValueError as e:
         print(f"fledge.serve: {e}", file=sys.stderr)
         return 2
     addr, port = node_addr(node), args.port or default_port(os.environ)
-    env = dict(os.environ)
-    if env.get(API_KEY_ENV):
-        env["VLLM_API_KEY"] = env[API_KEY_ENV]
-    cmd = server_command(args, node, port)
+    cmd = server_command(args, node, addr, port)
     args.log.parent.mkdir(parents=True, exist_ok=True)
     print(f"fledge.serve: serving the target on {node} ({addr}:{port}), log {args.log}: {shlex.join(cmd)}",
           flush=True)

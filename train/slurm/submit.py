@@ -208,6 +208,8 @@ def plan(kind: str, args: argparse.Namespace, overrides: list[str]) -> list[Job]
     if args.regenerate and engines is None:
         raise ValueError("--regenerate serves the target on the engine nodes of a heterogeneous job: add "
                          "capture.mode=online capture.engine=vllm --engine-nodes N")
+    if args.no_api_key and not args.regenerate:
+        print("submit: warning: --no-api-key has no effect without --regenerate (nothing is served)", file=sys.stderr)
     if args.array is not None and args.array < 1:
         raise ValueError(f"--array {args.array}: need at least 1 slice")
     if any(o.startswith(("run.stages=", "+run.stages=", "++run.stages=")) for o in overrides):
@@ -296,6 +298,8 @@ def regenerate_args(cfg, args: argparse.Namespace, engines: EngineLayout, layout
         out += ["--regenerate-args", args.regenerate_args]
     if args.serve_args:
         out += ["--server-args", args.serve_args]
+    if args.no_api_key:
+        out.append("--no-api-key")
     return out + ["--", *(cfg.capture.engine_launcher or engines.launcher())]
 
 
@@ -332,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--regenerate-args", help="more `fledge regenerate` words, e.g. '--split train_sft "
                    "--concurrency 64'")
     p.add_argument("--serve-args", help="more words for vLLM's OpenAI server, e.g. '--max-model-len 8192'")
+    p.add_argument("--no-api-key", action="store_true", help="with --regenerate: serve the target without a key "
+                   "(by default the job refuses to unless FLEDGE_API_KEY is exported to sbatch)")
     p.add_argument("--run-name", help="run directory name (default: the recipe's run.name)")
     p.add_argument("--stages", help="override the job's stage list, e.g. '[train,export]'")
     p.add_argument("--python", default=".venv/bin/python", help="interpreter on the nodes (relative to the repo)")

@@ -18,7 +18,10 @@ of [sample id, offset, length] into the job's flat int32 token file. For every b
 generates, moves each request's file to
 ``<spool>/<k>-<id>.safetensors`` and then writes ``<spool>/batch-<k>.json`` ({"samples": [[id, sampled
 token], ...]}): Fledge reads a batch once its json exists and deletes what it consumed. The driver
-waits while more than ``max_pending_batches`` batches are unconsumed in that spool (bounded disk). An
+waits while more than ``max_pending_batches`` batches are unconsumed in that spool (bounded disk), and while it
+waits says so in ``buffer_full.json`` in its working directory (the spool as it resolves it and the batches it
+sees there), so Fledge can tell a full buffer it cannot see (another path, another file system); after each batch
+it notes how many of the job's batches it has made (``progress.json``). An
 online job may send each batch to another spool under another key (``spools``, ``spool_of``, ``keys``:
 one engine serving several trainer ranks, each batch keyed by its global batch). ``floor``
 requests run the same prompts without extraction (vLLM's own prefill-only speed, for the benchmark).
@@ -48,6 +51,8 @@ from pathlib import Path
 PLUGIN_DIR = Path(__file__).resolve().parent  # the connector module lives beside this driver
 CPU_CONNECTOR = ("fledge_capture_connector", "FledgeHiddenStatesConnector")
 STOCK_CONNECTOR = "ExampleHiddenStatesConnector"
+FULL = "buffer_full.json"  # in the working directory (Fledge's work directory for this driver) while waiting for room
+PROGRESS = "progress.json"  # in the working directory: {"job": name, "made": batches of it written so far}
 
 
 def engine_kwargs(req: dict, on_gpu: bool) -> dict:
@@ -121,10 +126,19 @@ def register_plugin() -> None:
 
 
 def _wait_for_room(spool: Path, limit: int) -> None:
-    while limit > 0 and len(list(spool.glob("batch-*.json"))) >= limit:
+    note = Path.cwd() / FULL
+    while limit > 0:
+        made = sorted(p.name for p in spool.glob("batch-*.json"))
+        if len(made) < limit:
+            break
+        if not note.exists():
+            tmp = note.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"spool": str(spool.resolve()), "batches": made}))
+            os.replace(tmp, note)
         if _orphaned():
             _exit_orphaned()
         time.sleep(0.05)
+    note.unlink(missing_ok=True)
 
 
 def _flush_saves(llm, paths: list[str], req: dict) -> None:
@@ -181,6 +195,9 @@ def run_job(llm, job: dict, req: dict) -> dict:
         tmp = spool / f".batch-{key:07d}.json.tmp"
         tmp.write_text(json.dumps({"samples": samples}))
         os.replace(tmp, spool / f"batch-{key:07d}.json")
+        note = Path.cwd() / f".{PROGRESS}.tmp"
+        note.write_text(json.dumps({"job": job["name"], "made": k + 1}))
+        os.replace(note, Path.cwd() / PROGRESS)
     (Path(job["spool"]) / "done.json").write_text(json.dumps({"tokens": tokens, "wall_s": wall}))
     print(f"capture {job['name']}: {tokens} tokens in {wall:.1f} s", file=sys.stderr, flush=True)
     return {"tokens": tokens, "wall_s": wall}

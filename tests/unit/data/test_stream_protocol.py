@@ -40,10 +40,11 @@ def setup(tmp_path_factory):
     return root, python
 
 
-def _sources(root: Path, python: Path, run: str, k: int, launcher=(), grad_accum: int = 2, timeout_s: float = 60):
+def _sources(root: Path, python: Path, run: str, k: int, launcher=(), grad_accum: int = 2, timeout_s: float = 60,
+             restarts: int = 1):
     spec = dict(python=python, target=str(root / "target"), revision=None, trust_remote_code=False,
                 dtype=torch.float32, feature_dtype=torch.float32, aux_layer_ids=[2, 3, 4], num_layers=6,
-                rms_norm_eps=1e-6, aux_dtype="bf16", env={}, timeout_s=timeout_s, buffer_batches=2, restarts=1,
+                rms_norm_eps=1e-6, aux_dtype="bf16", env={}, timeout_s=timeout_s, buffer_batches=2, restarts=restarts,
                 device=torch.device("cpu"), launcher=tuple(launcher), ranks_per_engine=k, grad_accum=grad_accum)
     return [EngineFeatureSource(root / "data", StreamSpec(workdir=root / run / f"rank{r:05d}", **spec), r, 2, 32, 1, 0)
             for r in range(2)]
@@ -70,10 +71,11 @@ def _each_rank(srcs, work) -> dict[int, list]:
     return out
 
 
-def _consume(srcs, kill_after: int | None = None) -> dict[int, list]:
-    """Every rank's training batches: {rank: [(g, samples)]}; the engine is killed after rank 0's kill_after-th."""
+def _consume(srcs, kill_after: int | None = None, start: int = 0) -> dict[int, list]:
+    """Every rank's training batches from global batch ``start`` on: {rank: [(g, samples)]}; the engine is killed
+    after rank 0's kill_after-th."""
     def work(src, out):
-        for g in range(src.rank, src.end, src.world):
+        for g in range(start + src.rank, src.end, src.world):
             out.append((g, src._next_from_engine(g)))
             if kill_after is not None and src.rank == 0 and len(out) == kill_after:
                 os.killpg(src._run.proc.proc.pid, signal.SIGKILL)  # the engine, and its launcher, die
@@ -129,6 +131,69 @@ def test_a_shared_engine_killed_mid_run_restarts_at_the_step_start_and_loses_not
     restarted = json.loads((root / "killed" / "rank00000" / "train" / "request.json").read_text())
     assert restarted["jobs"][0]["keys"][0] == 4  # the leader's 4th batch (g=6) is in the step that began at g=4
     assert restarted["owner"]["heartbeat"].endswith("owner.alive")
+
+
+def test_a_relative_run_directory_streams_where_the_trainer_reads(setup, own, monkeypatch):
+    """run.output_root=outputs (the default) makes every path relative to the trainer's directory, but the engine's
+    driver runs in a work directory of its own: a spool, target or engine python handed over as a relative path
+    resolves there, the batches land where no trainer reads, and the trainer waits for the whole timeout."""
+    import shutil
+
+    root, python = setup
+    (root / "bin").mkdir(exist_ok=True)
+    shutil.copy(python, root / "bin" / "python")
+    monkeypatch.chdir(root)
+    srcs = _sources(Path("."), Path("bin/python"), "relative", 2, timeout_s=20, restarts=0)
+    _same(_consume(srcs), own)
+
+
+def test_an_engine_writing_where_the_trainer_cannot_see_fails_in_one_line_at_once(setup, monkeypatch):
+    """An engine whose buffer fills where this rank does not read (here a spool handed over as a relative path,
+    which the driver resolves in its own directory; on a cluster, a file system its node does not share) would wait
+    for room forever, and the trainer for its batch until capture.engine_timeout_s: the trainer fails within
+    seconds instead, naming where the batches went."""
+    import os
+
+    import fledge.data.capture.stream as stream
+
+    root, python = setup
+    monkeypatch.chdir(root)
+
+    def relative(*args, **kw):
+        req = build_request(*args, **kw)
+        for job in req["jobs"]:
+            job["spools"] = [os.path.relpath(p) for p in job["spools"]]
+        return req
+
+    build_request = stream.build_request
+    monkeypatch.setattr(stream, "build_request", relative)
+    src = _sources(root, python, "unseen", 1, timeout_s=300)[0]
+    t0 = time.monotonic()
+    with pytest.raises(ValueError) as e:
+        src._next_from_engine(0)
+    assert time.monotonic() - t0 < 60 and src.engine_starts == 1 and src._run is None
+    msg, work = str(e.value), root / "unseen" / "rank00000" / "train"
+    assert "\n" not in msg and "does not see" in msg and str(work / "unseen") in msg, msg
+
+
+def test_a_shared_engine_restarts_at_the_step_start_of_a_run_resumed_off_the_step_size(setup, own, monkeypatch):
+    """A run resumed at global batch 2 with steps of 4 (after a change of grad_accum or world size): its steps are
+    [2..5], [6..9], ... Killed after the leader's batch 6, the engine must start again at 6 (the member may still
+    wait for 7), not at 8, a multiple of the step size, which would leave the member waiting for a batch the
+    restarted engine never makes."""
+    root, python = setup
+    monkeypatch.setenv("FAKE_ENGINE_DELAY_S", "0.05")  # so the member is still waiting when the engine dies
+    srcs = _sources(root, python, "offset", 2, timeout_s=10)
+    for src in srcs:
+        src.seek(2)
+    got = _consume(srcs, kill_after=3, start=2)
+    for r in got:
+        assert [g for g, _ in got[r]] == [g for g, _ in own[r]][1:]
+        for (_, xs), (_, ys) in zip(got[r], own[r][1:]):
+            assert all(torch.equal(x[key], y[key]) for x, y in zip(xs, ys) for key in x)
+    assert srcs[0].engine_starts == 2
+    restarted = json.loads((root / "offset" / "rank00000" / "train" / "request.json").read_text())
+    assert restarted["jobs"][0]["keys"][0] == 6
 
 
 def test_eval_through_a_shared_engine_pads_and_keys_each_evaluation_anew(setup):

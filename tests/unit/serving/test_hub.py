@@ -89,6 +89,20 @@ def test_push_retries_transient_errors(hub, run_dir):
     assert sum("/commit/" in p for p, _, _ in Stub.calls) >= 3
 
 
+@pytest.mark.parametrize("private", [True, False])
+def test_push_refuses_an_existing_repo_of_the_other_visibility(hub, run_dir, private):
+    """create_repo(private=..., exist_ok=True) leaves an existing repo as it is: export.private=true (the default)
+    would publish the drafter in a public repo. Refused in one line naming the repo and the fix; nothing committed."""
+    Stub.private = not private
+    with pytest.raises(ValueError) as e:
+        push_to_hub(run_dir / "export" / "drafter", "org/drafter", private=private, target_config=TARGET,
+                    endpoint=hub, base_delay=0.0)
+    msg = str(e.value)
+    assert "\n" not in msg and "org/drafter" in msg and "export.private" in msg
+    assert ("is public" if private else "is private") in msg
+    assert not any("/commit/" in p for p, _, _ in Stub.calls)
+
+
 def test_push_refuses_lint_failures(hub, run_dir):
     drafter = run_dir / "export" / "drafter"
     c = json.loads((drafter / "config.json").read_text())

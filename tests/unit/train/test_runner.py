@@ -1,7 +1,7 @@
 """The stage runner: skip by manifest, resume an interrupted stage, re-run on changed inputs."""
 
 import json
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -298,3 +298,48 @@ def test_new_library_versions_or_target_files_stop_too(tmp_path, calls, world, m
     with pytest.raises(ValueError, match=r"^prepare: .*the target's files \(target.name_or_path\): \w+ -> \w+"):
         runner.run_stages(make_cfg(tmp_path, "run.stages=[prepare]"), world, calls.fns)
     assert calls == ["prepare"]
+
+
+ONLINE = ["run.stages=[prepare,capture,train]", "capture.mode=online", "capture.engine=vllm"]
+RUNTIME = ["capture.engine_restarts=5", "capture.buffer_batches=8", "capture.tensor_parallel_size=2",
+           "capture.engine_timeout_s=60"]
+
+
+def test_online_runtime_settings_are_not_inputs(tmp_path, calls, world):
+    """capture.mode=online: the engine's buffer, restart budget and parallelism do not change the states the trainer
+    gets, so raising the restarts of a failing run trains on (run.force=[capture,train] would delete its
+    checkpoints); what changes the states still stops the run. The offline store's hash keeps them."""
+    runner.run_stages(make_cfg(tmp_path, *ONLINE), world, calls.fns)
+    calls.clear()
+    runner.run_stages(make_cfg(tmp_path, *ONLINE, *RUNTIME), world, calls.fns)
+    assert calls == []
+    with pytest.raises(ValueError, match=r"^capture: .*capture.dtype: bf16 -> fp8"):
+        runner.run_stages(make_cfg(tmp_path, *ONLINE, "capture.dtype=fp8"), world, calls.fns)
+    offline = make_cfg(tmp_path, "capture.engine=vllm")
+    assert runner.inputs_hash(offline, stages.STAGES["capture"], {}) != runner.inputs_hash(
+        make_cfg(tmp_path, "capture.engine=vllm", "capture.buffer_batches=8"), stages.STAGES["capture"], {})
+
+
+def test_an_online_run_whose_manifests_hashed_runtime_settings_trains_on(tmp_path, calls, world):
+    """Manifests written while the online capture stage hashed its runtime settings: a run in flight then (a failing
+    one whose restart budget is raised now) is up to date, and train trains on."""
+    runner.run_stages(make_cfg(tmp_path, *ONLINE), world, calls.fns)
+    cfg = make_cfg(tmp_path, *ONLINE)
+    old = {k: v for k, v in asdict(cfg.capture).items()
+           if k not in ("num_slices", "slice_index", "engine_python", "engine_timeout_s", "engine_launcher",
+                        "ranks_per_engine")}  # the slice the capture stage hashed then
+    run = tmp_path / "tiny"
+    cap = json.loads((run / "capture" / "manifest.json").read_text())
+    cap["inputs"]["config"]["capture"] = old
+    cap["inputs_hash"] = runner.digest(cap["inputs"])
+    (run / "capture" / "manifest.json").write_text(json.dumps(cap))
+    for stage in ("train",):  # what read the capture stage's old hash
+        m = json.loads((run / stage / "manifest.json").read_text())
+        m["inputs"]["upstream"]["capture"] = cap["inputs_hash"]
+        m["inputs_hash"] = runner.digest(m["inputs"])
+        (run / stage / "manifest.json").write_text(json.dumps(m))
+    calls.clear()
+    runner.run_stages(make_cfg(tmp_path, *ONLINE, *RUNTIME), world, calls.fns)
+    assert calls == []
+    runner.run_stages(make_cfg(tmp_path, *ONLINE, *RUNTIME, "train.max_steps=2000"), world, calls.fns)
+    assert calls == ["train"]

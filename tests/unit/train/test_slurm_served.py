@@ -10,6 +10,7 @@ import re
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -124,13 +125,16 @@ def test_regenerate_block_serves_the_target_on_the_engine_nodes(capsys, tmp_path
     assert args.regenerate_args == "--concurrency 64" and args.log == tmp_path / "kimi_k2/logs/serve.log"
     assert words[split + 1:] == args.launcher == ["srun", "--het-group=1", "--nodes=1", "--ntasks=1", "--exact",
                                                   "--gpus-per-node=8", "--cpus-per-task=64"]
-    cmd = serve.server_command(args, "gpu33", 20001)
+    cmd = serve.server_command(args, "gpu33", "10.1.0.33", 20001)
     assert cmd[:3] == ["srun", "--nodelist=gpu33", "--het-group=1"]
-    assert cmd[cmd.index("/opt/vllm/bin/python"):] == [
+    assert cmd[cmd.index("/opt/vllm/bin/python"):] == [  # the node's cluster address, not every interface
         "/opt/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server",
-        "--model", "moonshotai/Kimi-K2-Instruct-0905", "--host", "0.0.0.0", "--port", "20001",
+        "--model", "moonshotai/Kimi-K2-Instruct-0905", "--host", "10.1.0.33", "--port", "20001",
         "--tensor-parallel-size", "8", "--trust-remote-code"]
     assert not any("KEY" in w.upper() for w in words)  # the API key travels in the environment only
+    rc, out, _ = _dry(capsys, "train", "recipe=kimi_k2", *ONLINE, f"run.output_root={tmp_path}", "--no-api-key",
+                      "--regenerate", "sg.jsonl:/d/sg_regen.jsonl", "data.sources.0.path=/d/sg_regen.jsonl")
+    assert rc == 0 and serve.parse_args(_knob(out, "REGENERATE")).no_api_key
     body = out.split("# ---- end knobs ----")[1]
     assert body.index("fledge.train.slurm.serve") < body.index("fledge.train.slurm.launch")  # before training
 
@@ -198,7 +202,36 @@ http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
 """
 
 
-def test_serve_waits_for_health_regenerates_and_stops_the_server(tmp_path, monkeypatch):
+def test_serve_refuses_to_start_a_server_without_a_key_unless_told(tmp_path, monkeypatch, capsys):
+    """No FLEDGE_API_KEY in the job (as when the card's key prefixed `fledge submit`, not the bash running sbatch):
+    one line naming the fix, and no server started; --no-api-key serves with a warning."""
+    conv = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "old"}]}
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps(conv) + "\n")
+    monkeypatch.delenv("FLEDGE_API_KEY", raising=False)
+    monkeypatch.setenv("SLURM_JOB_NODELIST_HET_GROUP_1", "localhost")
+    monkeypatch.setattr(serve, "node_addr", lambda node, timeout=30: "127.0.0.1")
+    started = []
+    monkeypatch.setattr(serve.subprocess, "Popen", lambda cmd, **kw: started.append(cmd) or 1 / 0)
+    argv = ["--model", "m", "--log", str(tmp_path / "serve.log"), "--pair", f"{inp}:{tmp_path / 'out.jsonl'}",
+            "--", "env"]
+    assert serve.main(argv) == 2 and not started
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "FLEDGE_API_KEY" in err and "--no-api-key" in err, err
+    with pytest.raises(ZeroDivisionError):  # it gets as far as starting the server
+        serve.main(["--no-api-key", *argv])
+    assert started and started[0][started[0].index("--host") + 1] == "127.0.0.1"
+    assert "without an API key" in capsys.readouterr().err
+
+
+def test_kimi_k2_card_hands_the_key_to_the_bash_that_runs_sbatch():
+    """`FLEDGE_API_KEY=... fledge submit ... | bash` sets the key for `fledge submit` only; sbatch never sees it."""
+    card = (Path(__file__).resolve().parents[3] / "recipes" / "kimi_k2" / "README.md").read_text()
+    assert "FLEDGE_API_KEY" in card and not re.search(r"FLEDGE_API_KEY=\S*\s+fledge submit", card)
+    assert re.search(r"(\| *FLEDGE_API_KEY=\S* +bash|export FLEDGE_API_KEY)", card)
+
+
+def test_serve_waits_for_health_regenerates_and_stops_the_server(tmp_path, monkeypatch, capfd):
     """The whole phase with a stand-in server (the launcher prefix is `env`, the engine python ours running a tiny
     HTTP server): /health, then `fledge regenerate` against it with the key from FLEDGE_API_KEY, then stopped."""
     import socket as _socket
@@ -227,3 +260,5 @@ def test_serve_waits_for_health_regenerates_and_stops_the_server(tmp_path, monke
     assert [r["messages"][1]["content"] for r in rows] == ["new", "new"]
     with pytest.raises(OSError):  # stopped
         _socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    printed = capfd.readouterr()
+    assert "s3cret" not in printed.out + printed.err + log.read_text()  # the key is in no output

@@ -1,0 +1,147 @@
+"""Training from a served target (capture.mode=online capture.engine=vllm) through the real entry point on 2 gloo
+ranks, with the stand-in engine (tests/helpers/fake_capture_engine.py: the real capture driver over a fake vLLM)
+and an untrained tiny target. Every run here has the default, relative run.output_root=outputs (the engine's driver
+runs in a directory of its own: a path handed over relative would land there and the trainers wait for the whole
+timeout; the suite's other runs use absolute temporary roots, which hid it). The runs: a resume at half the steps
+on half the ranks; an epoch-mode run whose length is not a multiple of the world; an engine shared by both ranks
+killed between the leader's batch and the member's, in a fresh run and in one resumed with steps that start off
+the new step size."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fledge.data.features.reader import BatchIterator
+from tests.helpers.paths import REPO as ROOT
+
+pytestmark = pytest.mark.distributed
+FAKE = ROOT / "tests" / "helpers" / "fake_capture_engine.py"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+       "WANDB_MODE": "disabled", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
+SMALL = ["drafter.ttt_steps=2", "drafter.draft_vocab_size=1024", "train.log_every=1", "train.save_every=2",
+         "train.eval_batches=2", "train.optim.warmup_steps=2", "data.perturb.fraction=0", "capture.mode=online",
+         "capture.engine=vllm", "capture.buffer_batches=2", "capture.engine_timeout_s=120", "target.dtype=float32"]
+
+
+@pytest.fixture(scope="module")
+def online(tmp_path_factory, random_tiny_target, tiny_data):
+    """(work dir, the overrides every run here shares); the engine's python runs the stand-in."""
+    work = tmp_path_factory.mktemp("online")
+    python = work / "engine-python"
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} {FAKE} "$@"\n')
+    python.chmod(0o755)
+    base = ["recipe=tiny", f"target.name_or_path={random_tiny_target}", f"capture.engine_python={python}",
+            f"data.sources.0.path={tiny_data}/train.jsonl", "data.sources.0.max_samples=48",
+            f"data.eval_sources.0.path={tiny_data}/eval.jsonl", "data.eval_sources.0.max_samples=8", *SMALL]
+    return work, base
+
+
+def fledge(online, *overrides: str, nproc: int = 2, timeout: int = 600, env: dict | None = None
+           ) -> subprocess.CompletedProcess:
+    """train/main.py under torchrun in the work directory (so run.output_root=outputs is relative to it)."""
+    work, base = online
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(ROOT / "train" / "main.py"), *base, *overrides]
+    return subprocess.run(cmd, cwd=work, env={**ENV, **(env or {})}, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def ok(res: subprocess.CompletedProcess) -> str:
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
+    return res.stdout + res.stderr
+
+
+def consumed(run: Path, rank: int) -> list[int]:
+    """The global batches rank ``rank`` consumed, in order (data/capture/stream.py's record)."""
+    path = run / "train" / "stream" / f"rank{rank:05d}" / "train-consumed.jsonl"
+    return [json.loads(x)["batch"] for x in path.read_text().splitlines()]
+
+
+def train_outputs(run: Path) -> dict:
+    return json.loads((run / "train" / "manifest.json").read_text())["outputs"]
+
+
+@pytest.fixture(scope="module")
+def prepared(online) -> Path:
+    """The prepared data (one process), copied into each run below (run.stages=[train] reads it)."""
+    ok(fledge(online, "run.output_root=outputs", "run.name=base", "run.stages=[prepare]", nproc=1))
+    return online[0] / "outputs" / "base" / "prepare"
+
+
+def new_run(online, prepared: Path, name: str) -> list[str]:
+    shutil.copytree(prepared, online[0] / "outputs" / name / "prepare")
+    return ["run.output_root=outputs", f"run.name={name}", "run.stages=[train]"]
+
+
+def batches_per_epoch(prepared: Path, micro_batch_tokens: int) -> int:
+    """The global batches of one epoch of the prepared train split at ``micro_batch_tokens`` (the plan's rule)."""
+    from datasets import load_from_disk
+
+    from fledge.conf import compose
+    from fledge.data.capture.offline import dataset_lengths
+    from fledge.run_layout import PrepareDir
+
+    cfg = compose(["recipe=tiny"])
+    lengths = dataset_lengths(load_from_disk(str(PrepareDir(prepared).split("train"))))
+    return BatchIterator(lengths, 0, 1, micro_batch_tokens, cfg.train.micro_batch_size,
+                         cfg.run.seed).global_batches_per_epoch
+
+
+def test_a_run_resumed_at_half_its_steps_on_half_the_ranks_trains_to_the_end(online, prepared):
+    """A 1,000-step run resumed at step 500 on half the ranks, scaled down: 4 steps on 2 ranks, then 8 on 1. The
+    engine's job must run from the resume position to what the trainer will consume (batches 8..11), not to
+    max_steps x the new step size (8), past which the engine exits and the trainer finds it "died"."""
+    run = online[0] / "outputs" / "half"
+    ov = new_run(online, prepared, "half")
+    ok(fledge(online, *ov, "train.max_steps=4", "train.eval_every=4"))
+    log = ok(fledge(online, *ov, "train.max_steps=8", "train.eval_every=8", nproc=1))
+    assert train_outputs(run)["steps"] == 8 and train_outputs(run)["engine_starts"] == 1 and "engine died" not in log
+    assert consumed(run, 0) == [0, 2, 4, 6, 8, 9, 10, 11]
+
+
+def test_an_epoch_run_whose_batches_do_not_divide_by_the_world_trains_to_the_end(online, prepared):
+    """train.epochs=2 with an odd number of global batches per epoch on 2 ranks: the trainer consumes 2N batches
+    (whole steps of 2 from the run's data), the engine's job must hold them all, not 2 x (N // 2) x 2."""
+    tokens = next(t for t in range(256, 2048, 64) if batches_per_epoch(prepared, t) % 2 and
+                  batches_per_epoch(prepared, t) >= 3)
+    n = batches_per_epoch(prepared, tokens)
+    run = online[0] / "outputs" / "epochs"
+    log = ok(fledge(online, *new_run(online, prepared, "epochs"), "train.max_steps=0", "train.epochs=2",
+                    f"train.micro_batch_tokens={tokens}", f"train.eval_every={n}"))
+    assert train_outputs(run)["steps"] == n and train_outputs(run)["engine_starts"] == 1 and "engine died" not in log
+    assert consumed(run, 0) + consumed(run, 1) == [g for r in (0, 1) for g in range(r, 2 * n, 2)]
+
+
+SHARED = ["capture.ranks_per_engine=2", "capture.engine_timeout_s=30"]
+
+
+def test_a_shared_engine_killed_between_the_leaders_batch_and_the_members_restarts(online, prepared):
+    """Steps of 2 micro-batches on 2 ranks sharing one engine, which makes 0 (leader), 1 (member), 2 (leader), 3
+    (member), ... and is killed before batch 3: the leader holds its step (0, 2) and enters the step's
+    all-reduce while the member waits for 3. The leader must notice, and start the engine again at the step's
+    start, before it waits on the member; nothing is lost or consumed twice."""
+    run = online[0] / "outputs" / "shared"
+    log = ok(fledge(online, *new_run(online, prepared, "shared"), *SHARED, "train.grad_accum=2", "train.max_steps=3",
+                    "train.eval_every=3", env={"FAKE_ENGINE_DIE_ONCE": f"3:{online[0] / 'shared.died'}"}))
+    assert (online[0] / "shared.died").exists() and train_outputs(run)["engine_starts"] == 2, log[-3000:]
+    assert consumed(run, 0) == [0, 2, 4, 6, 8, 10] and consumed(run, 1) == [1, 3, 5, 7, 9, 11]
+
+
+def test_a_shared_engine_killed_in_a_run_resumed_off_the_step_size_restarts_at_the_steps_start(online, prepared):
+    """One step of 2 global batches (grad_accum 1), then steps of 4 (grad_accum 2) from batch 2: steps [2..5], [6..9].
+    The engine, killed after batch 2 (the leader's), must start again at 2, the step's start, not at 4 (a multiple
+    of the step size): the member still needs 3."""
+    run = online[0] / "outputs" / "offset"
+    ov = new_run(online, prepared, "offset")
+    ok(fledge(online, *ov, *SHARED, "train.max_steps=1", "train.eval_every=1"))
+    log = ok(fledge(online, *ov, *SHARED, "train.grad_accum=2", "train.max_steps=3", "train.eval_every=3",
+                    env={"FAKE_ENGINE_DIE_ONCE": f"1:{online[0] / 'offset.died'}"}))
+    assert (online[0] / "offset.died").exists() and train_outputs(run)["engine_starts"] == 2, log[-3000:]
+    assert consumed(run, 0) == [0, 2, 4, 6, 8] and consumed(run, 1) == [1, 3, 5, 7, 9]
