@@ -181,7 +181,7 @@ def test_filled_het_script_runs_the_trainers_on_component_0(tmp_path):
                          text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     assert (tmp_path / "fake.log.srun").read_text().startswith("srun --het-group=0 --ntasks-per-node=1 ")
-    cmd = shlex.split(next(x for x in res.stdout.splitlines() if "torch.distributed.run" in x))
+    cmd = shlex.split(next(x for x in res.stdout.splitlines() if "fledge.train.torchrun" in x))
     assert cmd[0] == "OMP_NUM_THREADS=8" and f"--rdzv_endpoint=10.1.0.1:{PORT_BASE + 999}" in cmd
     assert any(w.startswith("capture.engine_launcher=") for w in cmd)
     start = (out / "llama3/slurm/jobs.tsv").read_text().splitlines()[0].split("\t")
