@@ -76,6 +76,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"fledge: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         sys.exit(2)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from fledge.progress import quiet_library_bars
+
+    quiet_library_bars()  # in a log: before the tool imports datasets, transformers, huggingface_hub
     module, fn, _ = COMMANDS[name]
     try:
         code = getattr(importlib.import_module(module), fn)(rest)

@@ -25,6 +25,9 @@ def run(cfg: Config) -> dict:
     manifests of the stages that are complete and current."""
     # The pipeline (torch, DeepSpeed, transformers) is imported only once the overrides have composed
     # (check_overrides): a mistyped key is one line in a second, not after the heavy imports.
+    from fledge.progress import quiet_library_bars
+
+    quiet_library_bars()  # before the imports below bring in datasets and transformers
     from fledge.atomic import write_bytes_atomic
     from fledge.distributed import destroy_world, init_world, setup_logging
     from fledge.run_layout import RunLayout
