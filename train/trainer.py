@@ -104,6 +104,8 @@ def run_training(ctx: StageContext) -> dict:
             raise ValueError(f"could not load checkpoint {ckpt_dir / tag}; delete {ckpt_dir} to start over")
         log.info("resumed from %s at step %d, global batch %d (saved by %d ranks)", tag, plan.step, plan.batches,
                  state["world_size"])
+        if plan.note and world.is_main:
+            log.warning(plan.note)
     step = plan.step
     train_data.seek(plan.batches)
     was = state.get("batches_per_step")
