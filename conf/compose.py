@@ -37,7 +37,22 @@ def compose(overrides: list[str] | None = None) -> Config:
         with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
             dcfg = hydra_compose(config_name="config", overrides=list(overrides or []))
     except (HydraException, OmegaConfBaseException) as e:
-        raise ValueError(f"overrides {list(overrides or [])}: {e}") from None
+        raise ValueError(f"overrides {list(overrides or [])}: {hydra_message(e)}") from None
     finally:
         GlobalHydra.instance().clear()
     return to_config(dcfg)
+
+
+def hydra_message(e: BaseException) -> str:
+    """Hydra's report as one line: a group's options listed inline, its config search path left out, the
+    reason a merge failed (a wrong type, an unknown key), which Hydra keeps in the exception's cause, and not
+    its hint to append an unknown key with +, which the schema refuses too."""
+    text = str(e).split("\nConfig search path:")[0]
+    text, _, options = text.partition("\n\nAvailable options in ")
+    lines = [x.strip() for x in text.splitlines() if x.strip() and not x.startswith("To append to your config")]
+    if e.__cause__ is not None and str(e.__cause__).strip():
+        lines[0] = f"{lines[0].rstrip('.')}: {str(e.__cause__).strip().splitlines()[0]}"
+    if options:
+        group, _, names = options.partition(":")
+        lines.append(f"the options in {group}: {', '.join(names.split())}")
+    return "; ".join(lines)

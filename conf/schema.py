@@ -8,6 +8,7 @@ Cross-field checks live in ``validate()`` and raise ``ValueError`` naming the ke
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -256,6 +257,7 @@ class Config:
 
     def validate(self) -> Config:
         """Cross-field checks that types alone cannot express; raises ValueError naming the key."""
+        _check_bounds(self)
         _one_of("run.stages", self.run.stages, STAGES, many=True)
         _one_of("run.force", self.run.force, STAGES, many=True)
         _one_of("target.dtype", self.target.dtype, ("auto", "bfloat16", "float16", "float32"))
@@ -375,6 +377,41 @@ def _check_context_buckets(ev: EvalConfig) -> None:
                          "(e.g. [512,2048,8192,32768])")
     if b and ev.bucket_prompts < 1:
         raise ValueError(f"eval.bucket_prompts={ev.bucket_prompts}: must be >= 1 with eval.context_buckets set")
+
+
+# Counts the code divides by, loops over or waits for, and their least value: below it a value composes but fails
+# after the model is built (a modulo by 0), or runs nothing. Each with what it counts, for the message.
+AT_LEAST: dict[str, tuple[int, str]] = {
+    "train.max_steps": (0, "optimizer steps; 0: train.epochs decides"),
+    "train.epochs": (1, "passes over the data when train.max_steps=0"),
+    "train.micro_batch_tokens": (1, "tokens per packed row"),
+    "train.micro_batch_size": (1, "packed rows per micro-batch per rank"),
+    "train.grad_accum": (1, "micro-batches per optimizer step; 1: none accumulated"),
+    "train.save_every": (1, "steps between checkpoints; the last step always saves"),
+    "train.keep_last": (1, "checkpoints kept"),
+    "train.eval_every": (1, "steps between held-out evals; the last step always evaluates, so "
+                            "train.eval_every=train.max_steps evaluates once at the end"),
+    "train.eval_batches": (1, "held-out global batches per eval"),
+    "train.log_every": (1, "steps between log lines"),
+    "train.max_nonfinite": (1, "non-finite steps in a row before the run stops"),
+    "train.optim.warmup_steps": (0, "steps of linear warmup; 0: none"),
+    "capture.batch_tokens": (1, "tokens per target forward"),
+    "capture.tensor_parallel_size": (1, "GPUs per engine; 1: no tensor parallelism"),
+    "capture.data_parallel_size": (1, "vLLM data-parallel ranks; 1: an engine per rank"),
+    "capture.engine_timeout_s": (1, "seconds to wait for one batch, the engine's start-up included"),
+    "capture.engine_restarts": (0, "restarts of a dead engine before the run fails; 0: none"),
+    "eval.num_prompts": (1, "prompts per eval set"),
+    "eval.draft_tokens": (1, "draft tokens per speculative round, k"),
+    "eval.max_new_tokens": (1, "tokens generated per prompt"),
+    "eval.engine_timeout_s": (1, "seconds for the whole engine run"),
+}
+
+
+def _check_bounds(cfg: Config) -> None:
+    for key, (low, meaning) in AT_LEAST.items():
+        value = functools.reduce(getattr, key.split("."), cfg)
+        if value < low:
+            raise ValueError(f"{key}={value}: must be >= {low} ({meaning})")
 
 
 def _one_of(key: str, value: Any, allowed: tuple, many: bool = False) -> None:

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from fledge.evaluation.speculative import DrafterProposer
+from fledge.progress import progress
 
 FIELDS = ("sink", "context", "drafted", "state_rms")
 
@@ -81,12 +82,10 @@ def drift_curves(drafter, target, prompts: Sequence[Sequence[int]], depth: int, 
     """Greedy chain drafts of ``depth`` tokens after each prompt (no verification: the diagnostics are
     about the drafter's own unroll), returning ``DriftProbe.summary()``. ``target`` is a
     ``models.speculative.TargetRunner`` built with the drafter's aux layer ids."""
-    from tqdm import tqdm
-
     probe = DriftProbe(drafter)
     proposer = DrafterProposer(drafter, probe=probe)
     try:
-        for prompt in tqdm(prompts, desc=desc, leave=False):
+        for prompt in progress(prompts, desc=desc, leave=False):
             target.reset()
             proposer.reset()
             logits, aux = target.prefill(prompt)

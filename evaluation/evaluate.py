@@ -23,7 +23,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from fledge.atomic import read_jsonl
 from fledge.data.prepare.build import load_tokenizer
@@ -44,6 +43,7 @@ from fledge.evaluation.speculative import (
 from fledge.models import alignment
 from fledge.models.alignment import StepAccuracy, al_estimate
 from fledge.models.target import FrozenTarget
+from fledge.progress import progress
 from fledge.run_layout import EvalDir, PrepareDir
 from fledge.serving.engine import check_engine
 from fledge.serving.export import load_drafter, spec_from_export
@@ -176,7 +176,7 @@ def evaluate_set(name: str, prompts: list[list[int]], target_model, drafter, eva
     drafter_prop, lookup = DrafterProposer(drafter), LookupProposer(eval_cfg.lookup_max_ngram)
     refs, plain_s, spec, look, ties, sampled = [], 0.0, [], [], 0, []
     gen = torch.Generator().manual_seed(seed)
-    for prompt in tqdm(prompts, desc=f"eval {name}", leave=False):
+    for prompt in progress(prompts, desc=f"eval {name}", leave=False):
         ref, sec = greedy_decode(plain, prompt, max_new, eos_ids)
         refs.append(ref)
         plain_s += sec
@@ -287,7 +287,7 @@ def heldout_accuracy(drafter, frozen, samples: Sequence[tuple[list[int], list[in
     if not samples:
         return {"steps": steps, "acc": [0.0] * steps, "full_acc": [0.0] * steps, "rows": rows.tolist()}
     R = heldout_row_length(max(len(ids) for ids, _ in samples))
-    for members in tqdm(pack_heldout([len(ids) for ids, _ in samples], R), desc="held-out accuracy", leave=False):
+    for members in progress(pack_heldout([len(ids) for ids, _ in samples], R), desc="held-out accuracy", leave=False):
         x = torch.zeros(1, R, dtype=torch.long, device=dev)
         argmax, aux = torch.zeros_like(x), None
         m = torch.zeros(1, R, dtype=torch.bool, device=dev)

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from fledge.atomic import read_json, write_json_atomic
+from fledge.conf import compose
 from fledge.run_layout import RunLayout
 
 
@@ -99,10 +100,14 @@ def warnings(runs: list[dict]) -> list[str]:
 
 
 def _train_main(nproc: int, overrides: list[str]) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "-m", "fledge.train.main",
-           *overrides]
+    """One run of train/main.py on ``nproc`` ranks; a failed run ends the sweep with its exit code, its ranks
+    having said why (train/torchrun.py: a user error stays the rank's one line)."""
+    cmd = [sys.executable, "-m", "fledge.train.torchrun", "--standalone", f"--nproc_per_node={nproc}", "-m",
+           "fledge.train.main", *overrides]
     print("+", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, env=dict(os.environ))
+    code = subprocess.run(cmd, env=dict(os.environ)).returncode
+    if code:
+        raise SystemExit(code)
 
 
 def sweep(root: Path, variants: list[tuple[str, list[str]]], seeds: list[int], nproc: int,
@@ -111,6 +116,8 @@ def sweep(root: Path, variants: list[tuple[str, list[str]]], seeds: list[int], n
     (a sweep cut short has every variant at the seeds it finished). Wall times go to <root>/sweep_times.json."""
     root = Path(root).resolve()
     common = [*overrides, f"run.output_root={root}"]
+    for _, extra in variants:  # a bad override is one line now, not a failed run after the base capture
+        compose([*common, *extra])
     t0 = time.time()
     _train_main(nproc, [*common, "run.name=base", "run.stages=[prepare,capture]"])
     times, dirs = {"prepare+capture": time.time() - t0}, []

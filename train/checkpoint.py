@@ -21,6 +21,7 @@ A resume on any world size and gradient accumulation continues at the stored dat
 from __future__ import annotations
 
 import logging
+import math
 import re
 import shutil
 import subprocess
@@ -35,7 +36,7 @@ from safetensors.torch import save_file
 from fledge.atomic import atomic_path, read_json, write_bytes_atomic, write_json_atomic
 from fledge.conf.schema import Config
 from fledge.distributed import World
-from fledge.train.deepspeed_setup import decay_progress
+from fledge.train.deepspeed_setup import decay_progress, lr_lambda
 
 log = logging.getLogger(__name__)
 TAG = re.compile(r"step_\d{8}")
@@ -71,6 +72,7 @@ class ResumePlan:
     batches: int
     total: int
     decay_from: tuple[int, float] | None
+    note: str | None = None  # for the resume message: the lr schedule was re-spanned (schedule_note)
 
 
 def planned_steps(max_steps: int, epochs: int, step: int, batches: int, per_step: int, batches_per_epoch: int) -> int:
@@ -102,7 +104,27 @@ def resume_plan(state: dict, cfg: Config, per_step: int, batches_per_epoch: int)
     moved = bool(saved) and total != saved["total"] and per_step != state["batches_per_step"]
     if moved and saved["count"] >= t.optim.warmup_steps:  # (during warmup the decay has not started)
         decay_from = (saved["count"], decay_progress(cfg, saved["total"], saved["count"], decay_from))
-    return ResumePlan(step, batches, total, decay_from)
+    note = schedule_note(cfg, saved, total, decay_from, step) if saved else None
+    return ResumePlan(step, batches, total, decay_from, note)
+
+
+def schedule_note(cfg: Config, saved: dict, total: int, decay_from: tuple[int, float] | None, step: int) -> str | None:
+    """What the resume message says when a longer (or shorter) run re-spans the lr schedule over its new length
+    (docs/architecture.md, Resuming and changing a run): the steps trained ran under the old span, and the lr
+    jumps at the resume (a finished cosine run's floor rises back up the curve). Kept deliberately: extending
+    the old schedule instead would train every added step at its final lr (``min_lr_ratio`` x lr, 0 by default).
+    None when the lr goes on as it was (same end, a constant schedule, the decay carried over a step size change)."""
+    count, lr = saved["count"], cfg.train.optim.lr
+    old_decay = tuple(saved["decay_from"]) if saved["decay_from"] else None
+    before = lr * lr_lambda(cfg, saved["total"], old_decay)(count)
+    after = lr * lr_lambda(cfg, total, decay_from)(count)
+    if math.isclose(before, after, rel_tol=1e-6, abs_tol=1e-12 * lr):
+        return None
+    return (f"train: the lr schedule ended at step {saved['total']} and the run now ends at step {total} "
+            "(train.max_steps / train.epochs changed): the train.optim.schedule="
+            f"{cfg.train.optim.schedule} decay is recomputed over the new length, so the lr at step {count} goes "
+            f"from {before:.3g} to {after:.3g}; the {step} steps trained so far ran under the {saved['total']}-step "
+            "schedule (run.force=[train] trains the whole run under one)")
 
 
 def gathered_state_dict(engine) -> dict[str, torch.Tensor]:

@@ -15,6 +15,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from fledge.conf import CONF_DIR, Config, to_config
+from fledge.user_errors import USER_ERRORS, debugging, user_error
 
 log = logging.getLogger("fledge")
 
@@ -24,6 +25,9 @@ def run(cfg: Config) -> dict:
     manifests of the stages that are complete and current."""
     # The pipeline (torch, DeepSpeed, transformers) is imported only once the overrides have composed
     # (check_overrides): a mistyped key is one line in a second, not after the heavy imports.
+    from fledge.progress import quiet_library_bars
+
+    quiet_library_bars()  # before the imports below bring in datasets and transformers
     from fledge.atomic import write_bytes_atomic
     from fledge.distributed import destroy_world, init_world, setup_logging
     from fledge.run_layout import RunLayout
@@ -52,28 +56,6 @@ def run(cfg: Config) -> dict:
 # What this command did with each stage (train/runner.py's plan), as the closing summary says it.
 ACTIONS = {"use": "kept, not selected", "skip": "up to date", "run": "ran", "resume": "ran on from its own output",
            "start over": "started over"}
-
-
-# Fledge raises ValueError (DataError is one) for bad input and config, with the file, line or key and the
-# fix in the message; those reach the user as one line and exit code 2. Anything else is a bug and keeps its
-# traceback. FLEDGE_DEBUG=1 (or Hydra's HYDRA_FULL_ERROR=1) shows the traceback of user errors too.
-USER_ERROR_EXIT_CODE = 2
-USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError)
-
-
-def debugging() -> bool:
-    return os.environ.get("FLEDGE_DEBUG") == "1" or os.environ.get("HYDRA_FULL_ERROR") == "1"
-
-
-def user_error(e: BaseException, all_ranks_agree: bool = False) -> None:
-    """Print ``e`` as one line and exit 2. Every rank that failed says so (a bad shard may fail one rank
-    only), prefixed by its rank in a multi-process run; an error every rank raises alike (the config's)
-    is printed once."""
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    if rank == 0 or not all_ranks_agree:
-        where = f"[rank {rank}] " if world > 1 else ""
-        print(f"fledge: {where}error: {e}", file=sys.stderr, flush=True)
-    sys.exit(USER_ERROR_EXIT_CODE)
 
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
@@ -117,11 +99,31 @@ def check_overrides(argv: list[str]) -> None:
 
 
 def cli(argv: list[str]) -> int:
-    """``fledge run [overrides]``: Hydra reads its overrides from sys.argv."""
-    sys.argv = ["fledge run", *argv]
+    """``fledge run [--nproc-per-node N] [overrides]``: Hydra reads its overrides from sys.argv; with N, torchrun's
+    agent in this process starts N ranks of this module (train/torchrun.py: a rank's one-line error stays one)."""
+    nproc, argv = nproc_per_node(argv)
     check_overrides(argv)
+    if nproc:
+        from fledge.train.torchrun import main as torchrun
+
+        return torchrun(["--standalone", f"--nproc_per_node={nproc}", "-m", "fledge.train.main", *argv])
+    sys.argv = ["fledge run", *argv]
     main()
     return 0
+
+
+def nproc_per_node(argv: list[str]) -> tuple[int | None, list[str]]:
+    """``--nproc-per-node N`` (or ``=N``) taken out of ``argv``; a bad N is one line and exit code 2."""
+    rest, nproc, it = [], None, iter(argv)
+    for a in it:
+        if a == "--nproc-per-node" or a.startswith("--nproc-per-node="):
+            value = a.partition("=")[2] if "=" in a else next(it, "")
+            if not value.isdigit() or int(value) < 1:
+                user_error(f"--nproc-per-node {value!r}: a count of ranks >= 1, e.g. --nproc-per-node 2")
+            nproc = int(value)
+        else:
+            rest.append(a)
+    return nproc, rest
 
 
 if __name__ == "__main__":

@@ -29,11 +29,11 @@ import signal
 import time
 
 import torch
-from tqdm import tqdm
 
 from fledge.conf.schema import Config
 from fledge.distributed import World, all_reduce_sum, any_rank, sequence_groups
 from fledge.models.alignment import StepAccuracy, al_estimate
+from fledge.progress import progress
 from fledge.train import checkpoint
 from fledge.train.deepspeed_setup import build_engine, gradient_divisor, use_bf16
 from fledge.train.metrics import MetricsLog, RatioMeter
@@ -104,6 +104,8 @@ def run_training(ctx: StageContext) -> dict:
             raise ValueError(f"could not load checkpoint {ckpt_dir / tag}; delete {ckpt_dir} to start over")
         log.info("resumed from %s at step %d, global batch %d (saved by %d ranks)", tag, plan.step, plan.batches,
                  state["world_size"])
+        if plan.note and world.is_main:
+            log.warning(plan.note)
     step = plan.step
     # the run ends after total - step more steps of per_step global batches (an engine streams exactly those)
     train_data.seek(plan.batches, end=plan.batches + (total - step) * per_step)
@@ -121,7 +123,7 @@ def run_training(ctx: StageContext) -> dict:
                                  {"recipe": cfg.recipe, "drafter": vars(cfg.drafter), "train": vars(cfg.train)})
     sigterm = _SigtermFlag()
     meter, tokens, nonfinite_run, skipped = RatioMeter(), 0, 0, int(state.get("skipped", 0))
-    bar = tqdm(total=total, initial=step, desc="train", disable=not world.is_main, dynamic_ncols=True)
+    bar = progress(total=total, initial=step, desc="train", disable=not world.is_main)
     t_log = time.time()
     meta = drafter_meta(cfg, model.drafter.spec)
     try:

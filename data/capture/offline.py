@@ -51,6 +51,7 @@ from fledge.engine_process import SETUP_HINT, engine_python
 from fledge.models.families import read_target
 from fledge.models.precision import compute_dtype
 from fledge.models.target import FrozenTarget, check_target_config, target_fingerprint
+from fledge.progress import progress
 from fledge.run_layout import CaptureDir, PrepareDir
 
 log = logging.getLogger(__name__)
@@ -117,7 +118,6 @@ class SplitCapture:
 
     def __init__(self, dataset_dir: Path, store_dir: Path, cap: CaptureConfig, world, meta: dict):
         from datasets import load_from_disk
-        from tqdm import tqdm
 
         self.ds = load_from_disk(str(dataset_dir))
         self.lengths = dataset_lengths(self.ds)
@@ -137,8 +137,8 @@ class SplitCapture:
             settings["engine"] = cap.engine
         self.writer = ShardWriter(rank_dir(self.out_dir, world.rank), cap.shard_size_mb * 2**20, settings)
         done_tokens = sum(self.lengths[i] for i in self.writer.done_ids)
-        self.bar = tqdm(total=sum(self.lengths[i] for i in ids), initial=done_tokens, unit="tok", unit_scale=True,
-                        desc=f"capture {dataset_dir.name}", disable=not world.is_main, dynamic_ncols=True)
+        self.bar = progress(total=sum(self.lengths[i] for i in ids), initial=done_tokens, unit="tok", unit_scale=True,
+                            desc=f"capture {dataset_dir.name}", disable=not world.is_main)
 
     def todo(self) -> list[list[int]]:
         return [b for b in self.plan if any(i not in self.writer.done_ids for i in b)]

@@ -165,7 +165,7 @@ def regenerate(conversations: Iterable[dict], out_path: str | Path, backend: Bac
     ``{"done", "skipped_existing", "failed", "first_errors"}``; a failed conversation is not written,
     so the next run retries it.
     """
-    from tqdm import tqdm
+    from fledge.progress import progress as show_progress
 
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -177,7 +177,7 @@ def regenerate(conversations: Iterable[dict], out_path: str | Path, backend: Bac
         if f.tell() and not out_path.read_bytes().endswith(b"\n"):
             f.write("\n")  # end a line torn by a kill, so the next record starts on its own line
         futures = {pool.submit(regenerate_one, c, backend, temperature, max_tokens): c["index"] for c in todo}
-        for fut in tqdm(as_completed(futures), total=len(futures), disable=not progress, desc="regenerate"):
+        for fut in show_progress(as_completed(futures), total=len(futures), disable=not progress, desc="regenerate"):
             try:
                 rec = fut.result()
             except Exception as e:  # one bad conversation (or a server hiccup) must not lose the others

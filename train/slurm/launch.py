@@ -2,8 +2,9 @@
 
 Under Slurm, srun starts ONE task per node running this module; it reads the SLURM_* variables, works
 out the rendezvous (first node of the allocation, node rank, nodes, workers per node) and execs
-``python -m torch.distributed.run`` with a c10d rendezvous, so each node's torchrun agent starts one
-worker per GPU and sets RANK/LOCAL_RANK/WORLD_SIZE exactly as on a workstation. train/ never reads
+``python -m fledge.train.torchrun`` (torchrun's agent; a failed rank's one-line error is not followed by
+torchrun's traceback) with a c10d rendezvous, so each node's torchrun agent starts one worker per GPU and sets
+RANK/LOCAL_RANK/WORLD_SIZE exactly as on a workstation. train/ never reads
 SLURM_* itself: the single-node command and the Slurm one run the same code.
 
 Why one torchrun per node and not one srun task per GPU: torchrun forwards SIGTERM to the workers
@@ -237,7 +238,7 @@ def build_command(args: argparse.Namespace, env: Mapping[str, str], python: str 
     else:
         rdzv_args = ["--standalone", f"--nproc_per_node={nproc_per_node(env, args.nproc_per_node)}"]
     entry = [args.script] if args.script.endswith(".py") else ["-m", args.script]
-    return [python, "-m", "torch.distributed.run", *rdzv_args, *entry, *args.overrides, *extra]
+    return [python, "-m", "fledge.train.torchrun", *rdzv_args, *entry, *args.overrides, *extra]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import shlex
 import sys
@@ -163,8 +164,44 @@ def compose(overrides: list[str]):
     return compose_checked(overrides)
 
 
+# The flags that count something, their least value and what they count (for the one-line refusal)
+COUNT_FLAGS = {"nodes": (1, "trainer nodes"), "gpus_per_node": (0, "GPUs per node; 0: CPU nodes"),
+               "nproc_per_node": (1, "workers per node"), "cpus_per_task": (1, "CPUs per node"),
+               "array": (1, "capture slices"), "max_parallel": (1, "array tasks at once"),
+               "engine_nodes": (0, "a node count; 0: each engine beside its trainer rank"),
+               "engine_gpus_per_node": (0, "GPUs per engine node; 0: CPU nodes"),
+               "engine_cpus_per_task": (1, "CPUs per engine node")}
+
+
+def check_counts(args: argparse.Namespace) -> None:
+    """ValueError naming the flag whose count is below its least value (a 0 was replaced by a default, or
+    reached sbatch)."""
+    for name, (low, meaning) in COUNT_FLAGS.items():
+        value = getattr(args, name)
+        if value is not None and value < low:
+            raise ValueError(f"--{name.replace('_', '-')} {value}: must be >= {low} ({meaning})")
+
+
+def check_hub(cfg, stages: str, env=os.environ) -> None:
+    """A job whose publish stage will push needs the Hub there: the templates run the stages with
+    HF_HUB_OFFLINE=1 unless the environment sbatch passes on sets it, and the job would fail only after the
+    queue wait (train/preflight.py ``check_publish``, as the job's start sees it)."""
+    if not (cfg.export.push_to_hub and "publish" in stages.strip("[]").split(",")):
+        return
+    fix = ("or set export.push_to_hub=false (or --stages without publish) and push the export later with "
+           "`fledge push RUN_DIR/export ORG/NAME`")
+    if (env.get("HF_HUB_OFFLINE") or "1").upper() in ("1", "ON", "YES", "TRUE"):
+        raise ValueError("export.push_to_hub=true: the Slurm job runs its publish stage with HF_HUB_OFFLINE=1 (the "
+                         "templates' default) and would fail after the queue wait; export HF_HUB_OFFLINE=0 in the "
+                         f"shell that runs sbatch (the nodes must reach the Hub), {fix}")
+    if not env.get("HF_TOKEN"):
+        raise ValueError("export.push_to_hub=true: the Slurm job's publish stage reads the Hub token from HF_TOKEN, "
+                         f"unset here; export HF_TOKEN (a write token) in the shell that runs sbatch, {fix}")
+
+
 def plan(kind: str, args: argparse.Namespace, overrides: list[str]) -> list[Job]:
     """The filled scripts for ``kind`` (capture | train | pipeline) in submission order."""
+    check_counts(args)
     cfg = compose(overrides)
     res = RESOURCES.get(cfg.recipe)
     if res is None:
@@ -178,14 +215,13 @@ def plan(kind: str, args: argparse.Namespace, overrides: list[str]) -> list[Job]
                                                ("engine_cpus_per_task", args.engine_cpus_per_task)) if v is not None})
     res = replace(res, engine_gpus_per_node=res.gpus_per_node if res.engine_gpus_per_node is None
                   else res.engine_gpus_per_node,
-                  engine_cpus_per_task=res.engine_cpus_per_task or res.cpus_per_task)
+                  engine_cpus_per_task=res.cpus_per_task if res.engine_cpus_per_task is None
+                  else res.engine_cpus_per_task)
     overrides = list(overrides)
     served = cfg.capture.mode == "online" and cfg.capture.engine == "vllm"
     if args.engine_nodes is not None and not served:
         raise ValueError("--engine-nodes places the engines of a served target: add capture.mode=online "
                          "capture.engine=vllm (or drop --engine-nodes)")
-    if args.engine_nodes is not None and args.engine_nodes < 0:
-        raise ValueError(f"--engine-nodes {args.engine_nodes}: a node count (0: each engine beside its trainer rank)")
     engines = None
     if served and res.engine_nodes:  # 0 engine nodes: one plain job, the engines beside their ranks
         if kind == "capture":
@@ -210,11 +246,11 @@ def plan(kind: str, args: argparse.Namespace, overrides: list[str]) -> list[Job]
                          "capture.mode=online capture.engine=vllm --engine-nodes N")
     if args.no_api_key and not args.regenerate:
         print("submit: warning: --no-api-key has no effect without --regenerate (nothing is served)", file=sys.stderr)
-    if args.array is not None and args.array < 1:
-        raise ValueError(f"--array {args.array}: need at least 1 slice")
     if any(o.startswith(("run.stages=", "+run.stages=", "++run.stages=")) for o in overrides):
         raise ValueError("set the stages with --stages, not a run.stages= override (each job sets its own; "
                          "capture array tasks must run the capture stage alone)")
+    if kind in ("train", "pipeline"):
+        check_hub(cfg, args.stages or ALL_STAGES)
     if args.array:  # what every array task will compose (train.launch adds the slice overrides)
         compose([*overrides, "run.stages=[capture]", f"capture.num_slices={args.array}", "capture.slice_index=0"])
     layout = RunLayout.of(cfg.run)

@@ -90,6 +90,25 @@ def test_bad_values_are_value_errors_naming_the_key(override, key):
         compose(["recipe=tiny", override])
 
 
+@pytest.mark.parametrize("override, message", [
+    ("train.eval_every=0", "train.eval_every=0: must be >= 1 (steps between held-out evals; the last step always "
+                           "evaluates, so train.eval_every=train.max_steps evaluates once at the end)"),
+    ("train.save_every=0", "train.save_every=0: must be >= 1 (steps between checkpoints"),
+    ("train.log_every=0", "train.log_every=0: must be >= 1"),
+    ("train.grad_accum=0", "train.grad_accum=0: must be >= 1"),
+    ("train.micro_batch_tokens=0", "train.micro_batch_tokens=0: must be >= 1"),
+    ("train.max_steps=-5", "train.max_steps=-5: must be >= 0 (optimizer steps; 0: train.epochs decides)"),
+    ("capture.tensor_parallel_size=0", "capture.tensor_parallel_size=0: must be >= 1"),
+    ("capture.engine_timeout_s=-1", "capture.engine_timeout_s=-1: must be >= 1"),
+    ("eval.draft_tokens=0", "eval.draft_tokens=0: must be >= 1 (draft tokens per speculative round, k)"),
+])
+def test_counts_below_their_least_value_are_refused_when_composed(override, message):
+    """Each composed and then failed after the model was built (a modulo by 0) or later still."""
+    with pytest.raises(ValueError) as e:
+        compose(["recipe=tiny", override])
+    assert message in str(e.value)
+
+
 def test_unsorted_aux_ids_are_refused_with_the_reason():
     """vLLM and SGLang collect aux states in layer order: [16, 2, 29] would feed fc's first block layer 2."""
     with pytest.raises(ValueError, match=r"drafter\.aux_layer_ids=\[16, 2, 29\]: must be distinct and ascending "

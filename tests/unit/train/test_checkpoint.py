@@ -88,3 +88,24 @@ def test_a_checkpoint_without_a_data_position_resumes_as_before():
     plan = checkpoint.resume_plan({"step": 3, "world_size": 2}, _cfg("train.max_steps=10"), per_step=2,
                                   batches_per_epoch=20)
     assert (plan.step, plan.batches, plan.total, plan.decay_from) == (3, 6, 10, None)
+
+
+def test_a_longer_run_says_the_lr_schedule_is_respanned_over_its_new_length():
+    """A finished 100-step cosine run raised to 200 steps: its lr had decayed to the floor (1e-4 = 0.1 x 1e-3) and
+    the schedule recomputed over 200 steps puts step 100 back near the middle of the curve. The resume message says
+    so, with both lrs (extending the old schedule instead would train the 100 new steps at the floor). The same
+    end, a constant schedule, and a step-size change whose decay carries on are resumed without a word."""
+    cfg = _cfg("train.max_steps=200", "train.optim.min_lr_ratio=0.1")
+    plan = checkpoint.resume_plan(_saved(100, 100, 1, 100), cfg, per_step=1, batches_per_epoch=1000)
+    before, after = 1e-3 * lr_lambda(cfg, 100)(100), 1e-3 * lr_lambda(cfg, 200)(100)
+    assert before == pytest.approx(1e-4) and after > 5e-4
+    assert plan.note == (
+        "train: the lr schedule ended at step 100 and the run now ends at step 200 (train.max_steps / "
+        "train.epochs changed): the train.optim.schedule=cosine decay is recomputed over the new length, so the lr "
+        f"at step 100 goes from 0.0001 to {after:.3g}; the 100 steps trained so far ran under the 100-step schedule "
+        "(run.force=[train] trains the whole run under one)")
+    assert checkpoint.resume_plan(_saved(50, 50, 1, 200), cfg, per_step=1, batches_per_epoch=1000).note is None
+    constant = _cfg("train.max_steps=200", "train.optim.schedule=constant")
+    assert checkpoint.resume_plan(_saved(100, 100, 1, 100), constant, per_step=1, batches_per_epoch=1000).note is None
+    epochs = _cfg("train.max_steps=0", "train.epochs=1")
+    assert checkpoint.resume_plan(_saved(6, 12, 2, 10), epochs, per_step=1, batches_per_epoch=20).note is None

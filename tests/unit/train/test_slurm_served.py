@@ -97,6 +97,11 @@ def test_a_launcher_on_the_command_line_is_kept(capsys, tmp_path):
      "2 engines per node on 1 CPUs"),
     (["capture", "recipe=kimi_k2", *ONLINE], "submit train or pipeline"),
     (["train", "recipe=kimi_k2", *ONLINE, "--engine-nodes", "-1"], "a node count"),
+    (["train", "recipe=tiny", *ONLINE, "--engine-nodes", "1", "--engine-cpus-per-task", "0"],
+     r"^submit: --engine-cpus-per-task 0: must be >= 1 \(CPUs per engine node\)$"),
+    (["train", "recipe=llama3", "--nodes", "0"], r"^submit: --nodes 0: must be >= 1 \(trainer nodes\)$"),
+    (["capture", "recipe=llama3", "--array", "4", "--max-parallel", "-1"],
+     r"^submit: --max-parallel -1: must be >= 1 \(array tasks at once\)$"),
     (["pipeline", "recipe=kimi_k2", *ONLINE, "--array", "4"], "drop --array"),
     (["train", "recipe=llama3", "--regenerate", "a.jsonl:b.jsonl"], "--regenerate serves the target"),
     (["train", "recipe=kimi_k2", *ONLINE, "--regenerate", "a.jsonl:b.jsonl"],
@@ -108,6 +113,26 @@ def test_layouts_that_cannot_run_are_refused_in_one_line(capsys, args, match):
     assert rc == 2 and not out, out
     assert len(err.strip().splitlines()) == 1 and err.startswith("submit: "), err
     assert re.search(match, err), err
+
+
+def test_a_push_the_jobs_cannot_make_is_refused_before_the_queue(capsys, monkeypatch):
+    """The templates run the stages with HF_HUB_OFFLINE=1 unless the environment sbatch passes on says 0: a
+    publish stage would have failed after the queue wait. With the Hub and a token there, it is submitted; a
+    job without the publish stage never pushes."""
+    hub = ["train", "recipe=tiny", "export.push_to_hub=true", "export.repo_id=me/tiny"]
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    rc, out, err = _dry(capsys, *hub)
+    assert rc == 2 and not out and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("submit: export.push_to_hub=true: the Slurm job runs its publish stage with "
+                          "HF_HUB_OFFLINE=1") and "export HF_HUB_OFFLINE=0 in the shell that runs sbatch" in err
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    rc, out, err = _dry(capsys, *hub)
+    assert rc == 2 and "export HF_TOKEN" in err, err
+    monkeypatch.setenv("HF_TOKEN", "hf_x")
+    assert _dry(capsys, *hub)[0] == 0
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert _dry(capsys, *hub, "--stages", "[prepare,capture,train,export,eval]")[0] == 0
 
 
 def test_regenerate_block_serves_the_target_on_the_engine_nodes(capsys, tmp_path):
@@ -160,7 +185,7 @@ def test_filled_het_script_runs_the_trainers_on_component_0(tmp_path):
                          text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     assert (tmp_path / "fake.log.srun").read_text().startswith("srun --het-group=0 --ntasks-per-node=1 ")
-    cmd = shlex.split(next(x for x in res.stdout.splitlines() if "torch.distributed.run" in x))
+    cmd = shlex.split(next(x for x in res.stdout.splitlines() if "fledge.train.torchrun" in x))
     assert cmd[0] == "OMP_NUM_THREADS=8" and f"--rdzv_endpoint=10.1.0.1:{PORT_BASE + 999}" in cmd
     assert any(w.startswith("capture.engine_launcher=") for w in cmd)
     start = (out / "llama3/slurm/jobs.tsv").read_text().splitlines()[0].split("\t")

@@ -29,6 +29,57 @@ def test_empty_source_is_named(tmp_path, random_tiny_target):
 def test_bad_override_is_one_line_naming_the_key(tmp_path):
     assert_one_line(fledge_run(tmp_path, "drafter.ttt_steps=0"), "drafter.ttt_steps=0")
     assert_one_line(fledge_run(tmp_path, "drafter.bogus=1"), "drafter.bogus")
+    assert_one_line(fledge_run(tmp_path, "train.eval_every=0"), "train.eval_every=0: must be >= 1")
+    res = fledge_run(tmp_path, "drafter=nope")  # Hydra's report of a missing option spans 14 lines
+    assert_one_line(res, "Could not find 'drafter/nope'; the options in 'drafter': eagle3, eagle31")
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def _fledge(tmp_path, *args, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fledge", *args], cwd=tmp_path, env=ENV, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["lint", "DIR", "--target", "/nonexistent"], ["--target /nonexistent: no such path", "a hub id (org/name)"]),
+    (["lint", "DIR", "--recipe", "nope"], ["Could not find 'recipe/nope'; the options in 'recipe': ", "llama3"]),
+    (["regenerate", "--input", "/nope.jsonl", "--output", "OUT", "--endpoint", "http://127.0.0.1:9", "--model", "m"],
+     ["data source '/nope.jsonl': no such file or directory"]),
+    (["compare", "--train", "ROOT", "--", "recipe=nope"], ["Could not find 'recipe/nope'"]),
+])
+def test_tools_refuse_bad_input_in_one_line(tmp_path, args, needles):
+    """Each was a traceback (an OSError from transformers, Hydra's error, a ValueError with a good message, a
+    CalledProcessError of the first torchrun)."""
+    (tmp_path / "DIR").mkdir()
+    args = [str(tmp_path / a) if a in ("DIR", "OUT", "ROOT") else a for a in args]
+    res = _fledge(tmp_path, *args)
+    assert_one_line(res, *needles)
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_a_ranks_user_error_under_torchrun_is_its_one_line(tmp_path):
+    """A rank's user error (exit code 2) was followed by torchrun's ChildFailedError traceback and failure box:
+    `fledge run --nproc-per-node N` runs torchrun's agent in its own process (train/torchrun.py), and so do the
+    Slurm launcher and `fledge compare --train`, whose failed run is its exit code, not a CalledProcessError."""
+    bad = f"target.name_or_path={tmp_path / 'no_such_target'}"  # composes; the runner refuses it in the rank
+    res = _fledge(tmp_path, "run", "--nproc-per-node", "1", "recipe=tiny", f"run.output_root={tmp_path / 'out'}",
+                  "run.stages=[prepare]", bad)
+    assert_one_line(res, f"{bad}: no such directory")
+    assert "ChildFailedError" not in res.stderr and "exitcode" not in res.stderr, res.stderr
+    res = _fledge(tmp_path, "compare", "--train", str(tmp_path / "sweep"), "--", "recipe=tiny", bad)
+    assert_one_line(res, f"{bad}: no such directory")
+    assert "ChildFailedError" not in res.stderr and "CalledProcessError" not in res.stderr, res.stderr
+
+
+def test_a_rank_that_fails_otherwise_is_named_in_one_line(tmp_path):
+    """A bug's exit code (its traceback is the rank's) or a signal: one line naming the rank and the code."""
+    (tmp_path / "bug.py").write_text("import sys\nsys.exit(3)\n")
+    res = subprocess.run([sys.executable, "-m", "fledge.train.torchrun", "--standalone", "--nproc_per_node=1",
+                          str(tmp_path / "bug.py")], cwd=tmp_path, env=ENV, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 3 and "Traceback" not in res.stderr, res.stderr
+    assert [x for x in res.stderr.splitlines() if x.startswith("fledge: ")] == [
+        "fledge: rank 0 failed with exit code 3 (its output is above)"], res.stderr
 
 
 def test_missing_target_is_a_user_error(tmp_path):
