@@ -85,8 +85,8 @@ def _rebuild(model):
     """A plain (unquantized) model of the same class and config holding ``model``'s weights."""
     import torch
 
-    config = model.config.__class__.from_dict({k: v for k, v in model.config.to_dict().items()
-                                               if k not in ("quantization_config", "_name_or_path", "_model_name_or_path")})
+    dropped = ("quantization_config", "_name_or_path", "_model_name_or_path")
+    config = model.config.__class__.from_dict({k: v for k, v in model.config.to_dict().items() if k not in dropped})
     config.dtype = torch.float32
     fresh = type(model)(config).to(torch.float32)
     missing, unexpected = fresh.load_state_dict(model.state_dict(), strict=False)

@@ -108,7 +108,8 @@ def iter_rows(path: str, split: str = "train", max_samples: int | None = None,
 
 
 def _iter_jsonl(p: Path) -> Iterator[RawRow]:
-    with (gzip.open(p, "rb") if p.suffix.lower() == ".gz" else open(p, "rb")) as f:  # bytes: a line that is not UTF-8 is that row's error, named by file:line
+    # bytes: a line that is not UTF-8 is that row's error, named by file:line
+    with (gzip.open(p, "rb") if p.suffix.lower() == ".gz" else open(p, "rb")) as f:
         for i, raw in enumerate(f):
             where = f"{p}:{i + 1}"
             try:
