@@ -58,7 +58,7 @@ def test_the_gguf_import_is_checked_and_cached():
 def test_stages_on_the_real_target(real_run):
     run, log = real_run
     summary = json.loads((run / "prepare" / "summary.json").read_text())
-    assert summary["mask_method"] == "prefix_diff" and summary["kept"] >= 30, summary
+    assert summary["mask_method"] == "prefix_diff" and summary["kept"] >= 20, summary  # 40 rows, 192 tokens
     assert summary["sources"]  # how many rows each source gave
     export = json.loads((run / "export" / "manifest.json").read_text())["outputs"]
     assert export["lint_errors"] == 0
