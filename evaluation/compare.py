@@ -238,9 +238,10 @@ def markdown_seeds(c: dict) -> str:
             ratio = s["ratio"][key]
             lines.append(f"| {name} | {what} | {cell(s[LABELS[0]][key])} | {cell(s[LABELS[1]][key])} | "
                          f"{'n/a' if ratio is None else f'{ratio:.2f}x'} | {s['paper'] or ''} |")
-    lines += ["", "Baselines on the same prompts: prompt lookup's AL (in process; vLLM's ngram where served) and the "
-              "target's distinct-3-gram ratio (near 0: the target loops and every AL measures the loop):", "",
-              "| set | lookup AL | vLLM ngram AL | distinct-3 |", "|---" * 4 + "|"]
+    lines += ["", "Baselines on the same prompts: prompt lookup's AL (in process, per round: a round without a match "
+              "is AL 1; vLLM's ngram where served, per draft: only the rounds that drafted) and the target's "
+              "distinct-3-gram ratio (near 0: the target loops and every AL measures the loop):", "",
+              "| set | lookup AL (per round) | vLLM ngram AL (per draft) | distinct-3 |", "|---" * 4 + "|"]
     for name, s in c["sets"].items():
         a = s[LABELS[0]]
         lines.append(f"| {name} | {cell(a['lookup_al'])} | {cell(a['lookup_al_engine'])} | {cell(a['distinct3'])} |")

@@ -146,14 +146,20 @@ def acceptance_stats(results, k: int) -> dict:
     nothing and counts as a rejection), so AL = 1 + sum(accept_at) up to end-of-turn cuts;
     ``accept_cond[i]`` = the same given draft i was accepted. ``al_uncut`` = 1 + sum(accept_at) is AL as an
     engine's counters give it (vLLM: 1 + accepted / drafts), where drafts accepted past the end-of-turn token of
-    a round still count: above ``al`` by about one cut round per answer on a target whose answers end."""
+    a round still count: above ``al`` by about one cut round per answer on a target whose answers end.
+    ``al_per_draft`` = 1 + accepted / ``drafts`` over the rounds that proposed anything, which is how vLLM counts
+    its ngram method (a round without a match is no draft there, where ``al`` counts it as AL 1); the drafter
+    always proposes, so for it this is ``al_uncut``."""
     rounds = [r for res in results for r in res.rounds if not r.budget_limited]
     n = len(rounds)
+    drafted = [r for r in rounds if r.drafted]
     reach = [sum(r.accepted >= i for r in rounds) for i in range(k + 1)]
     out = {"rounds": n, "al": sum(r.emitted for r in rounds) / n if n else float("nan"),
            "accept_at": [reach[i] / n if n else float("nan") for i in range(1, k + 1)],
            "accept_cond": [reach[i] / reach[i - 1] if reach[i - 1] else float("nan") for i in range(1, k + 1)],
            "al_uncut": 1 + sum(reach[1:]) / n if n else float("nan"),
+           "drafts": len(drafted),
+           "al_per_draft": 1 + sum(r.accepted for r in drafted) / len(drafted) if drafted else float("nan"),
            "draft_s": sum(r.draft_s for r in results), "verify_s": sum(r.verify_s for r in results),
            "tokens": sum(len(r.tokens) for r in results)}
     return out

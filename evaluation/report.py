@@ -51,10 +51,12 @@ def markdown(report: dict) -> str:
     lines = [f"# Acceptance report ({kind})", "",
              f"Drafter `{report['drafter']}`, chain of k={k} drafts (max AL {k + 1}), greedy unless noted, "
              f"{report['max_new_tokens']} new tokens per prompt. AL counts the bonus token. Prompt lookup = "
-             f"n-gram copy from the context with the same k. Degenerate output: distinct-3-gram ratio < "
+             "n-gram copy from the context with the same k; its AL here is per round, a round without a match "
+             "counting as AL 1 (vLLM counts its ngram method per draft, only the rounds that drafted: "
+             "`al_per_draft` in report.json, and the engine section). Degenerate output: distinct-3-gram ratio < "
              f"{report['degenerate_threshold']}.", "",
-             "| set | prompts | AL | lookup AL | AL - lookup | distinct-3 | non-degenerate | AL (non-deg.) | "
-             "lookup AL (non-deg.) | speed-up | lookup speed-up | draft s | verify s |",
+             "| set | prompts | AL | lookup AL (per round) | AL - lookup | distinct-3 | non-degenerate | "
+             "AL (non-deg.) | lookup AL (non-deg.) | speed-up | lookup speed-up | draft s | verify s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, s in report["sets"].items():
         d, lk = s["drafter"], s["lookup"]

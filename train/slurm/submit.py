@@ -177,7 +177,7 @@ def check_counts(args: argparse.Namespace) -> None:
     """ValueError naming the flag whose count is below its least value (a 0 was replaced by a default, or
     reached sbatch)."""
     for name, (low, meaning) in COUNT_FLAGS.items():
-        value = getattr(args, name)
+        value = getattr(args, name, None)
         if value is not None and value < low:
             raise ValueError(f"--{name.replace('_', '-')} {value}: must be >= {low} ({meaning})")
 

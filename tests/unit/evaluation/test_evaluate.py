@@ -124,6 +124,20 @@ def test_al_uncut_counts_drafts_accepted_past_the_end_of_turn_as_an_engine_does(
     assert s["al"] == pytest.approx((4 + 1) / 2) and s["al_uncut"] == pytest.approx(4.0)
 
 
+def test_lookup_al_per_draft_counts_only_the_rounds_that_drafted_as_vllm_counts_ngram():
+    """Prompt lookup's rounds without a match propose nothing: ``al`` counts each as AL 1, vLLM's ngram counters
+    count no draft (1 + accepted / drafts), which ``al_per_draft`` follows; the drafter always drafts, so for it
+    the two counts of an engine agree (``al_per_draft`` = ``al_uncut``)."""
+    look = DecodeResult(tokens=[0] * 7, rounds=[Round(0, 0, 1, False), Round(0, 0, 1, False), Round(3, 2, 3, False),
+                                                Round(2, 0, 1, False), Round(3, 3, 4, True)])
+    s = acceptance_stats([look], 3)
+    assert s["al"] == pytest.approx((1 + 1 + 3 + 1) / 4) and s["al_uncut"] == pytest.approx(1 + 2 / 4)
+    assert s["drafts"] == 2 and s["al_per_draft"] == pytest.approx(1 + 2 / 2)
+    drafter = DecodeResult(tokens=[0] * 5, rounds=[Round(3, 3, 4, False), Round(3, 3, 1, False)])
+    d = acceptance_stats([drafter], 3)
+    assert d["drafts"] == 2 and d["al_per_draft"] == pytest.approx(d["al_uncut"])
+
+
 def test_eval_reports_al_vs_context_length(evaluated):
     stage_dir, _ = evaluated
     buckets = json.loads((stage_dir / "report.json").read_text())["context_buckets"]

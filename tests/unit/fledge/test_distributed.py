@@ -98,12 +98,16 @@ def test_collective_device_follows_the_backend(monkeypatch):
     assert fd.collective_device() == torch.device("cpu")
 
 
+# torchrun's agent (train/torchrun.py runs it in Fledge's process): it starts the ranks and calls no collective
+LAUNCHER = ("torch.distributed.run", "torch.distributed.elastic")
+
+
 def _uses_torch_distributed(tree: ast.AST) -> list[int]:
     lines = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import) and any(a.name.startswith("torch.distributed") for a in node.names):
             lines.append(node.lineno)
-        elif isinstance(node, ast.ImportFrom) and node.module and (
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.module.startswith(LAUNCHER) and (
                 node.module.startswith("torch.distributed")
                 or (node.module == "torch" and any(a.name == "distributed" for a in node.names))):
             lines.append(node.lineno)

@@ -258,7 +258,9 @@ def test_the_driver_counts_a_sampled_pass_apart_from_the_greedy_one(monkeypatch)
     assert "sampled" not in run_engine(req, {"name": "drafter"})["sets"]["default"]
 
 
-def test_the_engine_section_carries_the_sampled_acceptance(monkeypatch, tmp_path):
+def _engine_section(monkeypatch, tmp_path, report: dict, lookup_accepted: int = 1) -> dict:
+    """run_engine_eval over a stand-in driver result: 4 drafts per engine, the drafter accepting 4 tokens (2 when
+    sampling), vLLM's ngram ``lookup_accepted``."""
     import fledge.evaluation.engine_eval as E
 
     def counters(accepted):
@@ -271,13 +273,34 @@ def test_the_engine_section_carries_the_sampled_acceptance(monkeypatch, tmp_path
     res = {"vllm_version": "0", "device": "CPU: test", "wall_s": 1.0,
            "engines": {"plain": {"load_s": 1, "sets": {"default": engine_set(0)}},
                        "drafter": {"load_s": 1, "sets": {"default": engine_set(4, sampled=2)}},
-                       "lookup": {"load_s": 1, "sets": {"default": engine_set(1)}}}}
+                       "lookup": {"load_s": 1, "sets": {"default": engine_set(lookup_accepted)}}}}
     monkeypatch.setattr(E, "run_driver", lambda *a, **k: res)
     monkeypatch.setattr(E, "served_lint_errors", lambda *a, **k: [])
-    report = {"sets": {"default": {"drafter": {"al": 2.0}, "lookup": {"al": 1.25}}}}
     cfg = _cfg(engine="vllm", temperature=1.0, draft_tokens=2)
-    section = E.run_engine_eval(cfg, {"default": [[1]]}, report, tmp_path / "d", tmp_path, [5], 64, "cpu",
-                                Path("py"))
-    s = section["sets"]["default"]
+    return E.run_engine_eval(cfg, {"default": [[1]]}, report, tmp_path / "d", tmp_path, [5], 64, "cpu", Path("py"))
+
+
+def test_the_engine_section_carries_the_sampled_acceptance(monkeypatch, tmp_path):
+    report = {"sets": {"default": {"drafter": {"al": 2.0}, "lookup": {"al": 1.25}}}}
+    s = _engine_section(monkeypatch, tmp_path, report)["sets"]["default"]
     assert s["drafter"]["al"] == 2.0 and s["drafter_sampled"]["al"] == 1.5
     assert s["drafter_sampled"]["accept_at"] == [0.5, 0.0]
+
+
+def test_the_lookup_als_beside_each_other_are_both_per_draft(monkeypatch, tmp_path):
+    """The tiny card's table put in-process lookup 1.19 beside vLLM's ngram 1.59 as "counted the same way": in
+    process a round whose n-gram found no match counted as AL 1, while vLLM counts only the rounds that drafted. The
+    engine section now sets vLLM's figure beside the in-process one per draft (``al_per_draft``), and says so;
+    the in-process table labels its own per round."""
+    from fledge.evaluation.report import markdown
+
+    report = {"k": 2, "flags": {"fc_norm": True, "norm_output": True}, "drafter": "d", "max_new_tokens": 8,
+              "degenerate_threshold": 0.5, "temperature": 0.0, "train_al_estimate": 2.5,
+              "sets": {"default": {"drafter": {"al": 2.0}, "lookup": {"al": 1.25, "al_per_draft": 1.5}}}}
+    section = _engine_section(monkeypatch, tmp_path, report, lookup_accepted=2)
+    s = section["sets"]["default"]
+    assert s["in_process_lookup_al"] == 1.5 and s["lookup"]["al"] == 1.5  # vLLM: 1 + 2 accepted / 4 drafts
+    md = markdown({**report, "sets": {}, "engine": section})
+    assert "| in-process lookup AL (per draft) | engine lookup AL (per draft) |" in md
+    assert "both lookup ALs count only the rounds that drafted" in md
+    assert "| default | 2.50 | 2.00 | 2.00 | 0.00 | -0.50 | 1.50 | 1.50 | 0.50 |" in md
