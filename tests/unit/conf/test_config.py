@@ -123,6 +123,12 @@ def test_an_engine_only_eval_needs_an_engine_and_no_context_buckets(overrides, m
     assert compose(["recipe=tiny", "eval.in_process=false", "eval.engine=vllm"]).eval.in_process is False
 
 
+def test_the_real_target_is_evaluated_by_the_engine_alone_and_the_tiny_targets_in_process_too():
+    """recipe=smollm2's in-process harness costs ~36 s a prompt on 2 cores; the tiny targets' is the reference."""
+    assert compose(["recipe=smollm2"]).eval.in_process is False
+    assert all(compose([f"recipe={r}"]).eval.in_process for r in ("tiny", "tiny_mla", "tiny_moe"))
+
+
 def test_unsorted_aux_ids_are_refused_with_the_reason():
     """vLLM and SGLang collect aux states in layer order: [16, 2, 29] would feed fc's first block layer 2."""
     with pytest.raises(ValueError, match=r"drafter\.aux_layer_ids=\[16, 2, 29\]: must be distinct and ascending "
