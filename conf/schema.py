@@ -233,6 +233,9 @@ class EvalConfig:
     engine_batch_size: int = 0  # prompts per engine generate call (0: the whole set at once)
     engine_timeout_s: int = 1800  # the whole engine run, all three configurations
     engine_sets: list[str] = field(default_factory=list)  # the eval.sets vLLM serves (empty: every set)
+    # false: the engine alone measures the prompt sets (a real target, whose in-process harness costs ~36 s a prompt
+    # on 2 CPU cores); no in-process AL, drift or context buckets, and no engine-vs-in-process AL check
+    in_process: bool = True
     # Named eval sets (evaluation/eval_sets.py): eval.sets may also name public benchmarks (mt_bench, gsm8k, humaneval,
     # alpaca, cnn_dm, math500, speed_bench_<category>, speed_bench_throughput_<n>k, longbench_v2), loaded by hub id
     # with `datasets` and rendered through the target's chat template; eval.num_prompts bounds each set's prompts.
@@ -300,6 +303,7 @@ class Config:
         if not self.eval.engine_al_tolerance > 0:
             raise ValueError(f"eval.engine_al_tolerance={self.eval.engine_al_tolerance}: must be > 0 (an AL gap)")
         _check_context_buckets(self.eval)
+        _check_engine_only(self.eval)
         _one_of("logging.wandb_mode", self.logging.wandb_mode, ("auto", "online", "offline", "disabled"))
         if self.train.sequence_parallel < 1:
             raise ValueError(f"train.sequence_parallel={self.train.sequence_parallel}: must be >= 1 (1 = off)")
@@ -368,6 +372,19 @@ def _check_capture_slices(cfg: Config) -> None:
                          "array, later stages after the merge (capture.num_slices=N without slice_index)")
     if c.mode != "offline":
         raise ValueError(f"capture.slice_index with capture.mode={c.mode}: slices exist only for the offline store")
+
+
+def _check_engine_only(ev: EvalConfig) -> None:
+    """eval.in_process=false: an engine measures every set, and nothing asks for what only the harness measures."""
+    if ev.in_process:
+        return
+    if ev.engine == "hf":
+        raise ValueError("eval.in_process=false measures the prompt sets with the serving engine alone, and "
+                         "eval.engine=hf is none: set eval.engine=vllm (or eval.in_process=true)")
+    if ev.context_buckets:
+        raise ValueError(f"eval.context_buckets={list(ev.context_buckets)}: AL vs context length is measured by the "
+                         "in-process harness, which eval.in_process=false skips: drop eval.context_buckets (or set "
+                         "eval.in_process=true)")
 
 
 def _check_context_buckets(ev: EvalConfig) -> None:

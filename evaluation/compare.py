@@ -40,7 +40,7 @@ from pathlib import Path
 from fledge.atomic import write_bytes_atomic, write_json_atomic
 from fledge.evaluation.long_context import drift_at
 from fledge.evaluation.report import plot_context
-from fledge.evaluation.seeds import cell, load_run, set_figures, spread, sweep, warnings
+from fledge.evaluation.seeds import cell, load_run, require_in_process, set_figures, spread, sweep, warnings
 from fledge.run_layout import RunLayout
 
 LABELS = ("EAGLE-3.1", "EAGLE-3")
@@ -56,6 +56,7 @@ def load_report(run_dir: Path, want_31: bool) -> dict:
     if not path.exists():
         raise SystemExit(f"{path} not found: run the pipeline through the eval stage for {run_dir}")
     report = json.loads(path.read_text())
+    require_in_process(report, path)
     flags = report["flags"]
     if (flags["fc_norm"] and flags["norm_output"]) != want_31 or (not want_31 and any(flags.values())):
         print(f"warning: {path} has flags {flags}, expected {'EAGLE-3.1' if want_31 else 'EAGLE-3'}", file=sys.stderr)

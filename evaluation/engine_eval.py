@@ -14,7 +14,8 @@ report is written):
   prompt (a difference at a top-2 log-prob tie is counted, not failed);
 - engine AL and Fledge's in-process AL counted as the engine counts (``al_uncut``: every accepted draft,
   those past a round's end-of-turn token included) must agree within ``eval.engine_al_tolerance`` on every
-  set: both read the export's config.json and weights, so a gap means the engine reads them differently;
+  set: both read the export's config.json and weights, so a gap means the engine reads them differently
+  (skipped with ``eval.in_process=false``: the engine alone measures the sets, there is no in-process AL);
 - the engine AL of the best set must not collapse below half the accepted drafts the training-time
   estimate predicts (an export both readers read the same wrong way: a bad d2t, a flipped norm flag);
 - the served export must pass ``fledge lint`` against the target and its own training record (a config.json
@@ -119,15 +120,17 @@ def run_engine_eval(cfg, sets: dict[str, list[list[int]]], report: dict, drafter
                "load_s": {n: e["load_s"] for n, e in engines.items()}, "sets": {}, "failures": []}
     for name in sets:
         plain, spec, look = (engines[n]["sets"][name] for n in ("plain", "drafter", "lookup"))
-        inproc = report["sets"][name]
+        inproc = report["sets"].get(name)  # None: eval.in_process=false, the engine alone measures the set
         s = {"prompts": len(sets[name]), "drafter": acceptance(spec["counters"], k),
-             "lookup": acceptance(look["counters"], k), "in_process_al": _as_counted(inproc["drafter"]),
-             "in_process_lookup_al": inproc["lookup"].get("al_per_draft"),  # per draft, as vLLM counts ngram
+             "lookup": acceptance(look["counters"], k),
+             "in_process_al": _as_counted(inproc["drafter"]) if inproc else None,
+             # per draft, as vLLM counts ngram
+             "in_process_lookup_al": inproc["lookup"].get("al_per_draft") if inproc else None,
              "tokens_per_s": {n: r["tokens"] / r["wall_s"] if r["wall_s"] else float("nan")
                               for n, r in (("plain", plain), ("drafter", spec), ("lookup", look))}}
         if "sampled" in spec:  # reported, not held to the in-process figure: the two draw different samples
             s["drafter_sampled"] = acceptance(spec["sampled"]["counters"], k)
-        s["al_gap"] = s["drafter"]["al"] - s["in_process_al"]
+        s["al_gap"] = s["drafter"]["al"] - s["in_process_al"] if inproc else None
         s["speedup"] = s["tokens_per_s"]["drafter"] / s["tokens_per_s"]["plain"]
         s["lookup_speedup"] = s["tokens_per_s"]["lookup"] / s["tokens_per_s"]["plain"]
         diffs = greedy_differences(spec["outputs"], plain["outputs"], plain["top2_gaps"], tie)
@@ -186,7 +189,7 @@ def collapse_failures(sets: dict, estimate: float | None, drafter_dir: Path, tar
     if als[best] - 1 >= COLLAPSE * (estimate - 1):
         return []
     return [f"eval.engine: vLLM's AL collapsed on every set (best: {best!r} {als[best]:.2f}, in-process "
-            f"{sets[best]['in_process_al']:.2f}) below the training-time estimate {estimate:.2f}: fewer than "
+            f"{_fmt(sets[best]['in_process_al'])}) below the training-time estimate {estimate:.2f}: fewer than "
             f"{COLLAPSE:.0%} of the accepted drafts the held-out accuracy predicts. The export is not the drafter "
             f"that was trained; likely causes: {LIKELY_CAUSES}. Check: fledge lint {drafter_dir} --target {target}"]
 
@@ -208,14 +211,14 @@ def _as_counted(stats: dict) -> float:
 
 def engine_failures(name: str, s: dict, tol: float, drafter_dir: Path, target: str) -> list[str]:
     """The messages that fail the stage for one set: greedy differences that are not ties; an engine AL
-    beyond ``tol`` of the in-process AL."""
+    beyond ``tol`` of the in-process AL (no such check without an in-process AL: eval.in_process=false)."""
     out = []
     for d in s["greedy_differences"]:
         out.append(f"eval.engine: set {name!r}, prompt {d['prompt']}: vLLM's speculative greedy output differs from "
                    f"its plain greedy output at generated token {d['position']} ({d['spec']} vs {d['plain']}, "
                    f"top-2 log-prob gap {d['top2_gap']:.3g}: not a tie); speculative decoding must be lossless")
     gap = s["al_gap"]
-    if math.isnan(gap) or abs(gap) > tol:
+    if gap is not None and (math.isnan(gap) or abs(gap) > tol):
         out.append(f"eval.engine: set {name!r}: vLLM's AL {s['drafter']['al']:.2f} vs Fledge's in-process AL "
                    f"{s['in_process_al']:.2f} (gap {gap:+.2f} beyond eval.engine_al_tolerance={tol}). The engine "
                    f"serves this export differently from how Fledge runs it; likely causes: {LIKELY_CAUSES}. "
@@ -234,13 +237,21 @@ def engine_markdown(report: dict) -> list[str]:
     side by side with the gaps, engine acceptance per position and tokens/s, the greedy check."""
     e = report["engine"]
     k, est = e["k"], report.get("train_al_estimate")
-    lines = ["", f"## Served by {e['engine']} {e['version']} (measured by the engine)", "",
-             f"Engine on {e['device']}, dtype {e['dtype']}, k={k}, batch {e['batch_size']}. Engine AL = 1 + "
-             "accepted / drafts from vLLM's spec-decode counters; engine lookup = vLLM's `ngram` method; in-process "
-             "AL here is counted the same way (drafts accepted past a round's end-of-turn token count), and both "
-             "lookup ALs count only the rounds that drafted (a round whose n-gram found no match proposes nothing "
-             "and is no draft for vLLM; the in-process table above counts it as a round of AL 1). "
-             f"Tolerance on |engine - in-process| AL: {e['tolerance']}.", "",
+    counting = (f"Engine on {e['device']}, dtype {e['dtype']}, k={k}, batch {e['batch_size']}. Engine AL = 1 + "
+                "accepted / drafts from vLLM's spec-decode counters; engine lookup = vLLM's `ngram` method, counted "
+                "over the rounds that drafted (a round whose n-gram found no match proposes nothing and is no draft "
+                "for vLLM). ")
+    if report.get("in_process") is False:
+        counting += ("The prompt sets were measured by the engine alone (eval.in_process=false): there is no "
+                     "in-process AL, so the engine-vs-in-process AL tolerance: not checked. The greedy check, the "
+                     "collapse check against the training-time estimate (through the export's held-out accuracy "
+                     "below) and lint still hold.")
+    else:
+        counting += ("In-process AL here is counted the same way (drafts accepted past a round's end-of-turn token "
+                     "count), and both lookup ALs count only the rounds that drafted (the in-process table above "
+                     "counts a round without a match as AL 1). "
+                     f"Tolerance on |engine - in-process| AL: {e['tolerance']}.")
+    lines = ["", f"## Served by {e['engine']} {e['version']} (measured by the engine)", "", counting, "",
              "| set | train estimate | in-process AL | engine AL | engine - in-process | engine - estimate | "
              "in-process lookup AL (per draft) | engine lookup AL (per draft) | engine AL - lookup |",
              "|---|---|---|---|---|---|---|---|---|"]

@@ -14,10 +14,15 @@ vocab holds (the drafter can propose no other), and AL restricted to prompts who
 output is not degenerate (ratio >= ``eval.degenerate_threshold``), the teacher-forced held-out per-step
 accuracy up to 2K steps (natural text: loops cannot inflate it), and the attention-drift curves.
 Outputs: the report (report.json, report.md) and PNG plots (evaluation/report.py), where the stage says.
+
+With ``eval.in_process=false`` (a real target, whose harness is slow on CPU) only the engine measures the sets
+(evaluation/engine_eval.py): the harness, drift and the offline-vs-measured comparison are skipped, the held-out
+accuracy is still measured.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -108,7 +113,7 @@ def build_prompt_sets(eval_cfg, renderer, prepared: PrepareDir, max_prompt_token
                                  f"eval.prompt_length_policy=skip; raise eval.max_prompt_tokens or use truncate")
             if named_info is not None:
                 s = EVAL_SETS.get(name)
-                named_info[name] = {**info, "hub_id": s.hub_id, "measures": s.measures}
+                named_info[name] = {**info, "prompts": len(sets[name]), "hub_id": s.hub_id, "measures": s.measures}
             log.info("eval set %s: %d prompt(s) from %s (%d truncated, %d skipped as too long, %d placeholder rows)",
                      name, len(sets[name]), info["source"], info["truncated"], info["skipped_too_long"],
                      info["placeholder_rows"])
@@ -364,35 +369,33 @@ def evaluate_run(cfg, prepared: PrepareDir, out: EvalDir, drafter_dir: Path, dev
         return renderer.tok.decode([t for t in out if t not in renderer.eot_ids], skip_special_tokens=True)
 
     named: dict = {}
-    sets = build_prompt_sets(ev, renderer, prepared, max_pos - ev.max_new_tokens - ev.draft_tokens - 2, respond,
+    # Engine alone (eval.in_process=false): only the sets it serves are built (a named set's earlier turns cost
+    # the target's greedy answers).
+    built = ev if ev.in_process or not ev.engine_sets else dataclasses.replace(ev, sets=list(ev.engine_sets))
+    sets = build_prompt_sets(built, renderer, prepared, max_pos - ev.max_new_tokens - ev.draft_tokens - 2, respond,
                              named)
     if not sets:
         raise ValueError(f"eval: no prompt set could be built from {prepared.root} (eval.sets={ev.sets}); run prepare")
     report: dict = {"drafter": str(drafter_dir), "k": ev.draft_tokens, "ttt_steps": K,
                     "max_new_tokens": ev.max_new_tokens, "temperature": ev.temperature,
-                    "degenerate_threshold": ev.degenerate_threshold,
+                    "degenerate_threshold": ev.degenerate_threshold, "in_process": ev.in_process,
                     "flags": {f: bool(getattr(drafter.spec, f)) for f in ("fc_norm", "norm_output")}, "sets": {}}
     if named:
         report["named_sets"] = named
-    for name, prompts in sets.items():
-        report["sets"][name] = evaluate_set(name, prompts, target_model, drafter, ev, eos, cfg.run.seed)
-    depth = ev.drift_depth or max(ev.draft_tokens, 2 * K)
-    report["drift"] = {name: drift_curves(drafter, TargetRunner(target_model, drafter.spec.aux_layer_ids), prompts,
-                                          depth, desc=f"drift {name}") for name, prompts in sets.items()}
+    if ev.in_process:  # the harness on every set; eval.in_process=false leaves the sets to the engine alone
+        for name, prompts in sets.items():
+            report["sets"][name] = evaluate_set(name, prompts, target_model, drafter, ev, eos, cfg.run.seed)
+        depth = ev.drift_depth or max(ev.draft_tokens, 2 * K)
+        report["drift"] = {name: drift_curves(drafter, TargetRunner(target_model, drafter.spec.aux_layer_ids),
+                                              prompts, depth, desc=f"drift {name}") for name, prompts in sets.items()}
     default = prepared.conversations(SET_SPLITS["default"])
     if default.exists():
         samples = [renderer.encode(c, f"{default}:{i + 1}")
                    for i, c in enumerate(read_conversations(default)[:ev.num_prompts])]
         report["heldout"] = heldout_accuracy(drafter, frozen, samples, ev.heldout_steps or 2 * K,
                                              cfg.capture.chunk_tokens)
-        first = "default" if "default" in report["sets"] else next(iter(report["sets"]))
-        measured = report["sets"][first]["drafter"]["accept_at"]
-        offline = StepAccuracy(report["heldout"]["acc"][:len(measured)], report["heldout"]["full_acc"][:len(measured)])
-        report["offline_vs_measured"] = {"set": first, "offline_full_acc": offline.full_acc,
-                                         "measured_accept_at": measured,
-                                         "gap": [m - o for m, o in zip(measured, offline.full_acc)],
-                                         "offline_al": al_estimate(offline),
-                                         "measured_al": report["sets"][first]["drafter"]["al"]}
+        if report["sets"]:
+            report["offline_vs_measured"] = offline_vs_measured(report)
     if ev.context_buckets:  # AL and drift vs context length (evaluation/long_context.py)
         report["context_buckets"] = evaluate_buckets(cfg, renderer, prepared, target_model, drafter, eos, max_pos)
     report["train_al_estimate"] = train_al_estimate
@@ -404,7 +407,27 @@ def evaluate_run(cfg, prepared: PrepareDir, out: EvalDir, drafter_dir: Path, dev
     write_report(report, out, metrics_path)
     if report.get("engine", {}).get("failures"):  # after the report is written, so the numbers can be read
         raise ValueError("\n".join(report["engine"]["failures"]) + f"\n(report: {out.report_md})")
-    return {**{f"al_engine_{n}": s["drafter"]["al"] for n, s in report.get("engine", {}).get("sets", {}).items()},
+    return stage_summary(report, out)
+
+
+def offline_vs_measured(report: dict) -> dict:
+    """The held-out estimate per position beside the acceptance measured in process on the default set (else the
+    first set)."""
+    first = "default" if "default" in report["sets"] else next(iter(report["sets"]))
+    measured = report["sets"][first]["drafter"]["accept_at"]
+    offline = StepAccuracy(report["heldout"]["acc"][:len(measured)], report["heldout"]["full_acc"][:len(measured)])
+    return {"set": first, "offline_full_acc": offline.full_acc, "measured_accept_at": measured,
+            "gap": [m - o for m, o in zip(measured, offline.full_acc)], "offline_al": al_estimate(offline),
+            "measured_al": report["sets"][first]["drafter"]["al"]}
+
+
+def stage_summary(report: dict, out: EvalDir) -> dict:
+    """The stage's outputs (its manifest; the model card's table): ``al_<set>`` / ``al_lookup_<set>`` are the
+    in-process ALs (the tiny recipes' goldens), absent when eval.in_process=false rather than standing in for the
+    engine's, which are ``al_engine_<set>`` / ``al_lookup_engine_<set>`` (vLLM's ngram, per draft)."""
+    engine = report.get("engine", {}).get("sets", {})
+    return {**{f"al_engine_{n}": s["drafter"]["al"] for n, s in engine.items()},
+            **{f"al_lookup_engine_{n}": s["lookup"]["al"] for n, s in engine.items()},
             "report": str(out.report_md), "json": str(out.report_json),
             **{f"al_{n}": s["drafter"]["al"] for n, s in report["sets"].items()},
             **{f"al_lookup_{n}": s["lookup"]["al"] for n, s in report["sets"].items()}}

@@ -1,7 +1,8 @@
 """The eval stage's report: report.json, report.md and PNG plots (matplotlib, Agg backend).
 
-Plots: ``acceptance.png`` (per-position acceptance, drafter vs prompt lookup vs the offline estimate),
-``drift.png`` (sink / context / drafted attention mass and fed-back RMS per draft depth),
+Plots: ``acceptance.png`` (per-position acceptance, drafter vs prompt lookup vs the offline estimate; with
+``eval.in_process=false`` the engine's, drafter vs vLLM's ngram), ``drift.png`` (when measured in process:
+sink / context / drafted attention mass and fed-back RMS per draft depth),
 ``heldout.png`` (teacher-forced held-out accuracy per step, the trained K marked), ``al_vs_length.png``
 (with ``eval.context_buckets``: AL, drafted-attention mass and fed-back RMS per context length) and, when the train
 stage's ``metrics.jsonl`` exists, ``training.png`` (loss_k and acc_k curves, eval/acc_k dashed).
@@ -17,6 +18,10 @@ from pathlib import Path
 from fledge.atomic import write_bytes_atomic, write_json_atomic
 from fledge.evaluation.engine_eval import engine_markdown
 from fledge.run_layout import EvalDir
+
+# report.md's images, each under its alt text, when plot_report wrote it.
+PLOTS = {"acceptance.png": "acceptance", "drift.png": "drift", "heldout.png": "held-out",
+         "al_vs_length.png": "AL vs context length"}
 
 
 def _fmt(x, digits: int = 2) -> str:
@@ -44,44 +49,17 @@ def read_metrics(path: Path) -> list[dict]:
 
 def markdown(report: dict) -> str:
     """The human summary of a report dict (see evaluation/evaluate.py for its keys)."""
-    k = report["k"]
     flags = report["flags"]
     kind = "EAGLE-3.1" if flags["fc_norm"] and flags["norm_output"] else "EAGLE-3" if not any(flags.values()) \
         else f"fc_norm={flags['fc_norm']}, norm_output={flags['norm_output']}"
-    lines = [f"# Acceptance report ({kind})", "",
-             f"Drafter `{report['drafter']}`, chain of k={k} drafts (max AL {k + 1}), greedy unless noted, "
-             f"{report['max_new_tokens']} new tokens per prompt. AL counts the bonus token. Prompt lookup = "
-             "n-gram copy from the context with the same k; its AL here is per round, a round without a match "
-             "counting as AL 1 (vLLM counts its ngram method per draft, only the rounds that drafted: "
-             "`al_per_draft` in report.json, and the engine section). Degenerate output: distinct-3-gram ratio < "
-             f"{report['degenerate_threshold']}.", "",
-             "| set | prompts | AL | lookup AL (per round) | AL - lookup | distinct-3 | non-degenerate | "
-             "AL (non-deg.) | lookup AL (non-deg.) | speed-up | lookup speed-up | draft s | verify s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for name, s in report["sets"].items():
-        d, lk = s["drafter"], s["lookup"]
-        lines.append(f"| {name} | {s['prompts']} | {_fmt(d['al'])} | {_fmt(lk['al'])} | {_fmt(s['al_minus_lookup'])} | "
-                     f"{_fmt(s['distinct3_mean'])} | {s['non_degenerate_prompts']} | "
-                     f"{_fmt(s['drafter_non_degenerate']['al'])} | {_fmt(s['lookup_non_degenerate']['al'])} | "
-                     f"{_fmt(d['speedup'])}x | {_fmt(lk['speedup'])}x | {_fmt(d['draft_s'], 1)} | "
-                     f"{_fmt(d['verify_s'], 1)} |")
-    coverage = {n: s["draft_vocab_coverage"] for n, s in report["sets"].items() if "draft_vocab_coverage" in s}
-    if coverage:
-        lines += ["", "Share of the target's greedy output tokens in the draft vocab (the drafter can propose no "
-                  "other token; the training-time estimate counts the rest as misses): "
-                  + ", ".join(f"{n} {_pct(v)}" for n, v in coverage.items()) + "."]
-    lines += ["", "Acceptance per position (P(draft i accepted)):", "",
-              "| set | " + " | ".join(f"pos {i + 1}" for i in range(k)) + " |", "|---" * (k + 1) + "|"]
-    for name, s in report["sets"].items():
-        lines.append(f"| {name} | " + " | ".join(_fmt(v) for v in s["drafter"]["accept_at"]) + " |")
-        lines.append(f"| {name} (lookup) | " + " | ".join(_fmt(v) for v in s["lookup"]["accept_at"]) + " |")
-    sampled = {n: s["drafter_sampled"] for n, s in report["sets"].items() if "drafter_sampled" in s}
-    if sampled:
-        lines += ["", f"Sampled (T={report['temperature']}, rejection sampling): "
-                  + ", ".join(f"{n} AL {_fmt(s['al'])}" for n, s in sampled.items())]
-    ties = sum(s["greedy_ties"] for s in report["sets"].values())
-    lines += ["", "Greedy output identical to plain greedy decoding on every prompt"
-              + (f" ({ties} divergence(s) at numerical ties of the target's top-2 logits)." if ties else ".")]
+    lines = [f"# Acceptance report ({kind})", ""]
+    if report.get("in_process") is False:  # eval.in_process=false: the engine section below holds every AL
+        lines += [_opening(report) + "The prompt sets were measured by the engine alone (eval.in_process=false): "
+                  "their ALs, vLLM's n-gram lookup and the greedy check are in the engine section below; no "
+                  "in-process harness ran, so there is no in-process AL, distinct-3-gram ratio, attention drift or "
+                  "offline-vs-measured comparison here. The teacher-forced held-out accuracy is still measured."]
+    else:
+        lines += in_process_markdown(report)
     if report.get("named_sets"):  # public benchmarks (evaluation/eval_sets.py): where each set's prompts came from
         lines += ["", "## Named eval sets", "",
                   "| set | measures | read from | conversations | prompts | later turns (after the target's own "
@@ -89,7 +67,7 @@ def markdown(report: dict) -> str:
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for name, n in report["named_sets"].items():
             lines.append(f"| {name} | {n['measures']} | `{n['source']}` | {n['conversations']} | "
-                         f"{report['sets'][name]['prompts']} | {n['later_turns']} | {n['truncated']} | "
+                         f"{n['prompts']} | {n['later_turns']} | {n['truncated']} | "
                          f"{n['skipped_too_long']} | {n['placeholder_rows']} | {n['filtered_rows']} |")
         lines += ["", f"Prompts longer than {next(iter(report['named_sets'].values()))['max_prompt_tokens']} tokens: "
                   f"{next(iter(report['named_sets'].values()))['length_policy']} (truncate keeps the head and the "
@@ -121,9 +99,52 @@ def markdown(report: dict) -> str:
             lines.append("")
     if report.get("context_buckets"):
         lines += context_markdown(report["context_buckets"])
-    lines += ["![acceptance](acceptance.png) ![drift](drift.png) ![held-out](heldout.png)"
-              + (" ![AL vs context length](al_vs_length.png)" if report.get("context_buckets") else "")]
+    shown = [p for p in report.get("plots", ()) if p in PLOTS]  # the ones written (training.png: write_report)
+    lines += [" ".join(f"![{PLOTS[p]}]({p})" for p in shown)]
     return "\n".join(lines) + "\n"
+
+
+def in_process_markdown(report: dict) -> list[str]:
+    """The in-process harness's tables: AL beside prompt lookup and distinct-3 per set, draft-vocab coverage,
+    acceptance per position, sampled AL and the greedy check."""
+    k = report["k"]
+    lines = [_opening(report) + "Prompt lookup = n-gram copy from the context with the same k; its AL here is "
+             "per round, a round without a match counting as AL 1 (vLLM counts its ngram method per draft, only the "
+             "rounds that drafted: `al_per_draft` in report.json, and the engine section). Degenerate output: "
+             f"distinct-3-gram ratio < {report['degenerate_threshold']}.", "",
+             "| set | prompts | AL | lookup AL (per round) | AL - lookup | distinct-3 | non-degenerate | "
+             "AL (non-deg.) | lookup AL (non-deg.) | speed-up | lookup speed-up | draft s | verify s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, s in report["sets"].items():
+        d, lk = s["drafter"], s["lookup"]
+        lines.append(f"| {name} | {s['prompts']} | {_fmt(d['al'])} | {_fmt(lk['al'])} | {_fmt(s['al_minus_lookup'])} | "
+                     f"{_fmt(s['distinct3_mean'])} | {s['non_degenerate_prompts']} | "
+                     f"{_fmt(s['drafter_non_degenerate']['al'])} | {_fmt(s['lookup_non_degenerate']['al'])} | "
+                     f"{_fmt(d['speedup'])}x | {_fmt(lk['speedup'])}x | {_fmt(d['draft_s'], 1)} | "
+                     f"{_fmt(d['verify_s'], 1)} |")
+    coverage = {n: s["draft_vocab_coverage"] for n, s in report["sets"].items() if "draft_vocab_coverage" in s}
+    if coverage:
+        lines += ["", "Share of the target's greedy output tokens in the draft vocab (the drafter can propose no "
+                  "other token; the training-time estimate counts the rest as misses): "
+                  + ", ".join(f"{n} {_pct(v)}" for n, v in coverage.items()) + "."]
+    lines += ["", "Acceptance per position (P(draft i accepted)):", "",
+              "| set | " + " | ".join(f"pos {i + 1}" for i in range(k)) + " |", "|---" * (k + 1) + "|"]
+    for name, s in report["sets"].items():
+        lines.append(f"| {name} | " + " | ".join(_fmt(v) for v in s["drafter"]["accept_at"]) + " |")
+        lines.append(f"| {name} (lookup) | " + " | ".join(_fmt(v) for v in s["lookup"]["accept_at"]) + " |")
+    sampled = {n: s["drafter_sampled"] for n, s in report["sets"].items() if "drafter_sampled" in s}
+    if sampled:
+        lines += ["", f"Sampled (T={report['temperature']}, rejection sampling): "
+                  + ", ".join(f"{n} AL {_fmt(s['al'])}" for n, s in sampled.items())]
+    ties = sum(s["greedy_ties"] for s in report["sets"].values())
+    return lines + ["", "Greedy output identical to plain greedy decoding on every prompt"
+                    + (f" ({ties} divergence(s) at numerical ties of the target's top-2 logits)." if ties else ".")]
+
+
+def _opening(report: dict) -> str:
+    k = report["k"]
+    return (f"Drafter `{report['drafter']}`, chain of k={k} drafts (max AL {k + 1}), greedy unless noted, "
+            f"{report['max_new_tokens']} new tokens per prompt. AL counts the bonus token. ")
 
 
 def context_markdown(buckets: list[dict]) -> list[str]:
@@ -197,19 +218,24 @@ def plot_report(report: dict, out_dir: Path, metrics: list[dict]) -> list[str]:
     names = []
     k = report["k"]
     pos = list(range(1, k + 1))
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, s in report["sets"].items():
-        line, = ax.plot(pos, s["drafter"]["accept_at"], marker="o", label=f"{name} (AL {_fmt(s['drafter']['al'])})")
-        ax.plot(pos, s["lookup"]["accept_at"], ls=":", color=line.get_color(),
-                label=f"{name} lookup (AL {_fmt(s['lookup']['al'])})")
-    if "offline_vs_measured" in report:
-        o = report["offline_vs_measured"]["offline_full_acc"]
-        ax.plot(pos[:len(o)], o, ls="--", color="k", label="offline full_acc (held-out)")
-    ax.set(xlabel="draft position", ylabel="P(accepted)", ylim=(0, 1.02), title="Acceptance per position")
-    ax.legend(fontsize=7)
-    _save(fig, out_dir / "acceptance.png")
-    plt.close(fig)
-    names.append("acceptance.png")
+    # In process; with eval.in_process=false the engine's counters (per draft), its ngram method the baseline.
+    curves = ({name: (s, "lookup") for name, s in report["sets"].items()}
+              or {f"{name} (vLLM)": (s, "ngram") for name, s in (report.get("engine") or {}).get("sets", {}).items()})
+    if curves:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name, (s, baseline) in curves.items():
+            line, = ax.plot(pos[:len(s["drafter"]["accept_at"])], s["drafter"]["accept_at"], marker="o",
+                            label=f"{name} (AL {_fmt(s['drafter']['al'])})")
+            ax.plot(pos[:len(s["lookup"]["accept_at"])], s["lookup"]["accept_at"], ls=":", color=line.get_color(),
+                    label=f"{name} {baseline} (AL {_fmt(s['lookup']['al'])})")
+        if "offline_vs_measured" in report:
+            o = report["offline_vs_measured"]["offline_full_acc"]
+            ax.plot(pos[:len(o)], o, ls="--", color="k", label="offline full_acc (held-out)")
+        ax.set(xlabel="draft position", ylabel="P(accepted)", ylim=(0, 1.02), title="Acceptance per position")
+        ax.legend(fontsize=7)
+        _save(fig, out_dir / "acceptance.png")
+        plt.close(fig)
+        names.append("acceptance.png")
     if report.get("drift"):
         fig, axes = plt.subplots(1, 4, figsize=(14, 3.4))
         for name, d in report["drift"].items():

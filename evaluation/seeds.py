@@ -48,6 +48,14 @@ def cell(s: dict, d: int = 2) -> str:
     return f"{s['mean']:.{d}f}" + (f" ± {s['std']:.{d}f}" if s["std"] is not None else "")
 
 
+def require_in_process(report: dict, path: Path) -> None:
+    """SystemExit when the report at ``path`` was measured by the engine alone (eval.in_process=false): the
+    comparisons set in-process figures (AL, distinct-3, drift, held-out vs measured) side by side."""
+    if report.get("in_process") is False:
+        raise SystemExit(f"{path}: measured by the engine alone (eval.in_process=false), without the in-process "
+                         "figures a comparison needs; re-run its eval stage with eval.in_process=true")
+
+
 def load_run(run_dir: Path) -> dict:
     """What a summary needs of one run directory (SystemExit naming the missing file): its eval report, its
     train config (drafter, seed), the capture it read, and its training speed."""
@@ -57,6 +65,7 @@ def load_run(run_dir: Path) -> dict:
     for path, got in ((layout.eval.report_json, report), (layout.manifest("train"), manifest)):
         if not got:
             raise SystemExit(f"{path} not found: run the pipeline through the eval stage for {run_dir}")
+    require_in_process(report, layout.eval.report_json)
     config = (manifest.get("inputs") or {}).get("config") or {}
     metrics = layout.train.metrics
     lines = metrics.read_text().splitlines() if metrics.exists() else []

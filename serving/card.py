@@ -43,9 +43,11 @@ def engine_section(e: dict | None, request: dict | None, repo_or_dir: str) -> st
         return ""
     request = request or {}
     k = e["k"]
+    alone = all(s.get("in_process_al") is None for s in e["sets"].values())  # eval.in_process=false
     lines = [f"Measured by serving this drafter with **{e['engine']} {e['version']}** on {e['device']} "
              f"(dtype {e['dtype']}, greedy, k={k}); AL = 1 + accepted / drafts from vLLM's own spec-decode "
-             "counters, next to Fledge's in-process measurement on the same prompts.", "",
+             "counters, " + ("the prompts measured by the engine alone (no in-process AL)." if alone else
+                             "next to Fledge's in-process measurement on the same prompts."), "",
              "| set | prompts | engine AL | in-process AL | vLLM ngram AL | accepted per position (engine) | "
              "tokens/s plain -> drafter |", "|---|---|---|---|---|---|---|"]
     for name, s in e["sets"].items():

@@ -109,6 +109,26 @@ def test_counts_below_their_least_value_are_refused_when_composed(override, mess
     assert message in str(e.value)
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["eval.in_process=false"], "eval.in_process=false measures the prompt sets with the serving engine alone, "
+                                "and eval.engine=hf is none: set eval.engine=vllm (or eval.in_process=true)"),
+    (["eval.in_process=false", "eval.engine=vllm", "eval.context_buckets=[64,128]"],
+     "eval.context_buckets=[64, 128]: AL vs context length is measured by the in-process harness, which "
+     "eval.in_process=false skips: drop eval.context_buckets (or set eval.in_process=true)"),
+])
+def test_an_engine_only_eval_needs_an_engine_and_no_context_buckets(overrides, message):
+    with pytest.raises(ValueError) as e:
+        compose(["recipe=tiny", *overrides])
+    assert message in str(e.value)
+    assert compose(["recipe=tiny", "eval.in_process=false", "eval.engine=vllm"]).eval.in_process is False
+
+
+def test_the_real_target_is_evaluated_by_the_engine_alone_and_the_tiny_targets_in_process_too():
+    """recipe=smollm2's in-process harness costs ~36 s a prompt on 2 cores; the tiny targets' is the reference."""
+    assert compose(["recipe=smollm2"]).eval.in_process is False
+    assert all(compose([f"recipe={r}"]).eval.in_process for r in ("tiny", "tiny_mla", "tiny_moe"))
+
+
 def test_unsorted_aux_ids_are_refused_with_the_reason():
     """vLLM and SGLang collect aux states in layer order: [16, 2, 29] would feed fc's first block layer 2."""
     with pytest.raises(ValueError, match=r"drafter\.aux_layer_ids=\[16, 2, 29\]: must be distinct and ascending "

@@ -59,3 +59,14 @@ def test_card_without_an_engine_run_has_no_engine_section(tmp_path):
     run = _run(tmp_path, engine=False)
     text = str(build_model_card(run / "export" / "drafter", "org/drafter", _measured(run))[0])
     assert "Measured by the serving engine" not in text and "not measured" not in text
+
+
+def test_card_of_an_engine_only_eval_says_the_engine_alone_measured_it(tmp_path):
+    """eval.in_process=false: no in-process AL beside the engine's, and the card does not claim one."""
+    run = _run(tmp_path, engine=True)
+    report = json.loads((run / "eval" / "report.json").read_text())
+    report["engine"]["sets"]["default"]["in_process_al"] = None
+    (run / "eval" / "report.json").write_text(json.dumps(report))
+    text = str(build_model_card(run / "export" / "drafter", "org/drafter", _measured(run), speculative_tokens=2)[0])
+    assert "the prompts measured by the engine alone (no in-process AL)" in text
+    assert "next to Fledge's in-process measurement" not in text and "| default | 8 | 2.25 | n/a | 1.50 |" in text

@@ -21,6 +21,7 @@ from fledge.serving.engine import (
     run_driver,
     speculative_config,
 )
+from tests.helpers.engine import fake_driver_result
 from tests.helpers.paths import REPO
 
 EVAL_DRIVER = REPO / "serving" / "vllm_side" / "eval_driver.py"
@@ -263,21 +264,12 @@ def _engine_section(monkeypatch, tmp_path, report: dict, lookup_accepted: int = 
     sampling), vLLM's ngram ``lookup_accepted``."""
     import fledge.evaluation.engine_eval as E
 
-    def counters(accepted):
-        return {"drafts": 4, "draft_tokens": 8, "accepted": accepted, "accepted_per_pos": [accepted, 0]}
-
-    def engine_set(accepted, sampled=None):
-        s = {"outputs": [[1, 2]], "wall_s": 1.0, "tokens": 2, "counters": counters(accepted), "top2_gaps": [[1.0]]}
-        return {**s, "sampled": {"counters": counters(sampled), "tokens": 2, "temperature": 1.0}} if sampled else s
-
-    res = {"vllm_version": "0", "device": "CPU: test", "wall_s": 1.0,
-           "engines": {"plain": {"load_s": 1, "sets": {"default": engine_set(0)}},
-                       "drafter": {"load_s": 1, "sets": {"default": engine_set(4, sampled=2)}},
-                       "lookup": {"load_s": 1, "sets": {"default": engine_set(lookup_accepted)}}}}
+    sets = {"default": [[1]]}
+    res = fake_driver_result(sets, lookup_accepted=lookup_accepted, sampled_accepted=2)
     monkeypatch.setattr(E, "run_driver", lambda *a, **k: res)
     monkeypatch.setattr(E, "served_lint_errors", lambda *a, **k: [])
     cfg = _cfg(engine="vllm", temperature=1.0, draft_tokens=2)
-    return E.run_engine_eval(cfg, {"default": [[1]]}, report, tmp_path / "d", tmp_path, [5], 64, "cpu", Path("py"))
+    return E.run_engine_eval(cfg, sets, report, tmp_path / "d", tmp_path, [5], 64, "cpu", Path("py"))
 
 
 def test_the_engine_section_carries_the_sampled_acceptance(monkeypatch, tmp_path):
