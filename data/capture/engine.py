@@ -225,6 +225,8 @@ class EngineRun:
         self.workdir = Path(workdir).resolve()
         for leftover in ("spool", "connector"):  # a killed run's unconsumed files: those samples run again
             shutil.rmtree(self.workdir / leftover, ignore_errors=True)
+        for note in (BUFFER_FULL, PROGRESS):  # an ended driver's notes (one stopped while its buffer was full left
+            (self.workdir / note).unlink(missing_ok=True)  # the first): they describe batches gone with its spool
         self.timeout_s = timeout_s
         self.dp = request.get("data_parallel") or {}
         # where this process reads the driver's batches (a full buffer anywhere else is one it never drains)

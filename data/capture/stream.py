@@ -18,7 +18,11 @@ engine that dies is started again from the batch the trainer waits for, ``captur
 then the run fails with one line naming the engine's log. Every consumed batch is appended to
 ``<rank dir>/train-consumed.jsonl`` (global batch, sample ids): the record a resumed or restarted run
 is checked against. The held-out set is streamed by a short-lived
-engine of its own at each evaluation.
+engine of its own at each evaluation, which takes the training engine's place (``displaces``): on a GPU both would
+ask for 0.85 of the same device's memory, and under a launcher the evaluation's srun could not get the node the
+training engine holds. So the leader stops its training engine before an evaluation starts its own, and the next
+training batch starts it again at the data position (an evaluation runs between optimizer steps, so at a step's
+start, where a restarted shared engine begins anyway).
 
 On a cluster the engines run on GPUs of their own: ``capture.engine_launcher`` is the command prefix each
 engine's driver starts under (``srun --het-group=1 ...`` in the heterogeneous job of train/slurm/submit.py;
@@ -96,16 +100,20 @@ class EngineFeatureSource(BatchIterator):
     Ranks ``leader .. leader + ranks_per_engine - 1`` share one engine, started by the leader: its job
     interleaves the group's batches in the order they are consumed (g, g + 1, ... for each of the leader's g)
     and writes each into the consuming rank's spool, keyed by global batch. Every rank reads its own spool
-    by key and drops keys below the one it waits for (batches a restarted engine made again)."""
+    by key and drops keys below the one it waits for (batches a restarted engine made again).
+
+    ``displaces``: the source whose engine this one's evaluations take the place of (the held-out split's, the
+    training split's)."""
 
     def __init__(self, dataset_dir: str | Path, spec: StreamSpec, rank: int, world: int, row_tokens: int,
-                 rows_per_batch: int, seed: int, end: int | None = None, name: str = "train"):
+                 rows_per_batch: int, seed: int, end: int | None = None, name: str = "train",
+                 displaces: EngineFeatureSource | None = None):
         from datasets import load_from_disk
 
         from fledge.data.capture.offline import dataset_lengths
 
         self.ds = load_from_disk(str(dataset_dir))
-        self.spec, self.name = spec, name
+        self.spec, self.name, self.displaces = spec, name, displaces
         super().__init__(dataset_lengths(self.ds), rank, world, row_tokens, rows_per_batch, seed)
         k = spec.ranks_per_engine
         if world % k:
@@ -304,7 +312,8 @@ class EngineFeatureSource(BatchIterator):
 
     def eval_batches(self, n: int):
         """The held-out share of BatchIterator.eval_batches, through an engine of its own for this evaluation
-        (the leader's, for its group); a pad batch (g >= n) runs batch 0 again and is marked so."""
+        (the leader's, for its group, in the place of ``displaces``'s); a pad batch (g >= n) runs batch 0 again and
+        is marked so."""
         self._head()
         n = min(n, self.global_batches_per_epoch)
         padded = -(-n // self.world) * self.world
@@ -314,6 +323,8 @@ class EngineFeatureSource(BatchIterator):
         if self.is_leader:
             order = [(g if g < n else 0, base + g, i) for j in range(0, padded, self.world)
                      for i, g in enumerate(range(j + self.leader, j + self.leader + len(self.members)))]
+            if self.displaces is not None:  # its engine gives up the GPUs; its next batch starts it again
+                self.displaces.close()
             run = self._start(order, self.name)
         saved, self._run = self._run, run
         try:

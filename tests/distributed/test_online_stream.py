@@ -5,7 +5,7 @@ runs in a directory of its own: a path handed over relative would land there and
 timeout; the suite's other runs use absolute temporary roots, which hid it). The runs: a resume at half the steps
 on half the ranks; an epoch-mode run whose length is not a multiple of the world; an engine shared by both ranks
 killed between the leader's batch and the member's, in a fresh run and in one resumed with steps that start off
-the new step size."""
+the new step size; on one rank whose engines share one GPU, held-out evals between training steps."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from fledge.data.features.reader import BatchIterator
+from fledge.evaluation.report import read_metrics
 from tests.helpers.paths import REPO as ROOT
 
 pytestmark = pytest.mark.distributed
@@ -43,14 +44,16 @@ def online(tmp_path_factory, random_tiny_target, tiny_data):
     return work, base
 
 
+def command(online, *overrides: str, nproc: int = 2) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            str(ROOT / "train" / "main.py"), *online[1], *overrides]
+
+
 def fledge(online, *overrides: str, nproc: int = 2, timeout: int = 600, env: dict | None = None
            ) -> subprocess.CompletedProcess:
     """train/main.py under torchrun in the work directory (so run.output_root=outputs is relative to it)."""
-    work, base = online
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(ROOT / "train" / "main.py"), *base, *overrides]
-    return subprocess.run(cmd, cwd=work, env={**ENV, **(env or {})}, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(command(online, *overrides, nproc=nproc), cwd=online[0], env={**ENV, **(env or {})},
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def ok(res: subprocess.CompletedProcess) -> str:
@@ -145,3 +148,27 @@ def test_a_shared_engine_killed_in_a_run_resumed_off_the_step_size_restarts_at_t
                     env={"FAKE_ENGINE_DIE_ONCE": f"1:{online[0] / 'offset.died'}"}))
     assert (online[0] / "offset.died").exists() and train_outputs(run)["engine_starts"] == 2, log[-3000:]
     assert consumed(run, 0) == [0, 2, 4, 6, 8] and consumed(run, 1) == [1, 3, 5, 7, 9]
+
+
+# One rank, its engines on one GPU (the stand-in's lock: a second engine on it fails at start-up, as vLLM's request
+# for 0.85 of the device's memory does), held-out evals at steps 2 and 4. A buffer of one batch, so at step 2 the
+# training engine still has batches to make (with two it would have made its whole job and exited).
+ONE_GPU = ["capture.buffer_batches=1", "train.max_steps=4", "train.eval_every=2", "train.save_every=100"]
+
+
+@pytest.fixture(scope="module")
+def evaluated(online, prepared) -> tuple[Path, subprocess.CompletedProcess]:
+    """The ONE_GPU run, uninterrupted: (its run directory, the finished process)."""
+    res = fledge(online, *new_run(online, prepared, "evaluated"), *ONE_GPU, nproc=1,
+                 env={"FAKE_ENGINE_GPU": str(online[0] / "evaluated.gpu")})
+    return online[0] / "outputs" / "evaluated", res
+
+
+def test_a_held_out_eval_between_steps_stops_the_training_engine_and_training_goes_on(evaluated):
+    """The held-out set's engine can only start once the training engine has given up the GPU; training then goes
+    on from its data position with a new engine, with no batch lost or repeated."""
+    run, res = evaluated
+    ok(res)
+    assert train_outputs(run)["engine_starts"] == 2  # at the start, and again after step 2's eval
+    assert consumed(run, 0) == [0, 1, 2, 3]
+    assert [r["step"] for r in read_metrics(run / "train" / "metrics.jsonl") if "eval/al_estimate" in r] == [2, 4]

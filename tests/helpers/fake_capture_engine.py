@@ -5,6 +5,8 @@ computes from column L, and every other column is a deterministic function of th
 protocol tests (tests/unit/data/test_stream_protocol.py, tests/distributed/test_online_stream.py) in seconds;
 tests/engine/ runs the real engine. ``FAKE_ENGINE_DIE_ONCE=N:PATH`` kills the engine (SIGKILL) as it is about to
 make its N-th batch (from 0), once: PATH, created then, marks it done for the engines started after it.
+``FAKE_ENGINE_GPU=PATH``: the engine holds PATH (an exclusive lock) for its life, as vLLM holds 0.85 of its GPU's
+memory, and fails at start-up while another engine holds it.
 
     python fake_capture_engine.py -I DRIVER REQUEST.json RESULT.json     (as fledge/engine_process.py calls it)
 """
@@ -38,10 +40,25 @@ def fake_states(token_ids: list[int], layer_ids: list[int], embed: torch.Tensor)
     return torch.stack(cols, dim=1)
 
 
+def _hold_gpu(path: str) -> int:
+    """An exclusive lock on ``path`` for this process's life (the fd stays open): the GPU's memory."""
+    import fcntl
+
+    fd = os.open(path, os.O_CREAT | os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise RuntimeError(f"fake engine: another engine holds the GPU ({path}); vLLM: not enough free memory "
+                           "for gpu_memory_utilization=0.85") from None
+    return fd
+
+
 class FakeLLM:
     def __init__(self, req: dict):
         from fledge.data.capture.engine import TargetHead
 
+        if os.environ.get("FAKE_ENGINE_GPU"):
+            self.gpu = _hold_gpu(os.environ["FAKE_ENGINE_GPU"])
         self.req = req
         self.head = TargetHead.load(req["target"], None, float(req.get("fake_eps", 1e-6)), "cpu", torch.float32)
         self.connector = Path(req["connector_dir"])
