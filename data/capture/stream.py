@@ -24,6 +24,11 @@ training engine holds. So the leader stops its training engine before an evaluat
 training batch starts it again at the data position (an evaluation runs between optimizer steps, so at a step's
 start, where a restarted shared engine begins anyway).
 
+SIGTERM ends every wait for a batch at once (``stop_requested``, the trainer's flag): ``StreamInterrupted``, and no
+engine is started after it. Under Slurm the engines get the job's SIGTERM too; restarting one and waiting for it to
+load would outlast the grace the trainer has to checkpoint. The trainer takes it as a step boundary
+(train/trainer.py).
+
 On a cluster the engines run on GPUs of their own: ``capture.engine_launcher`` is the command prefix each
 engine's driver starts under (``srun --het-group=1 ...`` in the heterogeneous job of train/slurm/submit.py;
 the buffer is then on the shared file system, and the driver, whose parent is srun, watches its rank's
@@ -44,6 +49,7 @@ import json
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,6 +95,11 @@ class StreamSpec:
     grad_accum: int = 1  # global batches of a rank per optimizer step (a shared engine restarts at a step start)
 
 
+class StreamInterrupted(Exception):
+    """SIGTERM arrived while this rank waited for a batch (``EngineFeatureSource.stop_requested``): the wait was given
+    up, and no engine started."""
+
+
 EVAL_KEY = 10_000_000  # the k-th evaluation's batches are keyed k * EVAL_KEY + g: keys grow in every spool
 
 
@@ -103,7 +114,8 @@ class EngineFeatureSource(BatchIterator):
     by key and drops keys below the one it waits for (batches a restarted engine made again).
 
     ``displaces``: the source whose engine this one's evaluations take the place of (the held-out split's, the
-    training split's)."""
+    training split's). ``stop_requested``: the trainer's SIGTERM flag; once true, a wait for a batch raises
+    StreamInterrupted and no engine is started."""
 
     def __init__(self, dataset_dir: str | Path, spec: StreamSpec, rank: int, world: int, row_tokens: int,
                  rows_per_batch: int, seed: int, end: int | None = None, name: str = "train",
@@ -114,6 +126,7 @@ class EngineFeatureSource(BatchIterator):
 
         self.ds = load_from_disk(str(dataset_dir))
         self.spec, self.name, self.displaces = spec, name, displaces
+        self.stop_requested: Callable[[], bool] = lambda: False
         super().__init__(dataset_lengths(self.ds), rank, world, row_tokens, rows_per_batch, seed)
         k = spec.ranks_per_engine
         if world % k:
@@ -194,7 +207,12 @@ class EngineFeatureSource(BatchIterator):
         if not self.is_leader or last == g or (g - self._steps_from) // self.world % self.spec.grad_accum != \
                 self.spec.grad_accum - 1 or last not in self._made_by:
             return
-        self._run.wait_made(self.name, self._made_by[last], f"global batch {last} (rank {self.rank + last - g}'s)")
+        what = f"global batch {last} (rank {self.rank + last - g}'s)"
+        if not self._run.wait_made(self.name, self._made_by[last], what, stop=self.stop_requested):
+            self._interrupted(what)
+
+    def _interrupted(self, what: str) -> None:
+        raise StreamInterrupted(f"rank {self.rank}: SIGTERM while waiting for {what}")
 
     def seek(self, position: int, end: int | None = None) -> None:
         super().seek(position, end)
@@ -219,6 +237,8 @@ class EngineFeatureSource(BatchIterator):
                 break
             except FileNotFoundError:  # not written yet, or being made again by a restarted engine
                 pass
+            if self.stop_requested():
+                self._interrupted(what)
             if self._run is not None:
                 self._run.check(done, what, deadline)
             elif time.monotonic() > deadline:
@@ -274,12 +294,17 @@ class EngineFeatureSource(BatchIterator):
         samples, what = self._samples_of(g), f"global batch {g}"
         while True:
             if self.is_leader and (self._run is None or self._next_g != g):
+                if self.stop_requested():
+                    self._interrupted(what)
                 self._open(g)
             t0 = time.perf_counter()
             try:
                 got = self._read(g, samples, what)
                 self._await_members(g)
             except ValueError as e:
+                if self.stop_requested():  # the job's SIGTERM ended the engine too: no restart
+                    self.close()
+                    raise StreamInterrupted(f"rank {self.rank}: SIGTERM while waiting for {what}") from e
                 dead = self._run is not None and self._run.proc.returncode is not None
                 if not dead or self._restarts_left <= 0:
                     self.close()
@@ -323,6 +348,8 @@ class EngineFeatureSource(BatchIterator):
         if self.is_leader:
             order = [(g if g < n else 0, base + g, i) for j in range(0, padded, self.world)
                      for i, g in enumerate(range(j + self.leader, j + self.leader + len(self.members)))]
+            if self.stop_requested():
+                self._interrupted("the held-out set")
             if self.displaces is not None:  # its engine gives up the GPUs; its next batch starts it again
                 self.displaces.close()
             run = self._start(order, self.name)
