@@ -55,10 +55,12 @@ def _engine_sources(cfg: Config, ctx: StageContext, dtype: torch.dtype, rank: in
                 buffer_batches=cap.buffer_batches, restarts=cap.engine_restarts, device=w.device,
                 launcher=tuple(cap.engine_launcher), ranks_per_engine=cap.ranks_per_engine, grad_accum=t.grad_accum)
     # the train source's end (where the engine's job stops) is the trainer's: seek(position, end) at its resume
-    out = [EngineFeatureSource(ctx.layout.prepare.split(split),
-                               StreamSpec(workdir=ctx.layout.train.stream / f"rank{w.rank:05d}", **spec),
-                               rank, world_size, t.micro_batch_tokens, t.micro_batch_size, cfg.run.seed, name=split)
-           for split in ("train", "eval")]
+    out = []
+    for split in ("train", "eval"):  # the held-out set's engines take the training engine's place (its GPUs)
+        out.append(EngineFeatureSource(ctx.layout.prepare.split(split),
+                                       StreamSpec(workdir=ctx.layout.train.stream / f"rank{w.rank:05d}", **spec),
+                                       rank, world_size, t.micro_batch_tokens, t.micro_batch_size, cfg.run.seed,
+                                       name=split, displaces=out[0] if out else None))
     w.barrier()  # every rank's spool is cleared before any leader's engine writes into it
     return tuple(out)
 

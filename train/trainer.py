@@ -16,6 +16,15 @@ of every micro-batch on every rank, not a mean of per-micro-batch means (train/l
 host, or on the device with ``capture.mode=online``), counts their rows, and one all-reduce of K integers
 gives every rank the step's denominators before the first forward. The logged ``loss`` is that objective.
 
+SIGTERM (Slurm's time limit or preemption) is taken at a step boundary: each rank reads its step's micro-batches,
+and before the step's first collective every rank learns whether any rank was told to stop. If so, no rank runs the
+step: its batches are given back (the checkpoint's data position is the step's start, so a resume reads them again),
+the steps trained are checkpointed and the ranks exit 75 (so too after the last step, with its checkpoint). A rank
+waiting for a streaming engine's batch gives the wait up at once (data/capture/stream.py ``StreamInterrupted``):
+the engines get the job's SIGTERM too, and one started again would load for longer than the grace period. A
+held-out evaluation cut short so is skipped (every rank learns it before each forward); the run checkpoints and
+exits there.
+
 A non-finite loss skips its whole optimizer step, on every rank: every micro-batch still runs its
 backward and DeepSpeed step (so DeepSpeed's accumulation boundary never moves), the non-finite one with
 a NaN scale, and DeepSpeed's own check of the step's gradient norm, global over ranks, discards the
@@ -31,6 +40,7 @@ import time
 import torch
 
 from fledge.conf.schema import Config
+from fledge.data.capture.stream import EngineFeatureSource, StreamInterrupted
 from fledge.distributed import World, all_reduce_sum, any_rank, sequence_groups
 from fledge.models.alignment import StepAccuracy, al_estimate
 from fledge.progress import progress
@@ -122,6 +132,24 @@ def run_training(ctx: StageContext) -> dict:
         metrics_log = MetricsLog(paths.metrics, step, cfg.logging, cfg.run.name,
                                  {"recipe": cfg.recipe, "drafter": vars(cfg.drafter), "train": vars(cfg.train)})
     sigterm = _SigtermFlag()
+    for source in (train_data, eval_data):  # a wait for a streaming engine's batch ends on SIGTERM
+        if isinstance(source, EngineFeatureSource):
+            source.stop_requested = lambda: sigterm.raised
+    saved = plan.step if tag else None  # the step of the newest checkpoint
+
+    def save(position: int) -> None:
+        """A checkpoint at ``step`` whose data position is global batch ``position``; every rank calls."""
+        nonlocal last_drafter_dir, saved
+        state.update(skipped=skipped, batches=position, batches_per_step=per_step,
+                     schedule={"total": total, "count": scheduler.last_epoch, "decay_from": plan.decay_from})
+        last_drafter_dir = checkpoint.save(engine, world, ckpt_dir, step,
+                                           {k: v for k, v in state.items() if k != "best_pending"},
+                                           meta, TTTModel.PREFIX, cfg.train.keep_last)
+        if state.pop("best_pending", False) and world.is_main:
+            checkpoint.promote_best(last_drafter_dir, paths.best)
+        world.barrier()
+        saved = step
+
     meter, tokens, nonfinite_run, skipped = RatioMeter(), 0, 0, int(state.get("skipped", 0))
     bar = progress(total=total, initial=step, desc="train", disable=not world.is_main)
     t_log = time.time()
@@ -130,7 +158,15 @@ def run_training(ctx: StageContext) -> dict:
         while step < total:
             torch.manual_seed(cfg.run.seed * 1_000_003 + step * world.world_size + world.rank)
             step_meter, step_tokens, positions, nonfinite = RatioMeter(), 0, [], []
-            micro = [train_data.next_batch() for _ in range(cfg.train.grad_accum)]
+            start = train_data.position
+            try:
+                micro = [train_data.next_batch() for _ in range(cfg.train.grad_accum)]
+            except StreamInterrupted:
+                micro = None
+            if any_rank(micro is None or sigterm.raised):  # the step boundary: no rank runs this step
+                if saved != step:
+                    save(start)
+                raise Preempted(step)
             micro = [(g, seq.split(b) if seq else b) for g, b in micro]  # this rank's rows, before the device
             # the step's loss is the mean over all its rows, on every rank (train/loss.py step_denominators)
             denominators = model.step_denominators([b for _, b in micro], divisor)
@@ -185,24 +221,24 @@ def run_training(ctx: StageContext) -> dict:
                     bar.set_postfix(loss=f"{values.get('loss', float('nan')):.3f}",
                                     al=f"{record['al_estimate']:.2f}")
             is_eval = step % cfg.train.eval_every == 0 or step == total
+            cut_short = False
             if is_eval:
-                ev = evaluate(engine, eval_data, cfg, world, dtype, seq)
-                if metrics_log:
-                    metrics_log.write({"step": step, **ev})
-                if state["best_al"] is None or ev["eval/al_estimate"] > state["best_al"]:
-                    state.update(best_al=ev["eval/al_estimate"], best_step=step, best_pending=True)
-            preempt = any_rank(sigterm.raised)
-            if step % cfg.train.save_every == 0 or step == total or preempt or state.get("best_pending"):
-                state.update(skipped=skipped, batches=train_data.position, batches_per_step=per_step,
-                             schedule={"total": total, "count": scheduler.last_epoch, "decay_from": plan.decay_from})
-                last_drafter_dir = checkpoint.save(engine, world, ckpt_dir, step,
-                                                   {k: v for k, v in state.items() if k != "best_pending"},
-                                                   meta, TTTModel.PREFIX, cfg.train.keep_last)
-                if state.pop("best_pending", False) and world.is_main:
-                    checkpoint.promote_best(last_drafter_dir, paths.best)
-                world.barrier()
-            if preempt:
+                try:
+                    ev = evaluate(engine, eval_data, cfg, world, dtype, seq)
+                except StreamInterrupted:  # on every rank (evaluate agrees on it): this eval is skipped
+                    cut_short = True
+                    log.warning("step %d: SIGTERM while the held-out set streamed; its evaluation is skipped", step)
+                else:
+                    if metrics_log:
+                        metrics_log.write({"step": step, **ev})
+                    if state["best_al"] is None or ev["eval/al_estimate"] > state["best_al"]:
+                        state.update(best_al=ev["eval/al_estimate"], best_step=step, best_pending=True)
+            if step % cfg.train.save_every == 0 or step == total or cut_short or state.get("best_pending"):
+                save(train_data.position)
+            if cut_short:
                 raise Preempted(step)
+        if any_rank(sigterm.raised):  # during the last step: its checkpoint is written, the stages after it wait
+            raise Preempted(step)
     finally:
         for source in (train_data, eval_data):  # an engine streaming states (data/capture/stream.py) ends here
             getattr(source, "close", lambda: None)()
@@ -226,18 +262,37 @@ def evaluate(engine, data, cfg: Config, world: World, dtype: torch.dtype, seq=No
     ``SequenceParallel``, which splits each batch over its group)."""
     meter = RatioMeter()
     engine.eval()
-    for batch, counts in data.eval_batches(cfg.train.eval_batches):
-        metrics = engine((seq.split(batch) if seq else batch).to(world.device, dtype)).metrics
-        if not counts:  # a filler forward: zeros under the same names, which reduce() all-reduces on every rank
-            metrics = {k: (torch.zeros_like(num), torch.zeros_like(torch.as_tensor(den))) for k, (num, den) in
-                       metrics.items()}
-        meter.add(metrics)
-    engine.train()
+    try:
+        for batch, counts in _agreed(data.eval_batches(cfg.train.eval_batches)):
+            metrics = engine((seq.split(batch) if seq else batch).to(world.device, dtype)).metrics
+            if not counts:  # a filler forward: zeros under the same names, which reduce() all-reduces on every rank
+                metrics = {k: (torch.zeros_like(num), torch.zeros_like(torch.as_tensor(den))) for k, (num, den) in
+                           metrics.items()}
+            meter.add(metrics)
+    finally:
+        engine.train()
     values = meter.reduce()
     values = {f"eval/{k}": v for k, v in values.items()}
     accuracy = StepAccuracy.from_values(values, cfg.drafter.ttt_steps, prefix="eval/")
     values["eval/al_estimate"] = al_estimate(accuracy)
     return values
+
+
+def _agreed(batches):
+    """``batches``, each once every rank has its own (their forwards may be collectives: ZeRO-3 gathers); a
+    StreamInterrupted on every rank as soon as any rank's read was cut short by SIGTERM. Every rank reads as many
+    held-out batches (padded), so all of them reach the end together."""
+    it = iter(batches)
+    while True:
+        try:
+            item = next(it)
+        except StopIteration:
+            return
+        except StreamInterrupted:
+            item = None
+        if any_rank(item is None):
+            raise StreamInterrupted("SIGTERM while the held-out set streamed")
+        yield item
 
 
 def _grad_norm(engine) -> float:

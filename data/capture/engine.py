@@ -26,7 +26,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -225,6 +225,8 @@ class EngineRun:
         self.workdir = Path(workdir).resolve()
         for leftover in ("spool", "connector"):  # a killed run's unconsumed files: those samples run again
             shutil.rmtree(self.workdir / leftover, ignore_errors=True)
+        for note in (BUFFER_FULL, PROGRESS):  # an ended driver's notes (one stopped while its buffer was full left
+            (self.workdir / note).unlink(missing_ok=True)  # the first): they describe batches gone with its spool
         self.timeout_s = timeout_s
         self.dp = request.get("data_parallel") or {}
         # where this process reads the driver's batches (a full buffer anywhere else is one it never drains)
@@ -294,11 +296,13 @@ class EngineRun:
             return 0
         return int(note["made"]) if note.get("job") == job else 0
 
-    def wait_made(self, job: str, n: int, what: str) -> None:
+    def wait_made(self, job: str, n: int, what: str, stop: Callable[[], bool] = lambda: False) -> bool:
         """Wait until the driver has made the first ``n`` batches of ``job``; a ValueError as ``check``'s when
-        it exits or stalls (capture.engine_timeout_s) first."""
+        it exits or stalls (capture.engine_timeout_s) first. False, at once, when ``stop()`` turns true first."""
         deadline = time.monotonic() + self.timeout_s
         while self.made(job) < n:
+            if stop():
+                return False
             code = self.proc.returncode
             if code is not None and self.made(job) < n:
                 self.proc.stop()
@@ -309,6 +313,7 @@ class EngineRun:
                     "capture.engine=vllm", "capture.engine_timeout_s", self.timeout_s,
                     f"the engine (vLLM, driver pid {self.proc.proc.pid}) did not make {what}", self._hints()))
             time.sleep(0.02)
+        return True
 
     def _check_buffer_visible(self, what: str) -> None:
         """A driver whose buffer has been full for BLIND_S with batches this process cannot see where it reads

@@ -18,7 +18,16 @@ engine that dies is started again from the batch the trainer waits for, ``captur
 then the run fails with one line naming the engine's log. Every consumed batch is appended to
 ``<rank dir>/train-consumed.jsonl`` (global batch, sample ids): the record a resumed or restarted run
 is checked against. The held-out set is streamed by a short-lived
-engine of its own at each evaluation.
+engine of its own at each evaluation, which takes the training engine's place (``displaces``): on a GPU both would
+ask for 0.85 of the same device's memory, and under a launcher the evaluation's srun could not get the node the
+training engine holds. So the leader stops its training engine before an evaluation starts its own, and the next
+training batch starts it again at the data position (an evaluation runs between optimizer steps, so at a step's
+start, where a restarted shared engine begins anyway).
+
+SIGTERM ends every wait for a batch at once (``stop_requested``, the trainer's flag): ``StreamInterrupted``, and no
+engine is started after it. Under Slurm the engines get the job's SIGTERM too; restarting one and waiting for it to
+load would outlast the grace the trainer has to checkpoint. The trainer takes it as a step boundary
+(train/trainer.py).
 
 On a cluster the engines run on GPUs of their own: ``capture.engine_launcher`` is the command prefix each
 engine's driver starts under (``srun --het-group=1 ...`` in the heterogeneous job of train/slurm/submit.py;
@@ -40,6 +49,7 @@ import json
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,6 +95,11 @@ class StreamSpec:
     grad_accum: int = 1  # global batches of a rank per optimizer step (a shared engine restarts at a step start)
 
 
+class StreamInterrupted(Exception):
+    """SIGTERM arrived while this rank waited for a batch (``EngineFeatureSource.stop_requested``): the wait was given
+    up, and no engine started."""
+
+
 EVAL_KEY = 10_000_000  # the k-th evaluation's batches are keyed k * EVAL_KEY + g: keys grow in every spool
 
 
@@ -96,16 +111,22 @@ class EngineFeatureSource(BatchIterator):
     Ranks ``leader .. leader + ranks_per_engine - 1`` share one engine, started by the leader: its job
     interleaves the group's batches in the order they are consumed (g, g + 1, ... for each of the leader's g)
     and writes each into the consuming rank's spool, keyed by global batch. Every rank reads its own spool
-    by key and drops keys below the one it waits for (batches a restarted engine made again)."""
+    by key and drops keys below the one it waits for (batches a restarted engine made again).
+
+    ``displaces``: the source whose engine this one's evaluations take the place of (the held-out split's, the
+    training split's). ``stop_requested``: the trainer's SIGTERM flag; once true, a wait for a batch raises
+    StreamInterrupted and no engine is started."""
 
     def __init__(self, dataset_dir: str | Path, spec: StreamSpec, rank: int, world: int, row_tokens: int,
-                 rows_per_batch: int, seed: int, end: int | None = None, name: str = "train"):
+                 rows_per_batch: int, seed: int, end: int | None = None, name: str = "train",
+                 displaces: EngineFeatureSource | None = None):
         from datasets import load_from_disk
 
         from fledge.data.capture.offline import dataset_lengths
 
         self.ds = load_from_disk(str(dataset_dir))
-        self.spec, self.name = spec, name
+        self.spec, self.name, self.displaces = spec, name, displaces
+        self.stop_requested: Callable[[], bool] = lambda: False
         super().__init__(dataset_lengths(self.ds), rank, world, row_tokens, rows_per_batch, seed)
         k = spec.ranks_per_engine
         if world % k:
@@ -186,7 +207,12 @@ class EngineFeatureSource(BatchIterator):
         if not self.is_leader or last == g or (g - self._steps_from) // self.world % self.spec.grad_accum != \
                 self.spec.grad_accum - 1 or last not in self._made_by:
             return
-        self._run.wait_made(self.name, self._made_by[last], f"global batch {last} (rank {self.rank + last - g}'s)")
+        what = f"global batch {last} (rank {self.rank + last - g}'s)"
+        if not self._run.wait_made(self.name, self._made_by[last], what, stop=self.stop_requested):
+            self._interrupted(what)
+
+    def _interrupted(self, what: str) -> None:
+        raise StreamInterrupted(f"rank {self.rank}: SIGTERM while waiting for {what}")
 
     def seek(self, position: int, end: int | None = None) -> None:
         super().seek(position, end)
@@ -211,6 +237,8 @@ class EngineFeatureSource(BatchIterator):
                 break
             except FileNotFoundError:  # not written yet, or being made again by a restarted engine
                 pass
+            if self.stop_requested():
+                self._interrupted(what)
             if self._run is not None:
                 self._run.check(done, what, deadline)
             elif time.monotonic() > deadline:
@@ -266,12 +294,17 @@ class EngineFeatureSource(BatchIterator):
         samples, what = self._samples_of(g), f"global batch {g}"
         while True:
             if self.is_leader and (self._run is None or self._next_g != g):
+                if self.stop_requested():
+                    self._interrupted(what)
                 self._open(g)
             t0 = time.perf_counter()
             try:
                 got = self._read(g, samples, what)
                 self._await_members(g)
             except ValueError as e:
+                if self.stop_requested():  # the job's SIGTERM ended the engine too: no restart
+                    self.close()
+                    raise StreamInterrupted(f"rank {self.rank}: SIGTERM while waiting for {what}") from e
                 dead = self._run is not None and self._run.proc.returncode is not None
                 if not dead or self._restarts_left <= 0:
                     self.close()
@@ -304,7 +337,8 @@ class EngineFeatureSource(BatchIterator):
 
     def eval_batches(self, n: int):
         """The held-out share of BatchIterator.eval_batches, through an engine of its own for this evaluation
-        (the leader's, for its group); a pad batch (g >= n) runs batch 0 again and is marked so."""
+        (the leader's, for its group, in the place of ``displaces``'s); a pad batch (g >= n) runs batch 0 again and
+        is marked so."""
         self._head()
         n = min(n, self.global_batches_per_epoch)
         padded = -(-n // self.world) * self.world
@@ -314,6 +348,10 @@ class EngineFeatureSource(BatchIterator):
         if self.is_leader:
             order = [(g if g < n else 0, base + g, i) for j in range(0, padded, self.world)
                      for i, g in enumerate(range(j + self.leader, j + self.leader + len(self.members)))]
+            if self.stop_requested():
+                self._interrupted("the held-out set")
+            if self.displaces is not None:  # its engine gives up the GPUs; its next batch starts it again
+                self.displaces.close()
             run = self._start(order, self.name)
         saved, self._run = self._run, run
         try:

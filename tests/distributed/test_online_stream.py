@@ -5,21 +5,26 @@ runs in a directory of its own: a path handed over relative would land there and
 timeout; the suite's other runs use absolute temporary roots, which hid it). The runs: a resume at half the steps
 on half the ranks; an epoch-mode run whose length is not a multiple of the world; an engine shared by both ranks
 killed between the leader's batch and the member's, in a fresh run and in one resumed with steps that start off
-the new step size."""
+the new step size; on one rank whose engines share one GPU, held-out evals between training steps, and a SIGTERM
+that reaches the engine too while the rank waits for a batch, resumed to the uninterrupted run's losses."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from fledge.data.features.reader import BatchIterator
+from fledge.evaluation.report import read_metrics
 from tests.helpers.paths import REPO as ROOT
+from tests.helpers.processes import descendants
 
 pytestmark = pytest.mark.distributed
 FAKE = ROOT / "tests" / "helpers" / "fake_capture_engine.py"
@@ -43,14 +48,16 @@ def online(tmp_path_factory, random_tiny_target, tiny_data):
     return work, base
 
 
+def command(online, *overrides: str, nproc: int = 2) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            str(ROOT / "train" / "main.py"), *online[1], *overrides]
+
+
 def fledge(online, *overrides: str, nproc: int = 2, timeout: int = 600, env: dict | None = None
            ) -> subprocess.CompletedProcess:
     """train/main.py under torchrun in the work directory (so run.output_root=outputs is relative to it)."""
-    work, base = online
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(ROOT / "train" / "main.py"), *base, *overrides]
-    return subprocess.run(cmd, cwd=work, env={**ENV, **(env or {})}, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(command(online, *overrides, nproc=nproc), cwd=online[0], env={**ENV, **(env or {})},
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def ok(res: subprocess.CompletedProcess) -> str:
@@ -145,3 +152,67 @@ def test_a_shared_engine_killed_in_a_run_resumed_off_the_step_size_restarts_at_t
                     env={"FAKE_ENGINE_DIE_ONCE": f"1:{online[0] / 'offset.died'}"}))
     assert (online[0] / "offset.died").exists() and train_outputs(run)["engine_starts"] == 2, log[-3000:]
     assert consumed(run, 0) == [0, 2, 4, 6, 8] and consumed(run, 1) == [1, 3, 5, 7, 9]
+
+
+# One rank, its engines on one GPU (the stand-in's lock: a second engine on it fails at start-up, as vLLM's request
+# for 0.85 of the device's memory does), held-out evals at steps 2 and 4. A buffer of one batch, so at step 2 the
+# training engine still has batches to make (with two it would have made its whole job and exited).
+ONE_GPU = ["capture.buffer_batches=1", "train.max_steps=4", "train.eval_every=2", "train.save_every=100"]
+
+
+def step_losses(run: Path) -> list[dict]:
+    return [{k: v for k, v in r.items() if k == "step" or k.startswith("loss")}
+            for r in read_metrics(run / "train" / "metrics.jsonl") if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def evaluated(online, prepared) -> tuple[Path, subprocess.CompletedProcess]:
+    """The ONE_GPU run, uninterrupted: (its run directory, the finished process)."""
+    res = fledge(online, *new_run(online, prepared, "evaluated"), *ONE_GPU, nproc=1,
+                 env={"FAKE_ENGINE_GPU": str(online[0] / "evaluated.gpu")})
+    return online[0] / "outputs" / "evaluated", res
+
+
+def test_a_held_out_eval_between_steps_stops_the_training_engine_and_training_goes_on(evaluated):
+    """The held-out set's engine can only start once the training engine has given up the GPU; training then goes
+    on from its data position with a new engine, with no batch lost or repeated."""
+    run, res = evaluated
+    ok(res)
+    assert train_outputs(run)["engine_starts"] == 2  # at the start, and again after step 2's eval
+    assert consumed(run, 0) == [0, 1, 2, 3]
+    assert [r["step"] for r in read_metrics(run / "train" / "metrics.jsonl") if "eval/al_estimate" in r] == [2, 4]
+
+
+def test_sigterm_to_the_job_while_a_rank_waits_for_its_engine_checkpoints_and_resumes_exactly(online, prepared,
+                                                                                              evaluated):
+    """Slurm's SIGTERM (the time limit, a preemption) reaches every process of the job, the engines too. A rank
+    waiting for its engine's next batch must take it as a step boundary at once: give the step's batches back,
+    checkpoint the steps trained and exit 75 within torchrun's grace (TORCH_ELASTIC_SHUTDOWN_TIMEOUT; under Slurm,
+    train.sbatch's CHECKPOINT_GRACE), not start the engine again and wait for it to load (the stand-in's never
+    does). Resumed, the run ends with the uninterrupted run's losses (held-out evals change none: these runs
+    evaluate at the end only, which saves two engine starts)."""
+    run, hung = online[0] / "outputs" / "preempted", online[0] / "preempted.hung"
+    ov = [*new_run(online, prepared, "preempted"), *ONE_GPU, "train.eval_every=100"]
+    gpu = {"FAKE_ENGINE_GPU": str(online[0] / "preempted.gpu")}
+    env = {**ENV, **gpu, "FAKE_ENGINE_HANG_AT": f"1:{hung}", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "15"}
+    log = online[0] / "preempted.log"  # a file, not a pipe nobody reads while the run goes on
+    with open(log, "w") as f:
+        proc = subprocess.Popen(command(online, *ov, nproc=1), cwd=online[0], env=env, stdout=f,
+                                stderr=subprocess.STDOUT)
+    t0 = time.monotonic()
+    while not (hung.exists() and step_losses(run)):  # the engine hangs before global batch 1, which step 2 reads
+        assert proc.poll() is None and time.monotonic() - t0 < 240, log.read_text()[-4000:]
+        time.sleep(0.2)
+    time.sleep(1.0)  # the rank is waiting for batch 1 by now
+    for pid in [proc.pid, *descendants(proc.pid)]:  # as slurmstepd signals every process of the step
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    proc.wait(timeout=120)
+    assert "preempted: checkpoint written at step 1" in log.read_text(), log.read_text()[-4000:]
+    ok(fledge(online, *ov, nproc=1, env=gpu))
+    want = step_losses(evaluated[0])
+    assert [r["step"] for r in step_losses(run)] == [r["step"] for r in want] == [1, 2, 3, 4]
+    for got, ref in zip(step_losses(run), want):
+        assert got == pytest.approx(ref, rel=1e-6, abs=1e-7), (got, ref)

@@ -5,6 +5,10 @@ computes from column L, and every other column is a deterministic function of th
 protocol tests (tests/unit/data/test_stream_protocol.py, tests/distributed/test_online_stream.py) in seconds;
 tests/engine/ runs the real engine. ``FAKE_ENGINE_DIE_ONCE=N:PATH`` kills the engine (SIGKILL) as it is about to
 make its N-th batch (from 0), once: PATH, created then, marks it done for the engines started after it.
+``FAKE_ENGINE_HANG_AT=N:PATH`` makes it hang instead, as it is about to make its N-th batch (touching PATH), and an
+engine started once PATH exists hangs at start-up (a large target loading for longer than any grace period); a
+hung engine ends when its parent does. ``FAKE_ENGINE_GPU=PATH``: the engine holds PATH (an exclusive lock) for its
+life, as vLLM holds 0.85 of its GPU's memory, and fails at start-up while another engine holds it.
 
     python fake_capture_engine.py -I DRIVER REQUEST.json RESULT.json     (as fledge/engine_process.py calls it)
 """
@@ -38,10 +42,37 @@ def fake_states(token_ids: list[int], layer_ids: list[int], embed: torch.Tensor)
     return torch.stack(cols, dim=1)
 
 
+def _hang(parent: int) -> None:
+    """Make no batch until the parent (the rank, or its launcher) is gone, then exit, as an orphaned driver does."""
+    while os.getppid() == parent:
+        time.sleep(0.1)
+    os._exit(3)
+
+
+def _hold_gpu(path: str) -> int:
+    """An exclusive lock on ``path`` for this process's life (the fd stays open): the GPU's memory."""
+    import fcntl
+
+    fd = os.open(path, os.O_CREAT | os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise RuntimeError(f"fake engine: another engine holds the GPU ({path}); vLLM: not enough free memory "
+                           "for gpu_memory_utilization=0.85") from None
+    return fd
+
+
 class FakeLLM:
     def __init__(self, req: dict):
         from fledge.data.capture.engine import TargetHead
 
+        self.parent = os.getppid()
+        hang = os.environ.get("FAKE_ENGINE_HANG_AT")
+        self.hang_at = int(hang.split(":", 1)[0]) if hang else None
+        if hang and os.path.exists(hang.split(":", 1)[1]):
+            _hang(self.parent)
+        if os.environ.get("FAKE_ENGINE_GPU"):
+            self.gpu = _hold_gpu(os.environ["FAKE_ENGINE_GPU"])
         self.req = req
         self.head = TargetHead.load(req["target"], None, float(req.get("fake_eps", 1e-6)), "cpu", torch.float32)
         self.connector = Path(req["connector_dir"])
@@ -55,6 +86,9 @@ class FakeLLM:
         if die and self.calls == int(die.split(":", 1)[0]) and not os.path.exists(die.split(":", 1)[1]):
             Path(die.split(":", 1)[1]).touch()
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.calls == self.hang_at:
+            Path(os.environ["FAKE_ENGINE_HANG_AT"].split(":", 1)[1]).touch()
+            _hang(self.parent)
         self.calls += 1
         outs = []
         for p in prompts:

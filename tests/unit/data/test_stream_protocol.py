@@ -2,7 +2,8 @@
 the real driver's run_job over a fake vllm.LLM), in seconds: one engine shared by two ranks hands each the very
 batches, in order, that an engine of its own would; a shared engine killed mid-run restarts at the leader's
 step start and no batch is lost or consumed twice; a driver started through a launcher stops when its rank's
-heartbeat goes stale. tests/engine/test_vllm_capture.py runs the same paths with real vLLM."""
+heartbeat goes stale; the held-out set's engine takes the training engine's place on its GPU; SIGTERM ends a wait
+for a batch at once and starts no engine. tests/engine/test_vllm_capture.py runs the same paths with real vLLM."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 from fledge.data.capture.engine import DRIVER
-from fledge.data.capture.stream import EngineFeatureSource, StreamSpec
+from fledge.data.capture.stream import EngineFeatureSource, StreamInterrupted, StreamSpec
 from tests.helpers.models import random_llama
 
 FAKE = Path(__file__).resolve().parents[2] / "helpers" / "fake_capture_engine.py"
@@ -41,13 +42,13 @@ def setup(tmp_path_factory):
 
 
 def _sources(root: Path, python: Path, run: str, k: int, launcher=(), grad_accum: int = 2, timeout_s: float = 60,
-             restarts: int = 1):
+             restarts: int = 1, name: str = "train", displaces: list | None = None):
     spec = dict(python=python, target=str(root / "target"), revision=None, trust_remote_code=False,
                 dtype=torch.float32, feature_dtype=torch.float32, aux_layer_ids=[2, 3, 4], num_layers=6,
                 rms_norm_eps=1e-6, aux_dtype="bf16", env={}, timeout_s=timeout_s, buffer_batches=2, restarts=restarts,
                 device=torch.device("cpu"), launcher=tuple(launcher), ranks_per_engine=k, grad_accum=grad_accum)
-    return [EngineFeatureSource(root / "data", StreamSpec(workdir=root / run / f"rank{r:05d}", **spec), r, 2, 32, 1, 0)
-            for r in range(2)]
+    return [EngineFeatureSource(root / "data", StreamSpec(workdir=root / run / f"rank{r:05d}", **spec), r, 2, 32, 1, 0,
+                                name=name, displaces=displaces[r] if displaces else None) for r in range(2)]
 
 
 def _each_rank(srcs, work) -> dict[int, list]:
@@ -210,6 +211,53 @@ def test_eval_through_a_shared_engine_pads_and_keys_each_evaluation_anew(setup):
     for r in range(2):
         assert all(torch.equal(a, b) for (a, _), (b, _) in zip(got[r][0], got[r][1]))
     assert torch.equal(got[1][0][2][0], got[0][0][0][0])  # the pad re-reads batch 0
+
+
+def test_the_held_out_engine_takes_the_training_engines_place_and_training_goes_on(setup, own, monkeypatch):
+    """On a GPU the training engine and the held-out set's each ask for 0.85 of the device's memory (the stand-in:
+    a lock on one file), so an evaluation between training batches can only start its engine once the training
+    engine has stopped; the next training batch starts one again where the data stood, nothing lost or repeated."""
+    root, python = setup
+    monkeypatch.setenv("FAKE_ENGINE_GPU", str(root / "gpu.lock"))
+    trains = _sources(root, python, "displaced", 1)
+    train, held_out = trains[0], _sources(root, python, "displaced", 1, name="eval", displaces=trains)[0]
+    try:
+        got = [(0, train._next_from_engine(0))]
+        assert [real for _, real in held_out.eval_batches(4)] == [True, True]
+        got += [(g, train._next_from_engine(g)) for g in (2, 4)]
+    finally:
+        train.close()
+    _same({0: got}, {0: own[0][:3]})
+    assert train.engine_starts == 2 and held_out.engine_starts == 1
+
+
+def test_sigterm_ends_a_wait_for_a_batch_at_once_and_starts_no_engine(setup, monkeypatch):
+    """Slurm's SIGTERM reaches the engines too. A rank waiting for a batch must give the wait up at once (the
+    trainer then checkpoints), not start the dead engine again and wait for it to load: here every engine started
+    after the first one hung loads forever. The same for the held-out set's engine."""
+    root, python = setup
+    monkeypatch.setenv("FAKE_ENGINE_HANG_AT", f"1:{root / 'hung'}")  # the engine hangs before its 2nd batch
+    trains = _sources(root, python, "interrupted", 1, timeout_s=60, restarts=1)
+    train, held_out = trains[0], _sources(root, python, "interrupted", 1, name="eval", displaces=trains)[0]
+    stop = threading.Event()
+    train.stop_requested = held_out.stop_requested = stop.is_set
+    train._next_from_engine(0)
+
+    def sigterm():  # to the trainer (its flag) and to the engine, as slurmstepd signals every process of the job
+        stop.set()
+        os.killpg(train._run.proc.proc.pid, signal.SIGTERM)
+
+    threading.Timer(1.0, sigterm).start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(StreamInterrupted, match="global batch 2"):
+            train._next_from_engine(2)
+        with pytest.raises(StreamInterrupted, match="held-out"):
+            next(iter(held_out.eval_batches(2)))
+    finally:
+        train.close()
+    assert time.monotonic() - t0 < 10 and (root / "hung").exists()
+    assert train.engine_starts == 1 and held_out.engine_starts == 0
 
 
 def _driver():
