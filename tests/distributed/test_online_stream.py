@@ -127,8 +127,15 @@ def test_an_epoch_run_whose_batches_do_not_divide_by_the_world_trains_to_the_end
 
 
 SHARED = ["capture.ranks_per_engine=2", "capture.engine_timeout_s=30"]
+# The two kills of a shared engine under torchrun (~1 and ~2 CPU-minutes) are the full suite's
+# (FLEDGE_ENGINE_FULL=1): CI's 30 minutes run the same restarts in tests/unit/data/test_stream_protocol.py, on the
+# stream's own ranks without torchrun (a killed shared engine restarts at the step's start; a resumed run's step
+# that starts off the new step size).
+FULL = pytest.mark.skipif(os.environ.get("FLEDGE_ENGINE_FULL") != "1",
+                          reason="the full suite's (FLEDGE_ENGINE_FULL=1); its unit twin runs in CI")
 
 
+@FULL
 def test_a_shared_engine_killed_between_the_leaders_batch_and_the_members_restarts(online, prepared):
     """Steps of 2 micro-batches on 2 ranks sharing one engine, which makes 0 (leader), 1 (member), 2 (leader), 3
     (member), ... and is killed before batch 3: the leader holds its step (0, 2) and enters the step's
@@ -141,6 +148,7 @@ def test_a_shared_engine_killed_between_the_leaders_batch_and_the_members_restar
     assert consumed(run, 0) == [0, 2, 4, 6, 8, 10] and consumed(run, 1) == [1, 3, 5, 7, 9, 11]
 
 
+@FULL
 def test_a_shared_engine_killed_in_a_run_resumed_off_the_step_size_restarts_at_the_steps_start(online, prepared):
     """One step of 2 global batches (grad_accum 1), then steps of 4 (grad_accum 2) from batch 2: steps [2..5], [6..9].
     The engine, killed after batch 2 (the leader's), must start again at 2, the step's start, not at 4 (a multiple

@@ -166,7 +166,10 @@ def test_kill_9_then_resume_gives_the_same_losses(base, reference):
     assert got == pytest.approx([x for step in reference for x in step], rel=1e-6, abs=1e-7, nan_ok=True)
 
 
-@pytest.mark.parametrize("zero", ["zero2", "zero3"])
+# ZeRO-3's conversion is the full suite's (FLEDGE_ENGINE_FULL=1, CI's 30 minutes): CI runs ZeRO-2's (the recipes'),
+# and ZeRO-3 against ZeRO-2 and one process in test_zero3_and_one_process_match_zero2.
+@pytest.mark.parametrize("zero", ["zero2", pytest.param("zero3", marks=pytest.mark.skipif(
+    os.environ.get("FLEDGE_ENGINE_FULL") != "1", reason="the full suite's (FLEDGE_ENGINE_FULL=1): CI's time"))])
 def test_preempted_two_ranks_resume_on_one(base, reference, zero):
     args = new_run(base, f"moved_{zero}") + [f"deepspeed={zero}"]
     proc = _start(main_cmd(2) + args)
