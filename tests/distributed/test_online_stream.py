@@ -127,15 +127,13 @@ def test_an_epoch_run_whose_batches_do_not_divide_by_the_world_trains_to_the_end
 
 
 SHARED = ["capture.ranks_per_engine=2", "capture.engine_timeout_s=30"]
-# The two kills of a shared engine under torchrun (~1 and ~2 CPU-minutes) are the full suite's
-# (FLEDGE_ENGINE_FULL=1): CI's 30 minutes run the same restarts in tests/unit/data/test_stream_protocol.py, on the
-# stream's own ranks without torchrun (a killed shared engine restarts at the step's start; a resumed run's step
-# that starts off the new step size).
+# The kill of a shared engine in a run resumed off the step size (~2 CPU-minutes under torchrun) is the full suite's
+# (FLEDGE_ENGINE_FULL=1): CI's 30 minutes run the same restart in tests/unit/data/test_stream_protocol.py, on the
+# stream's own ranks without torchrun.
 FULL = pytest.mark.skipif(os.environ.get("FLEDGE_ENGINE_FULL") != "1",
                           reason="the full suite's (FLEDGE_ENGINE_FULL=1); its unit twin runs in CI")
 
 
-@FULL
 def test_a_shared_engine_killed_between_the_leaders_batch_and_the_members_restarts(online, prepared):
     """Steps of 2 micro-batches on 2 ranks sharing one engine, which makes 0 (leader), 1 (member), 2 (leader), 3
     (member), ... and is killed before batch 3: the leader holds its step (0, 2) and enters the step's
