@@ -17,8 +17,30 @@ CONF_DIR = str(Path(__file__).resolve().parent)
 ConfigStore.instance().store(name="fledge_schema", node=Config)
 
 
+def unknown_keys(node: DictConfig, schema: DictConfig, prefix: str = "") -> list[str]:
+    """Keys of ``node`` its schema does not have: what a ``+key=value`` override adds past the schema (Hydra
+    lets ``+`` add a key even to a structured config). Free-form maps (``eval.set_paths``) take any key."""
+    import dataclasses
+
+    out = []
+    for key in node:
+        name = f"{prefix}{key}"
+        if key not in schema.keys():  # not `in schema`: that is False for a ??? (missing) value too
+            out.append(name)
+            continue
+        child, ref = node._get_node(key), schema._get_node(key)
+        if isinstance(child, DictConfig) and isinstance(ref, DictConfig) and \
+                dataclasses.is_dataclass(OmegaConf.get_type(ref)):
+            out += unknown_keys(child, ref, f"{name}.")
+    return out
+
+
 def to_config(dcfg: DictConfig) -> Config:
     """DictConfig (already type-checked by the schema) -> validated Config dataclasses."""
+    extra = unknown_keys(dcfg, OmegaConf.structured(Config))
+    if extra:
+        raise ValueError(f"{', '.join(extra)}: no such config key (a + override adds a key the schema does not "
+                         "have); fledge config recipe=NAME prints every key")
     cfg = OmegaConf.to_object(dcfg)
     assert isinstance(cfg, Config)
     return cfg.validate()

@@ -69,6 +69,15 @@ def test_unknown_key_and_bad_type_name_the_key():
         compose(["recipe=tiny", "drafter.ttt_steps=abc"])
 
 
+@pytest.mark.parametrize("extra", ["+drafter.bogus=1", "+bogus=1", "+train.optim.nope=2"])
+def test_a_plus_override_past_the_schema_is_refused_naming_the_key(extra):
+    """Hydra lets `+key=value` add a key even to a structured config; it was set and ignored without a word."""
+    key = extra[1:].split("=")[0]
+    with pytest.raises(ValueError, match=f"^{key}: no such config key"):
+        compose(["recipe=tiny", extra])
+    compose(["recipe=tiny", "+eval.set_paths.my_set=/data/my_set.jsonl"])  # a free-form map takes any key
+
+
 @pytest.mark.parametrize(
     "override, key",
     [
