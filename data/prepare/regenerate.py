@@ -63,6 +63,11 @@ class Backend(Protocol):
         """``{"content", "finish_reason", "reasoning_content"?}`` for the next assistant turn."""
 
 
+class TooLong(RuntimeError):
+    """The conversation so far does not fit the server's context (vLLM's ``--max-model-len``): skipped, not
+    failed, since no retry can answer it."""
+
+
 class OpenAIBackend:
     """An OpenAI-compatible chat endpoint, e.g. ``http://127.0.0.1:8000/v1`` (vLLM, SGLang)."""
 
@@ -88,7 +93,10 @@ class OpenAIBackend:
                 break
             except urllib.error.HTTPError as e:
                 if e.code < 500 or attempt == self.retries:  # 4xx: our request is wrong, retrying won't help
-                    raise RuntimeError(f"{self.url}: HTTP {e.code}: {e.read()[:300]!r}") from None
+                    body = e.read()[:300]
+                if e.code == 400 and b"context length" in body:  # vLLM's words: retrying cannot fit it
+                    raise TooLong(f"{self.url}: HTTP 400: {body!r}") from None
+                raise RuntimeError(f"{self.url}: HTTP {e.code}: {body!r}") from None
             except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
                 if attempt == self.retries:
                     raise RuntimeError(f"{self.url}: unreachable after {attempt + 1} tries ({e})") from None
@@ -232,8 +240,9 @@ def regenerate(conversations: Iterable[dict], out_path: str | Path, backend: Bac
 
     Appends one json line per finished conversation (flushed at once, so a kill loses at most the
     conversations in flight) and skips indices already there. Returns counts
-    ``{"done", "skipped_existing", "failed", "first_errors"}``; a failed conversation is not written,
-    so the next run retries it.
+    ``{"done", "skipped_existing", "too_long", "failed", "first_errors"}``; a failed or too long conversation is
+    not written, so the next run retries it (a failed one is the exit code's; one longer than the server's
+    context, ``too_long``, is not: no retry answers it).
     """
     from fledge.progress import progress as show_progress
 
@@ -241,7 +250,7 @@ def regenerate(conversations: Iterable[dict], out_path: str | Path, backend: Bac
     out_path.parent.mkdir(parents=True, exist_ok=True)
     have = done_indices(out_path)
     todo = [c for c in conversations if int(c["index"]) not in have]
-    stats = {"done": 0, "skipped_existing": len(have), "failed": 0, "first_errors": []}
+    stats = {"done": 0, "skipped_existing": len(have), "too_long": 0, "failed": 0, "first_errors": []}
     lock = threading.Lock()
     with open(out_path, "a", encoding="utf-8") as f, ThreadPoolExecutor(max(1, concurrency)) as pool:
         if f.tell() and not out_path.read_bytes().endswith(b"\n"):
@@ -250,6 +259,9 @@ def regenerate(conversations: Iterable[dict], out_path: str | Path, backend: Bac
         for fut in show_progress(as_completed(futures), total=len(futures), disable=not progress, desc="regenerate"):
             try:
                 rec = fut.result()
+            except TooLong:
+                stats["too_long"] += 1
+                continue
             except Exception as e:  # one bad conversation (or a server hiccup) must not lose the others
                 stats["failed"] += 1
                 if len(stats["first_errors"]) < 5:
@@ -259,6 +271,9 @@ def regenerate(conversations: Iterable[dict], out_path: str | Path, backend: Bac
                 f.write(json.dumps(rec, ensure_ascii=False) + "\n")
                 f.flush()
             stats["done"] += 1
+    if stats["too_long"]:
+        log.warning("regenerate: %d conversations longer than the server's context were skipped (a larger "
+                    "--max-model-len in --server-args takes them)", stats["too_long"])
     if stats["failed"]:
         log.warning("regenerate: %d conversations failed (rerun to retry): %s", stats["failed"], stats["first_errors"])
     return stats

@@ -15,6 +15,7 @@ from fledge.data.prepare.regenerate import OpenAIBackend, TransformersBackend, d
 
 class Stub(BaseHTTPRequestHandler):
     fail_on = set()  # user contents that get HTTP 400
+    too_long = set()  # user contents that get vLLM's HTTP 400 for a prompt longer than its context
     calls = []
     auth = []
 
@@ -23,6 +24,11 @@ class Stub(BaseHTTPRequestHandler):
         Stub.calls.append(body)
         Stub.auth.append(self.headers.get("Authorization"))
         last = body["messages"][-1]["content"]
+        if last in Stub.too_long:  # vLLM's answer to a prompt past --max-model-len
+            self.send_response(400)
+            self.end_headers()
+            self.wfile.write(b'{"error": {"message": "This model\'s maximum context length is 2048 tokens."}}')
+            return
         if self.path != "/v1/chat/completions" or last in Stub.fail_on:
             self.send_response(400)
             self.end_headers()
@@ -43,7 +49,7 @@ class Stub(BaseHTTPRequestHandler):
 
 @pytest.fixture()
 def server():
-    Stub.fail_on, Stub.calls = set(), []
+    Stub.fail_on, Stub.too_long, Stub.calls = set(), set(), []
     srv = ThreadingHTTPServer(("127.0.0.1", 0), Stub)
     t = threading.Thread(target=srv.serve_forever, daemon=True)
     t.start()
@@ -69,7 +75,7 @@ def test_endpoint_resume_and_record(server, tmp_path):
         f.write('{"index": 9, "mess')  # a torn line from a kill
     Stub.fail_on, Stub.calls = set(), []
     s = regenerate(_convs(6), out, be, temperature=0.7, max_tokens=9, progress=False)
-    assert s == {"done": 1, "skipped_existing": 5, "failed": 0, "first_errors": []}
+    assert s == {"done": 1, "skipped_existing": 5, "too_long": 0, "failed": 0, "first_errors": []}
     assert len(Stub.calls) == 2  # only conversation 3's two turns
     recs = {}
     for line in out.read_text().splitlines():
@@ -185,3 +191,16 @@ def test_serve_without_an_engine_or_a_model_is_one_line(tmp_path, monkeypatch, c
     assert cli.main(["--input", str(src), "--output", str(tmp_path / "o.jsonl"), "--serve", str(model / "x")]) == 2
     assert "no config.json" in capsys.readouterr().err
     assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_a_conversation_past_the_servers_context_is_skipped_not_failed(server, tmp_path):
+    """vLLM refuses a prompt longer than --max-model-len with HTTP 400: no retry answers it, so it is counted
+    apart (too_long) and does not make the run's exit code a failure that a rerun would only repeat."""
+    Stub.too_long = {"p1"}  # conversation 1's second turn
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(json.dumps({"messages": c["messages"]}) for c in _convs(3)) + "\n")
+    out = tmp_path / "o.jsonl"
+    rc = cli.main(["--input", str(src), "--output", str(out), "--endpoint", server, "--model", "m"])
+    assert rc == 0 and done_indices(out) == {0, 2}
+    s = regenerate(_convs(3), out, OpenAIBackend(server, "m", retries=0), progress=False)
+    assert s == {"done": 0, "skipped_existing": 2, "too_long": 1, "failed": 0, "first_errors": []}
