@@ -19,39 +19,18 @@ from fledge.train.runner import StageContext
 def _engine_sources(cfg: Config, ctx: StageContext, dtype: torch.dtype, rank: int, world_size: int):
     """capture.mode=online, capture.engine=vllm: an engine per rank (or per capture.ranks_per_engine ranks)
     streams each split (data/capture/stream.py)."""
-    import os
-
-    from transformers import AutoConfig
-
-    from fledge.data.capture.engine import engine_env
+    from fledge.data.capture.engine import engine_setup
     from fledge.data.capture.stream import EngineFeatureSource, StreamSpec
-    from fledge.engine_process import SETUP_HINT, engine_python
-    from fledge.models.families import read_target
-    from fledge.models.precision import compute_dtype
-    from fledge.models.target import check_target_config
 
     t, cap, w, tc = cfg.train, cfg.capture, ctx.world, cfg.target
-    python = engine_python(cap.engine_python)
-    if not python.exists():
-        raise ValueError(f"capture.engine=vllm: no engine python at {python}; "
-                         f"{SETUP_HINT.replace('eval.engine_python', 'capture.engine_python')}")
-    hf_config = AutoConfig.from_pretrained(tc.name_or_path, revision=tc.revision,
-                                           trust_remote_code=tc.trust_remote_code)
-    check_target_config(hf_config, tc)
-    shape = read_target(hf_config)[1]
-    want = tc.dtype if tc.dtype != "auto" else str(getattr(hf_config, "dtype", None) or "bfloat16")
-    engine_dtype = compute_dtype(getattr(torch, str(want).replace("torch.", "")), w.device, f"target.dtype={tc.dtype}")
+    eng = engine_setup(tc, cap, cfg.aux_layer_ids(), w)
     if cap.ranks_per_engine > 1 and world_size != w.world_size:
         raise ValueError(f"capture.ranks_per_engine={cap.ranks_per_engine} with train.sequence_parallel="
                          f"{t.sequence_parallel}: a shared engine serves data-parallel ranks; set one to 1")
-    env = engine_env(w.device.type, w.rank, w.local_rank, w.world_size, cap.tensor_parallel_size, 1,
-                     os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500")) + 1)
-    if cap.engine_launcher:  # the launcher (srun --gpus=...) gives the engine its GPUs on its own node
-        env.pop("CUDA_VISIBLE_DEVICES", None)
-    spec = dict(python=python, target=tc.name_or_path, revision=tc.revision, trust_remote_code=tc.trust_remote_code,
-                dtype=engine_dtype, feature_dtype=dtype, aux_layer_ids=list(cfg.aux_layer_ids()),
-                num_layers=shape.num_hidden_layers,
-                rms_norm_eps=shape.rms_norm_eps, aux_dtype=cap.dtype, env=env, timeout_s=cap.engine_timeout_s,
+    spec = dict(python=eng.python, target=tc.name_or_path, revision=tc.revision,
+                trust_remote_code=tc.trust_remote_code, dtype=eng.dtype, feature_dtype=dtype,
+                aux_layer_ids=list(cfg.aux_layer_ids()), num_layers=eng.shape.num_hidden_layers,
+                rms_norm_eps=eng.shape.rms_norm_eps, aux_dtype=cap.dtype, env=eng.env, timeout_s=cap.engine_timeout_s,
                 buffer_batches=cap.buffer_batches, restarts=cap.engine_restarts, device=w.device,
                 launcher=tuple(cap.engine_launcher), ranks_per_engine=cap.ranks_per_engine, grad_accum=t.grad_accum)
     # the train source's end (where the engine's job stops) is the trainer's: seek(position, end) at its resume

