@@ -40,6 +40,7 @@ import time
 import torch
 
 from fledge.conf.schema import Config
+from fledge.data.capture.sources import feature_sources
 from fledge.data.capture.stream import EngineFeatureSource, StreamInterrupted
 from fledge.distributed import World, all_reduce_sum, any_rank, sequence_groups
 from fledge.models.alignment import StepAccuracy, al_estimate
@@ -49,7 +50,6 @@ from fledge.train.deepspeed_setup import build_engine, gradient_divisor, use_bf1
 from fledge.train.metrics import MetricsLog, RatioMeter
 from fledge.train.runner import StageContext
 from fledge.train.sequence_parallel import SequenceParallel, check_heads
-from fledge.train.train_data import build_loaders
 from fledge.train.ttt_model import TTTModel, build_ttt_model, drafter_meta
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ def run_training(ctx: StageContext) -> dict:
                          "NaN batch would corrupt the drafter instead of being skipped; use "
                          "deepspeed.zero_stage=1 (or deepspeed.bf16=true)")
     # a sequence-parallel group is one data-parallel rank: the global batch plan is the same as without it
-    train_data, eval_data = build_loaders(cfg, ctx, dtype, groups.dp_rank, groups.dp_size)
+    train_data, eval_data = feature_sources(cfg, ctx.layout, ctx.world, dtype, groups.dp_rank, groups.dp_size)
     per_step = cfg.train.grad_accum * groups.dp_size  # global batches per optimizer step
 
     paths = ctx.layout.train

@@ -1,4 +1,4 @@
-"""The capture stage (offline feature store) and the online feature source.
+"""The capture stage: the offline feature store.
 
 Offline: every prepared split (train, eval, eval_perturbed) is captured into ``<run>/capture/<split>/``.
 Sample i goes to rank i % world. Each rank sorts its samples by length (longest first, then id) and cuts
@@ -13,8 +13,9 @@ i is samples [i*n/N, (i+1)*n/N) of every split, cut between the task's ranks the
 the slices to rerun), and the stage is complete. The merged store reads like a plain one (same samples,
 same ids), so training does not depend on how it was captured.
 
-Online (``capture.mode=online``): ``OnlineFeatureSource`` runs the target on the training rank for each
-batch and yields the same FeatureBatch as the offline FeatureLoader.
+Through vLLM (``capture.engine=vllm``) the same plan and writer are fed by the engine (data/capture/engine.py,
+which sets the engine up for this and for the online stream alike). What the trainer reads, this store or the
+target online, is chosen in data/capture/sources.py.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import torch
 from fledge.atomic import read_json, write_json_atomic
 from fledge.conf.schema import CaptureConfig, TargetConfig
 from fledge.data.capture.engine import capture_with_engine, engine_setup
-from fledge.data.features.reader import BatchIterator
 from fledge.data.features.store import (
     SCHEMA_VERSION,
     STORE_MANIFEST,
@@ -378,30 +378,3 @@ def capture(target_cfg: TargetConfig, cap: CaptureConfig, aux_layer_ids: list[in
             return dict(out, complete=False, slice_index=part, num_slices=cap.num_slices)
     out["store"] = {s: str(out_dir.store(s) / STORE_MANIFEST) for s in splits}
     return out
-
-
-class OnlineFeatureSource(BatchIterator):
-    """``capture.mode=online``: the same batches as FeatureLoader, computed by the target each step.
-
-    Samples come from the prepared split in ``dataset_dir`` (``<run>/prepare/<split>``); ``target`` runs on
-    this rank's device, and the sample dicts (aux in the target's dtype, no fp8) stay on that device for
-    collate. ``rank``, ``world``, ``row_tokens``, ``rows_per_batch`` and ``seed`` as for FeatureLoader."""
-
-    def __init__(self, dataset_dir: str | Path, target: FrozenTarget, rank: int, world: int, row_tokens: int,
-                 rows_per_batch: int, seed: int, chunk_tokens: int = 0):
-        from datasets import load_from_disk
-
-        self.ds = load_from_disk(str(dataset_dir))
-        self.target, self.chunk_tokens = target, chunk_tokens
-        super().__init__(dataset_lengths(self.ds), rank, world, row_tokens, rows_per_batch, seed)
-
-    def fetch(self, indices: list[int]) -> list[dict]:
-        rows = self.ds.select(indices)
-        out = []  # one target forward (padded) for all samples of the batch
-        for row, (aux, final, argmax) in zip(rows, capture_rows(self.target, [x["input_ids"] for x in rows],
-                                                                      self.chunk_tokens)):
-            dev = aux.device
-            out.append({"input_ids": torch.as_tensor(row["input_ids"], dtype=torch.long, device=dev),
-                        "loss_mask": torch.as_tensor(row["loss_mask"], device=dev).bool(),
-                        "aux_hidden": aux, "target_hidden": final, "target_argmax": argmax})
-        return out

@@ -133,7 +133,7 @@ class EngineFeatureSource(BatchIterator):
             raise ValueError(f"capture.ranks_per_engine={k}: must divide the data-parallel world size ({world})")
         self.leader, self.members = rank - rank % k, list(range(rank - rank % k, rank - rank % k + k))
         # A killed run's unconsumed batches go: they would hold back-pressure room the new engine needs. Every
-        # rank clears its own spool before any engine starts (train/train_data.py waits for all of them).
+        # rank clears its own spool before any engine starts (data/capture/sources.py waits for all of them).
         shutil.rmtree(self.spool(rank), ignore_errors=True)
         self.end = end if end is not None else self.global_batches_per_epoch
         self.eng_ids = engine_layer_ids(spec.aux_layer_ids, spec.num_layers)

@@ -128,7 +128,7 @@ def test_a_broken_slice_is_one_line_whose_advice_merges(tmp_path):
     assert FeatureStore(tmp_path / "b" / "capture" / "train").sample_ids == list(range(N))
 
     # A merged store's corrupt shard: the reader's advice names that slice and the stage's manifest, as the
-    # trainer opens the store (train/train_data.py); run.force is refused here too.
+    # trainer opens the store (data/capture/sources.py); run.force is refused here too.
     from fledge.run_layout import RunLayout
 
     shard = slice1 / "rank00000" / "shard-00000.safetensors"

@@ -209,7 +209,7 @@ def test_loader_ranks_and_exact_resume(bf16_store):
 
 
 def test_online_source_yields_the_offline_batches(root, bf16_store):
-    from fledge.data.capture.offline import OnlineFeatureSource
+    from fledge.data.capture.online import OnlineFeatureSource
 
     cfg = make_cfg(root, "bf16")
     target = FrozenTarget.load(cfg.target, torch.device("cpu"), cfg.aux_layer_ids())
@@ -222,6 +222,38 @@ def test_online_source_yields_the_offline_batches(root, bf16_store):
         torch.testing.assert_close(a.aux_hidden.float(), b.aux_hidden, rtol=8e-3, atol=1e-4)  # b: bf16 store
         torch.testing.assert_close(a.target_hidden.float(), b.target_hidden, rtol=8e-3, atol=1e-4)
     assert online.position == len(offline)
+
+
+def test_feature_sources_choose_the_store_the_target_or_the_stream(root, bf16_store, tmp_path):
+    """data/capture/sources.py, the one place training's features are chosen: capture.mode=offline reads the store
+    (whichever engine made it), online runs the target on the rank (one target for both splits) or streams it from
+    vLLM, each on the same batch plan; any other pair of keys is one line naming both."""
+    from fledge.data.capture.online import OnlineFeatureSource
+    from fledge.data.capture.sources import feature_sources, source_kind
+
+    pairs = [("offline", "hf"), ("offline", "vllm"), ("online", "hf"), ("online", "vllm")]
+    assert [source_kind(m, e) for m, e in pairs] == ["store", "store", "hf", "vllm-stream"]
+    cfg, layout = make_cfg(root, "bf16"), RunLayout(root / "bf16")
+    cfg.train.micro_batch_tokens, cfg.train.micro_batch_size, cfg.run.seed = 64, 2, 5
+    one = World(0, 1, 0, torch.device("cpu"))
+    train, held_out = feature_sources(cfg, layout, one, torch.float32)
+    assert isinstance(train, FeatureLoader) and (train.store.dir, held_out.store.dir) == (
+        bf16_store / "train", bf16_store / "eval")
+    cfg.capture.mode = "online"
+    live, live_eval = feature_sources(cfg, layout, one, torch.float32)
+    assert isinstance(live, OnlineFeatureSource) and live.target is live_eval.target
+    assert live.global_plan(0) == train.global_plan(0) and len(live_eval) == len(held_out)
+    cfg.capture.engine, cfg.capture.engine_python = "vllm", str(tmp_path / "no-python")
+    with pytest.raises(ValueError, match=r"^capture.engine=vllm: no engine python at .*no-python; .*setup_engine.sh"):
+        feature_sources(cfg, layout, one, torch.float32)
+    (tmp_path / "no-python").touch()  # an engine that is never started: the set-up's checks come first
+    cfg.capture.ranks_per_engine, cfg.train.sequence_parallel = 2, 2
+    with pytest.raises(ValueError, match=r"^capture.ranks_per_engine=2 with train.sequence_parallel=2: .*set one to 1"):
+        feature_sources(cfg, layout, World(0, 2, 0, torch.device("cpu")), torch.float32, rank=0, world_size=1)
+    for mode, engine in (("stream", "vllm"), ("online", "sglang")):
+        cfg.capture.mode, cfg.capture.engine = mode, engine
+        with pytest.raises(ValueError, match=rf"^capture.mode='{mode}' capture.engine='{engine}': no feature source"):
+            feature_sources(cfg, layout, one, torch.float32)
 
 
 def test_array_slices_merge_into_one_store(root, bf16_store):
