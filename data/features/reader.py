@@ -6,7 +6,7 @@ only its own byte ranges). A shard's sha256 is checked the first time it is open
 manifest and the indexes name is relative to the store and must stay inside it (no ``..``, not absolute):
 a copied or hand-edited store must not make training read files it was never pointed at.
 ``FeatureLoader`` turns the store into FeatureBatch objects with data.packing.plan_rows/collate; the online
-source (data/capture/offline.py) shares its batching through ``BatchIterator``.
+sources (data/capture/online.py, stream.py) share its batching through ``BatchIterator``.
 """
 
 from __future__ import annotations
