@@ -20,7 +20,7 @@ import fledge.testbed.targets as tiny_targets  # noqa: E402
 import fledge.testbed.tiny_writer as tiny_writer  # noqa: E402
 from tests.helpers.paths import REPO  # noqa: E402
 from tests.helpers.processes import descendants  # noqa: E402
-from tests.helpers.recipe_runs import run_family, run_recipe  # noqa: E402
+from tests.helpers.recipe_runs import run_named  # noqa: E402
 from tests.helpers.slurm_cluster import LocalSlurm  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
@@ -41,13 +41,23 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: group[item.nodeid.split("::")[0]])
 
 
-def _needs(item) -> int:
-    """0: no trained tiny target (or the test is skipped); 1: the tiny Llama (``tiny_target``, directly or through
-    a fixture); 2: a tiny family run (``tiny_family_run``)."""
+# The session's end-to-end runs (tests/helpers/recipe_runs.py RUNS), by the fixture that waits for each.
+BACKGROUND = {"tiny_recipe_run": ("tiny",), "real_smoke_run": ("smollm2",), "tiny_family_run": ("moe", "mla")}
+
+
+def _fixtures(item) -> set[str]:
+    """The fixtures ``item`` uses, directly or through others; none when it is skipped."""
     skipped = any(m.name == "skip" or (m.name == "skipif" and m.args and m.args[0] is True)
                   for m in item.iter_markers())
-    names = set() if skipped else set(getattr(item, "fixturenames", ()))
-    return 2 if "tiny_family_run" in names else 1 if "tiny_target" in names else 0
+    return set() if skipped else set(getattr(item, "fixturenames", ()))
+
+
+def _needs(item) -> int:
+    """0: no trained tiny target (or the test is skipped); 1: the tiny Llama (``tiny_target``, directly or through
+    a fixture); 2: an end-to-end run made in the background (BACKGROUND): these modules run last, so the runs have
+    the whole session's idle cores."""
+    names = _fixtures(item)
+    return 2 if names & set(BACKGROUND) else 1 if "tiny_target" in names else 0
 
 
 @pytest.fixture(scope="session")
@@ -64,13 +74,18 @@ def tiny_data():
 
 
 @pytest.fixture(scope="session")
-def tiny_recipe_run(tmp_path_factory, tiny_target):
-    """(run dir, log) of the README's main command, `recipe=tiny`, run once per session and shared by
-    tests/integration (the golden figures) and tests/engine (vLLM serves its export; tests/helpers/recipe_runs.py)."""
-    return run_recipe("tiny", tiny_target, tmp_path_factory.mktemp("tiny_recipe"))
+def tiny_recipe_run(background_run):
+    """(run dir, log) of the README's main command, `recipe=tiny`, run once per session (in the background from
+    its start: _ahead) and shared by tests/integration (the golden figures) and tests/engine (vLLM serves its
+    export; tests/helpers/recipe_runs.py)."""
+    return background_run("tiny")
 
 
-FAMILIES = ("moe", "mla")
+@pytest.fixture(scope="session")
+def real_smoke_run(background_run):
+    """(run dir, log) of recipe=smollm2's stages in small on the real target (tests/helpers/recipe_runs.py
+    run_real_smoke; tests/engine/test_real_target.py), run once per session in the background from its start."""
+    return background_run("smollm2")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -78,32 +93,37 @@ def _ahead(request, tmp_path_factory):
     """Start what the session's tests will wait for, in the background, as the session starts: the tiny
     Llama's build (`fledge tiny-target`, ~4 min on 2 cores in CI) while the modules that need no trained target
     run (pytest_collection_modifyitems orders them first; the ``tiny_target`` fixture then waits on the build's
-    lock), and both tiny family runs (tests/helpers/recipe_runs.py) at the lowest CPU priority, on the cores the rest
-    of the suite leaves idle. FLEDGE_AHEAD=0 builds and runs each in the foreground when first needed.
-    Yields None or (family process, its output dir)."""
+    lock), and the end-to-end runs the session's tests use (BACKGROUND; tests/helpers/recipe_runs.py) one after
+    another at the lowest CPU priority, on the cores the rest of the suite leaves idle; the modules that use them
+    run last. FLEDGE_AHEAD=0 builds and runs each in the foreground when first needed.
+    Yields None or (background process, its output dir, the runs it makes)."""
     import signal
     import subprocess
     import sys
 
+    used = set().union(*(_fixtures(item) for item in request.session.items))
+    runs = [run for fixture, names in BACKGROUND.items() if fixture in used for run in names]
     needs = {_needs(item) for item in request.session.items}
     if os.environ.get("FLEDGE_AHEAD") == "0" or not needs - {0}:
         yield None
         return
     out = tmp_path_factory.mktemp("ahead")
     root, procs = REPO, []
-    if needs & {1}:
+    if needs & {1} or "tiny" in runs:
         with open(out / "tiny_target.log", "w") as log:
             # one thread, as scripts/test.sh builds it and recipes/tiny/golden.json was measured
             procs.append(subprocess.Popen([sys.executable, "-m", "fledge", "tiny-target"], cwd=root, stdout=log,
                                           stderr=subprocess.STDOUT, start_new_session=True,
                                           env={**os.environ, "OMP_NUM_THREADS": "1"}))
-    family = None
-    if needs & {2}:
-        with open(out / "family_runs.log", "w") as log:
-            family = subprocess.Popen([sys.executable, "-m", "tests.helpers.recipe_runs", str(out), *FAMILIES],
-                                      cwd=root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        procs.append(family)
-    yield (family, out) if family else None
+    background = None
+    if runs:
+        # the real target's smoke first: it needs no tiny target, which is still building
+        runs.sort(key=lambda run: run != "smollm2")
+        with open(out / "background_runs.log", "w") as log:
+            background = subprocess.Popen([sys.executable, "-m", "tests.helpers.recipe_runs", str(out), *runs],
+                                          cwd=root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        procs.append(background)
+    yield (background, out, runs) if background else None
     for proc in procs:  # the session ended early (-x, a subset): stop what is left, ranks and engines included
         if proc.poll() is None:
             for pid in descendants(proc.pid) + [proc.pid]:
@@ -114,36 +134,43 @@ def _ahead(request, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def tiny_family_run(tmp_path_factory, _ahead):
-    """``run(family)`` -> (run dir, log) of `recipe=tiny_<family>` (moe | mla) on its tiny target (built once
-    into .cache, ~1-2 min each), run once per family per session and shared by tests/integration and
-    tests/engine: the background runs' result when they were started ahead, else run here."""
+def background_run(tmp_path_factory, _ahead):
+    """``run(name)`` -> (run dir, log) of one of tests/helpers/recipe_runs.py's RUNS, made once per session: the
+    background run's result when _ahead started it, else run here."""
     import json
     import time
 
-    runs = {}
+    done = {}
 
-    def run(family: str):
-        if family in runs:
-            return runs[family]
-        if _ahead is None:
-            runs[family] = run_family(family, tmp_path_factory.mktemp(f"tiny_{family}"))
-            return runs[family]
-        proc, out = _ahead
-        result = out / f"{family}.json"
+    def run(name: str):
+        if name in done:
+            return done[name]
+        if _ahead is None or name not in _ahead[2]:
+            done[name] = run_named(name, tmp_path_factory.mktemp(f"run_{name}"))
+            return done[name]
+        proc, out, _ = _ahead
+        result = out / f"{name}.json"
         deadline = time.time() + 3600
         while not result.exists():
             assert proc.poll() is None or result.exists(), \
-                f"the background family runs stopped (exit {proc.returncode}): " \
-                f"{(out / 'family_runs.log').read_text()[-4000:]}"
-            assert time.time() < deadline, f"the background tiny_{family} run took over an hour"
+                f"the background runs stopped (exit {proc.returncode}): " \
+                f"{(out / 'background_runs.log').read_text()[-4000:]}"
+            assert time.time() < deadline, f"the background {name} run took over an hour"
             time.sleep(2)
         r = json.loads(result.read_text())
-        assert r["ok"], f"recipe=tiny_{family} failed in the background:\n{r['error']}"
-        runs[family] = (Path(r["run"]), Path(r["log"]).read_text())
-        return runs[family]
+        assert r["ok"], f"the {name} run failed in the background:\n{r['error']}"
+        done[name] = (Path(r["run"]), Path(r["log"]).read_text())
+        return done[name]
 
     return run
+
+
+@pytest.fixture(scope="session")
+def tiny_family_run(background_run):
+    """``run(family)`` -> (run dir, log) of `recipe=tiny_<family>` (moe | mla) on its tiny target (built once
+    into .cache, ~1-2 min each), run once per family per session and shared by tests/integration and
+    tests/engine."""
+    return background_run
 
 
 @pytest.fixture(scope="session")

