@@ -1,6 +1,6 @@
 """The drafter checkpoint (models/drafter_checkpoint.py): the one owner of a trained drafter's files. A round
 trip keeps the description and the tensors exactly, an export's record says what the linter needs, a missing or
-garbled file is one ValueError naming it."""
+garbled file is one ValueError naming it, and no other module spells the file names."""
 
 import json
 import re
@@ -10,6 +10,10 @@ import torch
 
 from fledge.models.drafter_checkpoint import META, RECORD, TRAINED_WITH, WEIGHTS, DrafterCheckpoint
 from tests.helpers.models import make_drafter
+from tests.helpers.paths import REPO
+
+ROOMS = ("fledge", "conf", "models", "data", "serving", "evaluation", "testbed", "train")
+
 
 @pytest.fixture(scope="module")
 def drafter():
@@ -77,3 +81,12 @@ def test_a_missing_or_garbled_file_names_it(drafter, tmp_path):
     with pytest.raises(ValueError, match=re.escape(f"{d / WEIGHTS}: not a readable safetensors file")):
         DrafterCheckpoint.tensors(d)
 
+
+def test_no_other_module_spells_the_file_names():
+    """The checkpoint's and the record's file names live in models/drafter_checkpoint.py alone."""
+    owner = REPO / "models" / "drafter_checkpoint.py"
+    names = "|".join(re.escape(n) for n in (META, RECORD))
+    pattern = re.compile(f"[\"']({names})[\"']")
+    found = [f"{p.relative_to(REPO)}:{i}" for room in ROOMS for p in sorted((REPO / room).rglob("*.py"))
+             if p != owner for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not found, f"spelled outside models/drafter_checkpoint.py: {found}"
