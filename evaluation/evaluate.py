@@ -47,6 +47,7 @@ from fledge.evaluation.speculative import (
 )
 from fledge.models import alignment
 from fledge.models.alignment import StepAccuracy, al_estimate
+from fledge.models.drafter import DrafterSpec
 from fledge.models.target import FrozenTarget
 from fledge.progress import progress
 from fledge.run_layout import EvalDir, PrepareDir
@@ -330,17 +331,18 @@ def heldout_accuracy(drafter, frozen, samples: Sequence[tuple[list[int], list[in
 
 
 # ------------------------------------------------------------------------------------------ the stage
-def load_eval_models(cfg, drafter_dir: Path, device: torch.device, aux_layer_ids: list[int]):
-    """(FrozenTarget, drafter) as eval runs them. The drafter is fp32 everywhere. On CPU the target is fp32
-    too, whatever the CPU: greedy tie gaps (TIE_GAP) and the golden AL then do not depend on whether the CPU
-    has native bf16 (where it does not, FrozenTarget.load has already made it fp32). On CUDA the target
-    keeps ``target.dtype``."""
+def load_eval_models(cfg, drafter_dir: Path, device: torch.device, served: DrafterSpec):
+    """(FrozenTarget, drafter) as eval runs them, the drafter built as ``served`` (the export's spec as an
+    engine reads it: ``spec_from_export(..., serving=True)``). The drafter is fp32 everywhere. On CPU the
+    target is fp32 too, whatever the CPU: greedy tie gaps (TIE_GAP) and the golden AL then do not depend on
+    whether the CPU has native bf16 (where it does not, FrozenTarget.load has already made it fp32). On CUDA
+    the target keeps ``target.dtype``."""
 
-    frozen = FrozenTarget.load(cfg.target, device, aux_layer_ids)
+    frozen = FrozenTarget.load(cfg.target, device, served.aux_layer_ids)
     if device.type == "cpu":
         frozen.model.float()
     drafter = load_drafter(drafter_dir, embed_weight=frozen.input_embeddings().float().cpu(),
-                           dtype=torch.float32, device=device, serving=True).eval()
+                           dtype=torch.float32, device=device, spec=served).eval()
     return frozen, drafter
 
 
@@ -359,7 +361,7 @@ def evaluate_run(cfg, prepared: PrepareDir, out: EvalDir, drafter_dir: Path, dev
     # Measure what an engine serves: the drafter config.json and the weights describe (its aux ids, layer
     # settings, flags), not the training record: a config.json that disagrees with training shows in the AL.
     served = spec_from_export(drafter_dir, serving=True)
-    frozen, drafter = load_eval_models(cfg, drafter_dir, device, served.aux_layer_ids)
+    frozen, drafter = load_eval_models(cfg, drafter_dir, device, served)
     target_model = frozen.model
     max_pos = int(getattr(target_model.config, "max_position_embeddings", 1 << 30))
     plain = TargetRunner(target_model)
@@ -401,8 +403,8 @@ def evaluate_run(cfg, prepared: PrepareDir, out: EvalDir, drafter_dir: Path, dev
     report["train_al_estimate"] = train_al_estimate
     if engine_python is not None:  # eval.engine=vllm: the same prompts served by the engine (evaluation/engine_eval.py)
 
-        served = {n: p for n, p in sets.items() if not ev.engine_sets or n in ev.engine_sets}
-        report["engine"] = run_engine_eval(cfg, served, report, drafter_dir, out.engine_work, eos, max_pos,
+        engine_sets = {n: p for n, p in sets.items() if not ev.engine_sets or n in ev.engine_sets}
+        report["engine"] = run_engine_eval(cfg, engine_sets, report, drafter_dir, out.engine_work, eos, max_pos,
                                            device.type, engine_python)
     write_report(report, out, metrics_path)
     if report.get("engine", {}).get("failures"):  # after the report is written, so the numbers can be read

@@ -45,8 +45,7 @@ def in_process_al(cfg, run: RunLayout, drafter_dir: Path, ks: list[int], max_new
     renderer = ChatRenderer(load_tokenizer(cfg.target, cfg.data.chat_template),
                             extra_eot_ids=eot_ids_from_target(cfg.target.name_or_path, cfg.target.revision))
     eos = sorted(renderer.eot_ids)
-    aux_ids = spec_from_export(drafter_dir, serving=True).aux_layer_ids
-    frozen, drafter = load_eval_models(cfg, drafter_dir, device, aux_ids)
+    frozen, drafter = load_eval_models(cfg, drafter_dir, device, spec_from_export(drafter_dir, serving=True))
     model = frozen.model
     max_pos = int(getattr(model.config, "max_position_embeddings", 1 << 30))
     prompts = build_prompt_sets(cfg.eval, renderer, run.prepare, max_pos - max_new - max(ks) - 2)["default"]

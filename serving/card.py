@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fledge.atomic import read_json
+from fledge.models.drafter_checkpoint import DrafterCheckpoint
 from fledge.serving.dialects import dialect_of, serving_commands
 from fledge.serving.serving_config import layer_config
 
@@ -113,7 +114,7 @@ def build_model_card(drafter_dir: str | Path, repo_id: str, measured: Measured |
     measured = measured or Measured()
     d = Path(drafter_dir)
     config = read_json(d / "config.json") or {}
-    record = read_json(d / "fledge_training.json") or {}
+    record = DrafterCheckpoint.read_record(d) or {}
     c = layer_config(config)
     dialect = dialect_of(config)
     target = (record.get("target") or {}).get("name_or_path") or c.get("target_name") or "<target>"

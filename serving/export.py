@@ -6,9 +6,10 @@ speculators); floats go to bf16 while ``d2t`` (int64) and ``t2d`` (bool) keep th
 ``embed_tokens.weight`` (a frozen copy of the target's) is left out unless asked for, since both engines
 share the target's embedding. Weights are read through models/weights.py.
 
-Next to config.json the export writes ``fledge_training.json``: the DrafterSpec and the flags the drafter
-was *trained* with (``trained_with``), the step, metrics and target. The linter compares config.json with
-it, which is the only way to catch a config whose ``norm_output`` disagrees with training from files.
+Export reads a drafter checkpoint and writes next to config.json its training record (both
+models/drafter_checkpoint.py): the DrafterSpec and the flags the drafter was *trained* with, the step, metrics
+and target. The linter compares config.json with it, which is the only way to catch a config whose
+``norm_output`` disagrees with training from files.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 from fledge.atomic import atomic_path, read_json, write_json_atomic
 from fledge.models.drafter import DrafterSpec, Eagle3Drafter
+from fledge.models.drafter_checkpoint import DrafterCheckpoint
 from fledge.models.families import read_target, text_config_dict
 from fledge.models.layers.kind import get_layer_kind, kind_of_architecture, kind_of_config
 from fledge.models.weights import load_input_embeddings, read_tensors
@@ -30,8 +32,6 @@ from fledge.serving.dialects import DIALECTS, dialect_of, get_dialect
 from fledge.serving.serving_config import layer_config, serving_config
 
 log = logging.getLogger(__name__)
-RECORD = "fledge_training.json"
-FORMAT_VERSION = 1
 _KEEP_DTYPE = ("d2t", "t2d")
 
 
@@ -72,10 +72,10 @@ def from_serving_state_dict(tensors: dict[str, torch.Tensor], dtype: torch.dtype
 
 
 def write_drafter(out_dir: str | Path, state_dict: dict[str, torch.Tensor], config: dict,
-                  record: dict | None = None, max_shard_size: str | int = "5GB",
+                  trained: DrafterCheckpoint | None = None, max_shard_size: str | int = "5GB",
                   include_embed: bool = False) -> Path:
     """Write a serving directory atomically (temp dir + rename): config.json, safetensors (sharded with
-    ``model.safetensors.index.json`` above ``max_shard_size``), and the training record."""
+    ``model.safetensors.index.json`` above ``max_shard_size``), and the training record of ``trained``."""
     from huggingface_hub import save_torch_state_dict
 
     tensors = to_serving_state_dict(state_dict, dialect_of(config).name, include_embed)
@@ -84,42 +84,25 @@ def write_drafter(out_dir: str | Path, state_dict: dict[str, torch.Tensor], conf
         tmp.mkdir(parents=True)
         save_torch_state_dict(tensors, tmp, max_shard_size=max_shard_size, metadata={"format": "pt"})
         write_json_atomic(tmp / "config.json", config)
-        if record is not None:
-            write_json_atomic(tmp / RECORD, record)
+        if trained is not None:
+            trained.write_record(tmp)
     return out
-
-
-def training_record(spec: dict, checkpoint_meta: dict | None = None) -> dict:
-    """The ``fledge_training.json`` payload: how the drafter was trained, from its DrafterSpec dict."""
-    meta = checkpoint_meta or {}
-    return {
-        "format_version": FORMAT_VERSION,
-        "trained_with": {k: spec.get(k) for k in ("fc_norm", "norm_output", "norm_before_fc", "aux_layer_ids",
-                                                  "draft_vocab_size", "vocab_size", "hidden_size",
-                                                  "max_position_embeddings")},
-        "spec": spec,
-        "step": meta.get("step"),
-        "metrics": meta.get("metrics", {}),
-        "target": meta.get("target", {}),
-    }
 
 
 def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, target_config: Any, fmt: str = "hf",
                       max_shard_size: str | int = "5GB", target_name: str | None = None,
                       speculative_tokens: int = 5, include_embed: bool = False) -> dict:
-    """A training checkpoint dir (``model.safetensors`` + ``fledge.json``) -> a serving dir; returns the
-    config written. The layout comes from the target's config and the spec's flags, never from the weights."""
-    ckpt = Path(checkpoint_dir)
-    meta = read_json(ckpt / "fledge.json")
-    if meta is None or not (ckpt / "model.safetensors").exists():
-        raise ValueError(f"{ckpt}: not a Fledge checkpoint (needs model.safetensors and fledge.json); "
-                         "set export.checkpoint to best, last or such a directory")
-    spec = meta["spec"]
-    config = serving_config(target_config, spec, spec["aux_layer_ids"], spec["draft_vocab_size"], fmt=fmt,
-                            target_name=target_name or meta.get("target", {}).get("name_or_path"),
+    """A drafter checkpoint dir (models/drafter_checkpoint.py) -> a serving dir; returns the config written.
+    The layout comes from the target's config and the spec's flags, never from the weights."""
+    try:
+        trained = DrafterCheckpoint.read(checkpoint_dir)
+    except ValueError as e:
+        raise ValueError(f"{e}; set export.checkpoint to best, last or such a directory") from None
+    spec = trained.spec
+    config = serving_config(target_config, spec, spec.aux_layer_ids, spec.draft_vocab_size, fmt=fmt,
+                            target_name=target_name or trained.target.get("name_or_path"),
                             speculative_tokens=speculative_tokens)
-    write_drafter(out_dir, read_tensors(ckpt), config, training_record(spec, meta),
-                  max_shard_size, include_embed)
+    write_drafter(out_dir, DrafterCheckpoint.tensors(checkpoint_dir), config, trained, max_shard_size, include_embed)
     return config
 
 
@@ -132,9 +115,9 @@ def spec_from_export(drafter_dir: str | Path, target_num_hidden_layers: int | No
     ``serving``: from config.json even when the record is there, as vLLM and SGLang build it."""
 
     d = Path(drafter_dir)
-    record = None if serving else read_json(d / RECORD)
-    if record and record.get("spec"):
-        return DrafterSpec.from_dict(record["spec"])
+    trained = None if serving else DrafterCheckpoint.record_spec(DrafterCheckpoint.read_record(d))
+    if trained is not None:
+        return trained
     config = read_json(d / "config.json")
     if config is None:
         raise ValueError(f"{d}: no config.json")
@@ -177,18 +160,20 @@ class _Flags:
 
 def load_drafter(drafter_dir: str | Path, embed_weight: torch.Tensor | None = None,
                  target: str | Path | None = None, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", serving: bool = False):
+                 device: torch.device | str = "cpu", serving: bool = False, spec: DrafterSpec | None = None):
     """Read an exported dir (any dialect, or a public EAGLE-3 checkpoint in the HF layout) into an
     ``Eagle3Drafter``. When the export has no ``embed_tokens.weight``, it comes from ``embed_weight`` or
     from the target's safetensors (``target`` = a local dir); a missing ``t2d`` is rebuilt from ``d2t``.
     ``serving``: the drafter config.json and the weights describe, as an engine loads it (the training
-    record ignored), for measuring what is served; else the record's spec when there is one."""
+    record ignored), for measuring what is served; else the record's spec when there is one. ``spec``: that
+    spec, already read by :func:`spec_from_export` (the caller's, so it is built once)."""
 
     d = Path(drafter_dir)
-    L = None
-    if target is not None and (Path(target) / "config.json").exists():
-        L = read_target(read_json(Path(target) / "config.json"))[1].num_hidden_layers
-    spec = spec_from_export(d, L, serving=serving)
+    if spec is None:
+        L = None
+        if target is not None and (Path(target) / "config.json").exists():
+            L = read_target(read_json(Path(target) / "config.json"))[1].num_hidden_layers
+        spec = spec_from_export(d, L, serving=serving)
     sd = from_serving_state_dict(read_tensors(d), dtype, dialect_of(read_json(d / "config.json") or {}).name)
     V, Vd = spec.vocab_size, spec.draft_vocab_size
     if "embed_tokens.weight" not in sd:

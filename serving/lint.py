@@ -1,11 +1,12 @@
 """Drafter linter: the silent failures that can be seen from files (docs/serving.md, Silent failures).
 
 ``lint_drafter(dir, target_config)`` checks an exported drafter (any dialect, ours or a public EAGLE-3)
-against its target's config.json and, when present, the ``fledge_training.json`` record of how it was
-trained. Each finding says what is wrong and how to fix it; ``error`` means an engine will load something
-that runs differently from training (or will not load it at all), ``warning`` means it cannot be verified or
-is merely unusual. The aux ids are checked as each engine reads them (serving/engine_aux.py): an engine the
-export's dialect is made for that would capture other layers than in training is an error, another a warning.
+against its target's config.json and, when present, the record of how it was trained
+(models/drafter_checkpoint.py). Each finding says what is wrong and how to fix it; ``error`` means an engine
+will load something that runs differently from training (or will not load it at all), ``warning`` means it
+cannot be verified or is merely unusual. The aux ids are checked as each engine reads them
+(serving/engine_aux.py): an engine the export's dialect is made for that would capture other layers than in
+training is an error, another a warning.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ from fledge.atomic import read_json
 from fledge.conf import compose
 from fledge.conf.drafter_rules import drafter_problems
 from fledge.conf.schema import default_aux_layer_ids
+from fledge.models.drafter_checkpoint import RECORD, DrafterCheckpoint
 from fledge.models.families import TargetShape, read_target, rope_of, text_config_dict
 from fledge.models.layers.kind import kind_of_config
 from fledge.models.weights import read_tensors, tensor_headers
 from fledge.serving.dialects import dialect_of
 from fledge.serving.engine_aux import ENGINES, captured_layers
-from fledge.serving.export import RECORD, load_target_config
+from fledge.serving.export import load_target_config
 from fledge.serving.serving_config import expected_tensors, layer_config
 
 _ST_DTYPE = {torch.bfloat16: "BF16", torch.int64: "I64", torch.bool: "BOOL"}
@@ -70,7 +72,7 @@ def lint_drafter(drafter_dir: str | Path, target_config: Any = None) -> list[Fin
         except ValueError as e:
             add("error", "target-config", f"cannot read the target's config: {e}",
                 "give the target's config.json (--target), or register its family in fledge/models/families.py")
-    record = read_json(d / RECORD)
+    record = DrafterCheckpoint.read_record(d)
     c = layer_config(config)
     _check_header(config, c, add)
     _check_aux_ids(c, t, record, add)
@@ -342,7 +344,7 @@ def resolve_target_config(target: str | None = None, recipe: str | None = None,
 
         return load_target_config(compose_recipe(recipe).target)
     if target is None and drafter_dir is not None:
-        rec = read_json(Path(drafter_dir) / RECORD) or {}
+        rec = DrafterCheckpoint.read_record(drafter_dir) or {}
         target = (rec.get("target") or {}).get("name_or_path")
     if not target:
         return None

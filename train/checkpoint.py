@@ -3,7 +3,7 @@
 Layout under the train stage directory::
 
     checkpoints/step_<N>/         DeepSpeed's files (model, ZeRO optimizer partitions, lr scheduler)
-    checkpoints/step_<N>/drafter/ model.safetensors (full state dict, ZeRO-3 shards gathered) + fledge.json
+    checkpoints/step_<N>/drafter/ the drafter checkpoint (models/drafter_checkpoint.py; ZeRO-3 shards gathered)
     checkpoints/step_<N>/trainer.json  plain JSON (no pickle): ``step`` (optimizer steps done), ``batches``
                                   (global batches consumed: the data position), ``batches_per_step``,
                                   ``schedule`` (the lr schedule's end step, its step count, where its decay
@@ -20,6 +20,7 @@ A resume on any world size and gradient accumulation continues at the stored dat
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import re
@@ -31,11 +32,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from fledge.atomic import atomic_path, read_json, write_bytes_atomic, write_json_atomic
 from fledge.conf.schema import Config
 from fledge.distributed import World
+from fledge.models.drafter import DrafterSpec
+from fledge.models.drafter_checkpoint import DrafterCheckpoint
 from fledge.train.deepspeed_setup import decay_progress, lr_lambda
 
 log = logging.getLogger(__name__)
@@ -44,6 +46,22 @@ TAG = re.compile(r"step_\d{8}")
 
 def tag_for(step: int) -> str:
     return f"step_{step:08d}"
+
+
+def drafter_dir(ckpt_dir: Path, tag: str) -> Path:
+    """Where checkpoint ``tag`` keeps its drafter checkpoint (what export reads)."""
+    return ckpt_dir / tag / "drafter"
+
+
+def drafter_checkpoint(cfg: Config, spec: DrafterSpec) -> DrafterCheckpoint:
+    """What each checkpoint says of the drafter with ``spec`` besides its weights: the target, and how it
+    was trained (its step is filled in at each save)."""
+    d = cfg.drafter
+    return DrafterCheckpoint(
+        spec, target={"name_or_path": cfg.target.name_or_path, "revision": cfg.target.revision},
+        training={"recipe": cfg.recipe, "loss": d.loss, "ttt_steps": d.ttt_steps, "step_weight": d.step_weight,
+                  "fc_norm": d.fc_norm, "norm_output": d.norm_output, "norm_before_fc": d.norm_before_fc,
+                  "train": dataclasses.asdict(cfg.train)})
 
 
 def latest_tag(ckpt_dir: Path) -> str | None:
@@ -138,26 +156,23 @@ def gathered_state_dict(engine) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
 
 
-def save(engine, world: World, ckpt_dir: Path, step: int, state: dict[str, Any], drafter_meta: dict[str, Any],
+def save(engine, world: World, ckpt_dir: Path, step: int, state: dict[str, Any], drafter: DrafterCheckpoint,
          prefix: str, keep_last: int) -> Path:
-    """Save a resumable checkpoint at ``step``; returns the drafter weights directory. All ranks call."""
+    """Save a resumable checkpoint at ``step`` (``drafter``: :func:`drafter_checkpoint`'s, the module's
+    drafter under ``prefix``); returns its drafter checkpoint directory. All ranks call."""
     tag = tag_for(step)
     engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"universal_checkpoint_info": {}},
                            save_latest=False)
     weights = gathered_state_dict(engine)
-    drafter_dir = ckpt_dir / tag / "drafter"
+    out = drafter_dir(ckpt_dir, tag)
     if world.is_main:
-        tensors = {k[len(prefix):]: v.contiguous() for k, v in weights.items() if k.startswith(prefix)}
-        with atomic_path(drafter_dir) as tmp:
-            tmp.mkdir(parents=True)
-            save_file(tensors, str(tmp / "model.safetensors"))
-            write_json_atomic(tmp / "fledge.json", {**drafter_meta, "step": step})
+        drafter.at_step(step).write(out, {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)})
         write_json_atomic(ckpt_dir / tag / "trainer.json", {**state, "step": step, "world_size": world.world_size})
         write_bytes_atomic(ckpt_dir / "latest", tag.encode())
         _prune(ckpt_dir, keep_last)
     world.barrier()
     log.info("checkpoint %s saved", tag)
-    return drafter_dir
+    return out
 
 
 def _prune(ckpt_dir: Path, keep_last: int) -> None:
@@ -173,10 +188,10 @@ def _prune(ckpt_dir: Path, keep_last: int) -> None:
             shutil.rmtree(copy, ignore_errors=True)
 
 
-def promote_best(drafter_dir: Path, best_dir: Path) -> None:
-    """Copy a checkpoint's drafter weights to best/ (rank 0), atomically."""
+def promote_best(drafter: Path, best_dir: Path) -> None:
+    """Copy a checkpoint's drafter checkpoint to best/ (rank 0), atomically."""
     with atomic_path(best_dir) as tmp:
-        shutil.copytree(drafter_dir, tmp)
+        shutil.copytree(drafter, tmp)
 
 
 def to_universal(ckpt_dir: Path, tag: str, world: World) -> str:

@@ -207,17 +207,49 @@ def _export(cfg: Config, out: Path, ckpt: Path) -> dict:
     return summary
 
 
+@dataclasses.dataclass(frozen=True)
+class TrainOutputs:
+    """What the train stage hands on, from its manifest's ``outputs`` (train/trainer.py writes them): its last
+    and best drafter checkpoints (models/drafter_checkpoint.py) and its best AL estimate."""
+
+    last: Path
+    best: Path
+    best_al_estimate: float | None
+
+    @classmethod
+    def of(cls, ctx: StageContext) -> TrainOutputs | None:
+        """This run's, or None when its train stage has not completed."""
+        out = (ctx.upstream.get("train") or {}).get("outputs")
+        if not out:
+            return None
+        return cls(Path(out["last"]), Path(out["best"]), out["best_al_estimate"])
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportOutputs:
+    """What the export stage hands on, from its manifest's ``outputs`` (:func:`_export` writes them)."""
+
+    drafter: Path  # the serving directory
+
+    @classmethod
+    def of(cls, ctx: StageContext) -> ExportOutputs:
+        out = (ctx.upstream.get("export") or {}).get("outputs")
+        if not out:
+            raise ValueError(f"{ctx.stage}: the export stage's manifest names no drafter directory; run the export "
+                             "stage (run.stages=[export,eval])")
+        return cls(Path(out["drafter"]))
+
+
 def checkpoint_of(ctx: StageContext) -> Path:
     """export.checkpoint = best | last | a path (relative: to the run directory) -> the checkpoint directory."""
     which = ctx.cfg.export.checkpoint
     if which in ("best", "last"):
-        outputs = (ctx.upstream.get("train") or {}).get("outputs") or {}
-        path = outputs.get(which) or (outputs.get("last") if which == "best" else None)
-        if not path:
+        trained = TrainOutputs.of(ctx)
+        if trained is None:
             raise ValueError(f"export.checkpoint={which}: the train stage's manifest names no such checkpoint")
+        p = trained.best if which == "best" else trained.last
     else:
-        path = which
-    p = Path(path)
+        p = Path(which)
     if not p.is_absolute() and not p.exists() and (ctx.layout.root / p).exists():
         p = ctx.layout.root / p
     if not p.is_dir():
@@ -231,10 +263,11 @@ def evaluate(ctx: StageContext) -> dict:
     error, reaches every rank, so a failed check, e.g. the engine's, does not leave the others waiting)."""
     from fledge.evaluation.evaluate import evaluate_run
 
-    train_out = (ctx.upstream.get("train") or {}).get("outputs") or {}
-    return _on_main(ctx, lambda: evaluate_run(ctx.cfg, ctx.layout.prepare, ctx.layout.eval, drafter_dir_of(ctx),
-                                              ctx.world.device, metrics_path=ctx.layout.train.metrics,
-                                              train_al_estimate=train_out.get("best_al_estimate")))
+    trained = TrainOutputs.of(ctx)
+    return _on_main(ctx, lambda: evaluate_run(ctx.cfg, ctx.layout.prepare, ctx.layout.eval,
+                                              ExportOutputs.of(ctx).drafter, ctx.world.device,
+                                              metrics_path=ctx.layout.train.metrics,
+                                              train_al_estimate=trained.best_al_estimate if trained else None))
 
 
 def eval_inputs(cfg: Config) -> dict:
@@ -250,16 +283,6 @@ def check_eval_sources(cfg: Config) -> None:
         check_long_source(cfg.eval.long_context_source, hint=build_hint(cfg.eval.long_context_source))
 
 
-def drafter_dir_of(ctx: StageContext) -> Path:
-    """The exported drafter directory named by the export stage's manifest."""
-    outputs = (ctx.upstream.get("export") or {}).get("outputs") or {}
-    path = outputs.get("drafter") or outputs.get("path")
-    if not path:
-        raise ValueError("eval: the export stage's manifest names no drafter directory; run the export stage "
-                         "(run.stages=[export,eval])")
-    return Path(path)
-
-
 # ------------------------------------------------------------------------------------------ publish
 def publish(ctx: StageContext) -> dict:
     """With export.push_to_hub: push the export and a model card of this run's own eval to the Hub (rank 0;
@@ -268,7 +291,7 @@ def publish(ctx: StageContext) -> dict:
 
     if not ctx.cfg.export.push_to_hub:
         return {"pushed": False}
-    return _on_main(ctx, lambda: publish_run(ctx.cfg, ctx.layout, drafter_dir_of(ctx)))
+    return _on_main(ctx, lambda: publish_run(ctx.cfg, ctx.layout, ExportOutputs.of(ctx).drafter))
 
 
 def publish_inputs(cfg: Config) -> dict:

@@ -50,7 +50,7 @@ from fledge.train.deepspeed_setup import build_engine, gradient_divisor, use_bf1
 from fledge.train.metrics import MetricsLog, RatioMeter
 from fledge.train.runner import StageContext
 from fledge.train.sequence_parallel import SequenceParallel, check_heads
-from fledge.train.ttt_model import TTTModel, build_ttt_model, drafter_meta
+from fledge.train.ttt_model import TTTModel, build_ttt_model
 
 log = logging.getLogger(__name__)
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: checkpoint written, re-run the same command to resume
@@ -102,7 +102,7 @@ def run_training(ctx: StageContext) -> dict:
     plan = checkpoint.resume_plan(state, cfg, per_step, train_data.global_batches_per_epoch)
     total = plan.total
     # the resumed checkpoint's weights are the run's last until it saves another (it may have nothing left to do)
-    last_drafter_dir = ckpt_dir / tag / "drafter" if tag else None
+    last_drafter_dir = checkpoint.drafter_dir(ckpt_dir, tag) if tag else None
     universal = bool(tag) and state["world_size"] != world.world_size
     if universal:
         tag = checkpoint.to_universal(ckpt_dir, tag, world)
@@ -144,7 +144,7 @@ def run_training(ctx: StageContext) -> dict:
                      schedule={"total": total, "count": scheduler.last_epoch, "decay_from": plan.decay_from})
         last_drafter_dir = checkpoint.save(engine, world, ckpt_dir, step,
                                            {k: v for k, v in state.items() if k != "best_pending"},
-                                           meta, TTTModel.PREFIX, cfg.train.keep_last)
+                                           drafter_ckpt, TTTModel.PREFIX, cfg.train.keep_last)
         if state.pop("best_pending", False) and world.is_main:
             checkpoint.promote_best(last_drafter_dir, paths.best)
         world.barrier()
@@ -153,7 +153,7 @@ def run_training(ctx: StageContext) -> dict:
     meter, tokens, nonfinite_run, skipped = RatioMeter(), 0, 0, int(state.get("skipped", 0))
     bar = progress(total=total, initial=step, desc="train", disable=not world.is_main)
     t_log = time.time()
-    meta = drafter_meta(cfg, model.drafter.spec)
+    drafter_ckpt = checkpoint.drafter_checkpoint(cfg, model.drafter.spec)
     try:
         while step < total:
             torch.manual_seed(cfg.run.seed * 1_000_003 + step * world.world_size + world.rank)

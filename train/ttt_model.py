@@ -7,7 +7,6 @@ non-persistent buffer, so checkpoints hold only the drafter (under the ``drafter
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from pathlib import Path
 
@@ -58,19 +57,6 @@ class TTTModel(nn.Module):
         """DeepSpeed's bf16 mode casts parameters, not buffers: match the teacher head to the compute
         dtype once (its logits are upcast to fp32 before the softmax in the loss)."""
         self.teacher_head = self.teacher_head.to(dtype)
-
-
-def drafter_meta(cfg: Config, spec) -> dict:
-    """What export needs besides the weights of a drafter with ``spec``: the spec, the target and how the
-    drafter was trained."""
-    d = cfg.drafter
-    return {
-        "spec": spec.to_dict(),
-        "target": {"name_or_path": cfg.target.name_or_path, "revision": cfg.target.revision},
-        "training": {"recipe": cfg.recipe, "loss": d.loss, "ttt_steps": d.ttt_steps, "step_weight": d.step_weight,
-                     "fc_norm": d.fc_norm, "norm_output": d.norm_output, "norm_before_fc": d.norm_before_fc,
-                     "train": dataclasses.asdict(cfg.train)},
-    }
 
 
 def build_ttt_model(cfg: Config, vocab_path: Path, device: torch.device) -> TTTModel:

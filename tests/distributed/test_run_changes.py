@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from fledge.models.drafter_checkpoint import DrafterCheckpoint
 from tests.helpers.hub_stub import Stub, commit_files, serve
 from tests.helpers.paths import REPO as ROOT
 
@@ -82,7 +83,7 @@ def test_raising_max_steps_trains_on_then_exports_and_evaluates_again(run):
     assert train["outputs"]["steps"] == 6
     assert export["outputs"]["checkpoint"].endswith("step_00000006/drafter")
     drafter = Path(export["outputs"]["drafter"])
-    assert json.loads((drafter / "fledge_training.json").read_text())["step"] == 6
+    assert DrafterCheckpoint.read_record(drafter)["step"] == 6
     assert export["output_id"] != before["export"] and evals["output_id"] != before["eval"]
     assert evals["read"]["export"] == export["output_id"]  # eval measured the new export
     assert {s: manifest(run, s).get("output_id") for s in ("prepare", "capture")} == \

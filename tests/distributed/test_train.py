@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 
 from fledge.evaluation.report import read_metrics
+from fledge.models.drafter_checkpoint import DrafterCheckpoint
+from fledge.train.checkpoint import drafter_dir, tag_for
 from tests.helpers.paths import REPO as ROOT
 
 pytestmark = pytest.mark.distributed
@@ -124,8 +126,9 @@ def test_zero3_and_one_process_match_zero2(base, reference, layouts):
     for name in ("ref", "z3", "single"):  # 2 ranks x 1 and 1 rank x 2 optimise the loss they log
         gaps = logged_objective_gaps(base, name)
         assert len(gaps) == STEPS and max(gaps) < 1e-6, (name, gaps)
-    best = base[0] / "z3" / "train" / "best" / "model.safetensors"
-    assert best.exists()  # ZeRO-3 shards gathered into full drafter weights
+    best = base[0] / "z3" / "train" / "best"
+    DrafterCheckpoint.read(best)  # a whole drafter checkpoint: ZeRO-3 shards gathered into full drafter weights
+    assert DrafterCheckpoint.tensors(best)
 
 
 def test_held_out_eval_is_the_same_on_one_and_two_ranks(base, reference, layouts):
@@ -245,7 +248,6 @@ def test_a_skipped_step_with_accumulation_resumes_exactly(base):
     resumed from the checkpoint after it continues the uninterrupted curve. The old trainer skipped only
     the NaN micro-batch, so DeepSpeed's accumulation boundary moved by one: every later update mixed two
     steps' batches, and a checkpoint held half an accumulation that a resume silently lost."""
-    from safetensors.torch import load_file
 
     from fledge.conf import compose
 
@@ -268,7 +270,7 @@ def test_a_skipped_step_with_accumulation_resumes_exactly(base):
     assert [x for step in got for x in step] == pytest.approx(want, rel=1e-6, abs=1e-7, nan_ok=True)
     assert records[1]["skipped"] == 0 and records[2]["skipped"] == 1
     assert "loss_0" not in records[2]  # nothing of the skipped step is averaged into the logged metrics
-    w1, w2, w3 = (load_file(str(ckpts / f"step_{s:08d}" / "drafter" / "model.safetensors")) for s in (1, 2, 3))
+    w1, w2, w3 = (DrafterCheckpoint.tensors(drafter_dir(ckpts, tag_for(s))) for s in (1, 2, 3))
     assert all(w1[k].equal(w2[k]) for k in w1)  # the skipped step left the weights as they were
     assert not all(w2[k].equal(w3[k]) for k in w2)  # and the next one trained
 

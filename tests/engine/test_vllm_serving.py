@@ -189,10 +189,12 @@ def test_eagle3_without_the_31_flags_is_served_with_its_in_process_acceptance(se
 
     from fledge.conf.compose import compose
     from fledge.evaluation.evaluate import evaluate_set, load_eval_models
+    from fledge.serving.export import spec_from_export
 
     got, dirs = variants
     cfg = compose(_overrides(served, tiny_target))
-    frozen, drafter = load_eval_models(cfg, dirs["eagle3"], torch.device("cpu"), cfg.aux_layer_ids())
+    frozen, drafter = load_eval_models(cfg, dirs["eagle3"], torch.device("cpu"),
+                                       spec_from_export(dirs["eagle3"], serving=True))
     req = _engine_file(served, "request.json")
     inproc = evaluate_set("default", req["sets"]["default"], frozen.model, drafter, cfg.eval, req["stop_token_ids"],
                           0)["drafter"]["al_uncut"]

@@ -43,8 +43,9 @@ def make_eval_run(root: Path) -> Path:
     for the eval stage's tests: returns ``root``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from fledge.models.drafter_checkpoint import DrafterCheckpoint
     from fledge.models.families import text_config_dict
-    from fledge.serving.export import training_record, write_drafter
+    from fledge.serving.export import write_drafter
     from fledge.serving.serving_config import serving_config
     from tests.helpers.models import random_drafter
 
@@ -60,7 +61,7 @@ def make_eval_run(root: Path) -> Path:
     drafter = random_drafter(target, vd=200)
     spec = drafter.spec.to_dict()
     config = serving_config(text_config_dict(target.config), spec, spec["aux_layer_ids"], spec["draft_vocab_size"])
-    write_drafter(root / "run/export/drafter", drafter.state_dict(), config, training_record(spec))
+    write_drafter(root / "run/export/drafter", drafter.state_dict(), config, DrafterCheckpoint(drafter.spec))
     prep = root / "run/prepare"
     prep.mkdir(parents=True)
     convs = conversations(6)

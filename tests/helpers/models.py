@@ -113,5 +113,4 @@ CARD_TARGET = {
     "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "hidden_act": "silu",
     "rms_norm_eps": 1e-5, "max_position_embeddings": 1024, "vocab_size": 256, "rope_theta": 10000.0,
 }
-CARD_SPEC = {"fc_norm": True, "norm_output": True, "norm_before_fc": False, "aux_layer_ids": [2, 3, 4],
-        "draft_vocab_size": 64, "vocab_size": 256, "max_position_embeddings": 1024}
+CARD_SPEC = DrafterSpec.from_target_config(CARD_TARGET, DrafterConfig(draft_vocab_size=64), [2, 3, 4])

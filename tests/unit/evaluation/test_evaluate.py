@@ -66,12 +66,13 @@ def test_eval_measures_the_drafter_config_json_describes(run, tmp_path, monkeypa
     import shutil
 
     import fledge.evaluation.evaluate as E
+    from fledge.models.drafter_checkpoint import DrafterCheckpoint
     from fledge.serving.export import load_drafter
 
     drafter_dir = tmp_path / "drafter"
     shutil.copytree(run / "run/export/drafter", drafter_dir)
     config = json.loads((drafter_dir / "config.json").read_text())
-    record = json.loads((drafter_dir / "fledge_training.json").read_text())["spec"]
+    record = DrafterCheckpoint.read_record(drafter_dir)["spec"]
     planted = {"rms_norm_eps": 0.25, "hidden_act": "gelu", "norm_output": not record["norm_output"]}
     (drafter_dir / "config.json").write_text(json.dumps({**config, **planted}))
 

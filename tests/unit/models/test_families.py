@@ -2,17 +2,16 @@
 the linter's view of the target; MoE, missing head_dim, yarn RoPE, text_config nesting and MTP configs."""
 
 import contextlib
-import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from fledge.conf.schema import DrafterConfig
 from fledge.models import families
 from fledge.models.drafter import DrafterSpec, Eagle3Drafter
+from fledge.models.drafter_checkpoint import DrafterCheckpoint
 from fledge.models.families import TargetFamily, read_decoder_config, read_target, register_family
 from fledge.models.weights import read_tensors
 from fledge.serving.export import export_checkpoint, load_drafter
@@ -168,12 +167,9 @@ def test_registered_family_shapes_drafter_export_lint_and_load(register, tmp_pat
     assert spec.rope["rope_theta"] == 50000.0 and spec.max_position_embeddings == 4096
 
     config = serving_config(FAKE, spec, [2, 4, 5], 128)
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
     model = Eagle3Drafter(spec)
     model.load_state_dict(random_state_dict(config))
-    save_file(model.state_dict(), str(ckpt / "model.safetensors"))
-    (ckpt / "fledge.json").write_text(json.dumps({"spec": spec.to_dict(), "step": 1, "target": {"name_or_path": "t"}}))
+    ckpt = DrafterCheckpoint(spec, target={"name_or_path": "t"}, step=1).write(tmp_path / "ckpt", model.state_dict())
     written = export_checkpoint(ckpt, tmp_path / "out", FAKE)
     c = layer_config(written)
     assert (c["model_type"], c["intermediate_size"], c["rope_theta"], c["max_position_embeddings"]) == \

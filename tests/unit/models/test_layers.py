@@ -20,11 +20,12 @@ import torch.nn.functional as F
 from fledge.conf.schema import DrafterConfig
 from fledge.models.alignment import ttt_states
 from fledge.models.drafter import DraftCache, DrafterSpec, Eagle3Drafter
+from fledge.models.drafter_checkpoint import DrafterCheckpoint
 from fledge.models.families import TargetFamily
 from fledge.models.layers.kind import check_layer_format
 from fledge.models.layers.mla import MLA_DEFAULTS, mla_softmax_scale, rope_interleaved
 from fledge.models.weights import tensor_headers
-from fledge.serving.export import load_drafter, training_record, write_drafter
+from fledge.serving.export import load_drafter, write_drafter
 from fledge.serving.lint import has_errors, lint_drafter
 from fledge.serving.serving_config import expected_tensors, serving_config
 from tests.helpers.models import FLAGS, packed_batch, target_config
@@ -195,7 +196,7 @@ def _export(d, tmp_path, fmt="hf"):
     cfg = serving_config(target_config(), d.spec.to_dict(), d.spec.aux_layer_ids, 40, fmt=fmt, target_name="t")
     sd = {k: v for k, v in d.state_dict().items() if k != "embed_tokens.weight"}
     out = tmp_path / f"{d.spec.layer}_{fmt}"
-    write_drafter(out, sd, cfg, training_record(d.spec.to_dict()))
+    write_drafter(out, sd, cfg, DrafterCheckpoint(d.spec))
     return out, cfg
 
 

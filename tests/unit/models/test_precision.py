@@ -179,8 +179,9 @@ def test_eval_computes_fp32_on_cpu(force, native, random_tiny_target, tmp_path):
 
     from fledge.evaluation.evaluate import load_eval_models
     from fledge.evaluation.speculative import DrafterProposer, TargetRunner, speculative_decode
+    from fledge.models.drafter_checkpoint import DrafterCheckpoint
     from fledge.models.families import text_config_dict as target_config_dict
-    from fledge.serving.export import training_record, write_drafter
+    from fledge.serving.export import write_drafter
     from fledge.serving.serving_config import serving_config
     from tests.helpers.models import random_drafter
 
@@ -189,10 +190,10 @@ def test_eval_computes_fp32_on_cpu(force, native, random_tiny_target, tmp_path):
     spec = drafter.spec.to_dict()
     write_drafter(tmp_path / "drafter", drafter.state_dict(),
                   serving_config(target_config_dict(target.config), spec, spec["aux_layer_ids"], 256),
-                  training_record(spec))
+                  DrafterCheckpoint(drafter.spec))
     force(native)
     frozen, loaded = load_eval_models(tiny_cfg(random_tiny_target, "target.dtype=auto"), tmp_path / "drafter",
-                                      torch.device("cpu"), spec["aux_layer_ids"])
+                                      torch.device("cpu"), drafter.spec)
     runner = TargetRunner(frozen.model, spec["aux_layer_ids"])
     with linear_compute_dtypes() as seen:
         res = speculative_decode(runner, DrafterProposer(loaded), [1, 5, 9, 14], 3, 6, [])

@@ -2,9 +2,10 @@
 
 import json
 
+from fledge.models.drafter_checkpoint import DrafterCheckpoint
 from fledge.run_layout import RunLayout
 from fledge.serving.card import build_model_card
-from fledge.serving.export import training_record, write_drafter
+from fledge.serving.export import write_drafter
 from fledge.serving.serving_config import serving_config
 from fledge.train.publish import measured_by_run
 from tests.helpers.models import CARD_SPEC as SPEC, CARD_TARGET as TARGET, random_state_dict
@@ -22,9 +23,9 @@ def _acc(al, per_pos, drafts=10):
 
 def _run(tmp_path, engine: bool):
     run = tmp_path / "run"
-    config = serving_config(TARGET, SPEC, SPEC["aux_layer_ids"], 64)
+    config = serving_config(TARGET, SPEC, SPEC.aux_layer_ids, 64)
     write_drafter(run / "export" / "drafter", random_state_dict(config), config,
-                  training_record(SPEC, {"step": 9, "target": {"name_or_path": "org/target-model"}}))
+                  DrafterCheckpoint(SPEC, target={"name_or_path": "org/target-model"}, step=9))
     (run / "eval" / "engine").mkdir(parents=True)
     report = {"sets": {}}
     if engine:

@@ -8,14 +8,14 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from fledge.conf.schema import DrafterConfig
 from fledge.models.drafter import DrafterSpec, Eagle3Drafter
+from fledge.models.drafter_checkpoint import DrafterCheckpoint
 from fledge.models.weights import read_tensors, tensor_headers
 from fledge.serving import dialects
 from fledge.serving.dialects import Dialect, ServingFields, dialect_of, get_dialect, register_dialect
-from fledge.serving.export import export_checkpoint, load_drafter, training_record, write_drafter
+from fledge.serving.export import export_checkpoint, load_drafter, write_drafter
 from fledge.serving.hub import build_model_card
 from fledge.serving.lint import format_findings, has_errors, lint_drafter
 from fledge.serving.serving_config import expected_tensors, layer_config, serving_config
@@ -99,11 +99,8 @@ def test_registered_dialect_exports_lints_and_loads(test_dialect, tmp_path):
     spec = DrafterSpec.from_target_config(TARGET, DrafterConfig(draft_vocab_size=128), IDS)
     model = Eagle3Drafter(spec)
     model.load_state_dict(random_state_dict(serving_config(TARGET, spec, IDS, 128)))
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    save_file(model.state_dict(), str(ckpt / "model.safetensors"))
-    (ckpt / "fledge.json").write_text(json.dumps({"spec": spec.to_dict(), "step": 2,
-                                                  "target": {"name_or_path": "org/target"}}))
+    ckpt = DrafterCheckpoint(spec, target={"name_or_path": "org/target"}, step=2).write(tmp_path / "ckpt",
+                                                                                       model.state_dict())
     out = tmp_path / "out"
     config = export_checkpoint(ckpt, out, TARGET, fmt="testfmt", max_shard_size="40KB")
     assert config["architectures"] == [TEST_ARCH] and json.loads((out / "config.json").read_text()) == config
@@ -132,11 +129,11 @@ def test_registered_dialect_exports_lints_and_loads(test_dialect, tmp_path):
 
 
 def test_model_card_commands_follow_the_dialect(tmp_path):
-    spec = {"fc_norm": True, "norm_output": True, "aux_layer_ids": IDS, "draft_vocab_size": 128}
+    trained = DrafterCheckpoint(DrafterSpec.from_target_config(TARGET, DrafterConfig(draft_vocab_size=128), IDS),
+                                target={"name_or_path": "org/target"})
     for fmt in ("hf", "sglang", "speculators"):
-        config = serving_config(TARGET, spec, IDS, 128, fmt=fmt, target_name="org/target")
-        record = training_record(spec, {"target": {"name_or_path": "org/target"}})
-        write_drafter(tmp_path / fmt, random_state_dict(config), config, record)
+        config = serving_config(TARGET, trained.spec, IDS, 128, fmt=fmt, target_name="org/target")
+        write_drafter(tmp_path / fmt, random_state_dict(config), config, trained)
         card = str(build_model_card(tmp_path / fmt, "org/drafter")[0])
         if fmt == "speculators":
             assert "vllm serve org/drafter\n" in card and "export.format=sglang" in card

@@ -10,9 +10,10 @@ import torch
 
 from fledge.conf.schema import DrafterConfig, default_aux_layer_ids
 from fledge.models.drafter import DrafterSpec
+from fledge.models.drafter_checkpoint import RECORD, DrafterCheckpoint
 from fledge.serving import dialects
 from fledge.serving.dialects import get_dialect
-from fledge.serving.export import load_drafter, spec_from_export, training_record, write_drafter
+from fledge.serving.export import load_drafter, spec_from_export, write_drafter
 from fledge.serving.hub import build_model_card
 from fledge.serving.lint import format_findings, has_errors, lint_drafter
 from fledge.serving.serving_config import layer_config, serving_config
@@ -76,7 +77,8 @@ def _spec(L: int, ids: list[int]) -> dict:
 def _export(tmp_path, fmt: str, L: int, ids: list[int]):
     spec = _spec(L, ids)
     config = serving_config(_target(L), spec, ids, 128, fmt=fmt, target_name="org/target")
-    return write_drafter(tmp_path / f"{fmt}-{L}", random_state_dict(config), config, training_record(spec)), config
+    trained = DrafterCheckpoint(DrafterSpec.from_dict(spec))
+    return write_drafter(tmp_path / f"{fmt}-{L}", random_state_dict(config), config, trained), config
 
 
 def test_sglang_reads_the_hf_exports_ids_one_layer_deeper():
@@ -168,5 +170,5 @@ def test_lint_knows_each_engines_reading(tmp_path):
     assert codes["aux-ids-vllm"] == "error" and "aux-ids-sglang" not in codes
 
     # No training record (a public checkpoint): the engines disagree and which one is right cannot be told.
-    (edited / "fledge_training.json").unlink()
+    (edited / RECORD).unlink()
     assert "aux-ids-convention" in {f.code for f in lint_drafter(edited, _target(8)) if f.level == "warning"}

@@ -1,6 +1,7 @@
 """Export: serving layout from the target config alone (recipes llama3/qwen3), writer, loader, stage."""
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 
@@ -8,6 +9,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from fledge.conf.schema import DrafterConfig
+from fledge.models.drafter import DrafterSpec
+from fledge.models.drafter_checkpoint import RECORD, DrafterCheckpoint
 from fledge.models.families import rope_of
 from fledge.models.weights import read_tensors
 from fledge.run_layout import RunLayout
@@ -148,12 +152,8 @@ def _ctx(cfg, run_dir, upstream) -> StageContext:
     return StageContext(cfg, _World(), RunLayout(run_dir), "export", upstream)
 
 
-def _checkpoint(path: Path, config: dict, spec: dict, target_name: str) -> Path:
-    path.mkdir(parents=True)
-    save_file(random_state_dict(config), str(path / "model.safetensors"))
-    (path / "fledge.json").write_text(json.dumps({"spec": spec, "step": 7, "metrics": {"acc_0": 0.5},
-                                                  "target": {"name_or_path": target_name, "revision": None}}))
-    return path
+def _checkpoint(path: Path, config: dict, trained: DrafterCheckpoint) -> Path:
+    return trained.write(path, random_state_dict(config))
 
 
 def test_export_stage_writes_lints_and_summarises(tmp_path):
@@ -162,20 +162,22 @@ def test_export_stage_writes_lints_and_summarises(tmp_path):
     (target_dir / "config.json").write_text(json.dumps(TINY_TARGET))
     cfg = compose_recipe("tiny", [f"target.name_or_path={target_dir}", "target.num_hidden_layers=8",
                                   "drafter.draft_vocab_size=128"])
-    config = serving_config(TINY_TARGET, TINY_SPEC, [2, 4, 5], 128)
-    ckpt = _checkpoint(tmp_path / "run" / "train" / "best", config, TINY_SPEC, str(target_dir))
-    ctx = _ctx(cfg, tmp_path / "run", {"train": {"outputs": {"best": str(ckpt), "last": str(ckpt)}}})
+    spec = DrafterSpec.from_target_config(TINY_TARGET, DrafterConfig(draft_vocab_size=128), [2, 4, 5])
+    config = serving_config(TINY_TARGET, spec, [2, 4, 5], 128)
+    ckpt = _checkpoint(tmp_path / "run" / "train" / "best", config, DrafterCheckpoint(
+        spec, target={"name_or_path": str(target_dir), "revision": None}, step=7, metrics={"acc_0": 0.5}))
+    ctx = _ctx(cfg, tmp_path / "run", {"train": {"outputs": {"best": str(ckpt), "last": str(ckpt),
+                                                             "best_al_estimate": None}}})
     summary = run_stage(ctx)
     out = Path(summary["drafter"])
     assert summary["lint_errors"] == 0 and "config.json" in summary["files"]
     written = json.loads((out / "config.json").read_text())
     assert written == config
-    record = json.loads((out / "fledge_training.json").read_text())
+    record = json.loads((out / RECORD).read_text())
     assert record["trained_with"]["norm_output"] is True and record["step"] == 7
     # the config follows how the checkpoint was trained (spec), not the current drafter config
-    bad_spec = {**TINY_SPEC, "norm_output": False}
-    ckpt2 = _checkpoint(tmp_path / "run" / "train" / "bad", config, bad_spec, str(target_dir))
-    (ckpt2 / "fledge.json").write_text(json.dumps({"spec": bad_spec, "step": 1}))
+    bad_spec = dataclasses.replace(spec, norm_output=False)
+    ckpt2 = _checkpoint(tmp_path / "run" / "train" / "bad", config, DrafterCheckpoint(bad_spec, step=1))
     cfg.export.checkpoint = str(ckpt2)
     summary2 = run_stage(ctx)
     assert json.loads((Path(summary2["drafter"]) / "config.json").read_text())["norm_output"] is False
@@ -229,11 +231,8 @@ def test_export_load_reproduces_training_logits(tmp_path, fmt):
     from fledge.serving.export import export_checkpoint, load_drafter
 
     spec, model = _trained_like_drafter()
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    save_file(model.state_dict(), str(ckpt / "model.safetensors"))
-    (ckpt / "fledge.json").write_text(json.dumps({"spec": spec.to_dict(), "step": 3, "metrics": {},
-                                                  "target": {"name_or_path": "tiny", "revision": None}}))
+    ckpt = DrafterCheckpoint(spec, target={"name_or_path": "tiny", "revision": None}, step=3).write(
+        tmp_path / "ckpt", model.state_dict())
     export_checkpoint(ckpt, tmp_path / "out", TINY_TARGET, fmt=fmt, max_shard_size="64KB")
     assert not has_errors(lint_drafter(tmp_path / "out", TINY_TARGET))
     loaded = load_drafter(tmp_path / "out", embed_weight=model.embed_tokens.weight.detach())

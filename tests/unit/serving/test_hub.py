@@ -5,9 +5,10 @@ import logging
 
 import pytest
 
+from fledge.models.drafter_checkpoint import DrafterCheckpoint
 from fledge.run_layout import RunLayout
 from fledge.serving.card import build_model_card
-from fledge.serving.export import training_record, write_drafter
+from fledge.serving.export import write_drafter
 from fledge.serving.hub import push_to_hub
 from fledge.serving.serving_config import serving_config
 from fledge.train.publish import measured_by_run
@@ -31,10 +32,10 @@ def hub(monkeypatch):
 @pytest.fixture
 def run_dir(tmp_path):
     run = tmp_path / "run"
-    config = serving_config(TARGET, SPEC, SPEC["aux_layer_ids"], 64)
+    config = serving_config(TARGET, SPEC, SPEC.aux_layer_ids, 64)
     write_drafter(run / "export" / "drafter", random_state_dict(config), config,
-                  training_record(SPEC, {"step": 9, "metrics": {"acc_0": 0.61},
-                                         "target": {"name_or_path": "org/target-model"}}))
+                  DrafterCheckpoint(SPEC, target={"name_or_path": "org/target-model"}, step=9,
+                                    metrics={"acc_0": 0.61}))
     (run / "eval").mkdir(parents=True)
     (run / "eval" / "manifest.json").write_text(json.dumps({"complete": True, "outputs": {
         "sets": {"default": {"al": 2.875, "accept_rate_1": 0.71}, "perturbed": {"al": 2.5, "accept_rate_1": 0.6}}}}))
@@ -150,13 +151,13 @@ def test_the_publish_stage_pushes_after_eval_what_this_eval_measured(hub, tmp_pa
 
     monkeypatch.setattr(constants, "ENDPOINT", hub)  # what HF_ENDPOINT sets
     (tmp_path / "config.json").write_text(json.dumps(TARGET))  # the target export and publish read
-    config = serving_config(TARGET, SPEC, SPEC["aux_layer_ids"], 64)
+    config = serving_config(TARGET, SPEC, SPEC.aux_layer_ids, 64)
 
     def fake(stage):
         def run(ctx):
             if stage == "export":
                 write_drafter(ctx.stage_dir / "drafter", random_state_dict(config), config,
-                              training_record(SPEC, {"step": 9, "target": {"name_or_path": "org/target-model"}}))
+                              DrafterCheckpoint(SPEC, target={"name_or_path": "org/target-model"}, step=9))
                 return {"drafter": str(ctx.stage_dir / "drafter")}
             if stage == "eval":
                 measured = ctx.upstream["export"]["outputs"]["drafter"]

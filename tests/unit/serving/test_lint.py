@@ -9,7 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fledge.serving.export import training_record, write_drafter
+from fledge.models.drafter import DrafterSpec
+from fledge.models.drafter_checkpoint import RECORD, DrafterCheckpoint
+from fledge.serving.export import write_drafter
 from fledge.serving.lint import format_findings, has_errors, lint_drafter
 from fledge.serving.serving_config import serving_config
 from tests.helpers.models import random_state_dict
@@ -32,6 +34,7 @@ def _spec():
 
 
 SPEC = _spec()
+TRAINED = DrafterCheckpoint(DrafterSpec.from_dict(SPEC))  # what the exports here record
 assert SPEC["rope"] == {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                         "high_freq_factor": 4.0, "original_max_position_embeddings": 1024}
 
@@ -40,7 +43,7 @@ assert SPEC["rope"] == {"rope_type": "llama3", "rope_theta": 500000.0, "factor":
 def good(tmp_path_factory):
     out = tmp_path_factory.mktemp("lint") / "good"
     config = serving_config(TARGET, SPEC, SPEC["aux_layer_ids"], 128)
-    write_drafter(out, random_state_dict(config), config, training_record(SPEC, {"step": 1}))
+    write_drafter(out, random_state_dict(config), config, TRAINED.at_step(1))
     return out
 
 
@@ -66,9 +69,9 @@ def _edit_tensors(d, fn):
 
 
 def _edit_record(d, fn):
-    r = json.loads((d / "fledge_training.json").read_text())
+    r = json.loads((d / RECORD).read_text())
     fn(r)
-    (d / "fledge_training.json").write_text(json.dumps(r))
+    (d / RECORD).write_text(json.dumps(r))
 
 
 def _swap_d2t(t):
@@ -157,7 +160,7 @@ def test_every_served_layer_field_is_checked_against_training(good, tmp_path, ke
             _edit_config(bad, lambda c: c.update({key: TRAINED_FIELDS[key]}))
         else:
             config = serving_config(TARGET, SPEC, SPEC["aux_layer_ids"], 128, fmt=fmt, target_name="t")
-            write_drafter(bad, random_state_dict(config), config, training_record(SPEC))
+            write_drafter(bad, random_state_dict(config), config, TRAINED)
             where = "transformer_layer_config" if key not in ("draft_vocab_size", "target_hidden_size") else None
             _edit_config(bad, lambda c, where=where, key=key: (c[where] if where else c).update(
                 {key: TRAINED_FIELDS[key]}))
@@ -168,7 +171,7 @@ def test_every_served_layer_field_is_checked_against_training(good, tmp_path, ke
 
 def test_speculators_export_and_norm_before_residual(tmp_path):
     config = serving_config(TARGET, SPEC, SPEC["aux_layer_ids"], 128, fmt="speculators", target_name="t")
-    out = write_drafter(tmp_path / "spec", random_state_dict(config), config, training_record(SPEC))
+    out = write_drafter(tmp_path / "spec", random_state_dict(config), config, TRAINED)
     assert not has_errors(lint_drafter(out, TARGET)), format_findings(lint_drafter(out, TARGET))
     _edit_config(out, lambda c: c.pop("norm_before_residual"))
     assert "norm-before-residual" in _codes(out)

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from fledge.conf import compose
 from fledge.data.prepare.vocab import DraftVocab
 from fledge.run_layout import RunLayout
 from fledge.serving.export import export_checkpoint, load_target_config
-from fledge.train.ttt_model import TTTModel, build_ttt_model, drafter_meta
+from fledge.train.checkpoint import drafter_checkpoint
+from fledge.train.ttt_model import TTTModel, build_ttt_model
 
 VD = 64
 
@@ -47,10 +47,7 @@ def exported(random_tiny_target, tmp_path_factory):
         for p in model.drafter.parameters():
             if p.requires_grad:
                 p.normal_(0, 0.5)  # unlike any initial value, so every carried tensor is recognisable
-    ckpt = root / "ckpt"
-    ckpt.mkdir()
-    save_file({k: v.contiguous() for k, v in model.drafter.state_dict().items()}, str(ckpt / "model.safetensors"))
-    (ckpt / "fledge.json").write_text(json.dumps({**drafter_meta(cfg, model.drafter.spec), "step": 10}))
+    ckpt = drafter_checkpoint(cfg, model.drafter.spec).at_step(10).write(root / "ckpt", model.drafter.state_dict())
     export_checkpoint(ckpt, root / "export", load_target_config(cfg.target))
     return root, counts, vocab, model.drafter
 
