@@ -92,7 +92,8 @@ def run_training(ctx: StageContext) -> dict:
                          "NaN batch would corrupt the drafter instead of being skipped; use "
                          "deepspeed.zero_stage=1 (or deepspeed.bf16=true)")
     # a sequence-parallel group is one data-parallel rank: the global batch plan is the same as without it
-    train_data, eval_data = feature_sources(cfg, ctx.layout, ctx.world, dtype, groups.dp_rank, groups.dp_size)
+    train_data, eval_data = feature_sources(cfg.target, cfg.capture, cfg.train, cfg.aux_layer_ids(), cfg.run.seed,
+                                           ctx.layout, ctx.world, dtype, groups.dp_rank, groups.dp_size)
     per_step = cfg.train.grad_accum * groups.dp_size  # global batches per optimizer step
 
     paths = ctx.layout.train

@@ -16,9 +16,11 @@ a change of world size continues exactly where training stopped, whichever sourc
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from fledge.conf.schema import Config
+from fledge.conf.schema import CaptureConfig, TargetConfig, TrainConfig
 from fledge.data.capture.engine import engine_setup
 from fledge.data.capture.online import OnlineFeatureSource
 from fledge.data.capture.stream import EngineFeatureSource, StreamSpec
@@ -43,47 +45,47 @@ def source_kind(mode: str, engine: str) -> str:
                      "(the target on each rank) or vllm (a served target's stream)")
 
 
-def feature_sources(cfg: Config, layout: RunLayout, world: World, dtype: torch.dtype, rank: int | None = None,
+def feature_sources(target: TargetConfig, capture: CaptureConfig, train: TrainConfig, aux_layer_ids: Sequence[int],
+                    seed: int, layout: RunLayout, world: World, dtype: torch.dtype, rank: int | None = None,
                     world_size: int | None = None) -> tuple[BatchIterator, BatchIterator]:
-    """This rank's (train, eval) feature sources for the run ``cfg`` in ``layout``: float features in ``dtype``.
-    ``rank`` / ``world_size``: the data-parallel ones when they differ from ``world``'s (sequence parallelism: every
-    rank of a group reads the group's batches)."""
-    t, cap = cfg.train, cfg.capture
-    kind = source_kind(cap.mode, cap.engine)
+    """This rank's (train, eval) feature sources for a run in ``layout`` of ``target`` with these ``capture`` and
+    ``train`` settings, its drafter reading ``aux_layer_ids``, its batch order drawn from ``seed``: float features
+    in ``dtype``. ``rank`` / ``world_size``: the data-parallel ones when they differ from ``world``'s (sequence
+    parallelism: every rank of a group reads the group's batches)."""
+    kind = source_kind(capture.mode, capture.engine)
     rank = world.rank if rank is None else rank
     world_size = world.world_size if world_size is None else world_size
-    plan = (rank, world_size, t.micro_batch_tokens, t.micro_batch_size, cfg.run.seed)
+    plan = (rank, world_size, train.micro_batch_tokens, train.micro_batch_size, seed)
     if kind == "store":
         loaders = tuple(FeatureLoader(layout.capture.store(split), *plan, dtype=dtype,
                                       stage_manifest=layout.manifest("capture")) for split in SPLITS)
         for loader in loaders:
-            loader.store.check_compatible(cfg.target, cfg.aux_layer_ids())
+            loader.store.check_compatible(target, aux_layer_ids)
         return loaders
     if kind == "vllm-stream":
-        return _stream_sources(cfg, layout, world, dtype, plan, shares_ranks=world_size != world.world_size)
-    target = FrozenTarget.load(cfg.target, world.device, cfg.aux_layer_ids(), cap.device_map)
-    return tuple(OnlineFeatureSource(layout.prepare.split(split), target, *plan, chunk_tokens=cap.chunk_tokens)
+        if capture.ranks_per_engine > 1 and world_size != world.world_size:
+            raise ValueError(f"capture.ranks_per_engine={capture.ranks_per_engine} with train.sequence_parallel="
+                             f"{train.sequence_parallel}: a shared engine serves data-parallel ranks; set one to 1")
+        return _stream_sources(target, capture, train.grad_accum, aux_layer_ids, layout, world, dtype, plan)
+    frozen = FrozenTarget.load(target, world.device, aux_layer_ids, capture.device_map)
+    return tuple(OnlineFeatureSource(layout.prepare.split(split), frozen, *plan, chunk_tokens=capture.chunk_tokens)
                  for split in SPLITS)
 
 
-def _stream_sources(cfg: Config, layout: RunLayout, world: World, dtype: torch.dtype, plan: tuple,
-                    shares_ranks: bool) -> tuple[EngineFeatureSource, EngineFeatureSource]:
+def _stream_sources(tc: TargetConfig, cap: CaptureConfig, grad_accum: int, aux_layer_ids: Sequence[int],
+                    layout: RunLayout, world: World, dtype: torch.dtype,
+                    plan: tuple) -> tuple[EngineFeatureSource, EngineFeatureSource]:
     """``vllm-stream``: each split streamed by this rank's engine (or its group's), under
     ``<run>/train/stream/rankNNNNN``. ``plan``: (data-parallel rank, its world size, row tokens, rows per batch,
-    seed); ``shares_ranks``: sequence parallelism, several ranks reading one data-parallel rank's batches. The train
-    source's end (where its engine's job stops) is the trainer's, set with ``seek(position, end)`` at its resume; the
-    held-out set's engines take the training engine's place (its GPUs)."""
-    t, cap, tc = cfg.train, cfg.capture, cfg.target
-    eng = engine_setup(tc, cap, cfg.aux_layer_ids(), world)
-    if cap.ranks_per_engine > 1 and shares_ranks:
-        raise ValueError(f"capture.ranks_per_engine={cap.ranks_per_engine} with train.sequence_parallel="
-                         f"{t.sequence_parallel}: a shared engine serves data-parallel ranks; set one to 1")
+    seed). The train source's end (where its engine's job stops) is the trainer's, set with ``seek(position, end)``
+    at its resume; the held-out set's engines take the training engine's place (its GPUs)."""
+    eng = engine_setup(tc, cap, aux_layer_ids, world)
     spec = dict(python=eng.python, target=tc.name_or_path, revision=tc.revision,
                 trust_remote_code=tc.trust_remote_code, dtype=eng.dtype, feature_dtype=dtype,
-                aux_layer_ids=list(cfg.aux_layer_ids()), num_layers=eng.shape.num_hidden_layers,
+                aux_layer_ids=list(aux_layer_ids), num_layers=eng.shape.num_hidden_layers,
                 rms_norm_eps=eng.shape.rms_norm_eps, aux_dtype=cap.dtype, env=eng.env, timeout_s=cap.engine_timeout_s,
                 buffer_batches=cap.buffer_batches, restarts=cap.engine_restarts, device=world.device,
-                launcher=tuple(cap.engine_launcher), ranks_per_engine=cap.ranks_per_engine, grad_accum=t.grad_accum)
+                launcher=tuple(cap.engine_launcher), ranks_per_engine=cap.ranks_per_engine, grad_accum=grad_accum)
     out: list[EngineFeatureSource] = []
     for split in SPLITS:
         out.append(EngineFeatureSource(layout.prepare.split(split),

@@ -236,24 +236,29 @@ def test_feature_sources_choose_the_store_the_target_or_the_stream(root, bf16_st
     cfg, layout = make_cfg(root, "bf16"), RunLayout(root / "bf16")
     cfg.train.micro_batch_tokens, cfg.train.micro_batch_size, cfg.run.seed = 64, 2, 5
     one = World(0, 1, 0, torch.device("cpu"))
-    train, held_out = feature_sources(cfg, layout, one, torch.float32)
+
+    def sources(world, **ranks):
+        return feature_sources(cfg.target, cfg.capture, cfg.train, cfg.aux_layer_ids(), cfg.run.seed, layout, world,
+                               torch.float32, **ranks)
+
+    train, held_out = sources(one)
     assert isinstance(train, FeatureLoader) and (train.store.dir, held_out.store.dir) == (
         bf16_store / "train", bf16_store / "eval")
     cfg.capture.mode = "online"
-    live, live_eval = feature_sources(cfg, layout, one, torch.float32)
+    live, live_eval = sources(one)
     assert isinstance(live, OnlineFeatureSource) and live.target is live_eval.target
     assert live.global_plan(0) == train.global_plan(0) and len(live_eval) == len(held_out)
     cfg.capture.engine, cfg.capture.engine_python = "vllm", str(tmp_path / "no-python")
     with pytest.raises(ValueError, match=r"^capture.engine=vllm: no engine python at .*no-python; .*setup_engine.sh"):
-        feature_sources(cfg, layout, one, torch.float32)
+        sources(one)
     (tmp_path / "no-python").touch()  # an engine that is never started: the set-up's checks come first
     cfg.capture.ranks_per_engine, cfg.train.sequence_parallel = 2, 2
     with pytest.raises(ValueError, match=r"^capture.ranks_per_engine=2 with train.sequence_parallel=2: .*set one to 1"):
-        feature_sources(cfg, layout, World(0, 2, 0, torch.device("cpu")), torch.float32, rank=0, world_size=1)
+        sources(World(0, 2, 0, torch.device("cpu")), rank=0, world_size=1)
     for mode, engine in (("stream", "vllm"), ("online", "sglang")):
         cfg.capture.mode, cfg.capture.engine = mode, engine
         with pytest.raises(ValueError, match=rf"^capture.mode='{mode}' capture.engine='{engine}': no feature source"):
-            feature_sources(cfg, layout, one, torch.float32)
+            sources(one)
 
 
 def test_array_slices_merge_into_one_store(root, bf16_store):
