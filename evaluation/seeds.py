@@ -5,7 +5,7 @@ Used by ``fledge compare`` (evaluation/compare.py: EAGLE-3.1 vs EAGLE-3) and scr
 variant per training objective). ``sweep`` runs ``train/main.py`` under torchrun: ``<root>/base`` with
 run.stages=[prepare,capture], then per variant and seed ``<root>/<variant>_s<seed>`` with
 run.stages=[train,export,eval] and run.seed=<seed>, its ``prepare`` and ``capture`` directories symlinked to
-the base's (stages not selected are read as they are, train/runner.py; a copy per run would be one feature
+the base's (stages not selected are read as they are, pipeline/runner.py; a copy per run would be one feature
 store per run). A run whose stages are done is skipped by the runner itself, so re-running resumes.
 """
 
@@ -110,8 +110,8 @@ def warnings(runs: list[dict]) -> list[str]:
 
 def _train_main(nproc: int, overrides: list[str]) -> None:
     """One run of train/main.py on ``nproc`` ranks; a failed run ends the sweep with its exit code, its ranks
-    having said why (train/torchrun.py: a user error stays the rank's one line)."""
-    cmd = [sys.executable, "-m", "fledge.train.torchrun", "--standalone", f"--nproc_per_node={nproc}", "-m",
+    having said why (pipeline/torchrun.py: a user error stays the rank's one line)."""
+    cmd = [sys.executable, "-m", "fledge.pipeline.torchrun", "--standalone", f"--nproc_per_node={nproc}", "-m",
            "fledge.train.main", *overrides]
     print("+", " ".join(cmd), flush=True)
     code = subprocess.run(cmd, env=dict(os.environ)).returncode

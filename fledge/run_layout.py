@@ -3,7 +3,7 @@
 ::
 
     config.yaml                          the config the last command ran with (train/main.py)
-    <stage>/manifest.json                each stage's inputs, their hash and its summary (train/runner.py)
+    <stage>/manifest.json                each stage's inputs, their hash and its summary (pipeline/runner.py)
     prepare/train/ eval/ eval_perturbed/ tokenized splits (data/prepare/build.py)
     prepare/eval_conversations.jsonl     the eval split's conversations (eval_perturbed_... likewise)
     prepare/vocab.safetensors            the draft vocab (data/prepare/vocab.py), vocab.json its key
@@ -17,7 +17,7 @@
     export/drafter/                      the serving directory (serving/export.py)
     eval/report.json, report.md, *.png   the eval report (evaluation/report.py)
     eval/engine/                         eval.engine=vllm: the engine's work directory (fledge/engine_process.py)
-    slurm/<job>.sbatch                   `fledge submit`'s filled job scripts (train/slurm/submit.py)
+    slurm/<job>.sbatch                   `fledge submit`'s filled job scripts (pipeline/slurm/submit.py)
     logs/                                Slurm's job logs
 
 Stages get this object from the runner and hand libraries the paths they need; no other module spells a

@@ -2,7 +2,7 @@
 ``fledge run recipe=NAME``).
 
 Hydra composes conf/ over the dataclass schema (fledge.conf); this file turns the result into typed
-objects once, sets up the process group, and runs the selected stages (train/pipeline.py).
+objects once, sets up the process group, and runs the selected stages (pipeline/stages.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ log = logging.getLogger("fledge")
 
 
 def run(cfg: Config) -> dict:
-    """Set up the process group and run the pipeline's selected stages (train/pipeline.py); returns the
+    """Set up the process group and run the pipeline's selected stages (pipeline/stages.py); returns the
     manifests of the stages that are complete and current."""
     # The pipeline (torch, DeepSpeed, transformers) is imported only once the overrides have composed
     # (check_overrides): a mistyped key is one line in a second, not after the heavy imports.
@@ -30,9 +30,9 @@ def run(cfg: Config) -> dict:
     quiet_library_bars()  # before the imports below bring in datasets and transformers
     from fledge.atomic import write_bytes_atomic
     from fledge.distributed import destroy_world, init_world, setup_logging
+    from fledge.pipeline.runner import run_stages
+    from fledge.pipeline.stages import PIPELINE
     from fledge.run_layout import RunLayout
-    from fledge.train.pipeline import PIPELINE
-    from fledge.train.runner import run_stages
 
     world = init_world()
     setup_logging(world)
@@ -53,7 +53,7 @@ def run(cfg: Config) -> dict:
     return manifests
 
 
-# What this command did with each stage (train/runner.py's plan), as the closing summary says it.
+# What this command did with each stage (pipeline/runner.py's plan), as the closing summary says it.
 ACTIONS = {"use": "kept, not selected", "skip": "up to date", "run": "ran", "resume": "ran on from its own output",
            "start over": "started over"}
 
@@ -61,8 +61,8 @@ ACTIONS = {"use": "kept, not selected", "skip": "up to date", "run": "ran", "res
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
 def main(dcfg: DictConfig) -> None:
     # imported after Hydra composed the config, for the reason given in run()
-    from fledge.train.preflight import check_config, check_environment
-    from fledge.train.runner import Refused
+    from fledge.pipeline.preflight import check_config, check_environment
+    from fledge.pipeline.runner import Refused
     from fledge.train.trainer import PREEMPTED_EXIT_CODE, Preempted
 
     try:
@@ -100,11 +100,11 @@ def check_overrides(argv: list[str]) -> None:
 
 def cli(argv: list[str]) -> int:
     """``fledge run [--nproc-per-node N] [overrides]``: Hydra reads its overrides from sys.argv; with N, torchrun's
-    agent in this process starts N ranks of this module (train/torchrun.py: a rank's one-line error stays one)."""
+    agent in this process starts N ranks of this module (pipeline/torchrun.py: a rank's one-line error stays one)."""
     nproc, argv = nproc_per_node(argv)
     check_overrides(argv)
     if nproc:
-        from fledge.train.torchrun import main as torchrun
+        from fledge.pipeline.torchrun import main as torchrun
 
         return torchrun(["--standalone", f"--nproc_per_node={nproc}", "-m", "fledge.train.main", *argv])
     sys.argv = ["fledge run", *argv]

@@ -18,9 +18,9 @@ from tests.helpers.evaluation import eval_cfg
 def evaluated(run):
     """The eval stage run once on ``run``: (its stage dir, the stage's summary)."""
     from fledge.distributed import World
+    from fledge.pipeline.runner import StageContext
+    from fledge.pipeline.stages import evaluate as run_stage
     from fledge.run_layout import RunLayout
-    from fledge.train.pipeline import evaluate as run_stage
-    from fledge.train.runner import StageContext
 
     stage_dir = run / "run/eval"
     stage_dir.mkdir()
