@@ -23,7 +23,7 @@ import sys
 
 # name -> (module, function, one line of help)
 COMMANDS = {
-    "run": ("fledge.train.main", "cli", "run the pipeline: fledge run [--nproc-per-node N] recipe=NAME [overrides]"),
+    "run": ("fledge.pipeline.app", "cli", "run the pipeline: fledge run [--nproc-per-node N] recipe=NAME [overrides]"),
     "tiny-target": ("fledge.testbed.targets", "main", "build a tiny target (llama, moe, mla, long) under .cache/"),
     "import-gguf": ("fledge.models.gguf_import", "main", "a GGUF file or package -> an HF target dir under .cache/"),
     "lint": ("fledge.serving.lint", "main", "check an exported drafter against its target"),

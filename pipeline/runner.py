@@ -35,7 +35,6 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from fledge.atomic import read_json, write_json_atomic
@@ -44,25 +43,10 @@ from fledge.distributed import World, broadcast_object
 from fledge.models.target import target_fingerprint
 from fledge.pipeline.preflight import check_target_path
 from fledge.run_layout import RunLayout
+from fledge.stage_context import StageContext
 
 log = logging.getLogger(__name__)
 SCHEMA_VERSION = 1
-
-
-@dataclass
-class StageContext:
-    """What a stage receives: the typed config, the world, the run's layout and the upstream manifests."""
-
-    cfg: Config
-    world: World
-    layout: RunLayout
-    stage: str  # this stage's name
-    upstream: dict[str, dict]  # stage name -> its complete manifest (all earlier stages present)
-
-    @property
-    def stage_dir(self) -> Path:
-        """This stage's directory (``layout.stage(stage)``)."""
-        return self.layout.stage(self.stage)
 
 
 def _always(cfg: Config) -> bool:

@@ -44,8 +44,8 @@ from fledge.data.capture.sources import feature_sources
 from fledge.data.capture.stream import EngineFeatureSource, StreamInterrupted
 from fledge.distributed import World, all_reduce_sum, any_rank, sequence_groups
 from fledge.models.alignment import StepAccuracy, al_estimate
-from fledge.pipeline.runner import StageContext
 from fledge.progress import progress
+from fledge.stage_context import StageContext
 from fledge.train import checkpoint
 from fledge.train.deepspeed_setup import build_engine, gradient_divisor, use_bf16
 from fledge.train.metrics import MetricsLog, RatioMeter
