@@ -30,7 +30,7 @@ COMMANDS = {
     "push": ("fledge.pipeline.publish", "main", "upload a drafter with a generated model card"),
     "submit": ("fledge.pipeline.slurm.submit", "main", "fill the Slurm templates and print the sbatch commands"),
     "regenerate": ("fledge.data.prepare.regenerate", "main", "re-answer a chat data set with the target"),
-    "compare": ("fledge.evaluation.compare", "main", "EAGLE-3.1 vs EAGLE-3 from two runs, or over seeds (--train)"),
+    "compare": ("fledge.pipeline.seeds", "compare_main", "EAGLE-3.1 vs EAGLE-3 from two runs, or over seeds (--train)"),
     "config": ("fledge.cli", "print_config", "print the composed, validated config of a recipe"),
 }
 

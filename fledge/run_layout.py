@@ -27,6 +27,7 @@ directory or an engine's work directory, the files are that library's own format
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 CONFIG = "config.yaml"
@@ -157,6 +158,14 @@ class RunLayout:
 
     def manifest(self, stage: str) -> Path:
         return self.stage(stage) / MANIFEST
+
+    def share_stage(self, name: str, source: RunLayout) -> None:
+        """Make this run's ``name`` directory a relative symlink to ``source``'s (runs over seeds reading one
+        prepared data set and one capture, fledge/pipeline/seeds.py); an existing directory or link is kept."""
+        link = self.stage(name)
+        if not link.is_symlink() and not link.exists():
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(os.path.relpath(source.stage(name), link.parent))
 
     @property
     def config(self) -> Path:
