@@ -121,7 +121,7 @@ class CaptureConfig:
     # equal to one forward; attention memory [chunk, T] instead of [T, T]); 0 = one forward per row.
     chunk_tokens: int = 8192
     device_map: Optional[str] = None  # e.g. "auto" to spread a big target over a node's GPUs
-    # Array-job capture (train/slurm/capture_array.sbatch, `fledge submit capture --array N`): task i runs with
+    # Array-job capture (pipeline/slurm/capture_array.sbatch, `fledge submit capture --array N`): task i runs with
     # slice_index=i and captures samples [i*n/N, (i+1)*n/N) of each split; a later run with num_slices=N and no
     # slice_index merges the slices into one store. Neither is in the stage's inputs hash (the tasks share one stage
     # dir).

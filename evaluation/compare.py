@@ -16,7 +16,7 @@ position. Figures: AL(3.1)/AL(3) and drafter-minus-lookup AL per set (default / 
 accuracy per step up to 2K, offline AL estimate vs measured AL; with ``eval.context_buckets`` on both runs,
 AL(3.1)/AL(3) and the drift figures per context length, and ``compare_al_vs_length.png``.
 
-Over seeds, as the paper measures (evaluation/seeds.py trains both drafters per seed from one capture):
+Over seeds, as the paper measures (pipeline/seeds.py trains both drafters per seed from one capture):
 
     fledge compare --train outputs/compare_tiny --seeds 0 1 2 --nproc 2 -- recipe=tiny eval.engine=vllm
     fledge compare --eagle31 outputs/c/eagle31_s0 outputs/c/eagle31_s1 --eagle3 outputs/c/eagle3_s0 ... --out DIR
@@ -40,7 +40,7 @@ from pathlib import Path
 from fledge.atomic import write_bytes_atomic, write_json_atomic
 from fledge.evaluation.long_context import drift_at
 from fledge.evaluation.report import plot_context
-from fledge.evaluation.seeds import cell, load_run, require_in_process, set_figures, spread, sweep, warnings
+from fledge.evaluation.seeds import cell, load_run, require_in_process, set_figures, spread, warnings
 from fledge.run_layout import RunLayout
 
 LABELS = ("EAGLE-3.1", "EAGLE-3")
@@ -345,7 +345,9 @@ def _write(out: Path, r31: dict, r3: dict, seeds: dict | None = None) -> str:
     return md
 
 
-def main(argv=None) -> int:
+def main(argv=None, sweep=None) -> int:
+    """The report from run directories; ``--train`` needs ``sweep``, the pipeline's seeds driver that trains the
+    runs first (pipeline/seeds.py ``compare_main``, which ``fledge compare`` runs)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     overrides = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
@@ -363,6 +365,8 @@ def main(argv=None) -> int:
                     "with --train ROOT/compare)")
     args = ap.parse_args(argv)
     if args.train:
+        if sweep is None:
+            ap.error("--train trains the runs: run it as `fledge compare --train ...` (pipeline/seeds.py)")
         if not any(o.startswith("recipe=") for o in overrides):
             ap.error("--train needs the runs' overrides after --, at least recipe=NAME")
         extra = overrides + ([] if any(o.startswith("eval.temperature=") for o in overrides)

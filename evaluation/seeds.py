@@ -1,27 +1,18 @@
-"""Drafters compared over seeds: train one run per variant x seed from one prepared data set and one capture,
-then summarise each variant's eval reports as mean and spread over its seeds.
+"""Drafters compared over seeds: each variant's eval reports summarised as mean and spread over its seeds.
 
 Used by ``fledge compare`` (evaluation/compare.py: EAGLE-3.1 vs EAGLE-3) and scripts/compare_losses.py (one
-variant per training objective). ``sweep`` runs ``train/main.py`` under torchrun: ``<root>/base`` with
-run.stages=[prepare,capture], then per variant and seed ``<root>/<variant>_s<seed>`` with
-run.stages=[train,export,eval] and run.seed=<seed>, its ``prepare`` and ``capture`` directories symlinked to
-the base's (stages not selected are read as they are, train/runner.py; a copy per run would be one feature
-store per run). A run whose stages are done is skipped by the runner itself, so re-running resumes.
+variant per training objective). The runs themselves are trained by the pipeline's seeds driver
+(pipeline/seeds.py ``sweep``).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-from fledge.atomic import read_json, write_json_atomic
-from fledge.conf import compose
+from fledge.atomic import read_json
 from fledge.run_layout import RunLayout
 
 
@@ -106,44 +97,3 @@ def warnings(runs: list[dict]) -> list[str]:
     if len({r["capture"] for r in runs}) > 1:
         out.append("the runs read different captures (features): the rows compare data, not only drafters")
     return out
-
-
-def _train_main(nproc: int, overrides: list[str]) -> None:
-    """One run of train/main.py on ``nproc`` ranks; a failed run ends the sweep with its exit code, its ranks
-    having said why (train/torchrun.py: a user error stays the rank's one line)."""
-    cmd = [sys.executable, "-m", "fledge.train.torchrun", "--standalone", f"--nproc_per_node={nproc}", "-m",
-           "fledge.train.main", *overrides]
-    print("+", " ".join(cmd), flush=True)
-    code = subprocess.run(cmd, env=dict(os.environ)).returncode
-    if code:
-        raise SystemExit(code)
-
-
-def sweep(root: Path, variants: list[tuple[str, list[str]]], seeds: list[int], nproc: int,
-          overrides: list[str]) -> list[str]:
-    """Train every (name, overrides) variant at every seed from one base capture; the run directories, seed-major
-    (a sweep cut short has every variant at the seeds it finished). Wall times go to <root>/sweep_times.json."""
-    root = Path(root).resolve()
-    common = [*overrides, f"run.output_root={root}"]
-    for _, extra in variants:  # a bad override is one line now, not a failed run after the base capture
-        compose([*common, *extra])
-    t0 = time.time()
-    _train_main(nproc, [*common, "run.name=base", "run.stages=[prepare,capture]"])
-    times, dirs = {"prepare+capture": time.time() - t0}, []
-    for seed in seeds:
-        for tag, extra in variants:
-            name = f"{tag}_s{seed}"
-            run_dir = root / name
-            run_dir.mkdir(parents=True, exist_ok=True)
-            for stage in ("prepare", "capture"):
-                link = run_dir / stage
-                if not link.is_symlink() and not link.exists():
-                    link.symlink_to(Path("..") / "base" / stage)
-            t = time.time()
-            _train_main(nproc, [*common, f"run.name={name}", f"run.seed={seed}", *extra,
-                                "run.stages=[train,export,eval]"])
-            times[name] = time.time() - t
-            dirs.append(str(run_dir))
-    write_json_atomic(root / "sweep_times.json", {"seconds": times, "total_s": time.time() - t0})
-    print(f"wall seconds: {json.dumps({k: round(v) for k, v in times.items()})}", flush=True)
-    return dirs

@@ -23,14 +23,14 @@ import sys
 
 # name -> (module, function, one line of help)
 COMMANDS = {
-    "run": ("fledge.train.main", "cli", "run the pipeline: fledge run [--nproc-per-node N] recipe=NAME [overrides]"),
+    "run": ("fledge.pipeline.app", "cli", "run the pipeline: fledge run [--nproc-per-node N] recipe=NAME [overrides]"),
     "tiny-target": ("fledge.testbed.targets", "main", "build a tiny target (llama, moe, mla, long) under .cache/"),
     "import-gguf": ("fledge.models.gguf_import", "main", "a GGUF file or package -> an HF target dir under .cache/"),
     "lint": ("fledge.serving.lint", "main", "check an exported drafter against its target"),
-    "push": ("fledge.train.publish", "main", "upload a drafter with a generated model card"),
-    "submit": ("fledge.train.slurm.submit", "main", "fill the Slurm templates and print the sbatch commands"),
+    "push": ("fledge.pipeline.publish", "main", "upload a drafter with a generated model card"),
+    "submit": ("fledge.pipeline.slurm.submit", "main", "fill the Slurm templates and print the sbatch commands"),
     "regenerate": ("fledge.data.prepare.regenerate", "main", "re-answer a chat data set with the target"),
-    "compare": ("fledge.evaluation.compare", "main", "EAGLE-3.1 vs EAGLE-3 from two runs, or over seeds (--train)"),
+    "compare": ("fledge.pipeline.seeds", "compare_main", "EAGLE-3.1 vs EAGLE-3 from two runs, or over seeds (--train)"),
     "config": ("fledge.cli", "print_config", "print the composed, validated config of a recipe"),
 }
 
@@ -49,7 +49,7 @@ def print_config(argv: list[str]) -> int:
     # Each subcommand imports what it runs, and only then: `fledge --help` and a mistyped command stay instant.
     from omegaconf import OmegaConf
 
-    from fledge.train.preflight import compose_checked
+    from fledge.pipeline.preflight import compose_checked
 
     if any(a in ("-h", "--help") for a in argv):
         print("usage: fledge config recipe=NAME [overrides]")

@@ -3,7 +3,7 @@
 ::
 
     config.yaml                          the config the last command ran with (train/main.py)
-    <stage>/manifest.json                each stage's inputs, their hash and its summary (train/runner.py)
+    <stage>/manifest.json                each stage's inputs, their hash and its summary (pipeline/runner.py)
     prepare/train/ eval/ eval_perturbed/ tokenized splits (data/prepare/build.py)
     prepare/eval_conversations.jsonl     the eval split's conversations (eval_perturbed_... likewise)
     prepare/vocab.safetensors            the draft vocab (data/prepare/vocab.py), vocab.json its key
@@ -17,7 +17,7 @@
     export/drafter/                      the serving directory (serving/export.py)
     eval/report.json, report.md, *.png   the eval report (evaluation/report.py)
     eval/engine/                         eval.engine=vllm: the engine's work directory (fledge/engine_process.py)
-    slurm/<job>.sbatch                   `fledge submit`'s filled job scripts (train/slurm/submit.py)
+    slurm/<job>.sbatch                   `fledge submit`'s filled job scripts (pipeline/slurm/submit.py)
     logs/                                Slurm's job logs
 
 Stages get this object from the runner and hand libraries the paths they need; no other module spells a
@@ -27,6 +27,7 @@ directory or an engine's work directory, the files are that library's own format
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 CONFIG = "config.yaml"
@@ -157,6 +158,14 @@ class RunLayout:
 
     def manifest(self, stage: str) -> Path:
         return self.stage(stage) / MANIFEST
+
+    def share_stage(self, name: str, source: RunLayout) -> None:
+        """Make this run's ``name`` directory a relative symlink to ``source``'s (runs over seeds reading one
+        prepared data set and one capture, fledge/pipeline/seeds.py); an existing directory or link is kept."""
+        link = self.stage(name)
+        if not link.is_symlink() and not link.exists():
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(os.path.relpath(source.stage(name), link.parent))
 
     @property
     def config(self) -> Path:

@@ -1,7 +1,7 @@
 """How a user's mistake reaches them: one line on stderr naming the file, line or key and the fix, and exit code 2.
 
 Fledge raises ValueError (DataError is one) for bad input and config, with the file, line or key and the fix in
-the message; the entry points (train/main.py, the ``fledge`` command's tools, train/torchrun.py's ranks) turn those
+the message; the entry points (train/main.py, the ``fledge`` command's tools, pipeline/torchrun.py's ranks) turn those
 into :func:`user_error`. Anything else is a bug and keeps its traceback. FLEDGE_DEBUG=1 (or Hydra's
 HYDRA_FULL_ERROR=1) shows the traceback of user errors too.
 """

@@ -7,7 +7,7 @@ features, then one table of what each objective buys (as `fledge compare` does f
     # or only the table, from run directories (LABEL=DIR names a run's group; default: its loss)
     python scripts/compare_losses.py table outputs/losses/ttt_ce_s0 outputs/losses/tv_s0 ... --out outputs/losses
 
-``run`` is evaluation/seeds.py's ``sweep``: ``<root>/base`` prepares and captures once, then per loss and seed
+``run`` is pipeline/seeds.py's ``sweep``: ``<root>/base`` prepares and captures once, then per loss and seed
 ``<root>/<loss>_s<seed>`` trains, exports and evaluates with run.seed=<seed> and the loss, its ``prepare`` and
 ``capture`` symlinked to the base's; eval.temperature=1.0 unless the overrides set it (greedy and sampled AL).
 Re-running the command resumes. A loss is a registered name or ``mix:name=w,name=w``.
@@ -28,7 +28,8 @@ import argparse
 from pathlib import Path
 
 from fledge.atomic import write_bytes_atomic, write_json_atomic
-from fledge.evaluation.seeds import cell, load_run, set_figures, spread, sweep, warnings
+from fledge.evaluation.seeds import cell, load_run, set_figures, spread, warnings
+from fledge.pipeline.seeds import sweep
 
 BASELINE = "ttt_ce"
 

@@ -1,7 +1,7 @@
 """The model card of an exported drafter: what it is, how to serve it, and what a run measured about it.
 
 The card is built from content, never from a run directory: the pipeline's publish stage (and ``fledge push
---run-dir``) gathers what the run measured of this very export into a :class:`Measured` (train/publish.py)
+--run-dir``) gathers what the run measured of this very export into a :class:`Measured` (pipeline/publish.py)
 and hands it here. Its engine section is the AL table vLLM measured (eval.engine=vllm) with the exact vLLM
 call that reproduces it; SGLang is marked as not measured here (its command is the dialect's,
 serving/dialects.py, given only for an export SGLang reads as trained).

@@ -1,6 +1,6 @@
 """Upload an exported drafter to the Hugging Face Hub with its model card (serving/card.py).
 
-The pipeline's publish stage and ``fledge push`` (train/publish.py) call :func:`push_to_hub` with what the
+The pipeline's publish stage and ``fledge push`` (pipeline/publish.py) call :func:`push_to_hub` with what the
 run measured of the very export pushed (a ``Measured``; the card shows nothing else). The token comes from
 ``HF_TOKEN`` (``fledge push`` also takes huggingface_hub's own login) and is never printed or logged. An
 export that fails the linter is refused, and so is an existing repo whose visibility is not the one asked for

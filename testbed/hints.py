@@ -1,6 +1,6 @@
 """What to run when a testbed path is missing: the ``fledge tiny-target`` command that writes it.
 
-The pipeline asks here before any stage runs (train/preflight.py, train/pipeline.py's checks), so a tiny
+The pipeline asks here before any stage runs (pipeline/preflight.py, pipeline/stages.py's checks), so a tiny
 recipe run before its target is built fails with the build command; no library below tests paths for the
 testbed's names. The layout is testbed/tiny_target.py's (under ``.cache/tiny_target``): ``llama/``, ``moe/``,
 ``mla/`` and ``long/`` targets, ``data/`` and ``tokenizer/`` (written by any build), ``long_data/`` and

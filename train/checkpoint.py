@@ -97,7 +97,7 @@ def planned_steps(max_steps: int, epochs: int, step: int, batches: int, per_step
     """The optimizer step a run ends at, from where it is (``step`` steps done, ``batches`` global batches
     consumed) and today's step size ``per_step``: ``max_steps`` counts optimizer steps, whatever their size;
     ``epochs`` (with max_steps 0) counts data, so the steps left are the whole steps the batches left make.
-    The one rule for the trainer's resume and the runner's "is this run long enough" (train/pipeline.py)."""
+    The one rule for the trainer's resume and the runner's "is this run long enough" (pipeline/stages.py)."""
     if max_steps:
         return max_steps
     return max(1, step + max(0, epochs * batches_per_epoch - batches) // per_step)

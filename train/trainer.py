@@ -45,10 +45,10 @@ from fledge.data.capture.stream import EngineFeatureSource, StreamInterrupted
 from fledge.distributed import World, all_reduce_sum, any_rank, sequence_groups
 from fledge.models.alignment import StepAccuracy, al_estimate
 from fledge.progress import progress
+from fledge.stage_context import StageContext
 from fledge.train import checkpoint
 from fledge.train.deepspeed_setup import build_engine, gradient_divisor, use_bf16
 from fledge.train.metrics import MetricsLog, RatioMeter
-from fledge.train.runner import StageContext
 from fledge.train.sequence_parallel import SequenceParallel, check_heads
 from fledge.train.ttt_model import TTTModel, build_ttt_model
 

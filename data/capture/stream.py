@@ -30,7 +30,7 @@ load would outlast the grace the trainer has to checkpoint. The trainer takes it
 (train/trainer.py).
 
 On a cluster the engines run on GPUs of their own: ``capture.engine_launcher`` is the command prefix each
-engine's driver starts under (``srun --het-group=1 ...`` in the heterogeneous job of train/slurm/submit.py;
+engine's driver starts under (``srun --het-group=1 ...`` in the heterogeneous job of pipeline/slurm/submit.py;
 the buffer is then on the shared file system, and the driver, whose parent is srun, watches its rank's
 heartbeat file to end itself when the rank is gone), and ``capture.ranks_per_engine`` = k lets one engine
 (TP GPUs: a 1T target does not fit one per rank) serve k consecutive ranks: the group's first rank starts it,

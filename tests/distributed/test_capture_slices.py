@@ -34,8 +34,8 @@ def _cfg(root: Path, run: str, *extra: str):
 
 def _run_here(root: Path, run: str, *extra: str) -> dict:
     from fledge.distributed import World
-    from fledge.train.pipeline import PIPELINE
-    from fledge.train.runner import run_stages
+    from fledge.pipeline.runner import run_stages
+    from fledge.pipeline.stages import PIPELINE
 
     return run_stages(_cfg(root, run, *extra), World(0, 1, 0, torch.device("cpu")), PIPELINE)
 

@@ -37,7 +37,7 @@ OVERRIDES = ["train.max_steps=3", "train.save_every=3", "train.eval_every=3", "t
              "data.perturb.eval_split=false"]
 # Keys that legitimately differ between two runs of the same thing.
 VOLATILE = ("seconds", "pid", "started", "time", "per_s", "per_sec", "throughput", "host", "output_root")
-IDS = ("output_id", "read")  # manifest keys holding the runner's random output ids (train/runner.py)
+IDS = ("output_id", "read")  # manifest keys holding the runner's random output ids (pipeline/runner.py)
 
 
 def _free_port() -> int:
@@ -76,7 +76,7 @@ def _wait(procs: list[subprocess.Popen], logs: list[Path], timeout: float = 600)
 def _run_one_node_two_ranks(root: Path, stages: list[str], inputs: list[str], tmp: Path) -> str:
     log = tmp / "ref.log"
     with open(log, "w") as f:
-        p = subprocess.Popen([sys.executable, "-m", "fledge.train.slurm.launch", "--nproc-per-node", "2",
+        p = subprocess.Popen([sys.executable, "-m", "fledge.pipeline.slurm.launch", "--nproc-per-node", "2",
                               *_launch_args(root, stages, inputs)],
                              cwd=REPO, env=_env(), stdout=f, stderr=subprocess.STDOUT)
     return _wait([p], [log])[0]
@@ -92,7 +92,7 @@ def _run_two_nodes_one_rank(root: Path, stages: list[str], inputs: list[str], tm
         logs.append(tmp / f"node{node}.log")
         with open(logs[-1], "w") as f:  # node 0 starts first: the lower pid, so c10d makes it group rank 0
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "fledge.train.slurm.launch", "--nproc-per-node", "1",
+                [sys.executable, "-m", "fledge.pipeline.slurm.launch", "--nproc-per-node", "1",
                  *_launch_args(root, stages, inputs)],
                 cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT))
     return _wait(procs, logs)

@@ -254,7 +254,7 @@ def test_the_eval_stage_fails_on_a_served_fault_with_the_causes(served, tmp_path
     cfg = compose(_overrides(served, tiny_target) + ["eval.engine=vllm", "eval.sets=[default]", "eval.num_prompts=4",
                                                      "eval.max_new_tokens=32"])
     with pytest.raises(ValueError, match=r"(?s)fails fledge lint.*norm flags.*norm-output-mismatch.*fledge lint"):
-        run = RunLayout(served)  # the stage hands evaluate_run the run's paths and train's estimate (train/pipeline.py)
+        run = RunLayout(served)  # the stage hands evaluate_run the run's paths, train's estimate (pipeline/stages.py)
         estimate = json.loads(run.manifest("train").read_text())["outputs"]["best_al_estimate"]
         evaluate_run(cfg, run.prepare, EvalDir(tmp_path / "eval"), bad, torch.device("cpu"),
                      metrics_path=run.train.metrics, train_al_estimate=estimate)

@@ -1,4 +1,4 @@
-"""A fake srun / scontrol / scancel on PATH, for the batch scripts run without Slurm (tests/unit/train/)."""
+"""A fake srun / scontrol / scancel on PATH, for the batch scripts run without Slurm (tests/unit/pipeline/)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 
 
 def submit_module():
-    import fledge.train.slurm.submit
+    import fledge.pipeline.slurm.submit
 
-    return fledge.train.slurm.submit
+    return fledge.pipeline.slurm.submit
 
 
 FAKE_SRUN = """#!/bin/bash

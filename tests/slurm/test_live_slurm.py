@@ -151,7 +151,7 @@ def test_two_node_job_meets_at_the_first_node(slurm_cluster, tmp_path):
     first = slurm_cluster.run("scontrol", "show", "hostnames", job["NodeList"]).split()[0]
     addr = re.search(r"NodeAddr=(\S+)", slurm_cluster.run("scontrol", "show", "node", first)).group(1)
     log = (run / "logs" / f"fledge-train-tiny-{jobs['train']}.out").read_text()
-    cmds = [line for line in log.splitlines() if "fledge.train.torchrun" in line]
+    cmds = [line for line in log.splitlines() if "fledge.pipeline.torchrun" in line]
     assert len(cmds) == 2 and cmds[0] == cmds[1], log  # one torchrun per node, the same rendezvous
     endpoint = re.search(r"--rdzv_endpoint=(\S+):(\d+)", cmds[0])
     assert "--nnodes=2" in cmds[0] and "--nproc_per_node=1" in cmds[0] and endpoint, cmds[0]
@@ -199,7 +199,7 @@ def test_served_target_job_puts_trainers_on_n1_and_their_engines_on_n2(slurm_clu
     assert components == {"0": "n1", "1": "n2"}, components
     log = (run / "logs" / f"fledge-train-tiny-{jobs['train']}.out").read_text()
     assert "trainer step on n1 n1 2" in log, log  # and its CPUs (a het job sets only SLURM_CPUS_PER_TASK_HET_GROUP_0)
-    cmd = next(line for line in log.splitlines() if "fledge.train.torchrun" in line)
+    cmd = next(line for line in log.splitlines() if "fledge.pipeline.torchrun" in line)
     assert "--nnodes=1" in cmd and "--rdzv_endpoint=127.0.0.1:" in cmd, cmd  # n1's NodeAddr
     assert "engine step on n2 2 rc 0" in log, log  # the one engine gets the engine node's 2 CPUs (tiny's)
     assert ledger(run)[0][4] == "n1+n2", ledger(run)
@@ -323,7 +323,8 @@ def test_pipeline_runs_every_stage_as_jobs_and_matches_the_direct_run(slurm_clus
 
 def warning_signal() -> tuple[str, bool]:
     """(signal, to the batch shell only) from train.sbatch's ``#SBATCH --signal=[B:]SIG@SECONDS``."""
-    m = re.search(r"^#SBATCH --signal=(B:)?(\w+)@\d+$", (REPO / "train" / "slurm" / "train.sbatch").read_text(), re.M)
+    template = (REPO / "pipeline" / "slurm" / "train.sbatch").read_text()
+    m = re.search(r"^#SBATCH --signal=(B:)?(\w+)@\d+$", template, re.M)
     assert m, "train.sbatch asks for no warning signal"
     return m.group(2), bool(m.group(1))
 

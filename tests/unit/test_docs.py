@@ -9,7 +9,8 @@ from tests.helpers.paths import REPO
 
 README = REPO / "README.md"
 DOCS = sorted((REPO / "docs").glob("*.md"))
-ROOMS = ("fledge", "conf", "models", "data", "serving", "evaluation", "testbed", "train", "scripts", "tests")
+ROOMS = ("fledge", "conf", "models", "data", "serving", "evaluation", "testbed", "train", "pipeline", "scripts",
+         "tests")
 TOP = ROOMS + ("recipes", "docs")
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 # A path of this repository as prose cites it: a top-level folder, then folders, then a file with a suffix.

@@ -51,7 +51,8 @@ def test_wheel_ships_one_namespace_and_its_config(wheel):
     assert tops == {"fledge"}, f"the wheel installs top-level {sorted(tops - {'fledge'})}"
     for need in ("fledge/train/main.py", "fledge/data/prepare/build.py", "fledge/models/drafter.py",
                  "fledge/conf/config.yaml", "fledge/conf/recipe/tiny.yaml", "fledge/conf/target/llama31_8b.yaml",
-                 "fledge/train/slurm/train.sbatch", "fledge/serving/export.py", "fledge/evaluation/evaluate.py",
+                 "fledge/pipeline/slurm/train.sbatch", "fledge/pipeline/runner.py", "fledge/serving/export.py",
+                 "fledge/evaluation/evaluate.py",
                  "fledge/testbed/tiny_target.py", "fledge/serving/vllm_side/eval_driver.py",
                  "fledge/data/capture/vllm_side/capture_driver.py",
                  "fledge/data/capture/vllm_side/fledge_capture_connector.py"):
@@ -87,9 +88,9 @@ def test_a_wrong_way_import_breaks_the_contracts(installed, tmp_path):
     bad = tmp_path / "site"
     subprocess.run(["cp", "-r", str(installed), str(bad)], check=True)
     lib = bad / "fledge" / "models" / "drafter.py"
-    lib.write_text(lib.read_text() + "\nfrom fledge.train import runner  # planted wrong-way import\n")
+    lib.write_text(lib.read_text() + "\nfrom fledge.pipeline import runner  # planted wrong-way import\n")
     res = _lint_imports(bad, REPO / "pyproject.toml")
-    assert res.returncode != 0 and "fledge.models.drafter -> fledge.train.runner" in res.stdout, res.stdout
+    assert res.returncode != 0 and "fledge.models.drafter -> fledge.pipeline.runner" in res.stdout, res.stdout
 
 
 def _ruff(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:

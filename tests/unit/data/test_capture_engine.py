@@ -158,7 +158,7 @@ def test_config_keys():
 def test_capture_inputs_hash():
     """HF stores keep their hash (no engine key exists for them); the engine's python and patience never
     re-run a capture; switching the engine does."""
-    from fledge.train.pipeline import capture_inputs
+    from fledge.pipeline.stages import capture_inputs
 
     hf = capture_inputs(compose(["recipe=tiny"]))["capture"]
     assert not {"engine", "tensor_parallel_size", "engine_python", "engine_timeout_s"} & set(hf)

@@ -15,9 +15,9 @@ from fledge.data.features.reader import FeatureLoader, FeatureStore
 from fledge.data.features.store import INDEX, STORE_MANIFEST, bytes_per_token
 from fledge.distributed import World
 from fledge.models.target import FrozenTarget
+from fledge.pipeline.runner import StageContext
+from fledge.pipeline.stages import capture as run_stage
 from fledge.run_layout import RunLayout
-from fledge.train.pipeline import capture as run_stage
-from fledge.train.runner import StageContext
 
 L, H, V, IDS = 6, 32, 96, [2, 3, 4]
 N_TRAIN, N_EVAL = 14, 4

@@ -18,9 +18,9 @@ from tests.helpers.evaluation import eval_cfg
 def evaluated(run):
     """The eval stage run once on ``run``: (its stage dir, the stage's summary)."""
     from fledge.distributed import World
+    from fledge.pipeline.runner import StageContext
+    from fledge.pipeline.stages import evaluate as run_stage
     from fledge.run_layout import RunLayout
-    from fledge.train.pipeline import evaluate as run_stage
-    from fledge.train.runner import StageContext
 
     stage_dir = run / "run/eval"
     stage_dir.mkdir()
@@ -302,9 +302,11 @@ def test_compare_over_seeds_tables_mean_and_spread_and_the_perturbation(evaluate
         write_json_atomic(run.manifest("train"), {"seconds": 10.0, "read": {"capture": "c1"}, "inputs": {"config": {
             "drafter": {"fc_norm": is31, "norm_output": is31}, "run": {"seed": seed}}}})
 
-    monkeypatch.setattr("fledge.evaluation.seeds._train_main", fake_train)
+    monkeypatch.setattr("fledge.pipeline.seeds._train_main", fake_train)
     root = tmp_path / "cmp"
-    assert cmp.main(["--train", str(root), "--seeds", "0", "1", "2", "--", "recipe=tiny", "train.max_steps=5"]) == 0
+    from fledge.pipeline.seeds import compare_main
+
+    assert compare_main(["--train", str(root), "--seeds", "0", "1", "2", "--", "recipe=tiny", "train.max_steps=5"]) == 0
     assert len(calls) == 1 + 3 * 2 and all("eval.temperature=1.0" in c and "recipe=tiny" in c for c in calls)
     c = json.loads((root / "compare" / "compare.json").read_text())["seeds"]
     d = c["sets"]["default"]

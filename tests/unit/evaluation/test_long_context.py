@@ -185,8 +185,8 @@ def test_missing_tiny_target_names_its_build_command():
     """Before any stage runs, a testbed target or data file that is not built yet names its build command
     (testbed/hints.py); the libraries below say only that the path is missing."""
     from fledge.conf import compose
-    from fledge.train.pipeline import check_sources
-    from fledge.train.preflight import check_target_path
+    from fledge.pipeline.preflight import check_target_path
+    from fledge.pipeline.stages import check_sources
 
     for path, cmd in ((".cache/tiny_target/long", "long`"), (".cache/tiny_target/llama", "`"),
                       (".cache/tiny_target/moe", "moe`")):

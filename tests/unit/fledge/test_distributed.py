@@ -98,7 +98,7 @@ def test_collective_device_follows_the_backend(monkeypatch):
     assert fd.collective_device() == torch.device("cpu")
 
 
-# torchrun's agent (train/torchrun.py runs it in Fledge's process): it starts the ranks and calls no collective
+# torchrun's agent (pipeline/torchrun.py runs it in Fledge's process): it starts the ranks and calls no collective
 LAUNCHER = ("torch.distributed.run", "torch.distributed.elastic")
 
 
@@ -121,7 +121,7 @@ def test_only_fledge_distributed_touches_torch_distributed():
     """A collective called elsewhere would bypass the device rule above (and a CPU tensor would crash
     NCCL); DeepSpeed's own collectives are DeepSpeed's business."""
     offenders = []
-    for pkg in ("train", "data", "models", "conf", "fledge"):
+    for pkg in ("pipeline", "train", "data", "models", "conf", "fledge"):
         for path in sorted((ROOT / pkg).rglob("*.py")):
             rel = path.relative_to(ROOT).as_posix()
             if rel == "fledge/distributed.py" or path.is_symlink() or rel.startswith("fledge/") and \

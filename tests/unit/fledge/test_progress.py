@@ -88,7 +88,7 @@ def test_the_libraries_bars_are_off_in_a_log_unless_the_user_set_them(monkeypatc
 def test_every_progress_bar_goes_through_the_helper():
     """One helper decides bar or lines (a call site of its own tqdm would write carriage returns into logs)."""
     offenders = []
-    for root in ("train", "data", "evaluation", "serving", "models", "testbed", "fledge"):
+    for root in ("pipeline", "train", "data", "evaluation", "serving", "models", "testbed", "fledge"):
         for path in (REPO / root).rglob("*.py"):
             if path.resolve() == Path(progress_module.__file__).resolve():
                 continue

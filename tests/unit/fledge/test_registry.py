@@ -1,5 +1,5 @@
 """The one registry shape of every extension point (fledge/registry.py), and the one table of config keys
-that name registry entries, checked by every entry point (train/preflight.py)."""
+that name registry entries, checked by every entry point (pipeline/preflight.py)."""
 
 import pytest
 
@@ -42,9 +42,9 @@ def test_every_extension_point_is_a_registry_and_the_table_names_each_config_key
     from fledge.evaluation.eval_sets import EVAL_SETS
     from fledge.models.families import FAMILIES
     from fledge.models.layers.kind import LAYER_KINDS
+    from fledge.pipeline.preflight import CONFIG_REGISTRIES
     from fledge.serving.dialects import DIALECTS
     from fledge.train.loss import LOSSES
-    from fledge.train.preflight import CONFIG_REGISTRIES
 
     assert all(isinstance(r, Registry) for r in (EVAL_SETS, FAMILIES, LAYER_KINDS, DIALECTS, LOSSES))
     assert set(CONFIG_REGISTRIES.values()) == {EVAL_SETS, LAYER_KINDS, DIALECTS, LOSSES}  # families: by model_type
@@ -61,8 +61,8 @@ def test_every_entry_point_refuses_a_name_no_registry_holds(override, needle):
     import argparse
 
     from fledge.conf import compose
-    from fledge.train.preflight import check_config, compose_checked
-    from fledge.train.slurm.submit import plan
+    from fledge.pipeline.preflight import check_config, compose_checked
+    from fledge.pipeline.slurm.submit import plan
 
     compose(["recipe=tiny", override])  # the schema alone cannot see the registries
     with pytest.raises(ValueError, match=needle.replace("[", r"\[")):

@@ -8,7 +8,7 @@ from fledge.conf.schema import STAGES
 from fledge.run_layout import RunLayout
 from tests.helpers.paths import REPO as ROOT
 
-ROOMS = ("fledge", "conf", "models", "data", "serving", "evaluation", "testbed", "train")
+ROOMS = ("fledge", "conf", "models", "data", "serving", "evaluation", "testbed", "train", "pipeline")
 LAYOUT = ROOT / "fledge" / "run_layout.py"
 
 

@@ -3,16 +3,16 @@
 import json
 
 from fledge.models.drafter_checkpoint import DrafterCheckpoint
+from fledge.pipeline.publish import measured_by_run
 from fledge.run_layout import RunLayout
 from fledge.serving.card import build_model_card
 from fledge.serving.export import write_drafter
 from fledge.serving.serving_config import serving_config
-from fledge.train.publish import measured_by_run
 from tests.helpers.models import CARD_SPEC as SPEC, CARD_TARGET as TARGET, random_state_dict
 
 
 def _measured(run):
-    """What the run measured of its export, as the publish stage hands it to the card (train/publish.py)."""
+    """What the run measured of its export, as the publish stage hands it to the card (pipeline/publish.py)."""
     return measured_by_run(RunLayout(run), run / "export" / "drafter")
 
 
@@ -37,7 +37,7 @@ def _run(tmp_path, engine: bool):
             "target": "org/target-model", "dtype": "float32", "max_model_len": 600, "seed": 0, "max_new_tokens": 32,
             "stop_token_ids": [5], "env": {"VLLM_CPU_KVCACHE_SPACE": "1"}, "sets": {"default": [[1, 2]]}}))
     (run / "eval" / "report.json").write_text(json.dumps(report))
-    # a complete eval of this export: the card takes figures from nothing else (train/publish.py)
+    # a complete eval of this export: the card takes figures from nothing else (pipeline/publish.py)
     (run / "eval" / "manifest.json").write_text(json.dumps({"complete": True, "outputs": {
         "sets": {"default": {"al": 2.3}}}}))
     return run

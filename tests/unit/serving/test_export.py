@@ -14,12 +14,12 @@ from fledge.models.drafter import DrafterSpec
 from fledge.models.drafter_checkpoint import RECORD, DrafterCheckpoint
 from fledge.models.families import rope_of
 from fledge.models.weights import read_tensors
+from fledge.pipeline.runner import StageContext
+from fledge.pipeline.stages import export as run_stage
 from fledge.run_layout import RunLayout
 from fledge.serving.export import from_serving_state_dict, to_serving_state_dict, write_drafter
 from fledge.serving.lint import compose_recipe, has_errors, lint_drafter
 from fledge.serving.serving_config import expected_tensors, serving_config
-from fledge.train.pipeline import export as run_stage
-from fledge.train.runner import StageContext
 from tests.helpers.models import random_state_dict
 
 TINY_TARGET = {

@@ -6,12 +6,12 @@ import logging
 import pytest
 
 from fledge.models.drafter_checkpoint import DrafterCheckpoint
+from fledge.pipeline.publish import measured_by_run
 from fledge.run_layout import RunLayout
 from fledge.serving.card import build_model_card
 from fledge.serving.export import write_drafter
 from fledge.serving.hub import push_to_hub
 from fledge.serving.serving_config import serving_config
-from fledge.train.publish import measured_by_run
 from tests.helpers.hub_stub import Stub, commit_files, serve
 from tests.helpers.models import CARD_SPEC as SPEC, CARD_TARGET as TARGET, random_state_dict
 
@@ -144,8 +144,8 @@ def test_the_publish_stage_pushes_after_eval_what_this_eval_measured(hub, tmp_pa
 
     import huggingface_hub.constants as constants
 
-    import fledge.train.pipeline as stages
-    import fledge.train.runner as runner
+    import fledge.pipeline.runner as runner
+    import fledge.pipeline.stages as stages
     from fledge.conf import compose
     from fledge.distributed import init_world
 
@@ -193,7 +193,7 @@ def test_the_publish_stage_pushes_after_eval_what_this_eval_measured(hub, tmp_pa
 
 def test_publishing_needs_hf_token(monkeypatch, tmp_path):
     from fledge.conf import compose
-    from fledge.train.preflight import check_publish
+    from fledge.pipeline.preflight import check_publish
 
     monkeypatch.delenv("HF_TOKEN", raising=False)
     with pytest.raises(ValueError, match="HF_TOKEN only"):

@@ -340,14 +340,14 @@ def test_the_shared_teacher_path_is_only_for_the_formula_it_rewrites():
 
 def test_unknown_loss_names_the_key_and_the_choices():
     from fledge.conf import compose
+    from fledge.pipeline.preflight import check_config
     from fledge.train.loss import LOSSES, build_loss
-    from fledge.train.preflight import check_config
 
     with pytest.raises(ValueError, match=r"drafter\.loss='nope': expected one of \[.*'ttt_ce'.*train/loss.py"):
         LOSSES.check("nope")
     cfg = compose(["recipe=tiny", "drafter.loss=nope"])  # the schema cannot see the registry ...
     with pytest.raises(ValueError, match=r"drafter\.loss='nope'"):
-        check_config(cfg)  # ... every entry point refuses it before any work (train/preflight.py)
+        check_config(cfg)  # ... every entry point refuses it before any work (pipeline/preflight.py)
     with pytest.raises(ValueError, match=r"drafter\.loss='nope'"):
         build_loss(cfg.drafter)
     assert build_loss(compose(["recipe=tiny"]).drafter).name == "ttt_ce"

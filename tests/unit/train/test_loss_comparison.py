@@ -128,7 +128,7 @@ def test_the_sweep_trains_every_loss_and_seed_from_one_capture(cl, tmp_path, mon
             drafter["loss_mix"] = {"ttt_ce": 0.5, "tv": 0.5}
         fake_run(Path(o["run.output_root"]), o["run.name"], drafter, int(o["run.seed"]), 2.0, [100.0])
 
-    monkeypatch.setattr("fledge.evaluation.seeds._train_main", fake_train)
+    monkeypatch.setattr("fledge.pipeline.seeds._train_main", fake_train)
     root = tmp_path / "sweep"
     assert cl.main(["run", "--root", str(root), "--losses", "ttt_ce", "mix:ttt_ce=0.5,tv=0.5", "--seeds", "0", "1",
                     "--", "recipe=tiny", "train.max_steps=5"]) == 0

@@ -59,7 +59,7 @@ def test_tools_refuse_bad_input_in_one_line(tmp_path, args, needles):
 
 def test_a_ranks_user_error_under_torchrun_is_its_one_line(tmp_path):
     """A rank's user error (exit code 2) was followed by torchrun's ChildFailedError traceback and failure box:
-    `fledge run --nproc-per-node N` runs torchrun's agent in its own process (train/torchrun.py), and so do the
+    `fledge run --nproc-per-node N` runs torchrun's agent in its own process (pipeline/torchrun.py), and so do the
     Slurm launcher and `fledge compare --train`, whose failed run is its exit code, not a CalledProcessError."""
     bad = f"target.name_or_path={tmp_path / 'no_such_target'}"  # composes; the runner refuses it in the rank
     res = _fledge(tmp_path, "run", "--nproc-per-node", "1", "recipe=tiny", f"run.output_root={tmp_path / 'out'}",
@@ -74,7 +74,7 @@ def test_a_ranks_user_error_under_torchrun_is_its_one_line(tmp_path):
 def test_a_rank_that_fails_otherwise_is_named_in_one_line(tmp_path):
     """A bug's exit code (its traceback is the rank's) or a signal: one line naming the rank and the code."""
     (tmp_path / "bug.py").write_text("import sys\nsys.exit(3)\n")
-    res = subprocess.run([sys.executable, "-m", "fledge.train.torchrun", "--standalone", "--nproc_per_node=1",
+    res = subprocess.run([sys.executable, "-m", "fledge.pipeline.torchrun", "--standalone", "--nproc_per_node=1",
                           str(tmp_path / "bug.py")], cwd=tmp_path, env=ENV, capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 3 and "Traceback" not in res.stderr, res.stderr
@@ -153,7 +153,7 @@ def test_failed_universal_conversion_is_one_line_whose_advice_resumes(tmp_path, 
 
 
 def test_fledge_config_refuses_what_fledge_run_refuses(tmp_path):
-    """`fledge config` composes through the same start-up checks as `fledge run` (train/preflight.py): a loss
+    """`fledge config` composes through the same start-up checks as `fledge run` (pipeline/preflight.py): a loss
     no registry holds is one line naming the key, the choices and where losses are registered."""
     res = subprocess.run([sys.executable, "-m", "fledge", "config", "recipe=tiny", "drafter.loss=nope"],
                          cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)

@@ -1,11 +1,11 @@
-"""The pipeline is defined once (train/pipeline.py PIPELINE): the schema's stage names, the runner's order, its
+"""The pipeline is defined once (pipeline/stages.py PIPELINE): the schema's stage names, the runner's order, its
 upstream links and its hashes all come from the records."""
 
 import ast
 
 from fledge.conf import compose
 from fledge.conf.schema import STAGES
-from fledge.train.pipeline import PIPELINE
+from fledge.pipeline.stages import PIPELINE
 from tests.helpers.paths import REPO as ROOT
 
 
@@ -21,6 +21,6 @@ def test_each_record_gives_its_inputs_and_the_runner_names_no_stage():
     cfg = compose(["recipe=tiny"])
     for s in PIPELINE:
         assert isinstance(s.inputs(cfg), dict) and s.inputs(cfg), s.name
-    tree = ast.parse((ROOT / "train" / "runner.py").read_text())
+    tree = ast.parse((ROOT / "pipeline" / "runner.py").read_text())
     consts = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
     assert not consts & set(STAGES), consts & set(STAGES)

@@ -20,12 +20,12 @@ from pathlib import Path
 from fledge.atomic import read_json
 from fledge.conf.schema import Config
 from fledge.engine_process import read_request
+from fledge.pipeline.preflight import check_publish
 from fledge.run_layout import RunLayout
 from fledge.serving.card import Measured
 from fledge.serving.export import load_target_config
 from fledge.serving.hub import push_to_hub
 from fledge.serving.lint import resolve_target_config
-from fledge.train.preflight import check_publish
 
 log = logging.getLogger(__name__)
 PLOT_SUFFIXES = (".png", ".svg", ".jpg")

@@ -1,6 +1,6 @@
 """A served target on Slurm without Slurm: fledge submit --engine-nodes renders one heterogeneous job (trainers =
 component 0, engines = component 1 through capture.engine_launcher), refuses layouts that cannot run, runs its
-filled script under a fake srun, and train/slurm/serve.py's regenerate phase against a stand-in server."""
+filled script under a fake srun, and pipeline/slurm/serve.py's regenerate phase against a stand-in server."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from fledge.train.slurm import serve
-from fledge.train.slurm.launch import PORT_BASE, PORT_SPAN
+from fledge.pipeline.slurm import serve
+from fledge.pipeline.slurm.launch import PORT_BASE, PORT_SPAN
 from tests.helpers.fake_slurm import fake_slurm, submit_module, write_scripts
 
 # ---- a served target: the heterogeneous job --------------------------------------------------------------
@@ -161,7 +161,7 @@ def test_regenerate_block_serves_the_target_on_the_engine_nodes(capsys, tmp_path
                       "--regenerate", "sg.jsonl:/d/sg_regen.jsonl", "data.sources.0.path=/d/sg_regen.jsonl")
     assert rc == 0 and serve.parse_args(_knob(out, "REGENERATE")).no_api_key
     body = out.split("# ---- end knobs ----")[1]
-    assert body.index("fledge.train.slurm.serve") < body.index("fledge.train.slurm.launch")  # before training
+    assert body.index("fledge.pipeline.slurm.serve") < body.index("fledge.pipeline.slurm.launch")  # before training
 
 
 FAKE_HET_SRUN = """#!/bin/bash
@@ -185,14 +185,14 @@ def test_filled_het_script_runs_the_trainers_on_component_0(tmp_path):
                          text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     assert (tmp_path / "fake.log.srun").read_text().startswith("srun --het-group=0 --ntasks-per-node=1 ")
-    cmd = shlex.split(next(x for x in res.stdout.splitlines() if "fledge.train.torchrun" in x))
+    cmd = shlex.split(next(x for x in res.stdout.splitlines() if "fledge.pipeline.torchrun" in x))
     assert cmd[0] == "OMP_NUM_THREADS=8" and f"--rdzv_endpoint=10.1.0.1:{PORT_BASE + 999}" in cmd
     assert any(w.startswith("capture.engine_launcher=") for w in cmd)
     start = (out / "llama3/slurm/jobs.tsv").read_text().splitlines()[0].split("\t")
     assert start[4] == "gpu01+gpu09"
 
 
-# ---- the regenerate phase (train/slurm/serve.py) ------------------------------------------------------
+# ---- the regenerate phase (pipeline/slurm/serve.py) ------------------------------------------------------
 
 def test_serve_finds_the_engine_node_and_skips_finished_pairs(tmp_path):
     assert serve.engine_node({"SLURM_JOB_NODELIST_HET_GROUP_1": "gpu[09-10]"}) == "gpu09"

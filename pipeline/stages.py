@@ -1,15 +1,15 @@
-"""The pipeline, defined once: one :class:`~fledge.train.runner.Stage` record per stage in :data:`PIPELINE`.
+"""The pipeline, defined once: one :class:`~fledge.pipeline.runner.Stage` record per stage in :data:`PIPELINE`.
 
-A record says everything the runner needs (train/runner.py): the stage's work, the stage it reads, the
+A record says everything the runner needs (pipeline/runner.py): the stage's work, the stage it reads, the
 config values its output depends on (its inputs: a slice of the config, hashed), whether a changed input
 rebuilds it or stops the run, when a complete stage has more to do, and what must hold before it runs.
 The schema's list of stage names (conf/schema.py ``STAGES``, which cannot import this module) is held to
-these records by tests/unit/train/test_pipeline.py. Adding a stage is one record here and its name there.
+these records by tests/unit/pipeline/test_stages.py. Adding a stage is one record here and its name there.
 
 A stage function is glue only: it reads what it needs from its context (config, world, the run's layout,
 upstream manifests), decides which ranks work, and hands the library that owns the work the paths it reads
 and writes (fledge/run_layout.py names them): data/prepare, data/capture, the trainer, serving/export.py,
-evaluation/evaluate.py, train/publish.py. Each stage function imports that library when it runs, so a
+evaluation/evaluate.py, pipeline/publish.py. Each stage function imports that library when it runs, so a
 command loads only the libraries of the stages it runs (planning the others reads their manifests).
 """
 
@@ -23,7 +23,7 @@ from typing import Any
 
 from fledge.conf.schema import Config, LossOptions
 from fledge.distributed import broadcast_object
-from fledge.train.runner import Stage, StageContext, digest
+from fledge.pipeline.runner import Stage, StageContext, digest
 
 log = logging.getLogger(__name__)
 
@@ -287,7 +287,7 @@ def check_eval_sources(cfg: Config) -> None:
 def publish(ctx: StageContext) -> dict:
     """With export.push_to_hub: push the export and a model card of this run's own eval to the Hub (rank 0;
     after eval, so the card carries what was measured). Without: nothing."""
-    from fledge.train.publish import publish_run
+    from fledge.pipeline.publish import publish_run
 
     if not ctx.cfg.export.push_to_hub:
         return {"pushed": False}

@@ -1,8 +1,8 @@
-"""Slurm -> torchrun: ``srun python -m fledge.train.slurm.launch fledge.train.main recipe=NAME [overrides]``.
+"""Slurm -> torchrun: ``srun python -m fledge.pipeline.slurm.launch fledge.train.main recipe=NAME [overrides]``.
 
 Under Slurm, srun starts ONE task per node running this module; it reads the SLURM_* variables, works
 out the rendezvous (first node of the allocation, node rank, nodes, workers per node) and execs
-``python -m fledge.train.torchrun`` (torchrun's agent; a failed rank's one-line error is not followed by
+``python -m fledge.pipeline.torchrun`` (torchrun's agent; a failed rank's one-line error is not followed by
 torchrun's traceback) with a c10d rendezvous, so each node's torchrun agent starts one worker per GPU and sets
 RANK/LOCAL_RANK/WORLD_SIZE exactly as on a workstation. train/ never reads
 SLURM_* itself: the single-node command and the Slurm one run the same code.
@@ -219,7 +219,7 @@ def capture_slice_overrides(env: Mapping[str, str], num_slices: int) -> list[str
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m fledge.train.slurm.launch", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m fledge.pipeline.slurm.launch", description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc-per-node", type=int, default=None, help="workers per node (default: GPUs on node)")
     p.add_argument("--rdzv-backend", default="c10d", choices=["c10d", "static"])
     p.add_argument("--capture-slices", type=int, default=None, metavar="N",
@@ -238,7 +238,7 @@ def build_command(args: argparse.Namespace, env: Mapping[str, str], python: str 
     else:
         rdzv_args = ["--standalone", f"--nproc_per_node={nproc_per_node(env, args.nproc_per_node)}"]
     entry = [args.script] if args.script.endswith(".py") else ["-m", args.script]
-    return [python, "-m", "fledge.train.torchrun", *rdzv_args, *entry, *args.overrides, *extra]
+    return [python, "-m", "fledge.pipeline.torchrun", *rdzv_args, *entry, *args.overrides, *extra]
 
 
 def main(argv: list[str] | None = None) -> None:

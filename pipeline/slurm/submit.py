@@ -1,4 +1,4 @@
-"""Fill the Slurm templates (train/slurm/*.sbatch) from a recipe and print the sbatch commands that submit them.
+"""Fill the Slurm templates (pipeline/slurm/*.sbatch) from a recipe and print the sbatch commands that submit them.
 
     fledge submit train recipe=llama3 --nodes 2 --partition gpu --account proj
     fledge submit pipeline recipe=qwen3 --array 8 --time 24:00:00 train.epochs=5
@@ -18,7 +18,7 @@ A served target (``capture.mode=online capture.engine=vllm --engine-nodes N``): 
 heterogeneous job, component 0 the trainer nodes (the batch script and the trainer's step), component 1 the
 engine nodes; each trainer rank that leads an engine starts it there through ``capture.engine_launcher``
 (an ``srun --het-group=1`` prefix written here). ``--regenerate INPUT:OUTPUT`` first serves the target on
-component 1 and re-answers INPUT into OUTPUT (train/slurm/serve.py), then trains on it. docs/slurm.md,
+component 1 and re-answers INPUT into OUTPUT (pipeline/slurm/serve.py), then trains on it. docs/slurm.md,
 "A served target".
 """
 
@@ -35,8 +35,8 @@ from pathlib import Path
 
 from fledge.atomic import write_bytes_atomic
 from fledge.conf.schema import STAGES
+from fledge.pipeline.preflight import compose_checked
 from fledge.run_layout import RunLayout
-from fledge.train.preflight import compose_checked
 
 SLURM_DIR = Path(__file__).resolve().parent  # the templates beside this file ship with the package
 ALL_STAGES = "[" + ",".join(STAGES) + "]"  # publish does nothing without export.push_to_hub
@@ -185,7 +185,7 @@ def check_counts(args: argparse.Namespace) -> None:
 def check_hub(cfg, stages: str, env=os.environ) -> None:
     """A job whose publish stage will push needs the Hub there: the templates run the stages with
     HF_HUB_OFFLINE=1 unless the environment sbatch passes on sets it, and the job would fail only after the
-    queue wait (train/preflight.py ``check_publish``, as the job's start sees it)."""
+    queue wait (pipeline/preflight.py ``check_publish``, as the job's start sees it)."""
     if not (cfg.export.push_to_hub and "publish" in stages.strip("[]").split(",")):
         return
     fix = ("or set export.push_to_hub=false (or --stages without publish) and push the export later with "
@@ -310,7 +310,7 @@ def add_component(text: str, engines: EngineLayout, sbatch: dict[str, str | None
 
 
 def regenerate_args(cfg, args: argparse.Namespace, engines: EngineLayout, layout: RunLayout) -> list[str]:
-    """train/slurm/serve.py's arguments for the ``--regenerate INPUT:OUTPUT`` pairs; each OUTPUT must be what a
+    """pipeline/slurm/serve.py's arguments for the ``--regenerate INPUT:OUTPUT`` pairs; each OUTPUT must be what a
     data source reads, or the job would train on the data it did not regenerate."""
     reads = {s.path for s in cfg.data.sources}
     out = ["--model", cfg.target.name_or_path, "--tensor-parallel-size", str(cfg.capture.tensor_parallel_size),

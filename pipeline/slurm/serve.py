@@ -1,9 +1,9 @@
 """The regenerate phase of a heterogeneous job: serve the target on the engine nodes, re-answer, stop it.
 
-    python -m fledge.train.slurm.serve --model M --engine-python P --pair IN:OUT [...] -- srun --het-group=1 ...
+    python -m fledge.pipeline.slurm.serve --model M --engine-python P --pair IN:OUT [...] -- srun --het-group=1 ...
 
 ``fledge submit train|pipeline ... --engine-nodes N --regenerate IN:OUT`` puts this line in the batch script
-(train/slurm/train.sbatch, knob ``REGENERATE``), which runs it on component 0's first node before the trainer's
+(pipeline/slurm/train.sbatch, knob ``REGENERATE``), which runs it on component 0's first node before the trainer's
 step. It starts vLLM's OpenAI server under the launcher words after ``--`` (an srun into component 1, pinned
 here to that component's first node, listening on that node's NodeAddr only), waits (at most ``--wait-s``) for
 ``/health`` there,
@@ -29,7 +29,7 @@ from pathlib import Path
 
 from fledge.data.prepare.regenerate import API_KEY_ENV
 from fledge.engine_process import engine_python, wait_healthy
-from fledge.train.slurm.launch import PORT_BASE, PORT_SPAN, expand_nodelist
+from fledge.pipeline.slurm.launch import PORT_BASE, PORT_SPAN, expand_nodelist
 
 ENGINE_GROUP = "1"  # the het job's engine component
 STOP_GRACE_S = 30.0
@@ -58,7 +58,7 @@ def node_addr(node: str, timeout: float = 30) -> str:
 
 
 def default_port(env: Mapping[str, str]) -> int:
-    """A port from the job id, one above the trainers' rendezvous port (train/slurm/launch.py)."""
+    """A port from the job id, one above the trainers' rendezvous port (pipeline/slurm/launch.py)."""
     job = "".join(ch for ch in env.get("SLURM_JOB_ID", "0") if ch.isdigit()) or "0"
     return PORT_BASE + (int(job) + 1) % PORT_SPAN
 
@@ -112,7 +112,7 @@ def stop(server: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m fledge.train.slurm.serve", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m fledge.pipeline.slurm.serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="the target, as vLLM loads it (and the name it serves)")
     p.add_argument("--engine-python", help="the python that has vLLM, on the engine nodes (default: "
                    "$FLEDGE_ENGINE_PYTHON, else .engine/venv)")

@@ -6,9 +6,9 @@ from dataclasses import asdict, replace
 import pytest
 import torch
 
+import fledge.pipeline.runner as runner
+import fledge.pipeline.stages as stages
 import fledge.train.checkpoint as checkpoint
-import fledge.train.pipeline as stages
-import fledge.train.runner as runner
 from fledge.conf import compose
 from fledge.distributed import World, init_world
 
@@ -27,7 +27,7 @@ class _Calls(list):
 @pytest.fixture
 def calls(monkeypatch):
     """The runner with stand-in stages: each logs its name, writes out.txt, and is planned like the real one
-    (rebuild flags and train's done check from train/pipeline.py, but no check of the input files the stand-ins
+    (rebuild flags and train's done check from pipeline/stages.py, but no check of the input files the stand-ins
     do not read); the stand-in train reports the steps it was asked for, as the trainer does."""
     log = _Calls()
     kill = []

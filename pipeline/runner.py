@@ -1,4 +1,4 @@
-"""The stage runner: the pipeline's stages (train/pipeline.py, one :class:`Stage` record each) in order,
+"""The stage runner: the pipeline's stages (pipeline/stages.py, one :class:`Stage` record each) in order,
 resumable by manifest.
 
 Each stage writes its manifest (fledge/run_layout.py): its inputs (its config slice, the upstream stages'
@@ -35,34 +35,18 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from fledge.atomic import read_json, write_json_atomic
 from fledge.conf.schema import Config
 from fledge.distributed import World, broadcast_object
 from fledge.models.target import target_fingerprint
+from fledge.pipeline.preflight import check_target_path
 from fledge.run_layout import RunLayout
-from fledge.train.preflight import check_target_path
+from fledge.stage_context import StageContext
 
 log = logging.getLogger(__name__)
 SCHEMA_VERSION = 1
-
-
-@dataclass
-class StageContext:
-    """What a stage receives: the typed config, the world, the run's layout and the upstream manifests."""
-
-    cfg: Config
-    world: World
-    layout: RunLayout
-    stage: str  # this stage's name
-    upstream: dict[str, dict]  # stage name -> its complete manifest (all earlier stages present)
-
-    @property
-    def stage_dir(self) -> Path:
-        """This stage's directory (``layout.stage(stage)``)."""
-        return self.layout.stage(self.stage)
 
 
 def _always(cfg: Config) -> bool:
@@ -88,7 +72,7 @@ def _same_inputs(cfg: Config, inputs: dict) -> dict:
 @dataclass(frozen=True)
 class Stage:
     """One pipeline stage, as everything that handles stages reads it: the runner plans, hashes and runs it
-    from this record, the schema's stage list is held to the records (tests/unit/train/test_pipeline.py).
+    from this record, the schema's stage list is held to the records (tests/unit/pipeline/test_stages.py).
 
     ``inputs(cfg)``: the config values its output depends on (its slice of the config, hashed with the
     upstream hashes and versions). ``upstream``: the stage whose output it reads (None for the first);
@@ -159,7 +143,7 @@ class _Plan:
 
 
 def run_stages(cfg: Config, world: World, stages: Sequence[Stage]) -> dict[str, dict]:
-    """Run the selected stages of ``stages`` (train/pipeline.py's PIPELINE) in order; return the manifest of
+    """Run the selected stages of ``stages`` (pipeline/stages.py's PIPELINE) in order; return the manifest of
     every stage that is complete and current, each with ``action``: what this command did with it."""
     check_target_path(cfg.target.name_or_path)
     layout = RunLayout.of(cfg.run)

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from fledge.train.slurm.launch import (
+from fledge.pipeline.slurm.launch import (
     PORT_BASE,
     PORT_SPAN,
     build_command,
@@ -25,7 +25,7 @@ from fledge.train.slurm.launch import (
 from tests.helpers.fake_slurm import FAKE_SRUN, FAKE_SRUN_LONG, fake_slurm, submit_module, write_scripts
 from tests.helpers.paths import REPO
 
-SLURM_DIR = REPO / "train" / "slurm"
+SLURM_DIR = REPO / "pipeline" / "slurm"
 
 
 # ---- node lists -------------------------------------------------------------------------------------
@@ -138,12 +138,12 @@ def test_capture_slices_come_from_the_array_task_id():
 def test_build_command_under_slurm_and_on_a_workstation():
     argv = ["--capture-slices", "4", "train/main.py", "recipe=llama3", "run.stages=[capture]"]
     cmd = build_command(parse_args(argv), {**TWO_NODE_STEP, "SLURM_ARRAY_TASK_ID": "2"}, python="py")
-    assert cmd[:3] == ["py", "-m", "fledge.train.torchrun"]
+    assert cmd[:3] == ["py", "-m", "fledge.pipeline.torchrun"]
     i = cmd.index("train/main.py")
     assert "--rdzv_endpoint=gpu17:" + str(PORT_BASE + 4711023 % PORT_SPAN) in cmd[:i]
     assert cmd[i + 1:] == ["recipe=llama3", "run.stages=[capture]", "capture.slice_index=2", "capture.num_slices=4"]
     local = build_command(parse_args(["--nproc-per-node", "2", "train/main.py", "recipe=tiny"]), {}, python="py")
-    assert local == ["py", "-m", "fledge.train.torchrun", "--standalone", "--nproc_per_node=2", "train/main.py",
+    assert local == ["py", "-m", "fledge.pipeline.torchrun", "--standalone", "--nproc_per_node=2", "train/main.py",
                      "recipe=tiny"]
     module = build_command(parse_args(["--nproc-per-node", "2", "fledge.train.main", "recipe=tiny"]), {}, python="py")
     assert module[-4:] == ["--nproc_per_node=2", "-m", "fledge.train.main", "recipe=tiny"]  # works from a wheel
@@ -183,7 +183,7 @@ def test_filled_train_script_runs_launch_on_every_node(tmp_path, capsys):
     res = subprocess.run(["bash", str(out / "llama3/slurm/train.sbatch")], env=env, capture_output=True,
                          text=True, timeout=60)
     assert res.returncode == 0, res.stderr
-    cmds = [shlex.split(line) for line in res.stdout.splitlines() if "fledge.train.torchrun" in line]
+    cmds = [shlex.split(line) for line in res.stdout.splitlines() if "fledge.pipeline.torchrun" in line]
     assert len(cmds) == 2  # one torchrun per node, identical rendezvous
     assert cmds[0] == cmds[1]
     assert cmds[0][0] == "OMP_NUM_THREADS=8"  # 64 CPUs over 8 workers

@@ -4,7 +4,7 @@ that depend on more than the schema can see.
 The schema (conf/schema.py) types and cross-checks the config but cannot import the registries, which live
 with the code they extend (fledge/registry.py; docs/extending.md). :data:`CONFIG_REGISTRIES` is the one
 table of config key -> registry; :func:`check_config` runs it and the rules across registries. `fledge run`
-(train/main.py), `fledge config` (fledge/cli.py) and `fledge submit` (train/slurm/submit.py) all call it, so
+(train/main.py), `fledge config` (fledge/cli.py) and `fledge submit` (pipeline/slurm/submit.py) all call it, so
 a config one of them refuses, every one refuses. :func:`check_environment` adds what depends on where the
 command runs (the world size, the Hub token), for `fledge run` only; :func:`check_target_path` runs with the
 runner, before any stage.

@@ -1,4 +1,4 @@
-"""torchrun whose report of a failed rank is the rank's own: ``python -m fledge.train.torchrun`` takes torchrun's
+"""torchrun whose report of a failed rank is the rank's own: ``python -m fledge.pipeline.torchrun`` takes torchrun's
 arguments (``--standalone --nproc_per_node=2 -m fledge.train.main recipe=tiny``) and runs torchrun's agent in this
 process, as ``torchrun`` does, but when a rank fails it exits with that rank's exit code and at most one line.
 
@@ -6,7 +6,7 @@ A bare ``torchrun`` answers any failed rank with a ChildFailedError traceback an
 own one-line error (fledge/user_errors.py). Here a rank that has said why in one line (a user error, exit
 code 2; a preemption, 75) gets nothing added, and the agent's log line about its exit code is dropped; any other
 failure (a bug, whose traceback the rank printed; a signal) gets one line naming the rank and the code.
-``fledge run --nproc-per-node N``, the Slurm launcher (train/slurm/launch.py) and ``fledge compare --train`` start
+``fledge run --nproc-per-node N``, the Slurm launcher (pipeline/slurm/launch.py) and ``fledge compare --train`` start
 their ranks through here.
 """
 
