@@ -85,7 +85,8 @@ def _stream_sources(tc: TargetConfig, cap: CaptureConfig, grad_accum: int, aux_l
                 aux_layer_ids=list(aux_layer_ids), num_layers=eng.shape.num_hidden_layers,
                 rms_norm_eps=eng.shape.rms_norm_eps, aux_dtype=cap.dtype, env=eng.env, timeout_s=cap.engine_timeout_s,
                 buffer_batches=cap.buffer_batches, restarts=cap.engine_restarts, device=world.device,
-                launcher=tuple(cap.engine_launcher), ranks_per_engine=cap.ranks_per_engine, grad_accum=grad_accum)
+                launcher=tuple(cap.engine_launcher), ranks_per_engine=cap.ranks_per_engine, grad_accum=grad_accum,
+                tensor_parallel_size=cap.tensor_parallel_size, expert_parallel=cap.expert_parallel)
     out: list[EngineFeatureSource] = []
     for split in SPLITS:
         out.append(EngineFeatureSource(layout.prepare.split(split),

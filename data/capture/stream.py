@@ -93,6 +93,8 @@ class StreamSpec:
     launcher: tuple[str, ...] = ()  # capture.engine_launcher: the command prefix the engine starts under
     ranks_per_engine: int = 1  # capture.ranks_per_engine: consecutive ranks one engine serves
     grad_accum: int = 1  # global batches of a rank per optimizer step (a shared engine restarts at a step start)
+    tensor_parallel_size: int = 1  # capture.tensor_parallel_size: the engine's GPUs (its env lists them)
+    expert_parallel: bool = False  # capture.expert_parallel: MoE experts over those GPUs
 
 
 class StreamInterrupted(Exception):
@@ -175,7 +177,7 @@ class EngineFeatureSource(BatchIterator):
                    keys=[key for _, key, _ in order])
         longest = max((n for b in job["batches"] for _, _, n in b), default=1)
         req = build_request(s.target, s.revision, s.trust_remote_code, str(s.dtype).replace("torch.", ""),
-                            longest + 1, self.eng_ids, 1, False, 1, s.env, work, [job],
+                            longest + 1, self.eng_ids, s.tensor_parallel_size, s.expert_parallel, 1, s.env, work, [job],
                             max_pending_batches=s.buffer_batches)
         self.engine_starts += 1
         return EngineRun(s.python, req, work, s.timeout_s, list(s.launcher))

@@ -42,13 +42,25 @@ def setup(tmp_path_factory):
 
 
 def _sources(root: Path, python: Path, run: str, k: int, launcher=(), grad_accum: int = 2, timeout_s: float = 60,
-             restarts: int = 1, name: str = "train", displaces: list | None = None):
-    spec = dict(python=python, target=str(root / "target"), revision=None, trust_remote_code=False,
+             restarts: int = 1, name: str = "train", displaces: list | None = None, **engine):
+    spec = dict(**engine, python=python, target=str(root / "target"), revision=None, trust_remote_code=False,
                 dtype=torch.float32, feature_dtype=torch.float32, aux_layer_ids=[2, 3, 4], num_layers=6,
                 rms_norm_eps=1e-6, aux_dtype="bf16", env={}, timeout_s=timeout_s, buffer_batches=2, restarts=restarts,
                 device=torch.device("cpu"), launcher=tuple(launcher), ranks_per_engine=k, grad_accum=grad_accum)
     return [EngineFeatureSource(root / "data", StreamSpec(workdir=root / run / f"rank{r:05d}", **spec), r, 2, 32, 1, 0,
                                 name=name, displaces=displaces[r] if displaces else None) for r in range(2)]
+
+
+def test_the_engine_runs_on_the_tensor_and_expert_parallel_settings(setup, monkeypatch):
+    """capture.tensor_parallel_size / capture.expert_parallel reach the streaming engine's request (the env only
+    lists its GPUs): a Kimi-class target streamed online needs its TP x EP engine, as offline capture has."""
+    import fledge.data.capture.stream as stream
+
+    started = []
+    monkeypatch.setattr(stream, "EngineRun", lambda python, req, *a, **kw: started.append(req) or req)
+    src = _sources(*setup, "tp_ep", 1, tensor_parallel_size=4, expert_parallel=True)[0]
+    src._start([(0, 0, 0)], "train")
+    assert (started[0]["tensor_parallel_size"], started[0]["enable_expert_parallel"]) == (4, True)
 
 
 def _each_rank(srcs, work) -> dict[int, list]:
