@@ -38,7 +38,9 @@ def pytest_collection_modifyitems(config, items):
     group: dict[str, int] = {}
     for item in items:
         group[item.nodeid.split("::")[0]] = max(group.get(item.nodeid.split("::")[0], 0), _needs(item))
-    items.sort(key=lambda item: group[item.nodeid.split("::")[0]])
+    # Inside a group, tests/distributed (two ranks on the two cores) after the rest (mostly one process), so the
+    # background runs take the cores the single-process tests leave idle rather than contend with the ranks.
+    items.sort(key=lambda item: (group[item.nodeid.split("::")[0]], item.nodeid.startswith("tests/distributed/")))
 
 
 # The session's end-to-end runs (tests/helpers/recipe_runs.py RUNS), by the fixture that waits for each.
