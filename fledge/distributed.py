@@ -16,7 +16,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import socket
 from dataclasses import dataclass
 
 import torch
@@ -47,18 +46,19 @@ class World:
                 dist.barrier()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_world(timeout_minutes: int = 120) -> World:
     """Initialise (once) the default process group from the environment and pick the device."""
-    if "RANK" not in os.environ:  # not under a launcher: a world of one
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    store = None
+    if "RANK" not in os.environ and not dist.is_initialized():  # not under a launcher: a world of one
+        # The store listens on a port the OS picks as it binds (port 0, unless MASTER_PORT names one):
+        # a free port chosen first and bound later went to any process that bound it in between
+        # (EADDRINUSE on a busy machine).
+        store = dist.TCPStore(os.environ.setdefault("MASTER_ADDR", "127.0.0.1"),
+                              int(os.environ.get("MASTER_PORT", 0)), 1, True,
+                              timeout=timeout, wait_for_workers=False)
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_PORT=str(store.port))  # for libraries that read the world from the env
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
@@ -70,9 +70,10 @@ def init_world(timeout_minutes: int = 120) -> World:
         backend = "gloo"
     if not dist.is_initialized():
         # Long timeout: rank 0 alone runs `prepare` while the others wait at a barrier.
-        dist.init_process_group(
-            backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes), device_id=None
-        )
+        if store is not None:
+            dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout)
+        else:
+            dist.init_process_group(backend=backend, timeout=timeout, device_id=None)
     return World(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
 

@@ -56,5 +56,11 @@ trap - EXIT
 cat "$engine_log" "$slurm_log" >&2
 rm -f "$engine_log" "$slurm_log"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=disabled DS_ACCELERATOR=cpu
-# --durations: every run lists its slowest tests (docs/testing.md keeps the measured list)
-exec .venv/bin/python -m pytest -q --durations=25 "$@"
+# Two pytest workers (pytest-xdist), each taking whole files (module fixtures, a module's Slurm cluster, stay
+# in one process): one worker's tests leave a core idle most of the time (Python, subprocess start-up, waits
+# on engines and schedulers). FLEDGE_TEST_WORKERS=0 runs in this process. --durations: every run lists its
+# slowest tests (docs/testing.md keeps the measured list).
+workers=${FLEDGE_TEST_WORKERS:-2}
+dist=()
+[ "$workers" != 0 ] && dist=(-n "$workers" --dist loadfile)
+exec .venv/bin/python -m pytest -q --durations=25 "${dist[@]}" "$@"

@@ -90,6 +90,12 @@ def real_smoke_run(background_run):
     return background_run("smollm2")
 
 
+def _session_root(tmp_path_factory) -> Path:
+    """The session's temp root, the same for every xdist worker (each has its own basetemp, popen-gwN, in it)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _ahead(request, tmp_path_factory):
     """Start what the session's tests will wait for, in the background, as the session starts: the tiny
@@ -97,8 +103,9 @@ def _ahead(request, tmp_path_factory):
     run (pytest_collection_modifyitems orders them first; the ``tiny_target`` fixture then waits on the build's
     lock), and the end-to-end runs the session's tests use (BACKGROUND; tests/helpers/recipe_runs.py) one after
     another at the lowest CPU priority, on the cores the rest of the suite leaves idle; the modules that use them
-    run last. FLEDGE_AHEAD=0 builds and runs each in the foreground when first needed.
-    Yields None or (background process, its output dir, the runs it makes)."""
+    run last. FLEDGE_AHEAD=0 builds and runs each in the foreground when first needed. Under xdist the first
+    worker to arrive starts them and the others wait on the same files.
+    Yields None or (the background's output dir, the runs it makes)."""
     import signal
     import subprocess
     import sys
@@ -109,7 +116,12 @@ def _ahead(request, tmp_path_factory):
     if os.environ.get("FLEDGE_AHEAD") == "0" or not needs - {0}:
         yield None
         return
-    out = tmp_path_factory.mktemp("ahead")
+    out = _session_root(tmp_path_factory) / "ahead"
+    try:
+        out.mkdir()  # atomic: one starter per session
+    except FileExistsError:
+        yield (out, runs) if runs else None
+        return
     root, procs = REPO, []
     if needs & {1} or "tiny" in runs:
         with open(out / "tiny_target.log", "w") as log:
@@ -117,15 +129,19 @@ def _ahead(request, tmp_path_factory):
             procs.append(subprocess.Popen([sys.executable, "-m", "fledge", "tiny-target"], cwd=root, stdout=log,
                                           stderr=subprocess.STDOUT, start_new_session=True,
                                           env={**os.environ, "OMP_NUM_THREADS": "1"}))
-    background = None
     if runs:
         # the real target's smoke first: it needs no tiny target, which is still building
         runs.sort(key=lambda run: run != "smollm2")
         with open(out / "background_runs.log", "w") as log:
-            background = subprocess.Popen([sys.executable, "-m", "tests.helpers.recipe_runs", str(out), *runs],
-                                          cwd=root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        procs.append(background)
-    yield (background, out, runs) if background else None
+            # background.exit: its exit status, for whoever waits on a run it did not write
+            procs.append(subprocess.Popen(
+                ["sh", "-c", '"$0" -m tests.helpers.recipe_runs "$@"; echo $? > "$1/background.exit"',
+                 sys.executable, str(out), *runs],
+                cwd=root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+    yield (out, runs) if runs else None
+    if os.environ.get("PYTEST_XDIST_WORKER") and not request.session.shouldstop:
+        for proc in procs:  # other workers may still wait on them
+            proc.wait()
     for proc in procs:  # the session ended early (-x, a subset): stop what is left, ranks and engines included
         if proc.poll() is None:
             for pid in descendants(proc.pid) + [proc.pid]:
@@ -147,15 +163,15 @@ def background_run(tmp_path_factory, _ahead):
     def run(name: str):
         if name in done:
             return done[name]
-        if _ahead is None or name not in _ahead[2]:
+        if _ahead is None or name not in _ahead[1]:
             done[name] = run_named(name, tmp_path_factory.mktemp(f"run_{name}"))
             return done[name]
-        proc, out, _ = _ahead
-        result = out / f"{name}.json"
+        out = _ahead[0]
+        result, ended = out / f"{name}.json", out / "background.exit"
         deadline = time.time() + 3600
         while not result.exists():
-            assert proc.poll() is None or result.exists(), \
-                f"the background runs stopped (exit {proc.returncode}): " \
+            assert not ended.exists() or result.exists(), \
+                f"the background runs stopped (exit {ended.read_text().strip()}): " \
                 f"{(out / 'background_runs.log').read_text()[-4000:]}"
             assert time.time() < deadline, f"the background {name} run took over an hour"
             time.sleep(2)

@@ -131,3 +131,38 @@ def test_only_fledge_distributed_touches_torch_distributed():
             offenders += [f"{rel}:{n}" for n in lines]
     assert not offenders, f"torch.distributed used outside fledge/distributed.py: {offenders}"
     assert _uses_torch_distributed(ast.parse((ROOT / "fledge" / "distributed.py").read_text()))  # the scan works
+
+
+_WORLD_OF_ONE = """
+import os, socket, sys
+import torch.distributed as dist
+from fledge.distributed import init_world
+world = init_world()
+port = int(os.environ["MASTER_PORT"])
+with socket.socket() as s:  # the store holds its port: nobody else can bind it
+    try:
+        s.bind((os.environ["MASTER_ADDR"], port))
+        sys.exit(f"port {port} was free after init_world")
+    except OSError:
+        pass
+assert (world.rank, world.world_size, dist.get_world_size()) == (0, 1, 1)
+print("ok", port)
+"""
+
+
+def test_a_world_of_one_binds_the_port_it_names_while_others_take_ports():
+    """A plain ``python`` run is a world of one whose store binds its port as the OS picks it: the port
+    in MASTER_PORT is held by it at once, so two such runs (and anything else binding ports meanwhile)
+    cannot collide as a port chosen first and bound later could (EADDRINUSE in CI)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    procs = [subprocess.Popen([sys.executable, "-c", _WORLD_OF_ONE], env=env, cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (_out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+    assert all(out.startswith("ok") for out, _ in outs)
