@@ -50,14 +50,14 @@ def init_world(timeout_minutes: int = 120) -> World:
     """Initialise (once) the default process group from the environment and pick the device."""
     timeout = datetime.timedelta(minutes=timeout_minutes)
     store = None
-    if "RANK" not in os.environ and not dist.is_initialized():  # not under a launcher: a world of one
-        # The store listens on a port the OS picks as it binds (port 0, unless MASTER_PORT names one):
-        # a free port chosen first and bound later went to any process that bound it in between
-        # (EADDRINUSE on a busy machine).
-        store = dist.TCPStore(os.environ.setdefault("MASTER_ADDR", "127.0.0.1"),
-                              int(os.environ.get("MASTER_PORT", 0)), 1, True,
-                              timeout=timeout, wait_for_workers=False)
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+    if os.environ.get("WORLD_SIZE", "1") == "1" and not dist.is_initialized():
+        # A world of one (a plain ``python``, or torchrun with one process) meets nobody: its store is its own,
+        # on a port the OS picks as it binds. A port chosen first and bound later went to whatever bound it in
+        # between, and a MASTER_PORT inherited from a parent that holds it (a run started from a process that
+        # ran one in-process) cannot be bound again: both were EADDRINUSE.
+        store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timeout, wait_for_workers=False)
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"),
+                          LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(store.port))  # for libraries that read the world from the env
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -137,7 +137,8 @@ def _ahead(request, tmp_path_factory):
             procs.append(subprocess.Popen(
                 ["sh", "-c", '"$0" -m tests.helpers.recipe_runs "$@"; echo $? > "$1/background.exit"',
                  sys.executable, str(out), *runs],
-                cwd=root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+                cwd=root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                env={**os.environ, "FLEDGE_BACKGROUND_NICE": "0" if os.environ.get("PYTEST_XDIST_WORKER") else "19"}))
     yield (out, runs) if runs else None
     if os.environ.get("PYTEST_XDIST_WORKER") and not request.session.shouldstop:
         for proc in procs:  # other workers may still wait on them

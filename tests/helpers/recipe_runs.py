@@ -92,7 +92,10 @@ SESSION_THREADS = os.environ.get("OMP_NUM_THREADS")  # the session's, before __m
 
 def main(out: str, *names: str) -> None:
     """Run each of ``names`` in turn; ``out/<name>.json`` says {ok, run, log} or {ok: false, error}."""
-    os.nice(19)  # the suite in the foreground keeps the cores; these runs take what it leaves idle
+    # One pytest process: the suite in the foreground keeps the cores and these runs take what it leaves idle
+    # (nice 19). Under pytest-xdist the workers keep both cores busy and the tests that read these runs wait
+    # on them: same priority as the workers (FLEDGE_BACKGROUND_NICE=0, set by tests/conftest.py).
+    os.nice(int(os.environ.get("FLEDGE_BACKGROUND_NICE", "19")))
     root = Path(out)
     for name in names:
         try:

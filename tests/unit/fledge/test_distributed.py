@@ -150,19 +150,27 @@ print("ok", port)
 """
 
 
-def test_a_world_of_one_binds_the_port_it_names_while_others_take_ports():
-    """A plain ``python`` run is a world of one whose store binds its port as the OS picks it: the port
-    in MASTER_PORT is held by it at once, so two such runs (and anything else binding ports meanwhile)
-    cannot collide as a port chosen first and bound later could (EADDRINUSE in CI)."""
+def test_a_world_of_one_holds_its_own_port_whatever_port_it_inherits():
+    """A world of one binds its store's port as the OS picks it and ignores an inherited MASTER_PORT: a run
+    started by a process that ran one in-process inherits RANK=0, WORLD_SIZE=1 and a MASTER_PORT that process
+    still holds (CI's EADDRINUSE), and runs started side by side cannot take each other's port."""
     import os
+    import socket
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    procs = [subprocess.Popen([sys.executable, "-c", _WORLD_OF_ONE], env=env, cwd=ROOT, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
-    outs = [p.communicate(timeout=120) for p in procs]
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        inherited = dict(clean, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                         MASTER_PORT=str(held.getsockname()[1]))
+        procs = [subprocess.Popen([sys.executable, "-c", _WORLD_OF_ONE], env=env, cwd=ROOT, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                 for env in (clean, clean, inherited)]
+        outs = [p.communicate(timeout=120) for p in procs]
     for p, (_out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-2000:]
-    assert all(out.startswith("ok") for out, _ in outs)
+    ports = [int(out.split()[1]) for out, _ in outs]
+    assert len(set(ports)) == 3 and int(inherited["MASTER_PORT"]) not in ports
