@@ -24,7 +24,7 @@ from fledge.models.layers.kind import LAYER_KINDS, check_layer_format
 from fledge.registry import Registry
 from fledge.serving.dialects import DIALECTS, check_export_format
 from fledge.testbed.hints import build_hint
-from fledge.train.loss import LOSSES, check_loss_config
+from fledge.train.losses import LOSSES, check_loss_config
 
 # Config key -> the registry its value (or each value of a list) must name. Target families are keyed by the
 # target's own model_type, read from its config.json when a stage loads it (models/families.py).

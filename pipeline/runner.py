@@ -15,13 +15,16 @@ runs, each selected stage is planned against its manifest:
   line names what changed, old -> new, and the two ways on: ``run.force=[stage]`` starts it over, a new
   ``run.name`` starts another run beside it. Nothing is deleted unless the user asked.
 
-What counts as an input is each record's ``inputs`` (keys that only lay the work out, run length and
-cadence are left out; ``Stage.done`` handles the length). ``run.force=[X]`` clears X and runs it; its
-output is then new, so the stages after it see a changed input: the rebuildable ones rebuild, a costly one
-stops the run before anything runs unless it is forced too. A complete stage that is not selected and read
-an upstream output that has since been replaced is out of date: later stages do not use it. A stage may
-finish on purpose with part of its work done (one slice of an array capture): its summary then holds
-``"complete": False``, the manifest stays incomplete and the stages after it do not run.
+What counts as an input is what each record says its stage reads (``Stage.inputs``: a
+:class:`~fledge.stage_context.Reads`): the stage receives exactly that slice of the config
+(:class:`~fledge.stage_context.ConfigSlice`) and its hashed keys are hashed (keys that only lay the work
+out, run length and cadence are read as runtime; ``Stage.done`` handles the length). ``run.force=[X]``
+clears X and runs it; its output is then new, so the stages after it see a changed input: the rebuildable
+ones rebuild, a costly one stops the run before anything runs unless it is forced too. A complete stage
+that is not selected and read an upstream output that has since been replaced is out of date: later
+stages do not use it. A stage may finish on purpose with part of its work done (one slice of an array
+capture): its summary then holds ``"complete": False``, the manifest stays incomplete and the stages after
+it do not run.
 """
 
 from __future__ import annotations
@@ -33,8 +36,8 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from fledge.atomic import read_json, write_json_atomic
@@ -43,7 +46,7 @@ from fledge.distributed import World, broadcast_object
 from fledge.models.target import target_fingerprint
 from fledge.pipeline.preflight import check_target_path
 from fledge.run_layout import RunLayout
-from fledge.stage_context import StageContext
+from fledge.stage_context import ConfigSlice, Reads, StageContext
 
 log = logging.getLogger(__name__)
 SCHEMA_VERSION = 1
@@ -57,16 +60,8 @@ def _always_done(manifest: dict, cfg: Config) -> bool:
     return True
 
 
-def _no_older_hashes(cfg: Config, inputs: dict) -> tuple[str, ...]:
-    return ()
-
-
 def _no_check(cfg: Config) -> None:
     return None
-
-
-def _same_inputs(cfg: Config, inputs: dict) -> dict:
-    return inputs
 
 
 @dataclass(frozen=True)
@@ -74,31 +69,30 @@ class Stage:
     """One pipeline stage, as everything that handles stages reads it: the runner plans, hashes and runs it
     from this record, the schema's stage list is held to the records (tests/unit/pipeline/test_stages.py).
 
-    ``inputs(cfg)``: the config values its output depends on (its slice of the config, hashed with the
-    upstream hashes and versions). ``upstream``: the stage whose output it reads (None for the first);
+    ``inputs(cfg)``: the config keys it reads (:class:`~fledge.stage_context.Reads`): it receives that slice of
+    the config, and the slice's hashed keys are hashed with the upstream hashes and versions. ``upstream``:
+    the stage whose output it reads (None for the first);
     ``needs_upstream(cfg)`` False when this config does without it (online training reads the target live,
     not capture's store). ``rebuild``: its output is rebuilt from upstream in minutes, so a changed input
     starts it over instead of stopping the run. ``done(manifest, cfg)``: given its complete manifest, True
     = nothing more to do, False = run again over its output (train asked for more steps), a ValueError = the
     config asks what this output cannot give. ``target_files``: the target's local files are an input.
-    ``key_names``: slice entries whose name is not their config key (for the change message). ``older_hashes
-    (cfg, inputs)``: hashes an older Fledge wrote for these same inputs. ``inputs_as_now(cfg, inputs)``: a
-    manifest's inputs as this Fledge counts them (a key no longer counted left out); equal to today's, the
-    stage keeps its manifest's hash, so the stages after it see no change. ``check(cfg)``: what must hold
+    ``check(cfg)``: what must hold
     before it runs (a missing input file), called only when it will run."""
 
     name: str
     run: Callable[[StageContext], dict]
-    inputs: Callable[[Config], dict]
+    inputs: Callable[[Config], Reads]
     upstream: str | None = None
     needs_upstream: Callable[[Config], bool] = _always
     rebuild: bool = False
     done: Callable[[dict, Config], bool] = _always_done
     target_files: bool = False
-    key_names: Mapping[str, str] = field(default_factory=dict)
-    older_hashes: Callable[[Config, dict], tuple[str, ...]] = _no_older_hashes
     check: Callable[[Config], None] = _no_check
-    inputs_as_now: Callable[[Config, dict], dict] = _same_inputs
+
+    def config(self, cfg: Config) -> ConfigSlice:
+        """The slice of ``cfg`` this stage reads (and the runner hashes)."""
+        return ConfigSlice(cfg, self.inputs(cfg), self.name)
 
 
 class Refused(ValueError):
@@ -113,7 +107,7 @@ def stage_inputs(cfg: Config, stage: Stage, upstream_hashes: dict[str, str]) -> 
     payload = {
         "schema": SCHEMA_VERSION,
         "stage": stage.name,
-        "config": stage.inputs(cfg),
+        "config": stage.config(cfg).hashed(),
         "upstream": dict(upstream_hashes),
         "versions": {"torch": torch.__version__.split("+")[0], "transformers": transformers.__version__},
     }
@@ -189,7 +183,8 @@ def run_stages(cfg: Config, world: World, stages: Sequence[Stage]) -> dict[str, 
         world.barrier()
         log.info("stage %s: running -> %s", name, stage_dir)
         t0 = time.time()
-        outputs = by_name[name].run(StageContext(cfg, world, layout, name, dict(manifests))) or {}
+        job = StageContext(by_name[name].config(cfg), world, layout, name, dict(manifests))
+        outputs = by_name[name].run(job) or {}
         outputs, new_id = broadcast_object((outputs, uuid.uuid4().hex))  # rank 0's summary and id are recorded
         world.barrier()
         complete = outputs.pop("complete", True) is not False
@@ -255,10 +250,7 @@ def _plan(cfg: Config, stage: Stage, m: dict | None, inputs: dict, h: str, read:
         return _Plan("start over", inputs, h, f"run.force=[{name}]")
     if not m:
         return _Plan("run", inputs, h)
-    if "inputs" in m and m.get("inputs_hash") != h and digest(stage.inputs_as_now(cfg, m["inputs"])) == h:
-        inputs, h = m["inputs"], m["inputs_hash"]  # counted alike now: its hash stays, for the stages after it
-    same = (h, *stage.older_hashes(cfg, inputs)) if "inputs" not in m else (h,)
-    changes = describe_changes(m, inputs, h, read, cfg.run.force, same, stage.key_names)
+    changes = describe_changes(m, inputs, h, read, cfg.run.force)
     if changes:
         if stage.rebuild:
             return _Plan("start over", inputs, h, f"inputs changed ({changes})")
@@ -273,11 +265,9 @@ def _plan(cfg: Config, stage: Stage, m: dict | None, inputs: dict, h: str, read:
     return _Plan("resume", inputs, h, "complete, and this config asks for more: running it again over its output")
 
 
-def describe_changes(m: dict, inputs: dict, h: str, read: dict[str, str | None], force: list[str],
-                     same: tuple[str, ...] = (), key_names: Mapping[str, str] = {}) -> str:
+def describe_changes(m: dict, inputs: dict, h: str, read: dict[str, str | None], force: list[str]) -> str:
     """What differs between a stage's manifest and its inputs now, as 'what: old -> new; ...' ("" if nothing):
-    upstream outputs made by this command or replaced since, then changed config keys, versions, target.
-    ``same``: the hashes that count as unchanged inputs (default: ``h``); ``key_names``: the stage's."""
+    upstream outputs made by this command or replaced since, then changed config keys, versions, target."""
     out, replaced = [], set()
     for stage, now in read.items():
         if now is NEW:
@@ -287,14 +277,12 @@ def describe_changes(m: dict, inputs: dict, h: str, read: dict[str, str | None],
         else:
             continue
         replaced.add(f"upstream.{stage}")
-    if m.get("inputs_hash") not in (same or (h,)):
-        if "inputs" not in m:  # written before manifests kept their inputs
-            out.append(f"its manifest, from an older Fledge, keeps only a hash of them ({m.get('inputs_hash')} -> "
-                       f"{h}): the config, a library version or what Fledge counts as an input changed")
-        else:
-            was, now_ = dict(_flatten(m["inputs"])), dict(_flatten(json.loads(json.dumps(inputs, default=str))))
-            out += [f"{_key_name(k, key_names)}: {_short(was.get(k, '(absent)'))} -> {_short(now_.get(k, '(absent)'))}"
-                    for k in sorted(was.keys() | now_.keys()) if was.get(k) != now_.get(k) and k not in replaced]
+    if m.get("inputs_hash") != h and "inputs" not in m:
+        out.append(f"its manifest keeps only a hash of them ({m.get('inputs_hash')} -> {h})")
+    elif m.get("inputs_hash") != h:
+        was, now_ = dict(_flatten(m["inputs"])), dict(_flatten(json.loads(json.dumps(inputs, default=str))))
+        out += [f"{_key_name(k)}: {_short(was.get(k, '(absent)'))} -> {_short(now_.get(k, '(absent)'))}"
+                for k in sorted(was.keys() | now_.keys()) if was.get(k) != now_.get(k) and k not in replaced]
     return "; ".join(out)
 
 
@@ -306,11 +294,11 @@ def _flatten(d: dict, prefix: str = ""):
             yield f"{prefix}{k}", v
 
 
-def _key_name(key: str, key_names: Mapping[str, str]) -> str:
+def _key_name(key: str) -> str:
     """A payload key as the user knows it: the config key, or what it stands for."""
     if key.startswith("config."):
         key = key[len("config."):]
-        return key_names.get(key, key)
+        return "drafter.aux_layer_ids" if key == "aux_layer_ids" else key
     if key == "target_fingerprint":
         return "the target's files (target.name_or_path)"
     if key.startswith("upstream."):

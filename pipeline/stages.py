@@ -21,12 +21,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fledge.conf.schema import Config, LossOptions
+from fledge.conf.schema import Config, TargetConfig
 from fledge.distributed import broadcast_object
-from fledge.pipeline.runner import Stage, StageContext, digest
+from fledge.pipeline.runner import Stage, StageContext
+from fledge.stage_context import Reads
 
 log = logging.getLogger(__name__)
 
+# What each stage reads of the config (stage_context.Reads): the runner hashes the hashed keys and the stage
+# sees nothing else. Runtime keys lay out or pace the work, and a run in flight may change them.
 TRAIN_CADENCE = ("max_steps", "epochs", "save_every", "keep_last", "eval_every", "eval_batches", "log_every",
                  "max_nonfinite")
 # How the work is laid out over ranks (tests/distributed/test_train.py checks each on a resumed run): the rows
@@ -40,6 +43,16 @@ ENGINE_KEYS = ("engine", "tensor_parallel_size", "expert_parallel", "data_parall
 # capture.mode=online: the capture keys that change the states the trainer gets (with the target and the aux ids);
 # the rest (buffer, restarts, parallelism, batch sizes) is how the engine runs, so a run in flight may change it
 ONLINE_STATE_KEYS = ("mode", "engine", "dtype")
+# The engine's python, patience and placement, and which slice of an array capture this task writes: how the
+# capture runs, not what it stores (the array's tasks and its merge share one hash).
+CAPTURE_RUNTIME = ("engine_python", "engine_timeout_s", "engine_launcher", "ranks_per_engine", "num_slices",
+                   "slice_index")
+# The target as the stages that load it read it (from its files): its inline config is export's (and the card's).
+TARGET_LOADED = tuple(f"target.{f.name}" for f in dataclasses.fields(TargetConfig) if f.name != "config_overrides")
+
+
+def _keys(section: str, names) -> tuple[str, ...]:
+    return tuple(f"{section}.{n}" for n in names)
 
 
 # ------------------------------------------------------------------------------------------ prepare
@@ -56,14 +69,8 @@ def prepare(ctx: StageContext) -> dict:
         ctx.world.barrier()
 
 
-def _target(cfg: Config) -> dict:
-    # prepare and capture load the model itself, so its inline config (for export tests) is not theirs
-    return {k: v for k, v in dataclasses.asdict(cfg.target).items() if k != "config_overrides"}
-
-
-def prepare_inputs(cfg: Config) -> dict:
-    return {"target": _target(cfg), "data": dataclasses.asdict(cfg.data),
-            "draft_vocab_size": cfg.drafter.draft_vocab_size, "seed": cfg.run.seed}
+def prepare_reads(cfg: Config) -> Reads:
+    return Reads((*TARGET_LOADED, "data", "drafter.draft_vocab_size", "run.seed"))
 
 
 def check_sources(cfg: Config) -> None:
@@ -88,28 +95,16 @@ def capture(ctx: StageContext) -> dict:
                        ctx.upstream.get("prepare"), array_script=ctx.layout.slurm_script("capture_array"))
 
 
-def capture_inputs(cfg: Config) -> dict:
-    # The slice fields are left out: the array tasks of one capture and its merge must agree on the hash (and
-    # slicing does not change the store's content).
-    cap = {k: v for k, v in dataclasses.asdict(cfg.capture).items() if k not in ("num_slices", "slice_index")}
-    # The engine's python, patience and placement do not change the store; with engine=hf none of the vLLM keys
-    # exist for the hash, so HF stores keep the hash they had before capture.engine existed.
-    drop = ("engine_python", "engine_timeout_s", "engine_launcher", "ranks_per_engine") + (
-        ENGINE_KEYS if cfg.capture.engine == "hf" else ())
-    cap = {k: v for k, v in cap.items() if k not in drop}
+def capture_reads(cfg: Config) -> Reads:
+    """The target, the aux ids and the capture section; offline with engine=hf the vLLM keys are not read,
+    online only ONLINE_STATE_KEYS change the states."""
+    runtime = _keys("capture", CAPTURE_RUNTIME)
     if cfg.capture.mode == "online":
-        cap = {k: v for k, v in cap.items() if k in ONLINE_STATE_KEYS}
-    return {"target": _target(cfg), "capture": cap, "aux_layer_ids": cfg.aux_layer_ids()}
-
-
-def capture_inputs_as_now(cfg: Config, inputs: dict) -> dict:
-    """A capture manifest's inputs as capture_inputs counts them now: an online run's from when the runtime keys
-    were hashed too (so a run in flight then goes on when one of them changes)."""
-    config = inputs.get("config") or {}
-    if cfg.capture.mode != "online" or "capture" not in config:
-        return inputs
-    cap = {k: v for k, v in config["capture"].items() if k in ONLINE_STATE_KEYS}
-    return {**inputs, "config": {**config, "capture": cap}}
+        runtime = _keys("capture", (f.name for f in dataclasses.fields(cfg.capture)
+                                    if f.name not in ONLINE_STATE_KEYS))
+    elif cfg.capture.engine == "hf":
+        runtime += _keys("capture", ENGINE_KEYS)
+    return Reads((*TARGET_LOADED, "capture", "aux_layer_ids"), runtime)
 
 
 # ------------------------------------------------------------------------------------------ train
@@ -120,22 +115,14 @@ def train(ctx: StageContext) -> dict:
     return run_training(ctx)
 
 
-def train_inputs(cfg: Config) -> dict:
-    d = dataclasses.asdict
-    train = {k: v for k, v in d(cfg.train).items() if k not in TRAIN_CADENCE + LAYOUT_KEYS}
-    return {"drafter": _drafter_inputs(cfg), "train": train, "deepspeed": d(cfg.deepspeed),
-            "capture": {"mode": cfg.capture.mode}, "run": {"seed": cfg.run.seed}}
-
-
-def _drafter_inputs(cfg: Config) -> dict:
-    """The drafter section, without the loss settings still at their defaults: a drafter.loss_options or
-    drafter.loss_mix left as it is trains what was trained before those keys existed, so a train run from
-    then keeps its hash and trains on."""
-    drafter = dataclasses.asdict(cfg.drafter)
-    for key, default in (("loss_options", dataclasses.asdict(LossOptions())), ("loss_mix", {})):
-        if drafter.get(key) == default:
-            drafter.pop(key)
-    return drafter
+def train_reads(cfg: Config) -> Reads:
+    """The drafter, the optimizer and what the states are (the target, and how capture reads it: online, the
+    states come from here); the run's length, cadence and layout over ranks are runtime (Stage.done and the
+    trainer handle them), as are the rest of the capture keys (offline they find capture's store, whose own
+    hash covers what it holds; online they run the engine) and where the metrics go."""
+    return Reads(("drafter", "train", "deepspeed", *TARGET_LOADED, "aux_layer_ids", "run.seed",
+                  *_keys("capture", ONLINE_STATE_KEYS)),
+                 (*_keys("train", TRAIN_CADENCE + LAYOUT_KEYS), "capture", "logging", "run.name", "recipe"))
 
 
 def trained_enough(manifest: dict, cfg: Config) -> bool:
@@ -163,15 +150,6 @@ def trained_enough(manifest: dict, cfg: Config) -> bool:
     return asked == done
 
 
-def hash_before_layout_keys(cfg: Config, inputs: dict) -> tuple[str, ...]:
-    """The hash a train stage's manifest got before LAYOUT_KEYS existed (grad_accum was cadence then,
-    sequence_parallel an input, the global batch not one), so that a train run from then trains on."""
-    c = inputs["config"]
-    train = {**c["train"], "sequence_parallel": cfg.train.sequence_parallel}
-    return (digest({**inputs, "config": {"drafter": c["drafter"], "train": train, "deepspeed": c["deepspeed"],
-                                         "capture_mode": c["capture"]["mode"], "seed": c["run"]["seed"]}}),)
-
-
 # ------------------------------------------------------------------------------------------ export
 def export(ctx: StageContext) -> dict:
     """Checkpoint -> serving directory, linted (rank 0 works; its outcome, summary or error, reaches every
@@ -179,12 +157,11 @@ def export(ctx: StageContext) -> dict:
     return _on_main(ctx, lambda: _export(ctx.cfg, ctx.layout.export.drafter, checkpoint_of(ctx)))
 
 
-def export_inputs(cfg: Config) -> dict:
+def export_reads(cfg: Config) -> Reads:
     # What export reads besides the checkpoint: the target's config (its local config.json, which the
     # fingerprint covers, else target.config_overrides, else the hub's: serving/export.py load_target_config),
     # the target's name and the draft length (the speculators dialect writes both).
-    return {"export": {k: v for k, v in dataclasses.asdict(cfg.export).items() if k not in PUBLISH_KEYS},
-            "target": dataclasses.asdict(cfg.target), "speculative_tokens": cfg.eval.draft_tokens}
+    return Reads(("export", "target", "eval.draft_tokens"), _keys("export", PUBLISH_KEYS))
 
 
 def _export(cfg: Config, out: Path, ckpt: Path) -> dict:
@@ -270,8 +247,11 @@ def evaluate(ctx: StageContext) -> dict:
                                               train_al_estimate=trained.best_al_estimate if trained else None))
 
 
-def eval_inputs(cfg: Config) -> dict:
-    return {"eval": dataclasses.asdict(cfg.eval)}
+def eval_reads(cfg: Config) -> Reads:
+    """The eval section, and what the measurement runs on besides the export: the target, its chat template,
+    the draft depth trained, the seed and the capture's chunking of long prompts."""
+    return Reads(("eval", "target", "data.chat_template", "drafter.ttt_steps", "run.seed",
+                  "capture.chunk_tokens"))
 
 
 def check_eval_sources(cfg: Config) -> None:
@@ -294,8 +274,10 @@ def publish(ctx: StageContext) -> dict:
     return _on_main(ctx, lambda: publish_run(ctx.cfg, ctx.layout, ExportOutputs.of(ctx).drafter))
 
 
-def publish_inputs(cfg: Config) -> dict:
-    return {"export": {k: getattr(cfg.export, k) for k in PUBLISH_KEYS}}
+def publish_reads(cfg: Config) -> Reads:
+    """Where to push, and what the card says besides the run's measurements (the target's config and the
+    draft length, as export wrote them)."""
+    return Reads((*_keys("export", PUBLISH_KEYS), "target", "eval.draft_tokens"), ("run.stages",))
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -319,15 +301,11 @@ def _reads_the_store(cfg: Config) -> bool:
 
 
 PIPELINE: tuple[Stage, ...] = (
-    Stage("prepare", prepare, prepare_inputs, target_files=True, check=check_sources,
-          key_names={"draft_vocab_size": "drafter.draft_vocab_size", "seed": "run.seed"}),
-    Stage("capture", capture, capture_inputs, upstream="prepare", target_files=True,
-          key_names={"aux_layer_ids": "drafter.aux_layer_ids"}, inputs_as_now=capture_inputs_as_now),
-    Stage("train", train, train_inputs, upstream="capture", needs_upstream=_reads_the_store, done=trained_enough,
-          older_hashes=hash_before_layout_keys),
-    Stage("export", export, export_inputs, upstream="train", rebuild=True, target_files=True,
-          key_names={"speculative_tokens": "eval.draft_tokens"}),
-    Stage("eval", evaluate, eval_inputs, upstream="export", rebuild=True, check=check_eval_sources),
-    Stage("publish", publish, publish_inputs, upstream="eval", rebuild=True),
+    Stage("prepare", prepare, prepare_reads, target_files=True, check=check_sources),
+    Stage("capture", capture, capture_reads, upstream="prepare", target_files=True),
+    Stage("train", train, train_reads, upstream="capture", needs_upstream=_reads_the_store, done=trained_enough),
+    Stage("export", export, export_reads, upstream="train", rebuild=True, target_files=True),
+    Stage("eval", evaluate, eval_reads, upstream="export", rebuild=True, check=check_eval_sources),
+    Stage("publish", publish, publish_reads, upstream="eval", rebuild=True),
 )
 STAGES: dict[str, Stage] = {s.name: s for s in PIPELINE}

@@ -155,14 +155,16 @@ def test_config_keys():
         compose(["recipe=tiny", "capture.engine=vllm", "capture.device_map=auto"])
 
 
-def test_capture_inputs_hash():
-    """HF stores keep their hash (no engine key exists for them); the engine's python and patience never
-    re-run a capture; switching the engine does."""
-    from fledge.pipeline.stages import capture_inputs
+def test_capture_hashes_what_changes_the_store():
+    """With engine=hf no engine key is hashed; the engine's python and patience never re-run a capture;
+    switching the engine does."""
+    from fledge.pipeline.stages import STAGES
 
-    hf = capture_inputs(compose(["recipe=tiny"]))["capture"]
+    def hashed(*overrides):
+        return STAGES["capture"].config(compose(["recipe=tiny", *overrides])).hashed()
+
+    hf = hashed()["capture"]
     assert not {"engine", "tensor_parallel_size", "engine_python", "engine_timeout_s"} & set(hf)
-    vllm = capture_inputs(compose(["recipe=tiny", "capture.engine=vllm"]))
-    moved = capture_inputs(compose(["recipe=tiny", "capture.engine=vllm", "capture.engine_python=/x/python",
-                                    "capture.engine_timeout_s=5"]))
+    vllm = hashed("capture.engine=vllm")
+    moved = hashed("capture.engine=vllm", "capture.engine_python=/x/python", "capture.engine_timeout_s=5")
     assert vllm == moved and vllm["capture"]["engine"] == "vllm"
