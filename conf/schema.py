@@ -43,7 +43,7 @@ class TargetConfig:
 
 @dataclass
 class LossOptions:
-    """The parameters some registered losses take (train/divergences.py says what each one does)."""
+    """The parameters some registered losses take (train/losses/divergences.py says what each one does)."""
 
     jsd_beta: float = 0.5  # jsd: the teacher's weight in the mixture and its KL term, in (0, 1); 0.5 symmetric
     lk_eta: float = 3.0  # lk_lambda: the KL weight of a row is exp(-lk_eta * its acceptance), >= 0
@@ -58,7 +58,7 @@ class DrafterConfig:
     draft_vocab_size: int = 32000
     ttt_steps: int = 7  # K
     step_weight: float = 0.8  # w: total loss = sum_k w^k L_k
-    # A loss registered in train/loss.py (the schema cannot import it: train/main.py checks the name at start).
+    # A loss registered in train/losses (the schema cannot import it: train/main.py checks the name at start).
     loss: str = "ttt_ce"
     loss_options: LossOptions = field(default_factory=LossOptions)
     # drafter.loss=mix: the losses summed and their weights (as given, not normalised), e.g. {ttt_ce: 0.5, tv: 0.5}
@@ -70,7 +70,7 @@ class DrafterConfig:
     layer: str = "auto"
     loss_chunk_size: int = 1024  # rows per chunk of the teacher/draft logits
     # ttt_ce's shared-teacher path: auto (its Triton kernel on CUDA, torch elsewhere) | torch. Every other loss
-    # runs torch GEMMs whatever this says (the fp32-head path, or ZeRO-3's generic one: train/loss.py).
+    # runs torch GEMMs whatever this says (the fp32-head path, or ZeRO-3's generic one: train/losses).
     loss_impl: str = "auto"
     norm_impl: str = "torch"  # torch (F.rms_norm: torch's fused kernel on CUDA) | triton (ours, CUDA only)
     init_from: Optional[str] = None  # an exported drafter directory to fine-tune
@@ -335,7 +335,7 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
 
 
 def _check_loss(d: DrafterConfig) -> None:
-    """The loss's options and mix weights (the loss names are train/loss.py's, checked by train/main.py)."""
+    """The loss's options and mix weights (the loss names are train/losses', checked by train/main.py)."""
     o = d.loss_options
     if not 0 < o.jsd_beta < 1:
         raise ValueError(f"drafter.loss_options.jsd_beta={o.jsd_beta}: must be in (0, 1) (0.5: the symmetric JSD)")

@@ -4,9 +4,9 @@ TTT losses and named eval sets (docs/extending.md).
 A :class:`Registry` maps names to entries. It knows the config key that selects an entry and the file where
 the built-in entries are registered, so that an unknown name is one line naming both::
 
-    LOSSES = Registry("drafter.loss", "train/loss.py")
+    LOSSES = Registry("drafter.loss", "train/losses")
     LOSSES.register("ttt_ce", SoftCrossEntropy)
-    LOSSES.get("nope")  # ValueError: drafter.loss='nope': expected one of ['ttt_ce'] (registered in train/loss.py)
+    LOSSES.get("nope")  # ValueError: drafter.loss='nope': expected one of ['ttt_ce'] (registered in train/losses)
 
 Tests add a temporary entry with ``with LOSSES.temporary("mine", Mine): ...``, which removes it again (and
 restores what it replaced) however the block ends.

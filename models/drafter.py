@@ -4,7 +4,7 @@
 names (``fc.weight``, ``midlayer.self_attn.q_proj.weight``, ``lm_head.weight``, ``d2t``, ...), so export
 maps its state_dict one to one. It runs in two ways that share every line of the layer math:
 
-- ``ttt_step``: one training-time-test step over all T rows at once (train/loss.py unrolls K of them);
+- ``ttt_step``: one training-time-test step over all T rows at once (train/losses unrolls K of them);
 - ``decode_step``: an engine-style step with a KV cache (prefill then one draft token at a time).
 
 Engine-style chain drafting, for the evaluation harness::

@@ -32,7 +32,7 @@ def _one(impl: str, T: int, steps: int, iters: int) -> dict:
     from fledge.conf.schema import DrafterConfig
     from fledge.data.features.batch import FeatureBatch
     from fledge.models.drafter import DrafterSpec, Eagle3Drafter
-    from fledge.train.loss import ttt_loss
+    from fledge.train.losses import ttt_loss
 
     torch.manual_seed(0)
     cfg = LlamaConfig(**SHAPE, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,

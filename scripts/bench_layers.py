@@ -55,7 +55,7 @@ def _one(kind: str, T: int, steps: int, iters: int, device: str, run: bool) -> d
     from fledge.data.features.batch import FeatureBatch
     from fledge.models.attention import resolve_attention
     from fledge.models.drafter import DrafterSpec, Eagle3Drafter
-    from fledge.train.loss import ttt_loss
+    from fledge.train.losses import ttt_loss
 
     torch.manual_seed(0)
     dev = torch.device(device)

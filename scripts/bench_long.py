@@ -59,7 +59,7 @@ def _rank(rank: int, size: int, T: int, args, port: int, out) -> None:
 
     from fledge.data.features.batch import FeatureBatch
     from fledge.models.drafter import DrafterSpec, Eagle3Drafter
-    from fledge.train.loss import SoftCrossEntropy
+    from fledge.train.losses import SoftCrossEntropy
 
     torch.set_num_threads(max(1, args.threads // size))
     cuda = args.device == "cuda"

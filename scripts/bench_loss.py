@@ -1,9 +1,9 @@
-"""Peak memory and time of the TTT loss (forward + backward over K steps), as train/loss.py computes it.
+"""Peak memory and time of the TTT loss (forward + backward over K steps), as train/losses computes it.
 
 As in training, step k scores drafter state y_k [N, H] row t against teacher row t+1+k of one target
 state t [N + K, Ht], so the K steps share teacher rows; the lm_heads W_d [Vd, H] (trainable) and W_t
 [Vd, Ht] (frozen) are shared; the total is sum_k 0.8^k L_k / N, then one backward. Implementations:
-- shared-triton / shared-chunked: train/loss.py's path (teacher expectation once per batch, then the
+- shared-triton / shared-chunked: train/losses' path (teacher expectation once per batch, then the
   drafter logsumexp per step: Triton kernel / torch chunks);
 - fp32-head: its path outside ZeRO-3 for every loss without a rewrite of its own (models/kernels/head_loss.py:
   fp32 logits, the teacher's computed once per chunk of teacher rows for all steps, recomputed in backward);
@@ -35,7 +35,8 @@ import time
 import torch
 
 from fledge.models.alignment import StepRows
-from fledge.train.loss import LOSSES, Mix, _fp32_head_steps, _per_step_module_calls, _shared_teacher_steps
+from fledge.train.losses import LOSSES, Mix
+from fledge.train.losses.paths import fp32_head_steps, per_step_module_calls, shared_teacher_steps
 
 IMPLS = ("shared-triton", "shared-chunked", "fp32-head", "fp32-head-per-step", "per-step", "naive")
 
@@ -66,17 +67,17 @@ def _step(impl, ys, t, head, w_t, counted, chunk_size, loss="ttt_ce"):
         n = int(counted[0].sum())
         parts = [loss_sum(head(y[:n]).float(), (t[1 + k:1 + k + n] @ w_t.T).float()) for k, y in enumerate(ys)]
     else:
-        # train/loss.py's execution paths take per-step StepRows: step k scores row r against teacher row r+1+k.
+        # train/losses' execution paths take per-step StepRows: step k scores row r against teacher row r+1+k.
         rows = [StepRows(lead=1 + k, teacher_argmax=torch.zeros_like(c, dtype=torch.long), counted=c, scored=c)
                 for k, c in enumerate(counted)]
         if impl == "per-step":
-            scored = _per_step_module_calls(loss_sum, ys, rows, t, head, w_t, chunk_size)
+            scored = per_step_module_calls(loss_sum, ys, rows, t, head, w_t, chunk_size)
         elif impl == "fp32-head":
-            scored = _fp32_head_steps(loss_sum, ys, rows, t, head, w_t, chunk_size)
+            scored = fp32_head_steps(loss_sum, ys, rows, t, head, w_t, chunk_size)
         elif impl == "fp32-head-per-step":
-            scored = [_fp32_head_steps(loss_sum, [y], [r], t, head, w_t, chunk_size)[0] for y, r in zip(ys, rows)]
+            scored = [fp32_head_steps(loss_sum, [y], [r], t, head, w_t, chunk_size)[0] for y, r in zip(ys, rows)]
         else:
-            scored = _shared_teacher_steps(ys, rows, t, head, w_t, impl.removeprefix("shared-"), chunk_size)
+            scored = shared_teacher_steps(ys, rows, t, head, w_t, impl.removeprefix("shared-"), chunk_size)
         parts = [p for p, _, _ in scored]
     total = sum(0.8**k * p / int(c.sum()) for k, (p, c) in enumerate(zip(parts, counted)))
     total.backward()

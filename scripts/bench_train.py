@@ -13,7 +13,7 @@ head_dim 128, I 14336, Vd 32000, V 128256, K 7, T 4096). fp32 on CPU, bf16 on CU
 Each config runs four variants, every one in a fresh subprocess: ``ttt`` (K steps, ZeRO-2 as the
 recipes), ``k1`` (one step: the ratio is the cost of training-time test), ``zero0`` (K steps without
 ZeRO) and ``perstep`` (K steps with the earlier loss that recomputes the teacher in every step, which
-ZeRO-3 still uses; train/loss.py). Ratios are against ``ttt`` measured in the same run, so the shared machine's
+ZeRO-3 still uses; train/losses). Ratios are against ``ttt`` measured in the same run, so the shared machine's
 noise cancels. ``--losses tv rkl ...`` adds the ``ttt`` variant with each of those losses (``drafter.loss``;
 ``mix`` is ttt_ce 0.5 + tv 0.5): the training cost per step of each against the default ``ttt_ce``.
 ``step CPU-s`` (the process's CPU time per step, median) is the figure to compare on shared cores, where wall
@@ -31,7 +31,7 @@ Model FLOPs are counted analytically (no recomputation, elementwise ops ignored)
     ``fc`` once per real token; the mid-layer (q/k/v/o, gate/up/down) once per real token per TTT step;
     the drafter ``lm_head`` once per *counted* row per step (the loss only computes counted rows:
     sum over documents of max(0, L - 2 - k) at step k);
-  - the teacher, once per teacher row any step reads (the K steps share it; train/loss.py): its logits
+  - the teacher, once per teacher row any step reads (the K steps share it; train/losses): its logits
     (target_hidden @ teacher_head^T, frozen) 2 * Ht * Vd, and q = softmax(.) @ lm_head 4 * Vd * H (forward,
     and the backward to lm_head only);
   - attention at step k: each query head scores (t + 1) causal step-0 keys of its document plus k
@@ -123,7 +123,7 @@ def _build(name: str, cfg, device):
 
     from fledge.data.features.batch import FeatureBatch
     from fledge.models.drafter import DrafterSpec, Eagle3Drafter
-    from fledge.train.loss import build_loss
+    from fledge.train.losses import build_loss
     from fledge.train.ttt_model import TTTModel
 
     c = CONFIGS[name]
@@ -165,9 +165,9 @@ def _one(job: dict) -> dict:
     world = init_world()
     name, var = job["config"], VARIANTS[job["variant"]]
     if var.get("per_step_teacher"):  # the earlier loss: the teacher recomputed in every step (ZeRO-3's path)
-        import fledge.train.loss
+        import fledge.train.losses.paths
 
-        fledge.train.loss._partitioned = lambda lm_head: True
+        fledge.train.losses.paths.partitioned = lambda lm_head: True
     loss = job.get("loss", "ttt_ce")
     cfg = _compose(name, var["k1"], var["zero"], loss)
     cuda = world.device.type == "cuda"

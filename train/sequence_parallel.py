@@ -18,7 +18,7 @@ each rank computes on its shard:
   never run through the drafter, never counted, only read.
 
 The loss of a step is normalised by the rows the whole optimizer step counts, every shard of every group
-included (train/loss.py ``step_denominators``: one all-reduce of K integers), and scaled by the number of
+included (train/losses/base.py ``step_denominators``: one all-reduce of K integers), and scaled by the number of
 losses DeepSpeed averages gradients over (grad_accum x all ranks, dp x N), so the step's gradient is that
 of one batch holding all its rows. The all-to-all's backward carries every rank's loss
 into the others' activations, so each rank's parameter gradient is the whole row's through its own shard,

@@ -11,7 +11,7 @@ global batches consumed, and a resume on any world size and grad_accum continues
 run replays the uninterrupted one. Held-out eval reads the same global batches on every layout.
 
 The step optimises the loss of one batch holding all its rows: L_k is the mean over step k's counted rows
-of every micro-batch on every rank, not a mean of per-micro-batch means (train/loss.py
+of every micro-batch on every rank, not a mean of per-micro-batch means (train/losses
 ``step_denominators``). So each rank reads its ``grad_accum`` micro-batches of the step first (held on the
 host, or on the device with ``capture.mode=online``), counts their rows, and one all-reduce of K integers
 gives every rank the step's denominators before the first forward. The logged ``loss`` is that objective.
@@ -169,7 +169,7 @@ def run_training(ctx: StageContext) -> dict:
                     save(start)
                 raise Preempted(step)
             micro = [(g, seq.split(b) if seq else b) for g, b in micro]  # this rank's rows, before the device
-            # the step's loss is the mean over all its rows, on every rank (train/loss.py step_denominators)
+            # the step's loss is the mean over all its rows, on every rank (train/losses step_denominators)
             denominators = model.step_denominators([b for _, b in micro], divisor)
             for position, batch in micro:
                 out = engine(batch.to(world.device, dtype), denominators)

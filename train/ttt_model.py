@@ -19,14 +19,14 @@ from fledge.data.prepare.vocab import DraftVocab
 from fledge.models.drafter import DrafterSpec, Eagle3Drafter
 from fledge.models.weights import load_input_embeddings, load_lm_head_rows
 from fledge.serving.export import load_drafter
-from fledge.train.loss import TTTLoss, TTTResult, build_loss, step_denominators
+from fledge.train.losses import TTTLoss, TTTResult, build_loss, step_denominators
 from fledge.train.sequence_parallel import RowShard
 
 log = logging.getLogger(__name__)
 
 
 class TTTModel(nn.Module):
-    """``forward(batch)`` = ``loss(drafter, batch, teacher_head)``: a ``TTTResult`` (train/loss.py)."""
+    """``forward(batch)`` = ``loss(drafter, batch, teacher_head)``: a ``TTTResult`` (train/losses)."""
 
     PREFIX = "drafter."
 
@@ -47,7 +47,7 @@ class TTTModel(nn.Module):
     def step_denominators(self, batches: list[FeatureBatch | RowShard], divisor: float) -> torch.Tensor:
         """The loss denominators of one optimizer step whose micro-batches on this rank are ``batches`` (on
         any device; counted before they move to it), ``divisor`` the number of micro-batch losses the
-        optimizer averages (train/deepspeed_setup.py ``gradient_divisor``); train/loss.py ``step_denominators``.
+        optimizer averages (train/deepspeed_setup.py ``gradient_divisor``); train/losses/base.py ``step_denominators``.
         Every rank calls it once per step, before the step's first forward."""
         counts = sum(self.loss.counted_rows(self.drafter, b.batch, shard=b) if isinstance(b, RowShard)
                      else self.loss.counted_rows(self.drafter, b) for b in batches)

@@ -1,7 +1,7 @@
 """The one batch type the trainer consumes, from the feature store (offline) or the live target (online).
 
 All per-position tensors are *unshifted*: index t describes token x_t and the target's state after
-reading x_0..x_t. The TTT loss (train/loss.py) does the shifting (docs/architecture.md, Training-time test).
+reading x_0..x_t. The TTT loss (train/losses) does the shifting (docs/architecture.md, Training-time test).
 """
 
 from __future__ import annotations

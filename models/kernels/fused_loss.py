@@ -350,7 +350,7 @@ def fused_draft_loss(y: torch.Tensor, w_d: torch.Tensor, t: torch.Tensor, w_t: t
     row weight (0 masks a row). Returns (loss, draft_argmax [N] int64) where loss is sum_rows m * loss_row
     (scalar fp32) for reduction="sum", or m * loss_row [N] for "none". Differentiable in y and w_d. impl as
     for ``draft_cross_entropy``; "naive" materialises the formula itself (the oracle). For K steps sharing
-    teacher rows, call ``teacher_expectation`` once and ``draft_cross_entropy`` per step (train/loss.py).
+    teacher rows, call ``teacher_expectation`` once and ``draft_cross_entropy`` per step (train/losses).
     """
     if reduction not in ("sum", "none"):
         raise ValueError(f"fused_draft_loss: reduction={reduction!r}; use 'sum' or 'none'")

@@ -1,6 +1,6 @@
 """Any loss of the drafter's and the teacher's logits over the draft vocab, for all K TTT steps at once:
 teacher logits computed once per chunk of teacher rows and shared by the steps, fp32 logits and an fp32
-lm_head gradient. train/loss.py's path outside ZeRO-3 for the losses that have no rewrite of their own
+lm_head gradient. train/losses' path outside ZeRO-3 for the losses that have no rewrite of their own
 (the soft CE has one: fused_loss.py).
 
 Step k scores drafter row r against teacher row r + 1 + k, so the steps read the same teacher rows. The
@@ -13,7 +13,7 @@ and b per step, takes d = dL/db by autograd through ``loss_sum``, and forms dy =
 fp32. dy is rounded to y's dtype once; dW_d goes to ``grad_into`` (an ``fp32_grad`` stand-in), where every
 chunk's and step's terms and the other users' sum in fp32.
 
-Why not per step (as ZeRO-3's path, train/loss.py ``_per_step_module_calls``, does): the teacher's GEMMs
+Why not per step (as ZeRO-3's path, train/losses/paths.py ``per_step_module_calls``, does): the teacher's GEMMs
 then run K times. Measured (scripts/bench_loss.py's shapes on one CPU thread, fp32, N=1024, H=Ht=512,
 Vd=8000, K=7, CPU seconds of forward + backward): 2.74 s here against 3.71 s per step for tv, 2.78 s against
 3.70 s for the soft CE's formula (whose own rewrite takes 2.73 s). Why fp32 logits: near convergence the
@@ -102,7 +102,7 @@ def head_loss_steps(ys: list[torch.Tensor], w_d: torch.Tensor, t: torch.Tensor, 
     scores its rows against teacher rows that grow with them); w_d [Vd, H] the drafter's lm_head (gets the
     gradient); t [M, Ht] teacher states and w_t [Vd, Ht] the draft-vocab rows of the target's lm_head (both
     frozen). ``loss_sum(b, a)``: the summed loss of fp32 drafter and teacher logits ``[rows, Vd]``,
-    differentiable in b (train/divergences.py). ``chunk_size`` teacher rows at a time (so at most that many
+    differentiable in b (train/losses/divergences.py). ``chunk_size`` teacher rows at a time (so at most that many
     rows of each step). ``grad_into``: the ``fp32_grad(w_d)`` stand-in W_d's gradient goes to; None = one of
     its own. A step without rows gives 0 and zero gradients.
     """

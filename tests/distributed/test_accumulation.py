@@ -1,5 +1,5 @@
 """One optimizer step's gradient does not depend on how its rows fall into micro-batches and ranks
-(train/loss.py step_denominators, train/deepspeed_setup.py gradient_divisor): under DeepSpeed itself (gloo, fp32),
+(train/losses step_denominators, train/deepspeed_setup.py gradient_divisor): under DeepSpeed itself (gloo, fp32),
 one rank with grad_accum=2 and two ranks with one micro-batch each hand the optimizer the gradient of one
 batch holding both micro-batches' rows, whose counted rows differ 7-fold, and log that batch's loss. The
 loss-level equality with the old normalisation as a control is tests/unit/train/test_loss.py::

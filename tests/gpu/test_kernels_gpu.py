@@ -51,7 +51,7 @@ def test_fused_loss_bf16_matches_fp32_oracle(n, h, vd):
 
 @pytest.mark.parametrize("impl", ["triton", "chunked"])
 def test_bf16_gradients_stay_accurate_near_convergence(impl):
-    """train/loss.py's shared-teacher path in bf16 on tensor cores, drafter close to its teacher (KL ~0.004):
+    """train/losses' shared-teacher path in bf16 on tensor cores, drafter close to its teacher (KL ~0.004):
     gradients against fp64 within 1.5x of the standard error (fp32 math, rounded to bf16 once). On a GPU this
     is where the hi/lo split of fp32 operands (the kernel's softmax weights, mm_f32) shows: rounding them
     to bf16 alone costs ~3.5% (tests/helpers/loss_precision.py holds the problem)."""
@@ -71,11 +71,11 @@ def test_bf16_gradients_stay_accurate_near_convergence(impl):
 def test_fp32_head_path_bf16_gradients_near_convergence(name):
     """The path every loss but ttt_ce takes outside ZeRO-3 (models/kernels/head_loss.py) on tensor cores,
     where mm_f32 splits fp32 operands into bf16 parts for cuBLAS: gradients against fp64 math (the formula
-    of train/divergences.py, itself checked against its definition in tests/unit/train/test_loss_family.py)
+    of train/losses/divergences.py, itself checked against its definition in tests/unit/train/test_loss_family.py)
     within 1.5x of the standard error, as on CPU."""
     from loss_precision import near_converged, path_grads, reference_grads, rel_err
 
-    from fledge.train.loss import LOSSES
+    from fledge.train.losses import LOSSES
 
     loss = LOSSES.get(name)(steps=3, step_weight=0.8, chunk_size=512)
     problem = near_converged(n=2048, h=1024, vd=8000, steps=3, eps=0.03, device=DEV)
@@ -146,7 +146,7 @@ def test_torch_rms_norm_is_fused_on_cuda():
 
 
 def test_drafter_trains_the_same_with_triton_norms():
-    from fledge.train.loss import ttt_loss
+    from fledge.train.losses import ttt_loss
     from tests.helpers.models import make_drafter, packed_batch
 
     losses = {}
@@ -161,9 +161,9 @@ def test_drafter_trains_the_same_with_triton_norms():
 
 
 def test_ttt_loss_with_the_kernel_matches_the_torch_path():
-    """train/loss.py on CUDA: the shared-teacher loss through the Triton logsumexp (auto) equals its torch
+    """train/losses on CUDA: the shared-teacher loss through the Triton logsumexp (auto) equals its torch
     chunks (loss_impl=torch), values and every gradient (fp32)."""
-    from fledge.train.loss import ttt_loss
+    from fledge.train.losses import ttt_loss
     from tests.helpers.models import make_drafter, packed_batch
 
     out = {}

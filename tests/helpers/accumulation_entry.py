@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from fledge.data.features.batch import FeatureBatch
 from fledge.train.deepspeed_setup import gradient_divisor
-from fledge.train.loss import SoftCrossEntropy
+from fledge.train.losses import SoftCrossEntropy
 from fledge.train.ttt_model import TTTModel
 from tests.helpers.models import FLAGS, make_drafter, packed_batch
 

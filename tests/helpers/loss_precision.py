@@ -17,7 +17,7 @@ from fledge.models.alignment import StepRows
 
 def near_converged(n: int, h: int, vd: int, steps: int, eps: float, seed: int = 0, device: str = "cpu") -> dict:
     """K = ``steps`` drafter states ``ys`` [n + K, H] (rows >= n not counted), teacher states ``t`` [n + K, H],
-    heads ``w_d`` / ``w_t`` [vd, H], all bf16; ``rows`` the StepRows train/loss.py consumes; ``eps`` sets the
+    heads ``w_d`` / ``w_t`` [vd, H], all bf16; ``rows`` the StepRows train/losses consumes; ``eps`` sets the
     distance to the teacher (eps=0.03: drafter-teacher KL ~0.004 per row); built on CPU, moved to ``device``."""
     g = torch.Generator().manual_seed(seed)
     m = n + steps
@@ -71,8 +71,8 @@ def reference_grads(problem: dict, dtype: torch.dtype,
 
 
 def shared_teacher_grads(problem: dict, impl: str, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dys stacked, dW_d) from train/loss.py's shared-teacher path in bf16, with ``impl`` for the drafter part."""
-    from fledge.train.loss import _shared_teacher_steps
+    """(dys stacked, dW_d) from train/losses' shared-teacher path in bf16, with ``impl`` for the drafter part."""
+    from fledge.train.losses.paths import shared_teacher_steps as _shared_teacher_steps
 
     ys = [y.clone().requires_grad_() for y in problem["ys"]]
     head = torch.nn.Linear(*problem["w_d"].shape[::-1], bias=False, dtype=torch.bfloat16, device=problem["w_d"].device)
@@ -86,15 +86,15 @@ def shared_teacher_grads(problem: dict, impl: str, chunk_size: int) -> tuple[tor
 
 
 def path_grads(problem: dict, path: str, loss_sum, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dys stacked, dW_d) from train/loss.py's ``path`` in bf16: "generic" (ZeRO-3's: lm_head's own forward)
+    """(dys stacked, dW_d) from train/losses' ``path`` in bf16: "generic" (ZeRO-3's: lm_head's own forward)
     or "fp32_head" (elsewhere), running ``loss_sum``."""
-    import fledge.train.loss as L
+    import fledge.train.losses.paths as L
 
     ys = [y.clone().requires_grad_() for y in problem["ys"]]
     head = torch.nn.Linear(*problem["w_d"].shape[::-1], bias=False, dtype=torch.bfloat16, device=problem["w_d"].device)
     with torch.no_grad():
         head.weight.copy_(problem["w_d"])
-    run = {"generic": L._per_step_module_calls, "fp32_head": L._fp32_head_steps}[path]
+    run = {"generic": L.per_step_module_calls, "fp32_head": L.fp32_head_steps}[path]
     parts = run(loss_sum, ys, problem["rows"], problem["t"], head, problem["w_t"], chunk_size)
     total = sum(0.8**k * part / int(s.counted.sum()) for k, ((part, _, _), s) in enumerate(zip(parts, problem["rows"])))
     total.backward()

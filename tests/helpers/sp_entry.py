@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from fledge.data.features.batch import FeatureBatch
 from fledge.distributed import World, all_reduce_sum, sequence_groups
-from fledge.train.loss import SoftCrossEntropy
+from fledge.train.losses import SoftCrossEntropy
 from fledge.train.sequence_parallel import RowShard, SequenceParallel
 from tests.helpers.models import FLAGS, make_drafter
 

@@ -139,7 +139,7 @@ def test_speculators_training_loss_has_fledges_gradients(random_tiny_target, tmp
     from fledge.models.alignment import shift as _shift
     from fledge.models.weights import load_lm_head_rows
     from fledge.serving.export import load_drafter
-    from fledge.train.loss import ttt_loss
+    from fledge.train.losses import ttt_loss
 
     target = Path(random_tiny_target)
     flags, w = dict(fc_norm=True, norm_output=True), 0.8

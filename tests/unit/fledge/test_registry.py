@@ -7,7 +7,7 @@ from fledge.registry import Registry
 
 
 def test_register_get_names_and_the_message_naming_key_and_file():
-    r = Registry("drafter.loss", "train/loss.py", reserved=("auto",))
+    r = Registry("drafter.loss", "train/losses", reserved=("auto",))
     r.register("b", 2)
 
     @r.register("a")
@@ -16,7 +16,7 @@ def test_register_get_names_and_the_message_naming_key_and_file():
 
     assert r.get("a") is a and r.get("b") == 2 and r.names() == ["a", "b"] and "a" in r and list(r) == ["a", "b"]
     with pytest.raises(ValueError, match=r"^drafter\.loss='c': expected one of \['auto', 'a', 'b'\] \(a new one "
-                                         r"is registered in train/loss.py\)$"):
+                                         r"is registered in train/losses\)$"):
         r.get("c")
     r.check("auto")  # reserved: a valid value, not an entry
     with pytest.raises(ValueError, match="reserved"):
@@ -44,7 +44,7 @@ def test_every_extension_point_is_a_registry_and_the_table_names_each_config_key
     from fledge.models.layers.kind import LAYER_KINDS
     from fledge.pipeline.preflight import CONFIG_REGISTRIES
     from fledge.serving.dialects import DIALECTS
-    from fledge.train.loss import LOSSES
+    from fledge.train.losses import LOSSES
 
     assert all(isinstance(r, Registry) for r in (EVAL_SETS, FAMILIES, LAYER_KINDS, DIALECTS, LOSSES))
     assert set(CONFIG_REGISTRIES.values()) == {EVAL_SETS, LAYER_KINDS, DIALECTS, LOSSES}  # families: by model_type

@@ -10,7 +10,7 @@ from fledge.data.features.batch import FeatureBatch
 from fledge.evaluation.evaluate import heldout_accuracy
 from fledge.models import alignment
 from fledge.models.alignment import StepAccuracy, al_estimate
-from fledge.train.loss import ttt_loss
+from fledge.train.losses import ttt_loss
 from fledge.train.metrics import RatioMeter
 from tests.helpers.models import make_drafter, packed_batch
 

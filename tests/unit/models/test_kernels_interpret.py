@@ -100,7 +100,7 @@ def check_fused_loss_bf16():
 
 
 def check_fused_loss_bf16_near_convergence():
-    """train/loss.py's shared-teacher path with the kernel, bf16, drafter close to its teacher (KL ~0.004):
+    """train/losses' shared-teacher path with the kernel, bf16, drafter close to its teacher (KL ~0.004):
     gradients against fp64 within 1.5x of the standard error (fp32 math, rounded to bf16 once). The kernel's
     dy and dW terms used to be rounded to bf16 apart from the teacher's before the subtraction (14% / 20%
     here). The interpreter multiplies in fp32, so the hi/lo split of the softmax weights (what matters on
@@ -168,12 +168,12 @@ def check_fp8():
 
 
 def check_ttt_loss_kernel_path():
-    """train/loss.py with the Triton kernel (forced on for CPU tensors) equals its torch path: values,
+    """train/losses with the Triton kernel (forced on for CPU tensors) equals its torch path: values,
     metrics and gradients of every trainable parameter."""
     import torch
 
     import fledge.models.kernels as K
-    import fledge.train.loss as L
+    import fledge.train.losses as L
     from tests.helpers.models import make_drafter, packed_batch
     originals = {name: getattr(K, name) for name in ("draft_cross_entropy", "draft_logsumexp")}
 
@@ -208,7 +208,7 @@ def check_drafter_triton_norms():
     torch path: TTT loss and the gradient of every parameter, norm weights included."""
     import torch
 
-    from fledge.train.loss import ttt_loss
+    from fledge.train.losses import ttt_loss
     from tests.helpers.models import make_drafter, packed_batch
 
     grads = {}

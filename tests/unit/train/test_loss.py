@@ -8,14 +8,14 @@ import torch
 
 from fledge.models.alignment import ttt_states
 from fledge.run_layout import RunLayout
-from fledge.train.loss import ttt_loss
+from fledge.train.losses import ttt_loss
 from tests.helpers.models import FLAGS, make_drafter, packed_batch
 
 K, W = 3, 0.8
 
 
 def naive_metrics(d, b, head, steps):
-    """Per-row loops written from docs/architecture.md, Training-time test, independent of train/loss.py's
+    """Per-row loops written from docs/architecture.md, Training-time test, independent of train/losses'
     vectorised masks."""
     with torch.no_grad():
         logits = [d.lm_head(y) for y in ttt_states(d, b, steps)]
@@ -159,12 +159,12 @@ def test_zero3_path_equals_the_shared_teacher_path(monkeypatch):
     teacher is computed once for all steps. Same loss, metrics and gradients: the summed losses agree to the
     bound of summing their rows x Vd products in another order (one CPU's kernels were 1.1e-7 apart where a
     fixed 1e-7 was allowed), the counts exactly."""
-    import fledge.train.loss as L
+    import fledge.train.losses.paths as L
 
     head = torch.randn(40, 32, generator=torch.Generator().manual_seed(4))
     out = {}
     for partitioned in (False, True):
-        monkeypatch.setattr(L, "_partitioned", lambda lm_head, partitioned=partitioned: partitioned)
+        monkeypatch.setattr(L, "partitioned", lambda lm_head, partitioned=partitioned: partitioned)
         d = remapped(make_drafter(**FLAGS["eagle31"]))
         d.train()
         b = packed_batch()
@@ -205,17 +205,17 @@ def _two_micro_batches():
 @pytest.mark.parametrize("name", ["ttt_ce", "lk_lambda", "tv"])
 @pytest.mark.parametrize("partitioned", [False, True])
 def test_two_micro_batches_train_like_one_batch_holding_both(monkeypatch, partitioned, name):
-    """One rank, grad_accum=2: with the step's denominators (train/loss.py step_denominators, divisor 2)
+    """One rank, grad_accum=2: with the step's denominators (train/losses step_denominators, divisor 2)
     and each micro-batch's gradient halved (what DeepSpeed's backward does; tests/distributed/
     test_accumulation.py runs the engine itself), the loss and every gradient are those of one batch holding
     both micro-batches' rows, in fp32 to rounding. The micro-batches' own means (the old normalisation) are
     far from it: their rows weigh 1/n of their own micro-batch, not of the step. It holds for every loss
     (the counted rows and the denominators are shared code), the LK hybrid included: its KL weight is per row,
     not per micro-batch."""
-    import fledge.train.loss as L
-    from fledge.train.loss import LOSSES, step_denominators
+    import fledge.train.losses.paths as L
+    from fledge.train.losses import LOSSES, step_denominators
 
-    monkeypatch.setattr(L, "_partitioned", lambda lm_head: partitioned)  # both execution paths
+    monkeypatch.setattr(L, "partitioned", lambda lm_head: partitioned)  # both execution paths
     loss = LOSSES.get(name)(steps=K, step_weight=W, chunk_size=5)
     head = torch.randn(40, 32, generator=torch.Generator().manual_seed(4))
     whole, parts = _two_micro_batches()
@@ -269,7 +269,7 @@ def double_ce():
     the generic path on every ZeRO stage), unregistered afterwards."""
     import torch.nn.functional as F
 
-    from fledge.train.loss import LOSSES, TTTLoss
+    from fledge.train.losses import LOSSES, TTTLoss
 
     class DoubleCE(TTTLoss):
         name = "double_ce"
@@ -325,7 +325,7 @@ def test_a_registered_loss_is_what_the_trainer_builds_and_runs(double_ce, random
 
 def test_the_shared_teacher_path_is_only_for_the_formula_it_rewrites():
     """A subclass of the soft CE that changes loss_sum must not inherit the CE-only fast path."""
-    from fledge.train.loss import SoftCrossEntropy
+    from fledge.train.losses import SoftCrossEntropy
 
     class Scaled(SoftCrossEntropy):
         def loss_sum(self, logits, teacher_logits):
@@ -341,9 +341,9 @@ def test_the_shared_teacher_path_is_only_for_the_formula_it_rewrites():
 def test_unknown_loss_names_the_key_and_the_choices():
     from fledge.conf import compose
     from fledge.pipeline.preflight import check_config
-    from fledge.train.loss import LOSSES, build_loss
+    from fledge.train.losses import LOSSES, build_loss
 
-    with pytest.raises(ValueError, match=r"drafter\.loss='nope': expected one of \[.*'ttt_ce'.*train/loss.py"):
+    with pytest.raises(ValueError, match=r"drafter\.loss='nope': expected one of \[.*'ttt_ce'.*train/losses"):
         LOSSES.check("nope")
     cfg = compose(["recipe=tiny", "drafter.loss=nope"])  # the schema cannot see the registry ...
     with pytest.raises(ValueError, match=r"drafter\.loss='nope'"):

@@ -1,4 +1,4 @@
-"""The registered losses besides the soft CE (train/loss.py, train/divergences.py): each against an fp64
+"""The registered losses besides the soft CE (train/losses, train/losses/divergences.py): each against an fp64
 reference of its value and gradient written here from its definition, on both execution paths (ZeRO-3's
 generic path and the fp32-head path used elsewhere), in bf16 near convergence, the memory rule, the mix
 and the config keys."""
@@ -18,7 +18,7 @@ MIX = {"ttt_ce": 0.25, "tv": 2.0, "rkl": 0.5}
 NAMES = ("ttt_ce", "rkl", "jsd", "tv", "lk_lambda", "lk_alpha", "mix")
 
 
-# ---- fp64 references, from the definitions (not from train/divergences.py) ---------------------------------
+# ---- fp64 references, from the definitions (not from train/losses/divergences.py) ---------------------------------
 def _probs(x):
     e = torch.exp(x - x.max(-1, keepdim=True).values)
     return e / e.sum(-1, keepdim=True)
@@ -51,7 +51,7 @@ def ref_rows(name, b, a):
 
 
 def make_loss(name, chunk_size=5):
-    from fledge.train.loss import LOSSES, Mix
+    from fledge.train.losses import LOSSES, Mix
 
     base = dict(steps=K, step_weight=W, chunk_size=chunk_size)
     if name == "mix":
@@ -88,7 +88,7 @@ def test_each_formula_matches_its_fp64_definition(name):
 
 def test_total_variation_is_the_rejection_rate_of_speculative_sampling():
     """1 - TV = P(accept) = sum_v q_v min(1, p_v / q_v): a token drawn from q is kept with min(1, p/q)."""
-    from fledge.train.divergences import tv_rows
+    from fledge.train.losses.divergences import tv_rows
 
     b, a = _logits()
     p, q = _probs(a), _probs(b)
@@ -114,13 +114,13 @@ def _path_problem(n=30, h=16, ht=12, vd=50, seed=3, dtype=torch.float32):
 
 
 def _run_path(path, loss_sum, prob, chunk_size=7):
-    import fledge.train.loss as L
+    import fledge.train.losses.paths as L
 
     ys = [y.clone().requires_grad_() for y in prob["ys"]]
     head = torch.nn.Linear(prob["w_d"].shape[1], prob["w_d"].shape[0], bias=False, dtype=prob["w_d"].dtype)
     with torch.no_grad():
         head.weight.copy_(prob["w_d"])
-    run = {"generic": L._per_step_module_calls, "fp32_head": L._fp32_head_steps}[path]
+    run = {"generic": L.per_step_module_calls, "fp32_head": L.fp32_head_steps}[path]
     parts = run(loss_sum, ys, prob["rows"], prob["t"], head, prob["w_t"], chunk_size)
     total = sum(W**k * s / int(r.counted.sum()) for k, ((s, _, _), r) in enumerate(zip(parts, prob["rows"])))
     total.backward()
@@ -205,7 +205,7 @@ def test_no_step_keeps_its_logits_for_backward(name, path):
     """What the loss keeps for backward does not grow with Vd on either path: each chunk's logits are
     recomputed in backward, never kept (the materialised path, plain autograd over every step's logits, is the
     negative control: it keeps [rows, Vd] tensors for every step)."""
-    import fledge.train.loss as L
+    import fledge.train.losses.paths as L
 
     saved = {}
     for vd in (50, 500):
@@ -221,7 +221,7 @@ def test_no_step_keeps_its_logits_for_backward(name, path):
                 out.append((loss_sum(head(y[r]), prob["t"][r + s.lead] @ prob["w_t"].T), r, None))
             return out
 
-        run = {"generic": L._per_step_module_calls, "fp32_head": L._fp32_head_steps,
+        run = {"generic": L.per_step_module_calls, "fp32_head": L.fp32_head_steps,
                "materialised": materialised}[path]
         saved[vd] = saved_bytes(lambda run=run, loss_sum=loss_sum, ys=ys, prob=prob, head=head:
                                  run(loss_sum, ys, prob["rows"], prob["t"], head, prob["w_t"], 7),
@@ -239,12 +239,12 @@ def test_no_step_keeps_its_logits_for_backward(name, path):
 def test_zero3_path_equals_the_path_used_elsewhere(monkeypatch, name):
     """A drafter's TTT loss under ZeRO-3 (generic path) and outside it (fp32-head path): same loss, metrics
     and gradients of every trainable parameter."""
-    import fledge.train.loss as L
+    import fledge.train.losses.paths as L
 
     head = torch.randn(40, 32, generator=torch.Generator().manual_seed(4))
     out = {}
     for partitioned in (False, True):
-        monkeypatch.setattr(L, "_partitioned", lambda lm_head, partitioned=partitioned: partitioned)
+        monkeypatch.setattr(L, "partitioned", lambda lm_head, partitioned=partitioned: partitioned)
         d = make_drafter(**FLAGS["eagle31"]).train()
         b = packed_batch()
         res = make_loss(name)(d, b, head)
@@ -284,7 +284,7 @@ def test_mix_is_the_weighted_sum_of_its_parts():
 # ---- config --------------------------------------------------------------------------------------------------
 def test_every_loss_is_selectable_by_config_with_its_options():
     from fledge.conf import compose
-    from fledge.train.loss import build_loss
+    from fledge.train.losses import build_loss
 
     for name in ("rkl", "tv", "lk_alpha"):
         assert build_loss(compose(["recipe=tiny", f"drafter.loss={name}"]).drafter).name == name
@@ -315,7 +315,7 @@ def test_bad_loss_settings_name_the_key(overrides, key):
 def test_an_unregistered_part_of_a_mix_fails_before_any_stage():
     """The schema cannot see the registry: train/main.py's check (check_loss_config) names the key."""
     from fledge.conf import compose
-    from fledge.train.loss import check_loss_config
+    from fledge.train.losses import check_loss_config
 
     cfg = compose(["recipe=tiny", "drafter.loss=mix", "+drafter.loss_mix={ttt_ce: 0.5, nope: 0.5}"])
     with pytest.raises(ValueError, match=r"drafter\.loss_mix=.*\['nope'\] not registered.*'tv'"):

@@ -164,4 +164,4 @@ def test_fledge_config_refuses_what_fledge_run_refuses(tmp_path):
     no registry holds is one line naming the key, the choices and where losses are registered."""
     res = subprocess.run([sys.executable, "-m", "fledge", "config", "recipe=tiny", "drafter.loss=nope"],
                          cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
-    assert_one_line(res, "drafter.loss='nope': expected one of [", "'ttt_ce'", "train/loss.py")
+    assert_one_line(res, "drafter.loss='nope': expected one of [", "'ttt_ce'", "train/losses")

@@ -1,9 +1,9 @@
-"""The row losses of the training objectives in train/loss.py, as sums over rows of fp32 logits.
+"""The row losses of the training objectives in train/losses, as sums over rows of fp32 logits.
 
 Every function takes the drafter's logits ``b`` and the teacher's ``a`` over the draft vocab (fp32
 ``[rows, Vd]``; ``a`` carries no gradient) and returns the loss summed over the rows, an fp32 scalar
 differentiable in ``b``. p = softmax(a) is the teacher, q = softmax(b) the drafter. Which rows count and how
-each TTT step's sum is normalised is train/loss.py's business, the same for every objective.
+each TTT step's sum is normalised is train/losses' business, the same for every objective.
 
 Acceptance. Under speculative sampling a token drafted from q is accepted with probability
 ``alpha = sum_v min(p_v, q_v) = 1 - TV(p, q)`` (TV the total variation distance, ``0.5 sum_v |p_v - q_v|``),
@@ -80,7 +80,7 @@ def lk_lambda(b: torch.Tensor, a: torch.Tensor, eta: float) -> torch.Tensor:
     Decoding" (arXiv 2602.23881), with lambda per row as the speculators library computes it. SpecForge and
     NeMo Automodel take lambda from the mean alpha of the step's batch instead; per row keeps the loss a
     sum of row terms, so an optimizer step trains on the same objective however its rows fall into
-    micro-batches and ranks (train/loss.py ``step_denominators``)."""
+    micro-batches and ranks (train/losses/base.py ``step_denominators``)."""
     tv = tv_rows(b, a)
     weight = torch.exp(-eta * (1 - tv.detach()))
     return (weight * forward_kl_rows(b, a) + (1 - weight) * tv).sum()
