@@ -12,6 +12,7 @@ from pathlib import Path
 from tests.helpers.capture import H, L, N, V, prepare_runs
 from tests.helpers.paths import REPO
 from tests.helpers.processes import descendants
+from tests.helpers.suites import FULL_ONLY
 
 
 def _cmd(root: Path, run: str) -> list[str]:
@@ -39,6 +40,7 @@ def _shards(d: Path, rank: int) -> int:
         return 0
 
 
+@FULL_ONLY  # CI twin: tests/unit/data/test_features.py test_resume_after_lost_shards_is_identical
 def test_kill9_then_resume_is_byte_identical(tmp_path):
     prepare_runs(tmp_path)
     subprocess.run(_cmd(tmp_path, "a"), cwd=REPO, env=_env(), check=True, timeout=240, capture_output=True)

@@ -25,9 +25,7 @@ import pytest
 
 from fledge.evaluation.report import read_metrics
 from tests.helpers.paths import REPO
-
-FULL_ONLY = pytest.mark.skipif(os.environ.get("FLEDGE_ENGINE_FULL") != "1",
-                               reason="the full suite's (FLEDGE_ENGINE_FULL=1): CI's 30 minutes")
+from tests.helpers.suites import FULL_ONLY
 
 # (stage, how its output is compared): "files" = every file byte-for-byte plus the manifest;
 # "manifest" = the manifest's outputs only (training writes wall-clock logs; its numbers are the contract).

@@ -34,6 +34,7 @@ import pytest
 from fledge.evaluation.report import read_metrics
 from tests.helpers.paths import REPO
 from tests.helpers.slurm_cluster import slurm_marks
+from tests.helpers.suites import FULL_ONLY
 
 pytestmark = slurm_marks()
 STEPS = 10
@@ -362,6 +363,8 @@ def release_requeued(cluster, job: str, restarts: int, run: Path) -> float:
 KILL_WAIT = 30  # the cluster's KillWait (tests/helpers/slurm_cluster.py): Slurm's grace between SIGTERM and SIGKILL
 
 
+@FULL_ONLY  # CI twins: tests/unit/pipeline/test_slurm.py (the templates' time-limit signal and requeue), and
+# test_two_node_job_meets_at_the_first_node above (the two-node train job under real Slurm)
 def test_requeue_and_warning_signal_resume_the_two_node_train_job_exactly(slurm_cluster, direct_run, tiny_target,
                                                                           tmp_path):
     """The train job on two nodes (one rank each), on the direct run's prepared data and features:

@@ -3,16 +3,13 @@ tracebacks are for bugs and for FLEDGE_DEBUG=1. Runs the real entry point (``fle
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import pytest
 
 from tests.helpers.cli import ENV, assert_one_line, fledge_run, prepare_only
-
-FULL_ONLY = pytest.mark.skipif(os.environ.get("FLEDGE_ENGINE_FULL") != "1",
-                               reason="the full suite's (FLEDGE_ENGINE_FULL=1): CI's 30 minutes")
+from tests.helpers.suites import FULL_ONLY
 
 
 def test_file_that_is_not_utf8_names_file_and_line(tmp_path, random_tiny_target):
@@ -119,6 +116,7 @@ def _copy_run(captured, tmp_path):
     return tmp_path / "out" / "tiny"
 
 
+@FULL_ONLY  # CI twin: tests/distributed/test_train.py test_a_skipped_step_with_accumulation_resumes_exactly
 def test_diverged_training_is_one_line_whose_advice_trains(tmp_path, captured):
     """max_nonfinite steps in a row skipped is the user's setting (the learning rate) or data, not a bug."""
     _copy_run(captured, tmp_path)
