@@ -63,8 +63,8 @@ class DriftProbe:
         probs = torch.softmax((q.float() @ k.float().transpose(-1, -2)) / math.sqrt(D), -1)[0, :, 0]
         self.last_probs = probs
         p = probs.mean(0)  # head average
-        row = torch.stack([p[0], p[1:n_context].sum(), p[n_context:].sum(),
-                           fed.float().pow(2).mean().sqrt().cpu(), torch.tensor(1.0)]).double().cpu()
+        row = torch.stack([p[0], p[1:n_context].sum(), p[n_context:].sum(),  # on the drafter's device
+                           fed.float().pow(2).mean().sqrt(), p.new_tensor(1.0)]).double().cpu()
         self.sums[depth] = self.sums[depth] + row if depth in self.sums else row
 
     def summary(self) -> dict[str, list[float]]:

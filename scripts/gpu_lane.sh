@@ -9,7 +9,7 @@
 # as wheels built here, e.g. `pip wheel --no-deps -w wheels hydra-core==1.3.8 omegaconf==2.3.1
 # antlr4-python3-runtime==4.9.3 deepspeed==0.19.8`, and installed with --wheels. Each step runs even if
 # an earlier one failed; the summary says which did. GPU_LANE_STEPS="a b ..." runs only the steps named
-# (default: all; their limits add up to 15 minutes, so a 10-minute device command names a subset), and
+# (default: all; their limits add up to over 15 minutes, so a 10-minute device command names a subset), and
 # outputs are written as they come, so a cut run still returns its files.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,10 +22,10 @@ fi
 # Fledge itself, in the wheel's layout (one fledge namespace) without installing: the checkout's own
 # fledge/ would shadow an installed copy for scripts run from here, so link its subpackages in as the
 # editable install maps them (train/ -> fledge.train, ...).
-for d in train data models conf serving evaluation testbed; do [ -e "fledge/$d" ] || ln -s "../$d" "fledge/$d"; done
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 WANDB_MODE=disabled PYTHONUNBUFFERED=1
+for d in train data models conf serving evaluation testbed pipeline; do [ -e "fledge/$d" ] || ln -s "../$d" "fledge/$d"; done
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=disabled PYTHONUNBUFFERED=1
 : > "$OUT/summary.txt"
-STEPS=" ${GPU_LANE_STEPS:-nvidia_smi tests_gpu bench_loss bench_rmsnorm bench_train bench_layers bench_long} "
+STEPS=" ${GPU_LANE_STEPS:-nvidia_smi tests_gpu bench_loss bench_rmsnorm bench_train bench_layers bench_long tiny_pipeline} "
 step() {  # step NAME TIMEOUT_S CMD...   (rc 124 = stopped at its limit); only the steps named in GPU_LANE_STEPS
   local name=$1 limit=$2; shift 2
   case "$STEPS" in *" $name "*) ;; *) return 0 ;; esac
@@ -39,9 +39,23 @@ step nvidia_smi 15 nvidia-smi
 per_test=""; $PY -c "import pytest_timeout" 2>/dev/null && per_test="--timeout=${TESTS_GPU_TEST_TIMEOUT:-60}"
 step tests_gpu ${TESTS_GPU_LIMIT:-300} $PY -m pytest ${TESTS_GPU_PATHS:-tests/gpu} -v --tb=short --durations=0 \
   -p no:cacheprovider $per_test ${TESTS_GPU_ARGS:-}
-step bench_loss 180 $PY scripts/bench_loss.py --device cuda ${BENCH_LOSS_ARGS:-}
+step bench_loss ${BENCH_LOSS_LIMIT:-180} $PY scripts/bench_loss.py --device cuda ${BENCH_LOSS_ARGS:-}
 step bench_rmsnorm 45 $PY scripts/bench_rmsnorm.py --device cuda
-step bench_train 150 $PY scripts/bench_train.py --device cuda
+step bench_train ${BENCH_TRAIN_LIMIT:-150} $PY scripts/bench_train.py --device cuda ${BENCH_TRAIN_ARGS:-}
 [ -f scripts/bench_layers.py ] && step bench_layers ${BENCH_LAYERS_LIMIT:-120} $PY scripts/bench_layers.py --device cuda ${BENCH_LAYERS_ARGS:-}
 [ -f scripts/bench_long.py ] && step bench_long ${BENCH_LONG_LIMIT:-180} $PY scripts/bench_long.py --device cuda ${BENCH_LONG_ARGS:-}
+true
+# The whole pipeline on the GPU: the tiny recipe (prepare, capture, train, export, eval in process; vLLM is not
+# on that machine) on one rank, from a tiny target built on a CPU and carried in .cache/tiny_target/llama
+# (`fledge tiny-target` here). Its stage records and figures come back as one archive.
+tiny_pipeline() {
+  local run="$PWD/outputs/gpu_lane_tiny"
+  $PY -m torch.distributed.run --nproc_per_node=1 train/main.py recipe=tiny run.output_root="$run" \
+    train.max_steps=${TINY_STEPS:-200} ${TINY_ARGS:-}
+  local rc=$?
+  (cd "$run" && find . -name "*.json" -size -512k -print0 | tar --null -czf "$OUT/tiny_run.tgz" -T -)
+  return $rc
+}
+export -f tiny_pipeline; export PY OUT
+[ -d .cache/tiny_target/llama ] && step tiny_pipeline ${TINY_LIMIT:-240} bash -c tiny_pipeline
 true

@@ -84,7 +84,9 @@ def quantize_e4m3(x: torch.Tensor, impl: str = "auto") -> tuple[torch.Tensor, to
         return q.view(x.shape), scale.view(x.shape[:-1])
     xf = x.float()
     amax = xf.abs().amax(dim=-1).clamp_min(1e-12)
-    scale = amax / E4M3_MAX
+    # Divided by a tensor, not a Python number: CUDA divides by a scalar as a product with its reciprocal, 1 ulp
+    # off the kernel's correctly rounded quotient (the H200 lane, 2026-12-04); a tensor divisor rounds alike.
+    scale = amax / amax.new_tensor(E4M3_MAX)
     q = (xf / scale.unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return q, scale
 

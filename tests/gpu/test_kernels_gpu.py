@@ -73,9 +73,8 @@ def test_fp32_head_path_bf16_gradients_near_convergence(name):
     where mm_f32 splits fp32 operands into bf16 parts for cuBLAS: gradients against fp64 math (the formula
     of train/losses/divergences.py, itself checked against its definition in tests/unit/train/test_loss_family.py)
     within 1.5x of the standard error, as on CPU."""
-    from loss_precision import near_converged, path_grads, reference_grads, rel_err
-
     from fledge.train.losses import LOSSES
+    from tests.helpers.loss_precision import near_converged, path_grads, reference_grads, rel_err
 
     loss = LOSSES.get(name)(steps=3, step_weight=0.8, chunk_size=512)
     problem = near_converged(n=2048, h=1024, vd=8000, steps=3, eps=0.03, device=DEV)
