@@ -55,6 +55,11 @@ class DrafterConfig:
     fc_norm: bool = True  # EAGLE-3.1: per-aux-state RMSNorm before fc
     norm_output: bool = True  # EAGLE-3.1: post-norm feedback across draft steps
     norm_before_fc: bool = False  # older option (one norm over the concat); never with fc_norm
+    # P-EAGLE (drafter=p_eagle; vLLM's speculative_config.parallel_drafting): the draft steps after the first take
+    # the mask token and a learned state (mask_hidden) instead of the draft before them, so the engine proposes all
+    # K tokens in one forward. mask_token_id: a target-vocab id (None: the target's pad id, else its eos id).
+    parallel_drafting: bool = False
+    mask_token_id: Optional[int] = None
     draft_vocab_size: int = 32000
     ttt_steps: int = 7  # K
     step_weight: float = 0.8  # w: total loss = sum_k w^k L_k

@@ -155,6 +155,8 @@ class DrafterProposer:
             if depth:  # feed back the last state with the draft just made, at position n - 1 + depth
                 fed = state
                 ids = torch.tensor([[drafts[-1]]], device=self.device)
+                if self.drafter.spec.parallel_drafting:  # P-EAGLE: the mask slot, independent of the drafts
+                    ids, fed = self.drafter.parallel_inputs(ids)
                 pos = torch.tensor([[self.n - 1 + depth]], device=self.device)
                 out, state = self.drafter.decode_step(ids, fed, pos, self.cache)
                 logits = out[0, -1].float()

@@ -5,7 +5,9 @@ A ``FeatureBatch`` is unshifted: index t is token x_t and the target's state aft
 Step k of the unroll (k = 0..K-1) treats row t as a draft made ``lead(k) = 1 + k`` tokens after t:
 
 - its input is token x_{t+lead} at RoPE position ``position_ids[t] + k`` (teacher forcing), with the
-  feature ``A_t`` at step 0 and the state step k-1 fed back at row t after that;
+  feature ``A_t`` at step 0 and the state step k-1 fed back at row t after that; a parallel drafter
+  (P-EAGLE) takes the mask token and its learned state at every step after the first instead, as the
+  engine feeds its parallel slots;
 - it is scored against teacher row t+lead: the target's distribution of x_{t+lead+1}, from
   ``target_hidden[t+lead]``, whose argmax is ``target_argmax[t+lead]``;
 - it is *scored* when x_{t+lead+1} is a loss-masked token of row t's document (so padding, a document's
@@ -94,9 +96,13 @@ def unroll(drafter, aux_hidden: torch.Tensor, input_ids: torch.Tensor, position_
     # built once: every step (and its backward) reads the same mask
     mask = TTTMask(document_ids if shard is None else shard.document_ids, steps)
     distribute = None if shard is None else shard.sp.distribute
+    parallel = drafter.spec.parallel_drafting
     for k in range(steps):
         tokens, positions = step_inputs(input_ids, position_ids, k)
-        y, g = drafter.ttt_step(tokens[:, :own], g, positions[:, :own], mask, kv, distribute=distribute)
+        tokens = tokens[:, :own]
+        if k and parallel:  # P-EAGLE: the mask token and state, not the draft before (module docstring)
+            tokens, g = drafter.parallel_inputs(tokens)
+        y, g = drafter.ttt_step(tokens, g, positions[:, :own], mask, kv, distribute=distribute)
         ys.append(y if own == T else torch.nn.functional.pad(y, (0, 0, 0, T - own)))
     return ys
 

@@ -61,6 +61,9 @@ class DrafterSpec:
     norm_output: bool = True
     norm_before_fc: bool = False
     layer: str = "llama"  # drafter layer kind (models/layers/)
+    # P-EAGLE: draft steps >= 1 take (mask_token_id, fuse(mask_hidden)) instead of the draft before them
+    parallel_drafting: bool = False
+    mask_token_id: int | None = None
     # MLA widths (layer "mla" only; models/layers/): null q_lora_rank = a plain q_proj
     q_lora_rank: int | None = None
     kv_lora_rank: int = 0
@@ -108,6 +111,8 @@ class DrafterSpec:
             norm_output=drafter_cfg.norm_output,
             norm_before_fc=drafter_cfg.norm_before_fc,
             layer=kind.name,
+            parallel_drafting=bool(getattr(drafter_cfg, "parallel_drafting", False)),
+            mask_token_id=mask_token_id_for(drafter_cfg, hf_config, shape.vocab_size),
             **{k: layer[k] for k in kind.spec_keys},
         )
 
@@ -124,6 +129,10 @@ class DrafterSpec:
         problems = [p for p in kind.checks(dataclasses.asdict(self)) if p[0] == "error"]
         if problems:
             raise ValueError(problems[0][2])
+        mask = self.mask_token_id
+        if self.parallel_drafting and not (mask is not None and 0 <= mask < self.vocab_size):
+            raise ValueError(f"mask_token_id={self.mask_token_id}: parallel drafting needs a target-vocab id in "
+                             f"[0, {self.vocab_size})")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_key_value_heads={self.num_key_value_heads} must divide "
@@ -161,6 +170,23 @@ class DrafterSpec:
             vocab_size=self.vocab_size,
             num_hidden_layers=1,
         )
+
+
+def mask_token_id_for(drafter_cfg, hf_config, vocab_size: int) -> int | None:
+    """The token a parallel-drafting slot is fed: ``drafter.mask_token_id``, else the target's pad id, else its eos
+    id (the engine embeds it with the target's frozen embedding; the learned mask_hidden makes the slot)."""
+    get = drafter_cfg.get if isinstance(drafter_cfg, Mapping) else lambda k, d=None: getattr(drafter_cfg, k, d)
+    given = get("mask_token_id", None)
+    if not get("parallel_drafting", False) or given is not None:
+        return None if given is None else int(given)
+    config = hf_config if isinstance(hf_config, Mapping) else hf_config.to_dict()
+    for key in ("pad_token_id", "eos_token_id"):
+        value = config.get(key)
+        value = value[0] if isinstance(value, (list, tuple)) and value else value
+        if isinstance(value, int) and 0 <= value < vocab_size:
+            return value
+    raise ValueError("drafter.parallel_drafting: the target's config has no pad_token_id or eos_token_id to feed "
+                     "the parallel slots; set drafter.mask_token_id")
 
 
 def _json_safe(x: Any) -> Any:
@@ -237,6 +263,8 @@ class Eagle3Drafter(nn.Module):
         self.midlayer = _MidLayer(spec, config)
         self.norm = RMSNorm(H, eps=eps)
         self.lm_head = nn.Linear(H, spec.draft_vocab_size, bias=False)
+        if spec.parallel_drafting:  # P-EAGLE's slot state, in the aux states' space (vLLM's mask_hidden [1, n*Ht])
+            self.mask_hidden = nn.Parameter(torch.randn(1, spec.fc_in_features))
         self.rotary_emb = LlamaRotaryEmbedding(config)  # transformers' RoPE (llama3/yarn/linear...)
         self._inv_freq_fp32 = self.rotary_emb.inv_freq.detach().clone()
         Vd, V = spec.draft_vocab_size, spec.vocab_size
@@ -315,6 +343,13 @@ class Eagle3Drafter(nn.Module):
         elif self.spec.norm_before_fc:
             aux_hidden = self.input_norm(aux_hidden)
         return self.fc(aux_hidden)
+
+    def parallel_inputs(self, like_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A parallel-drafting slot's inputs shaped like ``like_ids`` ``[B, T]``: the mask token's ids and
+        ``fuse(mask_hidden)`` ``[B, T, H]``, as vLLM feeds every draft position after the first."""
+        ids = torch.full_like(like_ids, self.spec.mask_token_id)
+        g = self.fuse(self.mask_hidden.to(self.fc.weight.dtype)[None])
+        return ids, g.expand(*like_ids.shape, g.shape[-1])
 
     def _layer(self, input_ids, g, position_ids, attend):
         """One draft step: returns (y = norm(h2), fed-back state)."""

@@ -33,8 +33,8 @@ META = "fledge.json"
 RECORD = "fledge_training.json"
 RECORD_VERSION = 1
 # The spec fields the record repeats as ``trained_with``: what the linter holds config.json to.
-TRAINED_WITH = ("fc_norm", "norm_output", "norm_before_fc", "aux_layer_ids", "draft_vocab_size", "vocab_size",
-                "hidden_size", "max_position_embeddings")
+TRAINED_WITH = ("fc_norm", "norm_output", "norm_before_fc", "parallel_drafting", "aux_layer_ids", "draft_vocab_size",
+                "vocab_size", "hidden_size", "max_position_embeddings")
 
 
 @dataclass(frozen=True)

@@ -121,9 +121,12 @@ def build_model_card(drafter_dir: str | Path, repo_id: str, measured: Measured |
     run_cfg = measured.run_config.strip()
     datasets = _datasets(run_cfg)
     flavour = "EAGLE-3.1" if c.get("fc_norm") or c.get("norm_output") else "EAGLE-3"
+    parallel = c.get("mask_token_id") is not None
+    tag = "p-eagle" if parallel else flavour.lower()
+    flavour = f"P-EAGLE ({flavour} with parallel drafting)" if parallel else flavour
     card_data = ModelCardData(
         base_model=target if "/" in target and not Path(target).exists() else None,
-        library_name="fledge", tags=["speculative-decoding", "eagle3", "drafter", flavour.lower()],
+        library_name="fledge", tags=["speculative-decoding", "eagle3", "drafter", tag],
         datasets=datasets or None, pipeline_tag="text-generation")
     outputs, plots = measured.outputs, list(measured.plots)
     parts = [
@@ -138,6 +141,8 @@ def build_model_card(drafter_dir: str | Path, repo_id: str, measured: Measured |
         f"- trained steps: {record.get('step')}\n",
         "## Serving\n",
         serving_commands(dialect, repo_id, target, speculative_tokens) + "\n",
+        *(["vLLM drafts all k tokens of this drafter in one forward: add `\"parallel_drafting\": true` to "
+           "`--speculative-config`. SGLang has no parallel drafting for EAGLE drafters.\n"] if parallel else []),
         "## Measured acceptance\n",
     ]
     table = _al_table(outputs) if outputs else ""

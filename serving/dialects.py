@@ -33,7 +33,7 @@ from fledge.registry import Registry
 
 TRAINING_PREFIX = "midlayer."  # the decoder layer's prefix in the drafter's own state_dict
 # Keys read back under the HF dialect's names, whatever the dialect (layer keys come along unnamed).
-EAGLE_KEYS = ("draft_vocab_size", "target_hidden_size", "fc_norm", "norm_output", "norm_before_fc")
+EAGLE_KEYS = ("draft_vocab_size", "target_hidden_size", "fc_norm", "norm_output", "norm_before_fc", "mask_token_id")
 
 
 @dataclass(frozen=True)

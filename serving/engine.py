@@ -57,9 +57,10 @@ def speculative_config(method: str, k: int, drafter_dir: Path | None = None, loo
 
 
 def draft_options(drafter_dir: Path, device_type: str) -> dict:
-    """Keys a drafter needs in vLLM's speculative_config beyond method, model and k: on a CPU, the draft's own
-    ``attention_backend`` when its layer kind names one (``LayerKind.cpu_attention_backend``: an MLA drafter
-    gets vLLM's reference CPU_MLA, models/layers/mla.py says why)."""
+    """Keys a drafter needs in vLLM's speculative_config beyond method, model and k: ``parallel_drafting`` for a
+    P-EAGLE export (its config.json names a ``mask_token_id``); on a CPU, the draft's own ``attention_backend``
+    when its layer kind names one (``LayerKind.cpu_attention_backend``: an MLA drafter gets vLLM's reference
+    CPU_MLA, models/layers/mla.py says why)."""
 
     path = Path(drafter_dir) / "config.json"
     if not path.exists():  # nothing to read: vLLM reports the missing drafter itself
@@ -67,9 +68,12 @@ def draft_options(drafter_dir: Path, device_type: str) -> dict:
     config = json.loads(path.read_text())
     layer = config.get("transformer_layer_config") or config
     kind = kind_of_config(layer)
+    out = {}
+    if config.get("mask_token_id") is not None:  # P-EAGLE: all k drafts in one forward (the export's mask slots)
+        out["parallel_drafting"] = True
     if device_type != "cuda" and kind is not None and kind.cpu_attention_backend:
-        return {"attention_backend": kind.cpu_attention_backend}
-    return {}
+        out["attention_backend"] = kind.cpu_attention_backend
+    return out
 
 
 def run_driver(engine: str, python: Path, request: dict, workdir: Path, timeout_s: float) -> dict:

@@ -129,7 +129,8 @@ def spec_from_export(drafter_dir: str | Path, target_num_hidden_layers: int | No
         kind = kind_of_architecture(config.get("architectures") or []) or get_layer_kind("llama")
     flags = _Flags(fc_norm=bool(c.get("fc_norm")), norm_output=bool(c.get("norm_output")),
                    norm_before_fc=bool(c.get("norm_before_fc")),
-                   draft_vocab_size=int(c.get("draft_vocab_size") or c["vocab_size"]), layer=kind.name)
+                   draft_vocab_size=int(c.get("draft_vocab_size") or c["vocab_size"]), layer=kind.name,
+                   parallel_drafting=c.get("mask_token_id") is not None, mask_token_id=c.get("mask_token_id"))
     ids = c.get("aux_layer_ids")
     if not ids:
         raise ValueError(f"{d}/config.json has no eagle_aux_hidden_state_layer_ids; add the boundary ids the "
@@ -156,6 +157,8 @@ class _Flags:
     draft_vocab_size: int
     aux_layer_ids: list | None = None
     layer: str = "llama"
+    parallel_drafting: bool = False  # P-EAGLE: config.json names a mask_token_id
+    mask_token_id: int | None = None
 
 
 def load_drafter(drafter_dir: str | Path, embed_weight: torch.Tensor | None = None,

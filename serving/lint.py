@@ -218,6 +218,11 @@ def _check_flags(c: dict, record: dict | None, add) -> None:
         add("error", "max-positions-trained", f"max_position_embeddings={c.get('max_position_embeddings')} but "
             f"the drafter was trained with {spec['max_position_embeddings']} (the target's)",
             f"set max_position_embeddings={spec['max_position_embeddings']}")
+    parallel, names_mask = trained.get("parallel_drafting"), c.get("mask_token_id") is not None
+    if parallel is not None and names_mask != bool(parallel):
+        add("error", "parallel-drafting-mismatch", f"config.json {'names' if names_mask else 'has no'} "
+            f"mask_token_id but the drafter was trained with parallel_drafting={bool(parallel)}: the engine "
+            "would feed the draft steps otherwise than training did", "re-export it with Fledge")
     for key in ("fc_norm", "norm_output", "norm_before_fc"):
         if trained.get(key) is not None and bool(c.get(key)) != bool(trained[key]):
             add("error", f"{key.replace('_', '-')}-mismatch",

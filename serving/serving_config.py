@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from fledge.conf.drafter_rules import drafter_problems, raise_problems
+from fledge.models.drafter import mask_token_id_for
 from fledge.models.families import read_target, text_config_dict
 from fledge.models.layers.kind import get_layer_kind, kind_of_config, layer_settings, resolve_layer_kind
 from fledge.serving.dialects import ServingFields, dialect_of, get_dialect
@@ -67,6 +68,8 @@ def serving_config(
             layer[key] = _opt(drafter, key)
     H = layer["hidden_size"]
     flags = {"fc_norm": fc_norm, "norm_output": norm_output, **({"norm_before_fc": True} if nbf else {})}
+    if _flag(drafter, "parallel_drafting"):  # P-EAGLE: vLLM reads the slots' token from config.json's mask_token_id
+        flags["mask_token_id"] = mask_token_id_for(drafter, target_config, V)
     return dialect.build(ServingFields(
         layer=layer, flags=flags, aux_layer_ids=ids, draft_vocab_size=int(draft_vocab_size),
         target_hidden_size=Ht if H != Ht else None, target_name=target_name,
@@ -98,6 +101,8 @@ def expected_tensors(config: Mapping, include_embed: bool = False) -> dict[str, 
         out.update({f"fc_norm.{i}.weight": ((Ht,), bf) for i in range(n)})
     if c.get("norm_before_fc"):
         out["input_norm.weight"] = ((n * Ht,), bf)
+    if c.get("mask_token_id") is not None:  # P-EAGLE's slot state (vLLM refuses a parallel drafter without it)
+        out["mask_hidden"] = ((1, n * Ht), bf)
     for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
         out[f"{p}{name}.weight"] = ((H,), bf)
     out.update({name: (shape, bf) for name, shape in kind.tensors(c, p, H).items()})

@@ -128,10 +128,13 @@ def init_from(drafter: nn.Module, source: str | Path, embedding: torch.Tensor) -
     kept = src >= 0
     head = drafter.lm_head.weight.detach().cpu().clone()
     head[kept] = loaded.lm_head.weight[src[kept]].to(head.dtype)
-    state = {k: v for k, v in loaded.state_dict().items() if k not in ("d2t", "t2d", "embed_tokens.weight")}
+    skip = {"d2t", "t2d", "embed_tokens.weight"} | ({"mask_hidden"} if not drafter.spec.parallel_drafting else set())
+    state = {k: v for k, v in loaded.state_dict().items() if k not in skip}
     state["lm_head.weight"] = head
     missing, unexpected = drafter.load_state_dict(state, strict=False)
-    assert set(missing) == {"d2t", "t2d", "embed_tokens.weight"} and not unexpected, (missing, unexpected)
+    # a P-EAGLE run started from a chain drafter keeps its own initial mask_hidden
+    assert set(missing) - {"mask_hidden"} == {"d2t", "t2d", "embed_tokens.weight"} and not unexpected, (missing,
+                                                                                                   unexpected)
     log.info("initialised the drafter from %s: %d of %d draft ids carry its lm_head rows, %d start from %s",
              source, int(kept.sum()), len(new_ids), int((~kept).sum()),
              "the teacher's rows" if drafter.spec.hidden_size == drafter.spec.target_hidden_size

@@ -28,6 +28,7 @@ import pytest
 from fledge.serving.engine import acceptance, engine_python, run_driver, speculative_config
 from tests.helpers.engine import engine_marks
 from tests.helpers.paths import REPO as ROOT
+from tests.helpers.suites import FULL_ONLY
 
 GOLDEN = json.loads((ROOT / "recipes" / "tiny" / "golden.json").read_text())
 ENGINE = engine_python()
@@ -260,3 +261,43 @@ def test_the_eval_stage_fails_on_a_served_fault_with_the_causes(served, tmp_path
                      metrics_path=run.train.metrics, train_al_estimate=estimate)
     md = (tmp_path / "eval" / "report.md").read_text()
     assert "Engine checks failed" in md and "## Served by vllm" in md
+
+
+@FULL_ONLY
+def test_a_p_eagle_drafter_is_served_with_parallel_drafting_at_its_in_process_acceptance(served, tiny_target,
+                                                                                         tmp_path):
+    """P-EAGLE (drafter=p_eagle) trained on the shared run's features, served by vLLM with parallel_drafting
+    (all k drafts in one forward): lossless, and its AL within the eval stage's tolerance of the harness's,
+    which drafts the mask slots one by one. CI's twins: tests/unit/models/test_parallel_drafting.py (the unroll
+    is the engine's one forward) and the export / lint / draft_options test in tests/unit/serving/test_export.py."""
+    import torch
+
+    from fledge.conf.compose import compose
+    from fledge.evaluation.evaluate import evaluate_set, load_eval_models
+    from fledge.serving.engine import draft_options
+    from fledge.serving.export import spec_from_export
+
+    base = served.parent / "p_eagle"
+    base.mkdir()
+    for stage in ("prepare", "capture"):
+        (base / stage).symlink_to(served / stage, target_is_directory=True)
+    _torchrun(*_overrides(served, tiny_target), "run.name=p_eagle", "drafter=p_eagle", "run.stages=[train,export]",
+              f"train.max_steps={EAGLE3_STEPS}", f"train.eval_every={EAGLE3_STEPS}",
+              f"train.save_every={EAGLE3_STEPS}")
+    export = base / "export" / "drafter"
+    cfg = compose(_overrides(served, tiny_target))
+    k = cfg.eval.draft_tokens
+    options = draft_options(export, "cpu")
+    assert options.get("parallel_drafting") is True
+    req = _engine_file(served, "request.json")
+    req["sets"] = {"default": req["sets"]["default"]}
+    req["engines"] = [{"name": "p_eagle", "speculative_config": {**speculative_config("eagle3", k, export),
+                                                                  **options}}]
+    got = run_driver("vllm", ENGINE, req, tmp_path / "engine", 1800)["engines"]["p_eagle"]["sets"]["default"]
+    assert got["outputs"] == _plain_outputs(served)  # lossless
+    served_al = acceptance(got["counters"], k)["al"]
+    frozen, drafter = load_eval_models(cfg, export, torch.device("cpu"), spec_from_export(export, serving=True))
+    assert drafter.spec.parallel_drafting
+    inproc = evaluate_set("default", req["sets"]["default"], frozen.model, drafter, cfg.eval, req["stop_token_ids"],
+                          0)["drafter"]["al_uncut"]
+    assert served_al > 1.2 and abs(served_al - inproc) <= cfg.eval.engine_al_tolerance, (served_al, inproc)

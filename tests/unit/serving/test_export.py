@@ -265,3 +265,36 @@ def test_loader_imports_public_eagle3_layout(tmp_path):
     assert not loaded.spec.fc_norm and not loaded.spec.norm_output
     assert torch.equal(loaded.t2d, model.t2d)
     torch.testing.assert_close(_logits(loaded), _logits(_bf16_copy(model)), rtol=1e-5, atol=1e-5)
+
+
+def test_a_parallel_drafter_exports_its_mask_and_lints_and_serves_with_parallel_drafting(tmp_path):
+    """P-EAGLE: config.json names mask_token_id (vLLM's parallel-slot token) and the weights carry mask_hidden
+    [1, n*Ht]; loaded back as served, it is a parallel drafter with that state; the engine is asked for
+    parallel_drafting; an export that drops the token is refused by the linter."""
+    from fledge.models.drafter import Eagle3Drafter
+    from fledge.serving.engine import draft_options
+    from fledge.serving.export import export_checkpoint, load_drafter
+
+    target = {**TINY_TARGET, "pad_token_id": 0}
+    spec = DrafterSpec.from_target_config(copy.deepcopy(target), DrafterConfig(draft_vocab_size=128,
+                                                                               parallel_drafting=True), [2, 4, 5])
+    assert spec.parallel_drafting and spec.mask_token_id == 0
+    torch.manual_seed(0)
+    model = Eagle3Drafter(spec, attention="sdpa")
+    ckpt = DrafterCheckpoint(spec, target={"name_or_path": "tiny", "revision": None}, step=3).write(
+        tmp_path / "ckpt", model.state_dict())
+    out = tmp_path / "out"
+    export_checkpoint(ckpt, out, target, fmt="hf")
+    config = json.loads((out / "config.json").read_text())
+    assert config["mask_token_id"] == 0
+    assert tuple(read_tensors(out)["mask_hidden"].shape) == (1, 3 * 64)
+    assert not has_errors(lint_drafter(out, target))
+    assert draft_options(out, "cpu").get("parallel_drafting") is True
+    loaded = load_drafter(out, embed_weight=model.embed_tokens.weight.detach(), serving=True)
+    assert loaded.spec.parallel_drafting and loaded.spec.mask_token_id == 0
+    torch.testing.assert_close(loaded.mask_hidden, model.mask_hidden.detach().to(torch.bfloat16).float())
+    del config["mask_token_id"]
+    (out / "config.json").write_text(json.dumps(config))
+    codes = {f.code for f in lint_drafter(out, target) if f.level == "error"}
+    assert "parallel-drafting-mismatch" in codes, codes
+    assert draft_options(out, "cpu").get("parallel_drafting") is None
