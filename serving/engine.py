@@ -46,10 +46,15 @@ def check_engine(engine: str, device_type: str, python: str | None = None) -> Pa
 
 
 def speculative_config(method: str, k: int, drafter_dir: Path | None = None, lookup_max: int = 3) -> dict:
-    """vLLM's ``speculative_config`` for ``method`` = eagle3 (the export in ``drafter_dir``) or ngram
+    """vLLM's ``speculative_config`` for ``method`` = eagle3 (the export in ``drafter_dir``; with
+    ``parallel_drafting`` when its config.json names a ``mask_token_id``: a P-EAGLE export, whose k drafts vLLM
+    makes in one forward, and which vLLM would otherwise run as a chain drafter without a word) or ngram
     (prompt lookup over the context, n-grams of 1..``lookup_max`` tokens, the harness's baseline)."""
     if method == "eagle3":
-        return {"method": "eagle3", "model": str(Path(drafter_dir).resolve()), "num_speculative_tokens": int(k)}
+        path = Path(drafter_dir).resolve()
+        config = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else {}
+        parallel = {"parallel_drafting": True} if config.get("mask_token_id") is not None else {}
+        return {"method": "eagle3", "model": str(path), "num_speculative_tokens": int(k), **parallel}
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": int(k), "prompt_lookup_max": int(lookup_max),
                 "prompt_lookup_min": 1}
@@ -57,10 +62,9 @@ def speculative_config(method: str, k: int, drafter_dir: Path | None = None, loo
 
 
 def draft_options(drafter_dir: Path, device_type: str) -> dict:
-    """Keys a drafter needs in vLLM's speculative_config beyond method, model and k: ``parallel_drafting`` for a
-    P-EAGLE export (its config.json names a ``mask_token_id``); on a CPU, the draft's own ``attention_backend``
-    when its layer kind names one (``LayerKind.cpu_attention_backend``: an MLA drafter gets vLLM's reference
-    CPU_MLA, models/layers/mla.py says why)."""
+    """Keys a drafter needs in vLLM's speculative_config on this device beyond :func:`speculative_config`'s: on a
+    CPU, the draft's own ``attention_backend`` when its layer kind names one (``LayerKind.cpu_attention_backend``:
+    an MLA drafter gets vLLM's reference CPU_MLA, models/layers/mla.py says why)."""
 
     path = Path(drafter_dir) / "config.json"
     if not path.exists():  # nothing to read: vLLM reports the missing drafter itself
@@ -68,12 +72,9 @@ def draft_options(drafter_dir: Path, device_type: str) -> dict:
     config = json.loads(path.read_text())
     layer = config.get("transformer_layer_config") or config
     kind = kind_of_config(layer)
-    out = {}
-    if config.get("mask_token_id") is not None:  # P-EAGLE: all k drafts in one forward (the export's mask slots)
-        out["parallel_drafting"] = True
     if device_type != "cuda" and kind is not None and kind.cpu_attention_backend:
-        out["attention_backend"] = kind.cpu_attention_backend
-    return out
+        return {"attention_backend": kind.cpu_attention_backend}
+    return {}
 
 
 def run_driver(engine: str, python: Path, request: dict, workdir: Path, timeout_s: float) -> dict:

@@ -274,7 +274,6 @@ def test_a_p_eagle_drafter_is_served_with_parallel_drafting_at_its_in_process_ac
 
     from fledge.conf.compose import compose
     from fledge.evaluation.evaluate import evaluate_set, load_eval_models
-    from fledge.serving.engine import draft_options
     from fledge.serving.export import spec_from_export
 
     base = served.parent / "p_eagle"
@@ -287,12 +286,11 @@ def test_a_p_eagle_drafter_is_served_with_parallel_drafting_at_its_in_process_ac
     export = base / "export" / "drafter"
     cfg = compose(_overrides(served, tiny_target))
     k = cfg.eval.draft_tokens
-    options = draft_options(export, "cpu")
-    assert options.get("parallel_drafting") is True
+    spec_cfg = speculative_config("eagle3", k, export)
+    assert spec_cfg.get("parallel_drafting") is True
     req = _engine_file(served, "request.json")
     req["sets"] = {"default": req["sets"]["default"]}
-    req["engines"] = [{"name": "p_eagle", "speculative_config": {**speculative_config("eagle3", k, export),
-                                                                  **options}}]
+    req["engines"] = [{"name": "p_eagle", "speculative_config": spec_cfg}]
     got = run_driver("vllm", ENGINE, req, tmp_path / "engine", 1800)["engines"]["p_eagle"]["sets"]["default"]
     assert got["outputs"] == _plain_outputs(served)  # lossless
     served_al = acceptance(got["counters"], k)["al"]

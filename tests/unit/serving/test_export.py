@@ -272,7 +272,7 @@ def test_a_parallel_drafter_exports_its_mask_and_lints_and_serves_with_parallel_
     [1, n*Ht]; loaded back as served, it is a parallel drafter with that state; the engine is asked for
     parallel_drafting; an export that drops the token is refused by the linter."""
     from fledge.models.drafter import Eagle3Drafter
-    from fledge.serving.engine import draft_options
+    from fledge.serving.engine import speculative_config
     from fledge.serving.export import export_checkpoint, load_drafter
 
     target = {**TINY_TARGET, "pad_token_id": 0}
@@ -289,7 +289,7 @@ def test_a_parallel_drafter_exports_its_mask_and_lints_and_serves_with_parallel_
     assert config["mask_token_id"] == 0
     assert tuple(read_tensors(out)["mask_hidden"].shape) == (1, 3 * 64)
     assert not has_errors(lint_drafter(out, target))
-    assert draft_options(out, "cpu").get("parallel_drafting") is True
+    assert speculative_config("eagle3", 5, out).get("parallel_drafting") is True
     loaded = load_drafter(out, embed_weight=model.embed_tokens.weight.detach(), serving=True)
     assert loaded.spec.parallel_drafting and loaded.spec.mask_token_id == 0
     torch.testing.assert_close(loaded.mask_hidden, model.mask_hidden.detach().to(torch.bfloat16).float())
@@ -297,4 +297,4 @@ def test_a_parallel_drafter_exports_its_mask_and_lints_and_serves_with_parallel_
     (out / "config.json").write_text(json.dumps(config))
     codes = {f.code for f in lint_drafter(out, target) if f.level == "error"}
     assert "parallel-drafting-mismatch" in codes, codes
-    assert draft_options(out, "cpu").get("parallel_drafting") is None
+    assert "parallel_drafting" not in speculative_config("eagle3", 5, out)
