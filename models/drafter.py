@@ -131,8 +131,8 @@ class DrafterSpec:
             raise ValueError(problems[0][2])
         mask = self.mask_token_id
         if self.parallel_drafting and not (mask is not None and 0 <= mask < self.vocab_size):
-            raise ValueError(f"mask_token_id={self.mask_token_id}: parallel drafting needs a target-vocab id in "
-                             f"[0, {self.vocab_size})")
+            raise ValueError(f"drafter.mask_token_id={self.mask_token_id}: parallel drafting feeds its slots a "
+                             f"target-vocab id, in [0, {self.vocab_size}); set one in that range")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_key_value_heads={self.num_key_value_heads} must divide "
