@@ -272,6 +272,7 @@ class Config:
         _one_of("drafter.attention", self.drafter.attention, ("auto", "flex", "sdpa", "dense"))
         _one_of("drafter.loss_impl", self.drafter.loss_impl, ("auto", "torch"))
         _check_loss(self.drafter)
+        _check_parallel_drafting(self)
         _one_of("drafter.norm_impl", self.drafter.norm_impl, ("torch", "triton"))
         _one_of("data.length_policy", self.data.length_policy, ("truncate", "drop"))
         _one_of("data.on_error", self.data.on_error, ("error", "skip"))
@@ -337,6 +338,23 @@ class Config:
 def default_aux_layer_ids(num_layers: int) -> list[int]:
     """(2, L//2, L-3): hidden_states[k] of a Hugging Face forward, k = layers applied so far."""
     return [2, num_layers // 2, num_layers - 3]
+
+
+def _check_parallel_drafting(cfg: Config) -> None:
+    """P-EAGLE's keys: a mask token only for a parallel drafter, and an export only vLLM's HF layout serves so."""
+    d = cfg.drafter
+    if d.mask_token_id is not None and not d.parallel_drafting:
+        raise ValueError(f"drafter.mask_token_id={d.mask_token_id} is set but drafter.parallel_drafting=false: it "
+                         "names the token P-EAGLE's parallel slots are fed; use drafter=p_eagle, or drop the key")
+    if d.mask_token_id is not None and d.mask_token_id < 0:
+        raise ValueError(f"drafter.mask_token_id={d.mask_token_id}: must be a target-vocab id (>= 0)")
+    if d.parallel_drafting and cfg.export.format != "hf":
+        raise ValueError(f"drafter.parallel_drafting with export.format={cfg.export.format}: only the hf export is "
+                         "served with parallel drafting (vLLM's parallel_drafting; SGLang has none, and the "
+                         "speculators layout is run without it); use export.format=hf")
+    if d.parallel_drafting and cfg.eval.engine == "sglang":
+        raise ValueError("drafter.parallel_drafting with eval.engine=sglang: SGLang has no parallel drafting for "
+                         "EAGLE drafters; use eval.engine=vllm or hf")
 
 
 def _check_loss(d: DrafterConfig) -> None:

@@ -119,6 +119,11 @@ def init_from(drafter: nn.Module, source: str | Path, embedding: torch.Tensor) -
         if have != want:
             raise ValueError(f"drafter.init_from={source}: that drafter has {key}={have!r} but this run has "
                              f"{key}={want!r}; fine-tune only from a drafter of the same target and layout")
+    both_parallel = loaded.spec.parallel_drafting and drafter.spec.parallel_drafting
+    if both_parallel and loaded.spec.mask_token_id != drafter.spec.mask_token_id:
+        raise ValueError(f"drafter.init_from={source}: that drafter's parallel slots were trained on mask token "
+                         f"{loaded.spec.mask_token_id} but this run has drafter.mask_token_id="
+                         f"{drafter.spec.mask_token_id}; set drafter.mask_token_id={loaded.spec.mask_token_id}")
     V = drafter.spec.vocab_size
     old_ids = loaded.d2t + torch.arange(len(loaded.d2t))  # target id of each loaded draft id
     new_ids = drafter.d2t.cpu() + torch.arange(len(drafter.d2t))

@@ -82,3 +82,17 @@ def test_the_mask_token_is_the_given_id_else_the_targets_pad_else_its_eos():
     with pytest.raises(ValueError, match="mask_token_id=50"):
         DrafterSpec.from_target_config(target_config(), DrafterConfig(draft_vocab_size=40, parallel_drafting=True,
                                                                       mask_token_id=50), [2, 3, 4])
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["drafter.mask_token_id=3"], "drafter.mask_token_id=3 is set but drafter.parallel_drafting=false"),
+    (["drafter=p_eagle", "drafter.mask_token_id=-1"], "drafter.mask_token_id=-1"),
+    (["drafter=p_eagle", "export.format=speculators"], "export.format=speculators"),
+    (["drafter=p_eagle", "eval.engine=sglang"], "eval.engine=sglang"),
+])
+def test_p_eagle_keys_that_cannot_be_served_are_refused_when_composed(overrides, key):
+    from fledge.conf.compose import compose
+
+    with pytest.raises(ValueError, match=key):
+        compose(["recipe=tiny", *overrides])
+    assert compose(["recipe=tiny", "drafter=p_eagle"]).drafter.parallel_drafting
