@@ -99,3 +99,22 @@ def test_a_drafter_of_another_layout_is_refused_naming_the_key(random_tiny_targe
     cfg = compose(_overrides(random_tiny_target, VD, f"drafter.init_from={root / 'export'}", override))
     with pytest.raises(ValueError, match=rf"init_from=.* has {key}=.* but this run has {key}="):
         build_ttt_model(cfg, RunLayout(tmp_path).prepare.vocab, torch.device("cpu"))
+
+
+def test_p_eagle_starts_from_a_chain_drafter_and_refuses_one_of_another_mask_token(random_tiny_target, exported,
+                                                                                    tmp_path):
+    """drafter=p_eagle from the EAGLE-3.1 export: its layers carry over and it keeps its own mask_hidden (the
+    chain drafter has none); from a P-EAGLE export whose slots were trained on another mask token: refused."""
+    root, counts, _, old = exported
+    _vocab(tmp_path, counts, VD)
+    p_eagle = ["drafter=p_eagle", "drafter.mask_token_id=1"]
+    cfg = compose(_overrides(random_tiny_target, VD, f"drafter.init_from={root / 'export'}", *p_eagle))
+    d = build_ttt_model(cfg, RunLayout(tmp_path).prepare.vocab, torch.device("cpu")).drafter
+    torch.testing.assert_close(d.fc.weight, old.fc.weight.to(torch.bfloat16).float(), rtol=0, atol=0)
+    assert d.spec.parallel_drafting and d.mask_hidden.shape == (1, d.spec.fc_in_features)
+    ckpt = drafter_checkpoint(cfg, d.spec).at_step(1).write(tmp_path / "ckpt", d.state_dict())
+    export_checkpoint(ckpt, tmp_path / "p_export", load_target_config(cfg.target))
+    other = compose(_overrides(random_tiny_target, VD, f"drafter.init_from={tmp_path / 'p_export'}",
+                               "drafter=p_eagle", "drafter.mask_token_id=2"))
+    with pytest.raises(ValueError, match="trained on mask token 1 but this run has drafter.mask_token_id=2"):
+        build_ttt_model(other, RunLayout(tmp_path).prepare.vocab, torch.device("cpu"))
