@@ -15,7 +15,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-outputs/gpu_lane}
 PY=${PYTHON:-python3}
-mkdir -p "$OUT"
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)  # absolute: steps write it from other directories
 if [ "${1:-}" = "--wheels" ] && [ -n "${2:-}" ]; then
   $PY -m pip install -q --no-index --no-deps "$2"/*.whl > "$OUT/wheels.txt" 2>&1 || echo "wheel install failed (see wheels.txt)"
 fi
@@ -44,7 +44,6 @@ step bench_rmsnorm 45 $PY scripts/bench_rmsnorm.py --device cuda
 step bench_train ${BENCH_TRAIN_LIMIT:-150} $PY scripts/bench_train.py --device cuda ${BENCH_TRAIN_ARGS:-}
 [ -f scripts/bench_layers.py ] && step bench_layers ${BENCH_LAYERS_LIMIT:-120} $PY scripts/bench_layers.py --device cuda ${BENCH_LAYERS_ARGS:-}
 [ -f scripts/bench_long.py ] && step bench_long ${BENCH_LONG_LIMIT:-180} $PY scripts/bench_long.py --device cuda ${BENCH_LONG_ARGS:-}
-true
 # The whole pipeline on the GPU: the tiny recipe (prepare, capture, train, export, eval in process; vLLM is not
 # on that machine) on one rank, from a tiny target built on a CPU and carried in .cache/tiny_target/llama
 # (`fledge tiny-target` here). Its stage records and figures come back as one archive.
