@@ -17,7 +17,7 @@ from pathlib import Path
 from fledge.atomic import read_json
 from fledge.models.drafter_checkpoint import DrafterCheckpoint
 from fledge.serving.dialects import dialect_of, serving_commands
-from fledge.serving.serving_config import layer_config
+from fledge.serving.serving_config import layer_config, parallel_drafting
 
 
 @dataclass
@@ -121,7 +121,7 @@ def build_model_card(drafter_dir: str | Path, repo_id: str, measured: Measured |
     run_cfg = measured.run_config.strip()
     datasets = _datasets(run_cfg)
     flavour = "EAGLE-3.1" if c.get("fc_norm") or c.get("norm_output") else "EAGLE-3"
-    parallel = c.get("mask_token_id") is not None
+    parallel = parallel_drafting(config)
     tag = "p-eagle" if parallel else flavour.lower()
     flavour = f"P-EAGLE ({flavour} with parallel drafting)" if parallel else flavour
     card_data = ModelCardData(

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from fledge.engine_process import SETUP_HINT, DriverProcess, engine_python
 from fledge.models.layers.kind import kind_of_config
+from fledge.serving.serving_config import parallel_drafting
 
 ENGINES = ("hf", "vllm", "sglang")  # hf = Fledge's in-process transformers harness only
 DRIVERS = {"vllm": "eval_driver.py"}  # in vllm_side/, package data run by the engine
@@ -53,7 +54,7 @@ def speculative_config(method: str, k: int, drafter_dir: Path | None = None, loo
     if method == "eagle3":
         path = Path(drafter_dir).resolve()
         config = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else {}
-        parallel = {"parallel_drafting": True} if config.get("mask_token_id") is not None else {}
+        parallel = {"parallel_drafting": True} if config and parallel_drafting(config) else {}
         return {"method": "eagle3", "model": str(path), "num_speculative_tokens": int(k), **parallel}
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": int(k), "prompt_lookup_max": int(lookup_max),

@@ -29,7 +29,7 @@ from fledge.models.families import read_target, text_config_dict
 from fledge.models.layers.kind import get_layer_kind, kind_of_architecture, kind_of_config
 from fledge.models.weights import load_input_embeddings, read_tensors
 from fledge.serving.dialects import DIALECTS, dialect_of, get_dialect
-from fledge.serving.serving_config import layer_config, serving_config
+from fledge.serving.serving_config import layer_config, parallel_drafting, serving_config
 
 log = logging.getLogger(__name__)
 _KEEP_DTYPE = ("d2t", "t2d")
@@ -130,7 +130,7 @@ def spec_from_export(drafter_dir: str | Path, target_num_hidden_layers: int | No
     flags = _Flags(fc_norm=bool(c.get("fc_norm")), norm_output=bool(c.get("norm_output")),
                    norm_before_fc=bool(c.get("norm_before_fc")),
                    draft_vocab_size=int(c.get("draft_vocab_size") or c["vocab_size"]), layer=kind.name,
-                   parallel_drafting=c.get("mask_token_id") is not None, mask_token_id=c.get("mask_token_id"))
+                   parallel_drafting=parallel_drafting(config), mask_token_id=c.get("mask_token_id"))
     ids = c.get("aux_layer_ids")
     if not ids:
         raise ValueError(f"{d}/config.json has no eagle_aux_hidden_state_layer_ids; add the boundary ids the "

@@ -30,7 +30,7 @@ from fledge.models.weights import read_tensors, tensor_headers
 from fledge.serving.dialects import dialect_of
 from fledge.serving.engine_aux import ENGINES, captured_layers
 from fledge.serving.export import load_target_config
-from fledge.serving.serving_config import expected_tensors, layer_config
+from fledge.serving.serving_config import expected_tensors, layer_config, parallel_drafting
 
 _ST_DTYPE = {torch.bfloat16: "BF16", torch.int64: "I64", torch.bool: "BOOL"}
 
@@ -82,7 +82,7 @@ def lint_drafter(drafter_dir: str | Path, target_config: Any = None) -> list[Fin
         kind = kind_of_config(c)
         for finding in kind.target_checks(c, text_config_dict(target_config)) if kind is not None else []:
             add(*finding)
-    _check_flags(c, record, add)
+    _check_flags(c, record, add, parallel_drafting(config))
     _check_layer_trained(c, record, add)
     _check_tensors(d, config, c, add)
     return out
@@ -199,7 +199,7 @@ def _check_against_target(c: dict, t: TargetShape, add) -> None:
             f"target's is {t.hidden_size}", f"set target_hidden_size={t.hidden_size}")
 
 
-def _check_flags(c: dict, record: dict | None, add) -> None:
+def _check_flags(c: dict, record: dict | None, add, names_mask: bool) -> None:
     for p in drafter_problems(fc_norm=bool(c.get("fc_norm")), norm_before_fc=bool(c.get("norm_before_fc")), prefix=""):
         add("error", p.code, p.message, _FIXES[p.code])
     trained = (record or {}).get("trained_with")
@@ -218,7 +218,7 @@ def _check_flags(c: dict, record: dict | None, add) -> None:
         add("error", "max-positions-trained", f"max_position_embeddings={c.get('max_position_embeddings')} but "
             f"the drafter was trained with {spec['max_position_embeddings']} (the target's)",
             f"set max_position_embeddings={spec['max_position_embeddings']}")
-    parallel, names_mask = trained.get("parallel_drafting"), c.get("mask_token_id") is not None
+    parallel = trained.get("parallel_drafting")
     if parallel is not None and names_mask != bool(parallel):
         add("error", "parallel-drafting-mismatch", f"config.json {'names' if names_mask else 'has no'} "
             f"mask_token_id but the drafter was trained with parallel_drafting={bool(parallel)}: the engine "

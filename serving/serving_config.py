@@ -83,6 +83,12 @@ def layer_config(config: Mapping) -> dict:
     return dialect_of(config).read(config)
 
 
+def parallel_drafting(config: Mapping) -> bool:
+    """Whether an exported config.json (any dialect) is a P-EAGLE drafter's: it names the ``mask_token_id`` vLLM
+    feeds the parallel slots (and then wants ``mask_hidden`` and ``parallel_drafting`` in its speculative config)."""
+    return layer_config(config).get("mask_token_id") is not None
+
+
 def expected_tensors(config: Mapping, include_embed: bool = False) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """{name: (shape, dtype)} an exported config.json (any dialect) implies, per docs/serving.md, The export.
 
@@ -101,7 +107,7 @@ def expected_tensors(config: Mapping, include_embed: bool = False) -> dict[str, 
         out.update({f"fc_norm.{i}.weight": ((Ht,), bf) for i in range(n)})
     if c.get("norm_before_fc"):
         out["input_norm.weight"] = ((n * Ht,), bf)
-    if c.get("mask_token_id") is not None:  # P-EAGLE's slot state (vLLM refuses a parallel drafter without it)
+    if parallel_drafting(config):  # P-EAGLE's slot state (vLLM refuses a parallel drafter without it)
         out["mask_hidden"] = ((1, n * Ht), bf)
     for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
         out[f"{p}{name}.weight"] = ((H,), bf)
