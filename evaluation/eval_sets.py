@@ -29,6 +29,7 @@ from pathlib import Path
 from fledge import packaged
 from fledge.data.prepare.chat import prompt_ids
 from fledge.data.prepare.sources import iter_rows
+from fledge.evaluation.perturbations import PERTURBATIONS
 from fledge.registry import Registry
 
 # SPEED-Bench ships some rows' turns as this placeholder (their sources' licences forbid redistribution); the
@@ -58,7 +59,8 @@ class EvalSet:
     package: str | None = None  # the same rows in an installed package (pkg:NAME/path), read before the Hub
 
 
-BUILTIN_SETS = ("default", "perturbed", "long")  # the prepare stage's own (evaluation/evaluate.py)
+# The prepare stage's own (evaluation/evaluate.py) and the template perturbations of its held-out split.
+BUILTIN_SETS = ("default", "perturbed", "long", *PERTURBATIONS)
 EVAL_SETS: Registry[EvalSet] = Registry("eval.sets", "evaluation/eval_sets.py", reserved=BUILTIN_SETS)
 LOCAL_SUFFIXES = (".jsonl", ".ndjson", ".json", ".parquet")
 

@@ -29,13 +29,14 @@ from pathlib import Path
 
 import torch
 
-from fledge.atomic import read_jsonl
+from fledge.atomic import read_jsonl, write_json_atomic
 from fledge.data.prepare.build import load_tokenizer
 from fledge.data.prepare.chat import ChatRenderer, eot_ids_from_target, prompt_ids
 from fledge.evaluation import long_context
 from fledge.evaluation.drift import drift_curves
 from fledge.evaluation.engine_eval import run_engine_eval
 from fledge.evaluation.eval_sets import EVAL_SETS, check_set_names, load_conversations, render_prompts
+from fledge.evaluation.perturbations import PERTURBATIONS, perturbed
 from fledge.evaluation.report import write_report
 from fledge.evaluation.speculative import (
     DrafterProposer,
@@ -56,7 +57,7 @@ from fledge.serving.export import load_drafter, spec_from_export
 
 log = logging.getLogger(__name__)
 # The prepare stage's eval split each built-in set's prompts come from.
-SET_SPLITS = {"default": "eval", "perturbed": "eval_perturbed", "long": "eval"}
+SET_SPLITS = {"default": "eval", "perturbed": "eval_perturbed", "long": "eval", **{p: "eval" for p in PERTURBATIONS}}
 # A greedy divergence where the target's top-2 logits are closer than this is a numerical tie (the k+1-token
 # verify forward and the 1-token decode round differently), not a harness bug. bf16/fp16 logits carry ~3
 # significant digits, so their ties are wider.
@@ -125,6 +126,8 @@ def build_prompt_sets(eval_cfg, renderer, prepared: PrepareDir, max_prompt_token
             continue
         convs = read_conversations(path)
         chosen = convs[:eval_cfg.num_prompts]
+        if name in PERTURBATIONS:  # the default set's conversations, one layout change each
+            chosen = perturbed(name, convs, eval_cfg.num_prompts)
         if name == "long":
             chosen = [lengthen(c, convs[i + 1:] + convs[:i], renderer, eval_cfg.long_prompt_tokens)
                       for i, c in enumerate(chosen)]
@@ -387,6 +390,7 @@ def evaluate_run(cfg, prepared: PrepareDir, out: EvalDir, drafter_dir: Path, dev
     if ev.in_process:  # the harness on every set; eval.in_process=false leaves the sets to the engine alone
         for name, prompts in sets.items():
             report["sets"][name] = evaluate_set(name, prompts, target_model, drafter, ev, eos, cfg.run.seed)
+            write_json_atomic(out.partial_json, report)
         depth = ev.drift_depth or max(ev.draft_tokens, 2 * K)
         report["drift"] = {name: drift_curves(drafter, TargetRunner(target_model, drafter.spec.aux_layer_ids),
                                               prompts, depth, desc=f"drift {name}") for name, prompts in sets.items()}
@@ -407,6 +411,7 @@ def evaluate_run(cfg, prepared: PrepareDir, out: EvalDir, drafter_dir: Path, dev
         report["engine"] = run_engine_eval(cfg, engine_sets, report, drafter_dir, out.engine_work, eos, max_pos,
                                            device.type, engine_python)
     write_report(report, out, metrics_path)
+    out.partial_json.unlink(missing_ok=True)
     if report.get("engine", {}).get("failures"):  # after the report is written, so the numbers can be read
         raise ValueError("\n".join(report["engine"]["failures"]) + f"\n(report: {out.report_md})")
     return stage_summary(report, out)

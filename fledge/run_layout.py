@@ -132,6 +132,11 @@ class EvalDir:
         return self.root / "report.md"
 
     @property
+    def partial_json(self) -> Path:
+        """The report so far, rewritten after each set while the stage runs (a cut eval keeps what it measured)."""
+        return self.root / "report.partial.json"
+
+    @property
     def engine_work(self) -> Path:
         return self.root / "engine"
 
