@@ -295,8 +295,11 @@ def test_compare_over_seeds_tables_mean_and_spread_and_the_perturbation(evaluate
         is31, seed = o["drafter"] == "eagle31", int(o["run.seed"])
         rep = json.loads(json.dumps(base))
         rep["flags"] = {"fc_norm": is31, "norm_output": is31}
-        for name, al in (("default", 3.0), ("perturbed", 3.0 if is31 else 1.5), ("long", 2.0)):
+        rep["sets"]["system_long"] = json.loads(json.dumps(rep["sets"]["default"]))  # a perturbation set
+        for name, al in (("default", 3.0), ("perturbed", 3.0 if is31 else 1.5), ("long", 2.0),
+                         ("system_long", 2.7 if is31 else 1.0)):
             rep["sets"][name]["drafter"]["al"] = (al if is31 else min(al, 2.0)) + 0.1 * seed
+        rep["sets"]["default"]["drafter"]["accept_at"] = [0.5 + 0.1 * seed * is31, 0.25, 0.0][:base["k"]]
         rep["context_buckets"][0]["al"] = 2.0 + (0.0 if is31 else -1.0)
         write_json_atomic(run.eval.report_json, rep)
         write_json_atomic(run.manifest("train"), {"seconds": 10.0, "read": {"capture": "c1"}, "inputs": {"config": {
@@ -312,14 +315,25 @@ def test_compare_over_seeds_tables_mean_and_spread_and_the_perturbation(evaluate
     d = c["sets"]["default"]
     assert d["EAGLE-3.1"]["al"]["mean"] == pytest.approx(3.1) and d["EAGLE-3.1"]["al"]["std"] == pytest.approx(0.1)
     assert d["ratio"]["al"] == pytest.approx(3.1 / 2.1) and d["paper"].startswith("1.10x")
-    assert c["perturbed_vs_default"]["EAGLE-3"]["al"] == pytest.approx(1.6 / 2.1)  # EAGLE-3 moved by the template
-    assert c["perturbed_vs_default"]["EAGLE-3.1"]["al"] == pytest.approx(1.0)
+    p = c["perturbed_vs_default"]
+    assert p["perturbed"]["EAGLE-3"]["al"] == pytest.approx(1.6 / 2.1)  # EAGLE-3 moved by the template
+    assert p["perturbed"]["EAGLE-3.1"]["al"] == pytest.approx(1.0)
+    assert p["system_long"]["EAGLE-3"]["al"] == pytest.approx(1.1 / 2.1) and set(p) == {"perturbed", "system_long"}
+    assert c["sets"]["system_long"]["paper"].startswith("up to 2x")
+    # the standard sets' mean ratio (the paper's 1.10x): here default alone
+    assert c["standard_mean_ratio"] == {"sets": ["default"], "ratio": pytest.approx(3.1 / 2.1)}
+    # AL at every depth k' <= k from the k run: 1 + cumulative P(accepted >= i), over seeds
+    depth = c["depth"]["default"]
+    assert depth["EAGLE-3.1"][0]["mean"] == pytest.approx(1.6) and depth["EAGLE-3.1"][0]["std"] == pytest.approx(0.1)
+    assert depth["EAGLE-3"][1]["mean"] == pytest.approx(1.75) and len(depth["EAGLE-3"]) == base["k"]
     assert c["context"][0]["ratio"] == pytest.approx(2.0) and c["seeds"]["EAGLE-3"] == [0, 1, 2]
     assert c["warnings"] == []
     md = (root / "compare" / "compare.md").read_text()
     assert "over seeds" in md and "| default | greedy | 3.10 ± 0.10 | 2.10 ± 0.10 | 1.48x | 1.10x" in md
     assert "Perturbed over default AL per drafter" in md and "The first seed's pair in detail" in md
-    assert (root / "compare" / "compare_drift.png").exists()
+    assert "| system_long | greedy | 0.90 | 0.52 |" in md and "Greedy AL by draft depth" in md
+    assert "Mean AL(3.1)/AL(3) over the standard sets (default)" in md
+    assert (root / "compare" / "compare_drift.png").exists() and (root / "compare" / "compare_al_vs_depth.png").exists()
     # the same table from the run directories; a run on the wrong side is flagged
     runs31 = [str(root / f"eagle31_s{s}") for s in range(3)]
     assert cmp.main(["--eagle31", *runs31[:2], str(root / "eagle3_s2"), "--eagle3", str(root / "eagle3_s0"),
