@@ -297,6 +297,11 @@ def markdown_seeds(c: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _legend(ax, size: int) -> None:
+    if ax.get_legend_handles_labels()[0]:  # a report without the figure (a cut eval) draws an empty panel
+        ax.legend(fontsize=size)
+
+
 def _save(fig, path: Path) -> None:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
@@ -320,7 +325,7 @@ def plots(c: dict, r31: dict, r3: dict, out: Path) -> None:
                             label=f"{lab} {name}")
             color = line.get_color()
     ax.set(xlabel="draft position", ylabel="P(accepted)", ylim=(0, 1.02), title="Acceptance per position")
-    ax.legend(fontsize=7)
+    _legend(ax, 7)
     _save(fig, out / "compare_acceptance.png")
     plt.close(fig)
 
@@ -337,7 +342,7 @@ def plots(c: dict, r31: dict, r3: dict, out: Path) -> None:
                 colors[key] = line.get_color()
     for ax, t in zip(axes, ("attention on sink", "attention on context", "attention on own drafts", "fed-back RMS")):
         ax.set(xlabel="draft depth", title=t)
-    axes[0].legend(fontsize=6)
+    _legend(axes[0], 6)
     _save(fig, out / "compare_drift.png")
     plt.close(fig)
 
@@ -349,7 +354,7 @@ def plots(c: dict, r31: dict, r3: dict, out: Path) -> None:
             ax.plot(range(h["steps"]), h["full_acc"], ls=styles[lab], marker="s", label=f"{lab} full_acc_k")
     ax.axvline(c["ttt_steps"] - 0.5, color="gray", ls=":", label="trained K")
     ax.set(xlabel="step k", ylim=(0, 1.02), title="Held-out teacher-forced accuracy")
-    ax.legend(fontsize=7)
+    _legend(ax, 7)
     _save(fig, out / "compare_heldout.png")
     plt.close(fig)
 
@@ -359,7 +364,7 @@ def plots(c: dict, r31: dict, r3: dict, out: Path) -> None:
             ax.plot(range(1, len(o["gap"]) + 1), o["gap"], ls=styles[lab], marker="o", label=lab)
     ax.axhline(0, color="gray", lw=0.8)
     ax.set(xlabel="draft position", ylabel="measured - offline", title="Offline estimate vs measured acceptance")
-    ax.legend(fontsize=7)
+    _legend(ax, 7)
     _save(fig, out / "compare_gap.png")
     plt.close(fig)
     if c.get("context"):
@@ -386,7 +391,7 @@ def plot_depth(c: dict, out: Path) -> None:
                 color = line[0].get_color()
     ax.axvline(c["ttt_steps"], color="gray", ls=":", label="trained K")
     ax.set(xlabel="draft depth k'", ylabel="greedy AL", title="AL by draft depth (mean ± std over seeds)")
-    ax.legend(fontsize=6)
+    _legend(ax, 6)
     _save(fig, out / "compare_al_vs_depth.png")
     plt.close(fig)
 
@@ -425,6 +430,8 @@ def main(argv=None, sweep=None) -> int:
     ap.add_argument("--nproc", type=int, default=1, help="ranks per run of --train (torchrun --nproc_per_node)")
     ap.add_argument("--parallel", type=int, default=1, help="runs of --train at once after the shared capture "
                     "(small drafters on one GPU; each run's output in its sweep.log)")
+    ap.add_argument("--partial", action="store_true", help="read an eval cut short from the sets it finished "
+                    "(report.partial.json; flagged in the table)")
     ap.add_argument("--out", type=Path, default=None, help="output directory (default: <first EAGLE-3.1 run>/compare, "
                     "with --train ROOT/compare)")
     args = ap.parse_args(argv)
@@ -443,7 +450,8 @@ def main(argv=None, sweep=None) -> int:
     if args.eagle31 or args.eagle3:
         if not (args.eagle31 and args.eagle3) or args.eagle31_run:
             ap.error("give --eagle31 DIR... and --eagle3 DIR... (one run per seed each), or two run directories")
-        runs31, runs3 = [load_run(d) for d in args.eagle31], [load_run(d) for d in args.eagle3]
+        runs31 = [load_run(d, args.partial) for d in args.eagle31]
+        runs3 = [load_run(d, args.partial) for d in args.eagle3]
         out = args.out or args.eagle31[0] / "compare"
         md = _write(out, runs31[0]["report"], runs3[0]["report"], compare_seeds(runs31, runs3))
     else:

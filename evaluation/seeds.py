@@ -47,13 +47,19 @@ def require_in_process(report: dict, path: Path) -> None:
                          "figures a comparison needs; re-run its eval stage with eval.in_process=true")
 
 
-def load_run(run_dir: Path) -> dict:
+def load_run(run_dir: Path, partial: bool = False) -> dict:
     """What a summary needs of one run directory (SystemExit naming the missing file): its eval report, its
-    train config (drafter, seed), the capture it read, and its training speed."""
+    train config (drafter, seed), the capture it read, and its training speed. ``partial``: an eval cut short
+    is read from the sets it finished (``report.partial.json``, marked ``"partial": true``)."""
     run_dir = Path(run_dir)
     layout = RunLayout(run_dir)
-    report, manifest = read_json(layout.eval.report_json), read_json(layout.manifest("train"))
-    for path, got in ((layout.eval.report_json, report), (layout.manifest("train"), manifest)):
+    report_path = layout.eval.report_json
+    if partial and not report_path.exists() and layout.eval.partial_json.exists():
+        report_path = layout.eval.partial_json
+    report, manifest = read_json(report_path), read_json(layout.manifest("train"))
+    if report and report_path == layout.eval.partial_json:
+        report["partial"] = True
+    for path, got in ((report_path, report), (layout.manifest("train"), manifest)):
         if not got:
             raise SystemExit(f"{path} not found: run the pipeline through the eval stage for {run_dir}")
     require_in_process(report, layout.eval.report_json)
@@ -96,4 +102,8 @@ def warnings(runs: list[dict]) -> list[str]:
         out.append("the runs differ in eval k or trained K: their AL do not compare")
     if len({r["capture"] for r in runs}) > 1:
         out.append("the runs read different captures (features): the rows compare data, not only drafters")
+    cut = [Path(r["dir"]).name for r in runs if r["report"].get("partial")]
+    if cut:
+        out.append(f"eval cut short (report.partial.json) in {', '.join(cut)}: only the sets every run finished are "
+                   "tabled, and the drift, held-out and context-length figures are missing")
     return out

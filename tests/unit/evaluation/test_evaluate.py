@@ -341,6 +341,15 @@ def test_compare_over_seeds_tables_mean_and_spread_and_the_perturbation(evaluate
     assert "not the drafter" in json.loads((tmp_path / "o" / "compare.json").read_text())["seeds"]["warnings"][0]
     with pytest.raises(SystemExit):
         cmp.main(["--eagle31", runs31[0]])
+    # an eval cut short (report.partial.json) is read only with --partial, and flagged in the table
+    cut = RunLayout(root / "eagle3_s1").eval
+    cut.report_json.rename(cut.partial_json)
+    runs3 = [str(root / f"eagle3_s{s}") for s in range(3)]
+    with pytest.raises(SystemExit, match="not found"):
+        cmp.main(["--eagle31", *runs31, "--eagle3", *runs3, "--out", str(tmp_path / "p")])
+    assert cmp.main(["--partial", "--eagle31", *runs31, "--eagle3", *runs3, "--out", str(tmp_path / "p")]) == 0
+    warned = json.loads((tmp_path / "p" / "compare.json").read_text())["seeds"]["warnings"]
+    assert any("cut short" in w and "eagle3_s1" in w for w in warned)
 
 
 def test_report_and_compare_are_strict_json_when_no_prompt_is_non_degenerate(run, tmp_path):
