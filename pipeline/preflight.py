@@ -19,7 +19,7 @@ from pathlib import Path
 from fledge.conf import compose
 from fledge.conf.schema import Config
 from fledge.distributed import check_sequence_parallel
-from fledge.evaluation.eval_sets import EVAL_SETS, check_set_names
+from fledge.evaluation.eval_sets import EVAL_SETS, check_reachable, check_set_names
 from fledge.models.layers.kind import LAYER_KINDS, check_layer_format
 from fledge.registry import Registry
 from fledge.serving.dialects import DIALECTS, check_export_format
@@ -63,9 +63,12 @@ def compose_checked(overrides: list[str]) -> Config:
 
 def check_environment(cfg: Config, world_size: int) -> None:
     """What depends on where this command runs: the world must split into the sequence-parallel groups
-    (before any stage, not after hours of capture), and a run that will publish needs its token now."""
+    (before any stage, not after hours of capture), a named eval set must be readable here (not after the
+    training), and a run that will publish needs its token now."""
     if "train" in cfg.run.stages:
         check_sequence_parallel(world_size, cfg.train.sequence_parallel)
+    if "eval" in cfg.run.stages:
+        check_reachable(cfg.eval.sets, cfg.eval.set_paths)
     check_publish(cfg)
 
 

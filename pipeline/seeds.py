@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 from fledge.atomic import write_json_atomic
-from fledge.conf import compose
 from fledge.evaluation import compare
+from fledge.pipeline.preflight import check_environment, compose_checked
 from fledge.run_layout import RunLayout
 
 SHARED_STAGES = ("prepare", "capture")  # made once in <root>/base, read by every run of the sweep
@@ -79,8 +79,8 @@ def sweep(root: Path, variants: list[tuple[str, list[str]]], seeds: list[int], n
     <root>/sweep_times.json."""
     root = Path(root).resolve()
     common = [*overrides, f"run.output_root={root}"]
-    for _, extra in variants:  # a bad override is one line now, not a failed run after the base capture
-        compose([*common, *extra])
+    for _, extra in variants:  # a bad override or an eval set not readable here: one line now, not after the capture
+        check_environment(compose_checked([*common, *extra]), nproc)
     t0 = time.time()
     _train_main(nproc, [*common, "run.name=base", f"run.stages=[{','.join(SHARED_STAGES)}]"])
     base = RunLayout(root / "base")

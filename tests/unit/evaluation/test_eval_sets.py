@@ -234,3 +234,23 @@ def test_entry_point_refuses_an_unknown_set_before_any_stage(tmp_path):
     assert_one_line(fledge_run(tmp_path, "eval.sets=[default,mtbench]"), "config: eval.sets='mtbench': expected one of",
                     "mt_bench", "evaluation/eval_sets.py")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_named_set_not_readable_here_is_refused_before_any_stage(monkeypatch):
+    """Offline, a named set needs an installed copy or eval.set_paths: found out before the training, not after."""
+    from fledge.evaluation import eval_sets
+    from fledge.evaluation.eval_sets import check_reachable
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(eval_sets.packaged, "available", lambda path: False)
+    with pytest.raises(ValueError, match=r"eval set 'mt_bench'.*\+eval.set_paths.mt_bench=PATH"):
+        check_reachable(["default", "mt_bench"])
+    with pytest.raises(ValueError, match="eval set 'gsm8k'"):
+        check_reachable(["gsm8k"])  # no package ships it: only a path or the Hub
+    check_reachable(["default", "mt_bench"], {"mt_bench": "/data/question.jsonl"})
+    monkeypatch.setattr(eval_sets.packaged, "available", lambda path: True)
+    check_reachable(["mt_bench", "humaneval"])
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "0")
+    monkeypatch.setattr(eval_sets.packaged, "available", lambda path: False)
+    check_reachable(["gsm8k"])  # online: the Hub is asked when the eval runs
