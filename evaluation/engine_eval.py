@@ -266,7 +266,7 @@ def engine_markdown(report: dict) -> list[str]:
         for label, a in ((name, s["drafter"]), (f"{name} (ngram)", s["lookup"])):
             lines.append(f"| {label} | {a['drafts']} | " + " | ".join(_fmt(v) for v in a["accept_at"]) + " |")
     lines += ["", f"Output tokens/s on {e['device']} (engine start-up excluded):", "",
-              "| set | plain | EAGLE-3 drafter | speed-up | ngram | speed-up |", "|---|---|---|---|---|---|"]
+              "| set | plain | drafter | speed-up | ngram | speed-up |", "|---|---|---|---|---|---|"]
     for name, s in e["sets"].items():
         t = s["tokens_per_s"]
         lines.append(f"| {name} | {_fmt(t['plain'], 1)} | {_fmt(t['drafter'], 1)} | {_fmt(s['speedup'])}x | "
