@@ -51,6 +51,10 @@ class LossOptions:
 
 @dataclass
 class DrafterConfig:
+    # The drafter algorithm (models/algorithms.py): eagle (EAGLE-3 / EAGLE-3.1, and P-EAGLE with parallel_drafting)
+    # | dflash (a block drafter: one non-causal forward over [bonus token, block_size - 1 mask tokens], the target's
+    # states injected as every layer's context keys and values; vLLM's method "dflash").
+    algorithm: str = "eagle"
     aux_layer_ids: Optional[list[int]] = None  # boundary convention; None -> (2, L//2, L-3)
     fc_norm: bool = True  # EAGLE-3.1: per-aux-state RMSNorm before fc
     norm_output: bool = True  # EAGLE-3.1: post-norm feedback across draft steps
@@ -79,6 +83,24 @@ class DrafterConfig:
     loss_impl: str = "auto"
     norm_impl: str = "torch"  # torch (F.rms_norm: torch's fused kernel on CUDA) | triton (ours, CUDA only)
     init_from: Optional[str] = None  # an exported drafter directory to fine-tune
+    # dflash only: tokens per block (the bonus token and block_size - 1 drafts; vLLM then serves k = block_size - 1),
+    # drafter layers, block anchors drawn per packed row, and gamma of the loss weight exp(-(k - 1) / gamma) of block
+    # offset k (the DFlash paper's Eq. 4: 7 for blocks of 16, 5 for 10, 4 for 8). It drafts over the target's whole
+    # vocab with the target's lm_head (draft_vocab_size is unused) and fills its block with mask_token_id (None:
+    # the target's pad id, else its eos id).
+    block_size: int = 16
+    num_draft_layers: int = 1
+    num_anchors: int = 512
+    position_decay: float = 7.0
+
+    def draft_steps(self) -> int:
+        return draft_steps(self)
+
+
+def draft_steps(drafter) -> int:
+    """Draft positions one round of ``drafter`` (a DrafterConfig, or a stage's view of it) trains and scores:
+    ttt_steps (eagle), block_size - 1 (dflash). A function, so that a stage's declared reads see the three keys."""
+    return drafter.block_size - 1 if drafter.algorithm == "dflash" else drafter.ttt_steps
 
 
 @dataclass
@@ -273,6 +295,7 @@ class Config:
         _one_of("drafter.loss_impl", self.drafter.loss_impl, ("auto", "torch"))
         _check_loss(self.drafter)
         _check_parallel_drafting(self)
+        _check_algorithm(self)
         _one_of("drafter.norm_impl", self.drafter.norm_impl, ("torch", "triton"))
         _one_of("data.length_policy", self.data.length_policy, ("truncate", "drop"))
         _one_of("data.on_error", self.data.on_error, ("error", "skip"))
@@ -343,9 +366,10 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
 def _check_parallel_drafting(cfg: Config) -> None:
     """P-EAGLE's keys: a mask token only for a parallel drafter, and an export only vLLM's HF layout serves so."""
     d = cfg.drafter
-    if d.mask_token_id is not None and not d.parallel_drafting:
+    if d.mask_token_id is not None and not d.parallel_drafting and d.algorithm != "dflash":
         raise ValueError(f"drafter.mask_token_id={d.mask_token_id} is set but drafter.parallel_drafting=false: it "
-                         "names the token P-EAGLE's parallel slots are fed; use drafter=p_eagle, or drop the key")
+                         "names the token P-EAGLE's parallel slots (or a DFlash block) are fed; use drafter=p_eagle or "
+                         "drafter=dflash, or drop the key")
     if d.mask_token_id is not None and d.mask_token_id < 0:
         raise ValueError(f"drafter.mask_token_id={d.mask_token_id}: must be a target-vocab id (>= 0)")
     if d.parallel_drafting and cfg.export.format != "hf":
@@ -355,6 +379,39 @@ def _check_parallel_drafting(cfg: Config) -> None:
     if d.parallel_drafting and cfg.eval.engine == "sglang":
         raise ValueError("drafter.parallel_drafting with eval.engine=sglang: SGLang has no parallel drafting for "
                          "EAGLE drafters; use eval.engine=vllm or hf")
+
+
+ALGORITHMS = ("eagle", "dflash")  # models/algorithms.py registers each (the schema cannot import it)
+
+
+def _check_algorithm(cfg: Config) -> None:
+    """drafter.algorithm and the block drafter's keys."""
+    d = cfg.drafter
+    _one_of("drafter.algorithm", d.algorithm, ALGORITHMS)
+    if d.algorithm != "dflash":
+        return
+    if d.block_size < 2:
+        raise ValueError(f"drafter.block_size={d.block_size}: a DFlash block holds the bonus token and at least one "
+                         "draft (>= 2; 16 in the paper)")
+    if d.num_draft_layers < 1 or d.num_anchors < 1 or not d.position_decay > 0:
+        raise ValueError(f"drafter.num_draft_layers={d.num_draft_layers}, drafter.num_anchors={d.num_anchors}, "
+                         f"drafter.position_decay={d.position_decay}: each must be > 0")
+    if d.parallel_drafting or d.fc_norm or d.norm_output or d.norm_before_fc:
+        raise ValueError("drafter.algorithm=dflash has none of EAGLE's flags (vLLM's DFlash drafter applies fc alone, "
+                         "drafts in one forward and feeds nothing back): use drafter=dflash, which sets "
+                         "parallel_drafting, fc_norm, norm_output and norm_before_fc false")
+    if cfg.export.format != "hf":
+        raise ValueError(f"drafter.algorithm=dflash with export.format={cfg.export.format}: vLLM loads DFlash drafters "
+                         "from the hf layout only (DFlashDraftModel); use export.format=hf")
+    if cfg.eval.engine == "sglang":
+        raise ValueError("drafter.algorithm=dflash with eval.engine=sglang: Fledge serves DFlash drafters with vLLM's "
+                         "method dflash; use eval.engine=vllm or hf")
+    if cfg.train.sequence_parallel > 1:
+        raise ValueError(f"drafter.algorithm=dflash with train.sequence_parallel={cfg.train.sequence_parallel}: block "
+                         "anchors see the whole row; set train.sequence_parallel=1")
+    if d.init_from:
+        raise ValueError("drafter.init_from with drafter.algorithm=dflash: fine-tuning starts from an EAGLE drafter "
+                         "only; drop drafter.init_from")
 
 
 def _check_loss(d: DrafterConfig) -> None:

@@ -64,6 +64,11 @@ class DrafterSpec:
     # P-EAGLE: draft steps >= 1 take (mask_token_id, fuse(mask_hidden)) instead of the draft before them
     parallel_drafting: bool = False
     mask_token_id: int | None = None
+    # The algorithm (models/algorithms.py): eagle (this file) | dflash (models/dflash.py: num_draft_layers qwen3
+    # layers over blocks of block_size tokens, filled with mask_token_id)
+    algorithm: str = "eagle"
+    num_draft_layers: int = 1
+    block_size: int = 0
     # MLA widths (layer "mla" only; models/layers/): null q_lora_rank = a plain q_proj
     q_lora_rank: int | None = None
     kv_lora_rank: int = 0
@@ -86,10 +91,13 @@ class DrafterSpec:
         if getattr(drafter_cfg, "ttt_steps", 1) < 1:
             raise ValueError(f"drafter.ttt_steps={drafter_cfg.ttt_steps}: must be >= 1")
         family, shape = read_target(hf_config)
-        if family.layer_kind not in LAYER_KINDS:
+        get = lambda k, d: drafter_cfg.get(k, d) if isinstance(drafter_cfg, Mapping) else getattr(drafter_cfg, k, d)  # noqa: E731
+        dflash = get("algorithm", "eagle") == "dflash"
+        if family.layer_kind not in LAYER_KINDS and not dflash:
             raise ValueError(f"target family {family.name!r} needs drafter layer kind {family.layer_kind!r}, which "
                              f"models/layers/ does not register (it has {sorted(LAYER_KINDS)})")
-        kind = resolve_layer_kind(getattr(drafter_cfg, "layer", "auto"), family.layer_kind)
+        # a DFlash drafter's layers are Qwen3's whatever the target (vLLM's DFlashQwen3ForCausalLM)
+        kind = get_layer_kind("qwen3") if dflash else resolve_layer_kind(get("layer", "auto"), family.layer_kind)
         layer = layer_settings(kind, family.drafter_layer(shape), text_config_dict(hf_config))
         theta, scaling = rope_of(layer)
         return cls(
@@ -102,7 +110,7 @@ class DrafterSpec:
             rms_norm_eps=float(layer["rms_norm_eps"]),
             hidden_act=layer["hidden_act"],
             vocab_size=shape.vocab_size,
-            draft_vocab_size=drafter_cfg.draft_vocab_size,
+            draft_vocab_size=shape.vocab_size if dflash else drafter_cfg.draft_vocab_size,
             aux_layer_ids=list(aux_layer_ids),
             target_num_hidden_layers=shape.num_hidden_layers,
             max_position_embeddings=int(layer["max_position_embeddings"]),
@@ -113,6 +121,9 @@ class DrafterSpec:
             layer=kind.name,
             parallel_drafting=bool(getattr(drafter_cfg, "parallel_drafting", False)),
             mask_token_id=mask_token_id_for(drafter_cfg, hf_config, shape.vocab_size),
+            algorithm="dflash" if dflash else "eagle",
+            num_draft_layers=int(get("num_draft_layers", 1)) if dflash else 1,
+            block_size=int(get("block_size", 16)) if dflash else 0,
             **{k: layer[k] for k in kind.spec_keys},
         )
 
@@ -130,6 +141,16 @@ class DrafterSpec:
         if problems:
             raise ValueError(problems[0][2])
         mask = self.mask_token_id
+        if self.algorithm not in ("eagle", "dflash"):
+            raise ValueError(f"algorithm={self.algorithm!r}: expected eagle | dflash")
+        if self.algorithm == "dflash":
+            if not (mask is not None and 0 <= mask < self.vocab_size):
+                raise ValueError(f"drafter.mask_token_id={mask}: a DFlash block is filled with a target-vocab id, in "
+                                 f"[0, {self.vocab_size}); set one in that range")
+            if self.block_size < 2 or self.num_draft_layers < 1 or self.draft_vocab_size != self.vocab_size:
+                raise ValueError(f"a DFlash spec needs block_size >= 2 (has {self.block_size}), num_draft_layers >= 1 "
+                                 f"(has {self.num_draft_layers}) and the whole vocab (draft_vocab_size="
+                                 f"{self.draft_vocab_size}, vocab_size={self.vocab_size})")
         if self.parallel_drafting and not (mask is not None and 0 <= mask < self.vocab_size):
             raise ValueError(f"drafter.mask_token_id={self.mask_token_id}: parallel drafting feeds its slots a "
                              f"target-vocab id, in [0, {self.vocab_size}); set one in that range")
@@ -177,7 +198,8 @@ def mask_token_id_for(drafter_cfg, hf_config, vocab_size: int) -> int | None:
     id (the engine embeds it with the target's frozen embedding; the learned mask_hidden makes the slot)."""
     get = drafter_cfg.get if isinstance(drafter_cfg, Mapping) else lambda k, d=None: getattr(drafter_cfg, k, d)
     given = get("mask_token_id", None)
-    if not get("parallel_drafting", False) or given is not None:
+    wanted = get("parallel_drafting", False) or get("algorithm", "eagle") == "dflash"
+    if not wanted or given is not None:
         return None if given is None else int(given)
     config = hf_config if isinstance(hf_config, Mapping) else hf_config.to_dict()
     for key in ("pad_token_id", "eos_token_id"):
@@ -185,8 +207,8 @@ def mask_token_id_for(drafter_cfg, hf_config, vocab_size: int) -> int | None:
         value = value[0] if isinstance(value, (list, tuple)) and value else value
         if isinstance(value, int) and 0 <= value < vocab_size:
             return value
-    raise ValueError("drafter.parallel_drafting: the target's config has no pad_token_id or eos_token_id to feed "
-                     "the parallel slots; set drafter.mask_token_id")
+    raise ValueError("drafter.parallel_drafting / drafter.algorithm=dflash: the target's config has no pad_token_id "
+                     "or eos_token_id to fill the draft slots with; set drafter.mask_token_id")
 
 
 def _json_safe(x: Any) -> Any:

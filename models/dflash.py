@@ -1,0 +1,199 @@
+"""The DFlash block drafter (arXiv 2602.06036), as vLLM 0.32 serves it (``DFlashQwen3ForCausalLM``).
+
+One forward drafts a whole block. Its queries are ``[bonus token, mask, ..., mask]`` (``block_size`` tokens at
+absolute positions P..P+B-1, the masks ``spec.mask_token_id`` embedded with the target's frozen table); block offset
+k >= 1 predicts the token *at its own position* P+k. The target's states at the aux layers, concatenated, make the
+context: ``ctx = hidden_norm(fc(aux))``, projected by every drafter layer's own ``k_proj``/``v_proj`` (k through
+``k_norm`` and RoPE at the context positions) into keys and values the block attends to, with no causal mask inside
+the block. Each layer is a pre-norm Qwen3 layer (q/k norms); the output goes through ``norm`` and the target's
+lm_head. The state_dict's names are the export's (``fc.weight``, ``hidden_norm.weight``, ``layers.{i}.*``,
+``norm.weight``); ``embed_tokens`` and ``lm_head`` are frozen copies of the target's, never exported (vLLM shares the
+target's).
+
+- training (train/losses/dflash.py): ``blocks`` over many anchors of a packed row at once, each block seeing the
+  context of its own document strictly before its anchor (``block_mask``);
+- drafting (evaluation/speculative.py ``BlockProposer``): ``context_kv`` of the verified positions, kept per layer
+  and appended to, then ``draft`` of one block.
+
+The aux states are the boundary convention's (docs/architecture.md, Aux layer ids): boundary id b is the output of
+0-based layer b - 1, which is what DFlash's ``target_layer_ids`` name (``serving_layer_ids``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from fledge.models.kernels.rmsnorm import RMSNorm
+
+
+def serving_layer_ids(aux_layer_ids) -> list[int]:
+    """Boundary ids -> DFlash's ``target_layer_ids`` (the 0-based layer whose output is taken; vLLM adds 1 back)."""
+    return [int(b) - 1 for b in aux_layer_ids]
+
+
+def aux_layer_ids_of(target_layer_ids) -> list[int]:
+    """DFlash's ``target_layer_ids`` -> boundary ids."""
+    return [int(t) + 1 for t in target_layer_ids]
+
+
+class _Attention(nn.Module):
+    def __init__(self, spec) -> None:
+        super().__init__()
+        H, D = spec.hidden_size, spec.head_dim
+        self.heads, self.kv_heads, self.head_dim = spec.num_attention_heads, spec.num_key_value_heads, D
+        self.q_proj = nn.Linear(H, self.heads * D, bias=False)
+        self.k_proj = nn.Linear(H, self.kv_heads * D, bias=False)
+        self.v_proj = nn.Linear(H, self.kv_heads * D, bias=False)
+        self.o_proj = nn.Linear(self.heads * D, H, bias=False)
+        self.q_norm = RMSNorm(D, eps=spec.rms_norm_eps)
+        self.k_norm = RMSNorm(D, eps=spec.rms_norm_eps)
+
+    def _split(self, x, n):
+        B, T, _ = x.shape
+        return x.view(B, T, n, self.head_dim).transpose(1, 2)
+
+    def kv(self, x, cos, sin):
+        """``x [B, T, H]`` -> k (normed, rotated), v ``[B, Hkv, T, D]``."""
+        k = self.k_norm(self._split(self.k_proj(x), self.kv_heads))
+        k = k * cos.unsqueeze(1) + _rotate_half(k) * sin.unsqueeze(1)
+        return k, self._split(self.v_proj(x), self.kv_heads)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
+        """Block ``x [B, Q, H]`` attends to ``[ctx_k | its own keys]`` under ``mask`` (bool ``[B, 1, Q, C + Q]``, or
+        None: everything)."""
+        q = self.q_norm(self._split(self.q_proj(x), self.heads))
+        k, v = self.kv(x, cos, sin)
+        q, _ = apply_rotary_pos_emb(q, q, cos, sin)
+        k, v = torch.cat([ctx_k, k], 2), torch.cat([ctx_v, v], 2)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
+        B, _, Q, _ = a.shape
+        return self.o_proj(a.transpose(1, 2).reshape(B, Q, -1))
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class _Layer(nn.Module):
+    def __init__(self, spec, config) -> None:
+        super().__init__()
+        H, eps = spec.hidden_size, spec.rms_norm_eps
+        self.input_layernorm = RMSNorm(H, eps=eps)
+        self.self_attn = _Attention(spec)
+        self.post_attention_layernorm = RMSNorm(H, eps=eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, h, cos, sin, ctx_k, ctx_v, mask):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, ctx_k, ctx_v, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDrafter(nn.Module):
+    """A DFlash drafter of ``spec`` (a DrafterSpec with ``algorithm="dflash"``)."""
+
+    def __init__(self, spec, norm_impl: str = "torch") -> None:
+        super().__init__()
+        spec.validate()
+        if spec.algorithm != "dflash":
+            raise ValueError(f"DFlashDrafter needs a dflash spec, got algorithm={spec.algorithm!r}")
+        self.spec = spec
+        H, V, eps = spec.hidden_size, spec.vocab_size, spec.rms_norm_eps
+        config = spec.layer_config()
+        self.embed_tokens = nn.Embedding(V, H)
+        self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen
+        self.fc = nn.Linear(spec.fc_in_features, H, bias=False)
+        self.hidden_norm = RMSNorm(H, eps=eps)
+        self.layers = nn.ModuleList(_Layer(spec, config) for _ in range(spec.num_draft_layers))
+        self.norm = RMSNorm(H, eps=eps)
+        self.lm_head = nn.Linear(H, V, bias=False)
+        self.lm_head.weight.requires_grad_(False)  # the target's, frozen
+        self.rotary_emb = LlamaRotaryEmbedding(config)
+        self._inv_freq_fp32 = self.rotary_emb.inv_freq.detach().clone()
+        # the draft vocab is the target's: the maps every harness reads are the identity
+        self.register_buffer("d2t", torch.zeros(V, dtype=torch.int64), persistent=False)
+        self.register_buffer("t2d", torch.ones(V, dtype=torch.bool), persistent=False)
+        self.norm_impl = norm_impl
+
+    EXPORTED_FROZEN = ("embed_tokens.weight", "lm_head.weight")  # the target's: never written to an export
+
+    @property
+    def norm_impl(self) -> str:
+        return self._norm_impl
+
+    @norm_impl.setter
+    def norm_impl(self, impl: str) -> None:
+        if impl not in ("torch", "triton"):
+            raise ValueError(f"drafter.norm_impl={impl!r}: expected torch | triton")
+        self._norm_impl = impl
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                m.impl = impl
+
+    def _apply(self, fn, recurse=True):  # keep the RoPE frequencies fp32 (as Eagle3Drafter)
+        super()._apply(fn, recurse)
+        rot = self.rotary_emb
+        rot.inv_freq = self._inv_freq_fp32.to(rot.inv_freq.device)
+        rot.original_inv_freq = rot.inv_freq.clone()
+        return self
+
+    @torch.no_grad()
+    def load_target_head(self, embedding: torch.Tensor, lm_head: torch.Tensor) -> None:
+        """Copy in the target's input embedding and lm_head (both ``[V, H]``, kept frozen)."""
+        for name, have, w in (("embedding", self.embed_tokens.weight, embedding), ("lm_head", self.lm_head.weight,
+                                                                                  lm_head)):
+            if w.shape != have.shape:
+                raise ValueError(f"target {name} {tuple(w.shape)} != the drafter's {tuple(have.shape)}")
+            have.copy_(w)
+
+    def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids
+
+    # ---- the forward, shared by training and drafting ------------------------------------------------------
+    def context(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """Target aux states ``[B, T, n*Ht]`` -> context states ``[B, T, H]`` (``hidden_norm(fc(aux))``)."""
+        if aux_hidden.shape[-1] != self.spec.fc_in_features:
+            raise ValueError(f"aux_hidden has width {aux_hidden.shape[-1]}; drafter.aux_layer_ids="
+                             f"{self.spec.aux_layer_ids} x target_hidden_size={self.spec.target_hidden_size} = "
+                             f"{self.spec.fc_in_features}")
+        return self.hidden_norm(self.fc(aux_hidden))
+
+    def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's (k, v) ``[B, Hkv, T, D]`` of context states ``ctx [B, T, H]`` at ``positions [B, T]``."""
+        cos, sin = self.rotary_emb(ctx, positions)
+        return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]
+
+    def blocks(self, block_ids, block_positions, ctx_kv, mask) -> torch.Tensor:
+        """Block tokens ``[B, Q]`` at ``block_positions [B, Q]`` over the context's per-layer ``ctx_kv`` under
+        ``mask`` (bool ``[B, 1, Q, C + Q]``, True = attend; None = all) -> normed states ``[B, Q, H]`` for
+        ``lm_head``."""
+        h = self.embed_tokens(block_ids)
+        cos, sin = self.rotary_emb(h, block_positions)
+        for layer, (k, v) in zip(self.layers, ctx_kv):
+            h = layer(h, cos, sin, k, v, mask)
+        return self.norm(h)
+
+    def draft(self, bonus: torch.Tensor, position: torch.Tensor, ctx_kv, k: int) -> torch.Tensor:
+        """One block as vLLM drafts it: ``bonus [B]`` at ``position [B]`` then ``k`` masks, over the verified
+        context ``ctx_kv`` (every position before ``position``) -> logits ``[B, k, V]`` for positions +1..+k."""
+        B = bonus.shape[0]
+        ids = torch.full((B, k + 1), self.spec.mask_token_id, dtype=torch.long, device=bonus.device)
+        ids[:, 0] = bonus
+        pos = position[:, None] + torch.arange(k + 1, device=bonus.device)
+        return self.lm_head(self.blocks(ids, pos, ctx_kv, None)[:, 1:])
+
+
+def block_mask(anchors: torch.Tensor, document_ids: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The training mask of one packed row: ``anchors [N]`` (row indices), ``document_ids [T]`` ->
+    bool ``[N * block_size, T + N * block_size]``: block j's tokens see the context positions of the anchor's
+    document strictly before the anchor, and every token of block j (bidirectional), nothing else."""
+    T, N = document_ids.shape[0], anchors.shape[0]
+    t = torch.arange(T, device=anchors.device)
+    ctx = (t[None] < anchors[:, None]) & (document_ids[None] == document_ids[anchors][:, None])  # [N, T]
+    own = torch.eye(N, dtype=torch.bool, device=anchors.device)  # [N, N]
+    ctx = ctx.repeat_interleave(block_size, 0)
+    own = own.repeat_interleave(block_size, 0).repeat_interleave(block_size, 1)
+    return torch.cat([ctx, own], 1)

@@ -1,0 +1,130 @@
+"""The DFlash drafter (models/dflash.py): the training forward over many anchors equals the engine-style draft of one
+block over its verified context; the block mask; the spec's rules; the layer-id conventions."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fledge.models.algorithms import ALGORITHMS, build_drafter
+from fledge.models.dflash import DFlashDrafter, aux_layer_ids_of, block_mask, serving_layer_ids
+from fledge.models.drafter import DrafterSpec, Eagle3Drafter
+
+TARGET = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 8,
+          "vocab_size": 300, "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "pad_token_id": 0,
+          "eos_token_id": 5}
+
+
+def dflash_cfg(**kw):
+    base = dict(algorithm="dflash", block_size=4, num_draft_layers=2, draft_vocab_size=32, fc_norm=False,
+                norm_output=False, norm_before_fc=False, parallel_drafting=False, mask_token_id=None, layer="auto")
+    return SimpleNamespace(**{**base, **kw})
+
+
+def random_dflash(seed=0, **kw) -> DFlashDrafter:
+    spec = DrafterSpec.from_target_config(TARGET, dflash_cfg(**kw), [2, 4, 5])
+    torch.manual_seed(seed)
+    d = build_drafter(spec)
+    for p in d.parameters():
+        if p.requires_grad and p.dim() == 1:
+            p.data.normal_(1.0, 0.1)  # random norms too
+    d.load_target_head(torch.randn(300, 64), torch.randn(300, 64) * 0.2)
+    return d.eval()
+
+
+def test_spec_of_a_dflash_drafter():
+    spec = DrafterSpec.from_target_config(TARGET, dflash_cfg(), [2, 4, 5])
+    assert (spec.algorithm, spec.layer, spec.block_size, spec.num_draft_layers) == ("dflash", "qwen3", 4, 2)
+    assert spec.draft_vocab_size == 300  # the target's whole vocab, whatever draft_vocab_size says
+    assert spec.mask_token_id == 0  # the target's pad id by default
+    assert DrafterSpec.from_dict(spec.to_dict()) == spec
+    assert DrafterSpec.from_target_config(TARGET, dflash_cfg(mask_token_id=7), [2, 4, 5]).mask_token_id == 7
+    with pytest.raises(ValueError, match="mask_token_id=300"):
+        DrafterSpec.from_target_config(TARGET, dflash_cfg(mask_token_id=300), [2, 4, 5])
+    assert isinstance(build_drafter(DrafterSpec.from_target_config(
+        TARGET, SimpleNamespace(fc_norm=True, norm_output=True, norm_before_fc=False, draft_vocab_size=32), [2, 4, 5])),
+        Eagle3Drafter)
+    assert {a.vllm_method for a in ALGORITHMS.values()} == {"eagle3", "dflash"}
+
+
+def test_state_dict_is_the_served_layout():
+    names = set(random_dflash().state_dict())
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.k_norm.weight",
+            "layers.0.self_attn.q_norm.weight", "layers.0.mlp.gate_proj.weight"} <= names
+    assert not any(n.startswith(("midlayer.", "model.")) or n in ("d2t", "t2d", "mask_hidden") for n in names)
+    assert set(DFlashDrafter.EXPORTED_FROZEN) <= names
+
+
+def test_layer_id_conventions():
+    # boundary id b = HF hidden_states[b] = the output of 0-based layer b - 1, which DFlash's target_layer_ids name
+    assert serving_layer_ids([2, 15, 27]) == [1, 14, 26]
+    assert aux_layer_ids_of(serving_layer_ids([2, 15, 27])) == [2, 15, 27]
+
+
+def test_block_mask():
+    doc = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1], dtype=torch.int32)
+    m = block_mask(torch.tensor([2, 6]), doc, 3)
+    assert m.shape == (6, 8 + 6)
+    assert m[:3, :8].tolist() == [[True, True, False, False, False, False, False, False]] * 3  # before anchor 2, doc 0
+    assert m[3:, :8].tolist() == [[False, False, False, False, True, True, False, False]] * 3  # doc 1, before 6
+    assert m[:3, 8:11].all() and not m[:3, 11:].any() and m[3:, 11:].all() and not m[3:, 8:11].any()
+
+
+@torch.no_grad()
+def test_training_forward_equals_engine_draft():
+    d = random_dflash()
+    T, B = 24, 4
+    aux = torch.randn(1, T, d.spec.fc_in_features)
+    pos = torch.arange(T)[None]
+    doc = torch.zeros(T, dtype=torch.int32)
+    doc[14:] = 1  # two packed documents; positions restart
+    pos[0, 14:] = torch.arange(T - 14)
+    anchors = torch.tensor([3, 9, 15, 20])
+    ids = torch.randint(0, 300, (T,))
+    kv = d.context_kv(d.context(aux), pos)
+    bids = torch.full((len(anchors), B), d.spec.mask_token_id)
+    bids[:, 0] = ids[anchors]
+    bpos = pos[0, anchors][:, None] + torch.arange(B)
+    y = d.blocks(bids.reshape(1, -1), bpos.reshape(1, -1), kv, block_mask(anchors, doc, B)[None, None])
+    logits = d.lm_head(y.view(len(anchors), B, -1)[:, 1:])
+    for j, a in enumerate(anchors.tolist()):
+        start = 0 if a < 14 else 14  # the anchor's document only, strictly before it
+        ctx = d.context_kv(d.context(aux[:, start:a]), pos[:, start:a])
+        one = d.draft(ids[a:a + 1], pos[0, a:a + 1], ctx, B - 1)
+        torch.testing.assert_close(logits[j], one[0], rtol=1e-4, atol=1e-4)
+
+
+@torch.no_grad()
+def test_every_slot_depends_on_the_context_and_the_bonus_token():
+    d = random_dflash()
+    aux = torch.randn(1, 10, d.spec.fc_in_features)
+    kv = d.context_kv(d.context(aux), torch.arange(10)[None])
+    base = d.draft(torch.tensor([7]), torch.tensor([10]), kv, 3)
+    kv2 = d.context_kv(d.context(aux * 2 + 1), torch.arange(10)[None])
+    assert (d.draft(torch.tensor([7]), torch.tensor([10]), kv2, 3) - base).abs().amax(-1).min() > 1e-4
+    assert (d.draft(torch.tensor([8]), torch.tensor([10]), kv, 3) - base).abs().amax(-1).min() > 1e-4
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["drafter=dflash", "drafter.block_size=1"], "drafter.block_size=1"),
+    (["drafter=dflash", "drafter.fc_norm=true"], "none of EAGLE's flags"),
+    (["drafter=dflash", "export.format=speculators"], "export.format=speculators"),
+    (["drafter=dflash", "eval.engine=sglang"], "eval.engine=sglang"),
+    (["drafter=dflash", "train.sequence_parallel=2"], "train.sequence_parallel=2"),
+    (["drafter.algorithm=medusa"], "drafter.algorithm='medusa'"),
+])
+def test_dflash_keys_that_cannot_be_trained_or_served_are_refused_when_composed(overrides, key):
+    from fledge.conf.compose import compose
+
+    with pytest.raises(ValueError, match=key):
+        compose(["recipe=tiny", *overrides])
+
+
+def test_dflash_composes_over_a_recipe():
+    from fledge.conf.compose import compose
+
+    cfg = compose(["recipe=tiny", "drafter=dflash", "drafter.block_size=8", "drafter.mask_token_id=5"])
+    d = cfg.drafter
+    assert (d.algorithm, d.block_size, d.draft_steps(), d.mask_token_id) == ("dflash", 8, 7, 5)
+    assert compose(["recipe=tiny"]).drafter.draft_steps() == compose(["recipe=tiny"]).drafter.ttt_steps
