@@ -61,7 +61,9 @@ def drafter_checkpoint(cfg: Config, spec: DrafterSpec) -> DrafterCheckpoint:
         spec, target={"name_or_path": cfg.target.name_or_path, "revision": cfg.target.revision},
         training={"recipe": cfg.recipe, "loss": d.loss, "ttt_steps": d.ttt_steps, "step_weight": d.step_weight,
                   "fc_norm": d.fc_norm, "norm_output": d.norm_output, "norm_before_fc": d.norm_before_fc,
-                  "parallel_drafting": d.parallel_drafting,
+                  "parallel_drafting": d.parallel_drafting, "algorithm": d.algorithm,
+                  **({"block_size": d.block_size, "num_anchors": d.num_anchors, "position_decay": d.position_decay,
+                      "num_draft_layers": d.num_draft_layers} if d.algorithm == "dflash" else {}),
                   "train": dataclasses.asdict(cfg.train)})
 
 

@@ -215,7 +215,7 @@ def run_training(ctx: StageContext) -> dict:
                 now = time.time()
                 record = {"step": step, "lr": scheduler.get_last_lr()[0], "grad_norm": _grad_norm(engine),
                           "tokens_per_s": n_tok / max(1e-9, now - t_log), "skipped": skipped, **values,
-                          "al_estimate": al_estimate(StepAccuracy.from_values(values, cfg.drafter.ttt_steps))}
+                          "al_estimate": al_estimate(StepAccuracy.from_values(values, cfg.drafter.draft_steps()))}
                 tokens, t_log = 0, now
                 if metrics_log:
                     metrics_log.write(record)
@@ -274,7 +274,7 @@ def evaluate(engine, data, cfg: Config, world: World, dtype: torch.dtype, seq=No
         engine.train()
     values = meter.reduce()
     values = {f"eval/{k}": v for k, v in values.items()}
-    accuracy = StepAccuracy.from_values(values, cfg.drafter.ttt_steps, prefix="eval/")
+    accuracy = StepAccuracy.from_values(values, cfg.drafter.draft_steps(), prefix="eval/")
     values["eval/al_estimate"] = al_estimate(accuracy)
     return values
 

@@ -7,6 +7,7 @@ non-persistent buffer, so checkpoints hold only the drafter (under the ``drafter
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -16,10 +17,12 @@ from torch import nn
 from fledge.conf.schema import Config
 from fledge.data.features.batch import FeatureBatch
 from fledge.data.prepare.vocab import DraftVocab
+from fledge.models.algorithms import build_drafter
 from fledge.models.drafter import DrafterSpec, Eagle3Drafter
 from fledge.models.weights import load_input_embeddings, load_lm_head_rows
 from fledge.serving.export import load_drafter
 from fledge.train.losses import TTTLoss, TTTResult, build_loss, step_denominators
+from fledge.train.losses.dflash import DFlashObjective
 from fledge.train.sequence_parallel import RowShard
 
 log = logging.getLogger(__name__)
@@ -70,6 +73,8 @@ def build_ttt_model(cfg: Config, vocab_path: Path, device: torch.device) -> TTTM
     loss = build_loss(cfg.drafter)  # an unknown drafter.loss fails before any weight is read
     t = cfg.target
     hf_config = AutoConfig.from_pretrained(t.name_or_path, revision=t.revision, trust_remote_code=t.trust_remote_code)
+    if cfg.drafter.algorithm == "dflash":
+        return _build_dflash(cfg, hf_config, loss, device)
     vocab = DraftVocab.load(vocab_path)
     if len(vocab.d2t) != cfg.drafter.draft_vocab_size:
         raise ValueError(f"{vocab_path}: draft vocab has {len(vocab.d2t)} ids but "
@@ -88,6 +93,43 @@ def build_ttt_model(cfg: Config, vocab_path: Path, device: torch.device) -> TTTM
     if cfg.drafter.init_from:
         init_from(drafter, cfg.drafter.init_from, embedding)
     return TTTModel(drafter, teacher_head, loss).to(device)
+
+
+def _build_dflash(cfg: Config, hf_config, loss: TTTLoss, device: torch.device) -> TTTModel:
+    """A DFlash drafter (models/dflash.py) over the target's whole vocab: its frozen embedding and lm_head are the
+    target's, the lm_head also the teacher's head; the objective is train/losses/dflash.py's over ``loss``."""
+    t = cfg.target
+    spec = DrafterSpec.from_target_config(hf_config, cfg.drafter, cfg.aux_layer_ids())
+    torch.manual_seed(cfg.run.seed)
+    embedding = load_input_embeddings(t.name_or_path, t.revision)
+    spec = dataclasses.replace(spec, mask_token_id=_dflash_mask_token(spec, hf_config, embedding,
+                                                                      cfg.drafter.mask_token_id))
+    drafter = build_drafter(spec, norm_impl=cfg.drafter.norm_impl)
+    head = load_lm_head_rows(t.name_or_path, t.revision, torch.arange(spec.vocab_size)).float().contiguous()
+    drafter.load_target_head(embedding, head)
+    return TTTModel(drafter, head, DFlashObjective.from_config(loss, cfg.drafter)).to(device)
+
+
+def _dflash_mask_token(spec: DrafterSpec, hf_config, embedding: torch.Tensor, given: int | None) -> int:
+    """The token a DFlash block is filled with. Its embedding is the target's, frozen (vLLM embeds it with the
+    target's table), and a zero row (a padding token's) makes every mask slot's query zero after the layer's norms:
+    such slots attend uniformly and never learn where they are. So the default (the target's pad id) falls back to
+    its eos id when the pad row is zero, and a given id with a zero row is refused."""
+    norms = embedding.float().norm(dim=-1)
+    zero = lambda i: float(norms[i]) <= 1e-6 * float(norms.median())  # noqa: E731
+    if not zero(spec.mask_token_id):
+        return spec.mask_token_id
+    if given is None:
+        config = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
+        eos = config.get("eos_token_id")
+        eos = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
+        if isinstance(eos, int) and 0 <= eos < len(norms) and not zero(eos):
+            log.info("drafter.mask_token_id: the target's pad token %d has a zero embedding; DFlash blocks are "
+                     "filled with its eos token %d instead", spec.mask_token_id, eos)
+            return eos
+    raise ValueError(f"drafter.mask_token_id={spec.mask_token_id}: the target's embedding of that token is zero (a "
+                     "padding row), so every mask slot of a DFlash block would have a zero query; set "
+                     "drafter.mask_token_id to a token with a trained embedding (a rarely used special token)")
 
 
 # What a drafter to fine-tune must share with this run, as (config key, DrafterSpec field). The layer's

@@ -1,0 +1,158 @@
+"""The DFlash training objective over the shared feature batch (arXiv 2602.06036; SpecForge's ``OnlineDFlashModel``).
+
+Per packed row, up to ``num_anchors`` anchors a are drawn among the positions whose next token the target generates
+(``loss_mask[a + 1]``, same document). Block j is ``[x_a, mask, ..., mask]`` (``block_size`` tokens at positions
+pos_a .. pos_a + B - 1) and sees the context states of its document strictly before a (the anchor's own state does
+not exist yet when the engine drafts) and its own block, bidirectionally (models/dflash.py ``block_mask``). Block
+offset k (1..B-1) predicts the token at a + k: it is scored where that token is in the loss mask and the anchor's
+document, against the target's distribution at a + k - 1 (the state that predicted it: ``target_hidden`` through
+the target's lm_head, over its whole vocab). The formula is the registered ``drafter.loss``'s ``loss_sum`` (the soft
+CE by default: distillation from the frozen target, where the paper's CE reads the data's tokens), and offset k
+weighs ``exp(-(k - 1) / gamma)`` (the paper's Eq. 4, ``drafter.position_decay``), each offset's loss the mean over
+its rows of the whole optimizer step (train/losses/base.py ``step_denominators``), as the EAGLE steps are.
+
+Anchors are drawn by a generator seeded from the row's content, so that the trainer's row count before a step and
+the forward agree; ``drafter.num_anchors`` bounds the block queries per row (N x B of them, each attending to the
+row's T context keys and N x B block keys).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from fledge.data.features.batch import FeatureBatch
+from fledge.models.alignment import step_key
+from fledge.models.dflash import block_mask
+from fledge.train.losses.base import TTTLoss, TTTResult, _nonzero
+
+
+class DFlashObjective:
+    """``objective(drafter, batch, teacher_head)`` -> ``TTTResult`` with metrics ``loss_k``, ``acc_k``, ``full_acc_k``
+    for block offsets k + 1 (k = 0..B-2), as the trainer reads the EAGLE steps'. ``loss``: the registered loss whose
+    ``loss_sum`` scores each offset; ``teacher_head``: the target's whole lm_head ``[V, Ht]``."""
+
+    def __init__(self, loss: TTTLoss, *, block_size: int, num_anchors: int, position_decay: float,
+                 chunk_size: int) -> None:
+        if block_size < 2 or num_anchors < 1 or not position_decay > 0 or chunk_size < 1:
+            raise ValueError(f"DFlash objective: block_size={block_size} (>= 2), num_anchors={num_anchors} (>= 1), "
+                             f"position_decay={position_decay} (> 0), chunk_size={chunk_size} (>= 1)")
+        self.loss, self.B, self.N, self.chunk = loss, block_size, num_anchors, chunk_size
+        self.weights = [math.exp(-k / position_decay) for k in range(block_size - 1)]  # offset k + 1
+
+    @classmethod
+    def from_config(cls, loss: TTTLoss, drafter_cfg) -> DFlashObjective:
+        return cls(loss, block_size=drafter_cfg.block_size, num_anchors=drafter_cfg.num_anchors,
+                   position_decay=drafter_cfg.position_decay, chunk_size=drafter_cfg.loss_chunk_size)
+
+    # ---- which rows --------------------------------------------------------------------------------------
+    def anchors(self, batch: FeatureBatch) -> list[torch.Tensor]:
+        """Per row of the batch, its sorted anchor indices (CPU int64)."""
+        out = []
+        ids, mask, doc = (t.detach().cpu() for t in (batch.input_ids, batch.loss_mask, batch.document_ids))
+        for b in range(ids.shape[0]):
+            ok = (doc[b, :-1] >= 0) & (doc[b, 1:] == doc[b, :-1]) & mask[b, 1:]
+            cand = ok.nonzero().flatten()
+            seed = (int(ids[b].sum()) * 1_000_003 + int(cand.sum()) * 7919 + ids.shape[1]) % (1 << 62)
+            g = torch.Generator().manual_seed(seed)
+            out.append(cand[torch.randperm(len(cand), generator=g)[:self.N]].sort().values)
+        return out
+
+    def _labels(self, batch: FeatureBatch, b: int, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(label positions ``[N, B-1]``, counted ``[N, B-1]``) of row b's anchors ``a`` (on the batch's device)."""
+        T = batch.input_ids.shape[1]
+        dev = batch.loss_mask.device
+        a = a.to(dev)
+        p = a[:, None] + torch.arange(1, self.B, device=dev)
+        inside = p < T
+        pc = p.clamp(max=T - 1)
+        doc = batch.document_ids[b]
+        counted = inside & (doc[pc] == doc[a][:, None]) & batch.loss_mask[b][pc]
+        return pc, counted
+
+    def counted_rows(self, drafter, batch: FeatureBatch, shard=None) -> torch.Tensor:
+        if shard is not None:
+            raise ValueError("the DFlash objective runs without sequence parallelism (train.sequence_parallel=1)")
+        counts = torch.zeros(self.B - 1, dtype=torch.int64, device=batch.loss_mask.device)
+        for b, a in enumerate(self.anchors(batch)):
+            counts += self._labels(batch, b, a)[1].sum(0)
+        return counts
+
+    # ---- the forward -------------------------------------------------------------------------------------
+    def __call__(self, drafter, batch: FeatureBatch, teacher_head: torch.Tensor, shard=None,
+                 denominators: torch.Tensor | None = None) -> TTTResult:
+        if shard is not None:
+            raise ValueError("the DFlash objective runs without sequence parallelism (train.sequence_parallel=1)")
+        if teacher_head.shape[0] != drafter.spec.vocab_size:
+            raise ValueError(f"teacher_head has {teacher_head.shape[0]} rows; a DFlash drafter drafts over the "
+                             f"target's {drafter.spec.vocab_size}")
+        B, K = self.B, self.B - 1
+        ys, ths, counted, argmax = [], [], [], []
+        for b, a in enumerate(self.anchors(batch)):
+            if not len(a):
+                continue
+            dev = batch.input_ids.device
+            a = a.to(dev)
+            ctx = drafter.context(batch.aux_hidden[b:b + 1])
+            kv = drafter.context_kv(ctx, batch.position_ids[b:b + 1])
+            ids = torch.full((len(a), B), drafter.spec.mask_token_id, dtype=torch.long, device=dev)
+            ids[:, 0] = batch.input_ids[b, a]
+            pos = batch.position_ids[b, a][:, None] + torch.arange(B, device=dev)
+            mask = block_mask(a, batch.document_ids[b], B)[None, None]
+            y = drafter.blocks(ids.reshape(1, -1), pos.reshape(1, -1), kv, mask).view(len(a), B, -1)[:, 1:]
+            p, c = self._labels(batch, b, a)
+            ys.append(y)
+            ths.append(batch.target_hidden[b][p - 1])
+            counted.append(c)
+            argmax.append(batch.target_argmax[b][p - 1])
+        dev = batch.aux_hidden.device
+        total = torch.zeros((), dtype=torch.float32, device=dev)
+        if not ys:  # no anchor in this micro-batch: a zero loss that still reaches every parameter
+            total = total + 0.0 * sum(p.sum() for p in drafter.parameters() if p.requires_grad)
+            ys = [torch.zeros(0, K, drafter.spec.hidden_size, device=dev)]
+            ths = [torch.zeros(0, K, teacher_head.shape[1], device=dev)]
+            counted = [torch.zeros(0, K, dtype=torch.bool, device=dev)]
+            argmax = [torch.zeros(0, K, dtype=torch.long, device=dev)]
+        y, th, counted, argmax = torch.cat(ys), torch.cat(ths), torch.cat(counted), torch.cat(argmax)
+        counts = counted.sum(0)
+        if denominators is None:
+            denominators = _nonzero(counts)
+        denominators = denominators.to(dev, torch.float32)
+        right = torch.zeros_like(counted)
+        metrics: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        f64 = lambda x: x.detach().to(torch.float64)  # noqa: E731
+        chain = torch.ones(counted.shape[0], dtype=torch.bool, device=dev)
+        chain_scored = chain.clone()
+        for k in range(K):
+            rows = counted[:, k].nonzero().flatten()
+            s, pred = self._offset_sum(y[rows, k], th[rows, k], teacher_head)
+            right[rows, k] = pred == argmax[rows, k]
+            total = total + self.weights[k] * s / denominators[k]
+            chain, chain_scored = chain & right[:, k], chain_scored & counted[:, k]
+            metrics[step_key("loss", k)] = (f64(s), f64(counts[k]))
+            metrics[step_key("acc", k)] = (f64(right[:, k].sum()), f64(counts[k]))
+            metrics[step_key("full_acc", k)] = (f64((chain & chain_scored).sum()), f64(chain_scored.sum()))
+        return TTTResult(loss=total, metrics=metrics)
+
+    def _offset_sum(self, y: torch.Tensor, th: torch.Tensor, head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The summed loss of rows ``y [R, H]`` against teacher states ``th [R, Ht]`` and the drafter's argmax, in
+        chunks of ``chunk`` rows whose [rows, V] logits are recomputed in backward rather than kept."""
+        W = head.float()
+        total = y.new_zeros((), dtype=torch.float32)
+        preds = []
+        for s in range(0, y.shape[0], self.chunk):
+            yc, tc = y[s:s + self.chunk], th[s:s + self.chunk]
+            part = checkpoint(self._chunk_sum, yc, tc, W, use_reentrant=False) if yc.requires_grad \
+                else self._chunk_sum(yc, tc, W)
+            total = total + part
+            with torch.no_grad():
+                preds.append((yc.float() @ W.T).argmax(-1))
+        pred = torch.cat(preds) if preds else torch.zeros(0, dtype=torch.long, device=y.device)
+        return total, pred
+
+    def _chunk_sum(self, yc, tc, W):
+        with torch.no_grad():
+            teacher = tc.float() @ W.T
+        return self.loss.loss_sum(yc.float() @ W.T, teacher)
