@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from fledge.atomic import read_jsonl, write_json_atomic
+from fledge.conf.schema import draft_steps
 from fledge.data.prepare.build import load_tokenizer
 from fledge.data.prepare.chat import ChatRenderer, eot_ids_from_target, prompt_ids
 from fledge.evaluation import long_context
@@ -39,11 +40,11 @@ from fledge.evaluation.eval_sets import EVAL_SETS, check_set_names, load_convers
 from fledge.evaluation.perturbations import PERTURBATIONS, perturbed
 from fledge.evaluation.report import write_report
 from fledge.evaluation.speculative import (
-    DrafterProposer,
     LookupProposer,
     TargetRunner,
     first_divergence,
     greedy_decode,
+    proposer_for,
     speculative_decode,
 )
 from fledge.models import alignment
@@ -188,7 +189,7 @@ def evaluate_set(name: str, prompts: list[list[int]], target_model, drafter, eva
     k, max_new = eval_cfg.draft_tokens, eval_cfg.max_new_tokens
     runner = TargetRunner(target_model, drafter.spec.aux_layer_ids)
     plain = TargetRunner(target_model)
-    drafter_prop, lookup = DrafterProposer(drafter), LookupProposer(eval_cfg.lookup_max_ngram)
+    drafter_prop, lookup = proposer_for(drafter), LookupProposer(eval_cfg.lookup_max_ngram)
     refs, plain_s, spec, look, ties, sampled = [], 0.0, [], [], 0, []
     gen = torch.Generator().manual_seed(seed)
     for prompt in progress(prompts, desc=f"eval {name}", leave=False):
@@ -230,7 +231,7 @@ def evaluate_set(name: str, prompts: list[list[int]], target_model, drafter, eva
 def evaluate_buckets(cfg, renderer, prepared: PrepareDir, target_model, drafter, eos, max_pos: int) -> list[dict]:
     """The set harness and the drift probe on each of ``eval.context_buckets`` (evaluation/long_context.py)."""
 
-    ev, K = cfg.eval, cfg.drafter.ttt_steps
+    ev, K = cfg.eval, draft_steps(cfg.drafter)
     room = max_pos - ev.max_new_tokens - ev.draft_tokens - 2
     if max(ev.context_buckets) > room:
         raise ValueError(f"eval.context_buckets={list(ev.context_buckets)}: the target holds {max_pos} positions, so "
@@ -288,6 +289,58 @@ def pack_heldout(lengths: Sequence[int], row_len: int) -> list[list[int]]:
 @torch.inference_mode()
 def heldout_accuracy(drafter, frozen, samples: Sequence[tuple[list[int], list[int]]], steps: int,
                      chunk_tokens: int = 0) -> dict:
+    if drafter.spec.algorithm == "dflash":
+        return block_heldout_accuracy(drafter, frozen, samples, steps, chunk_tokens)
+    return chain_heldout_accuracy(drafter, frozen, samples, steps, chunk_tokens)
+
+
+BLOCK_ANCHORS = 128  # anchors per held-out block forward
+
+
+@torch.inference_mode()
+def block_heldout_accuracy(drafter, frozen, samples: Sequence[tuple[list[int], list[int]]], steps: int,
+                           chunk_tokens: int = 0) -> dict:
+    """``heldout_accuracy`` of a block drafter (models/dflash.py): a block of ``steps`` masks after every anchor a
+    whose next token the target generates, each slot k scored where x_{a+k} is in the loss mask, against the target's
+    argmax at a + k - 1; ``full_acc[j]`` over anchors whose slots 1..j+1 are all scored, right when all are."""
+    from fledge.models.dflash import block_mask
+
+    hit, full, rows = torch.zeros(steps), torch.zeros(steps), torch.zeros(steps)
+    full_rows = torch.zeros(steps)
+    dev = drafter.lm_head.weight.device
+    B = steps + 1
+    for ids, mask in progress(samples, desc="held-out accuracy", leave=False):
+        x = torch.tensor([ids], device=frozen.device)
+        a_all, _, am = frozen.capture(x, chunk_tokens=chunk_tokens)
+        T = len(ids)
+        m = torch.tensor(mask, dtype=torch.bool, device=dev)
+        am, x = am[0].to(dev), x[0].to(dev)
+        kv = drafter.context_kv(drafter.context(a_all.to(dev, drafter.lm_head.weight.dtype)),
+                                torch.arange(T, device=dev)[None])
+        doc = torch.zeros(T, dtype=torch.int32, device=dev)
+        anchors = (m[1:]).nonzero().flatten()
+        for s in range(0, len(anchors), BLOCK_ANCHORS):
+            a = anchors[s:s + BLOCK_ANCHORS]
+            bids = torch.full((len(a), B), drafter.spec.mask_token_id, dtype=torch.long, device=dev)
+            bids[:, 0] = x[a]
+            pos = a[:, None] + torch.arange(B, device=dev)
+            y = drafter.blocks(bids.reshape(1, -1), pos.reshape(1, -1), kv, block_mask(a, doc, B)[None, None])
+            pred = drafter.lm_head(y.view(len(a), B, -1)[:, 1:]).argmax(-1)  # [N, steps]
+            p = a[:, None] + torch.arange(1, B, device=dev)
+            scored = (p < T) & m[p.clamp(max=T - 1)]
+            ok = (pred == am[p.clamp(max=T - 1) - 1]) & scored
+            hit += ok.sum(0).float().cpu()
+            rows += scored.sum(0).float().cpu()
+            full += ok.cumprod(1).sum(0).float().cpu()
+            full_rows += scored.cumprod(1).sum(0).float().cpu()
+    acc = (hit / rows.clamp_min(1)).tolist()
+    full_acc = (full / full_rows.clamp_min(1)).tolist()
+    return {"steps": steps, "acc": acc, "full_acc": full_acc, "rows": rows.tolist()}
+
+
+@torch.inference_mode()
+def chain_heldout_accuracy(drafter, frozen, samples: Sequence[tuple[list[int], list[int]]], steps: int,
+                           chunk_tokens: int = 0) -> dict:
     """Teacher-forced per-step accuracy on held-out conversations (one document each), unrolled ``steps``
     TTT steps, beyond the trained K too. Step j's inputs and scored rows are training's
     (models/alignment.py): a row whose teacher argmax lies outside the draft vocab is a miss, as it is when
@@ -344,7 +397,8 @@ def load_eval_models(cfg, drafter_dir: Path, device: torch.device, served: Draft
     frozen = FrozenTarget.load(cfg.target, device, served.aux_layer_ids)
     if device.type == "cpu":
         frozen.model.float()
-    drafter = load_drafter(drafter_dir, embed_weight=frozen.input_embeddings().float().cpu(),
+    head = frozen.model.get_output_embeddings().weight.detach().float().cpu() if served.algorithm == "dflash" else None
+    drafter = load_drafter(drafter_dir, embed_weight=frozen.input_embeddings().float().cpu(), head_weight=head,
                            dtype=torch.float32, device=device, spec=served).eval()
     return frozen, drafter
 
@@ -356,7 +410,7 @@ def evaluate_run(cfg, prepared: PrepareDir, out: EvalDir, drafter_dir: Path, dev
     (the report plots it); ``train_al_estimate``: its best AL estimate (the report and the engine's collapse
     check compare the measured AL with it)."""
 
-    ev, K = cfg.eval, cfg.drafter.ttt_steps
+    ev, K = cfg.eval, draft_steps(cfg.drafter)
     engine_python = check_engine(ev.engine, device.type, ev.engine_python)  # before any work: fail fast
     renderer = ChatRenderer(load_tokenizer(cfg.target, cfg.data.chat_template),
                             extra_eot_ids=eot_ids_from_target(cfg.target.name_or_path, cfg.target.revision))
@@ -392,8 +446,10 @@ def evaluate_run(cfg, prepared: PrepareDir, out: EvalDir, drafter_dir: Path, dev
             report["sets"][name] = evaluate_set(name, prompts, target_model, drafter, ev, eos, cfg.run.seed)
             write_json_atomic(out.partial_json, report)
         depth = ev.drift_depth or max(ev.draft_tokens, 2 * K)
-        report["drift"] = {name: drift_curves(drafter, TargetRunner(target_model, drafter.spec.aux_layer_ids),
-                                              prompts, depth, desc=f"drift {name}") for name, prompts in sets.items()}
+        if drafter.spec.algorithm == "eagle":  # the drift probe follows a chain's fed-back state (none in a block)
+            report["drift"] = {name: drift_curves(drafter, TargetRunner(target_model, drafter.spec.aux_layer_ids),
+                                                  prompts, depth, desc=f"drift {name}")
+                               for name, prompts in sets.items()}
     default = prepared.conversations(SET_SPLITS["default"])
     if default.exists():
         samples = [renderer.encode(c, f"{default}:{i + 1}")

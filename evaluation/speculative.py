@@ -174,6 +174,55 @@ class DrafterProposer:
         return drafts, (torch.stack(qs) if qs else None)
 
 
+class BlockProposer:
+    """Block drafting with a ``DFlashDrafter`` (models/dflash.py), as vLLM's DFlash proposer runs it: the context
+    keys and values of every verified position, kept per layer and appended to as rows are committed (they never
+    hold a draft), and one forward over [bonus token, k masks] per round. ``propose`` returns target ids and, when
+    sampling, q ``[k, V]``: each slot sampled from its own tempered distribution."""
+
+    needs_aux = True
+
+    def __init__(self, drafter):
+        self.drafter = drafter.eval()
+        self.device = drafter.lm_head.weight.device
+        self.dtype = drafter.lm_head.weight.dtype
+        self.reset()
+
+    def reset(self) -> None:
+        self.kv, self.n, self.bonus = None, 0, None
+
+    @torch.inference_mode()
+    def observe(self, next_tokens: Sequence[int], aux: torch.Tensor | None) -> None:
+        """Commit positions n..n+S-1 (aux states after x_t); the last of ``next_tokens`` is the bonus token x_{n+S}."""
+        assert aux is not None and aux.shape[0] == len(next_tokens)
+        S = len(next_tokens)
+        ctx = self.drafter.context(aux.to(self.device, self.dtype)[None])
+        kv = self.drafter.context_kv(ctx, torch.arange(self.n, self.n + S, device=self.device)[None])
+        self.kv = kv if self.kv is None else [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2))
+                                              for (k0, v0), (k1, v1) in zip(self.kv, kv)]
+        self.n += S
+        self.bonus = int(next_tokens[-1])
+
+    @torch.inference_mode()
+    def propose(self, history, k, temperature=0.0, generator=None):
+        logits = self.drafter.draft(torch.tensor([self.bonus], device=self.device),
+                                    torch.tensor([self.n], device=self.device), self.kv, k)[0].float()
+        if temperature <= 0:
+            return [int(i) for i in logits.argmax(-1)], None
+        q = torch.softmax(logits / temperature, -1).cpu()
+        return [int(torch.multinomial(row, 1, generator=generator)) for row in q], q
+
+
+def proposer_for(drafter, probe=None):
+    """The in-process proposer of a drafter's algorithm (models/algorithms.py): chain drafting for EAGLE (P-EAGLE
+    included, whose slots ``DrafterProposer`` feeds), one block per round for DFlash."""
+    if getattr(drafter.spec, "algorithm", "eagle") == "dflash":
+        if probe is not None:
+            raise ValueError("the drift probe follows a chain drafter's fed-back state; a DFlash drafter has none")
+        return BlockProposer(drafter)
+    return DrafterProposer(drafter, probe=probe)
+
+
 class LookupProposer:
     """Prompt lookup (n-gram copy): find the earliest occurrence of the context's last n tokens (the longest n
     from max_ngram down to min_ngram, never the tail itself) and propose up to k tokens that followed it;

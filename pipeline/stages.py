@@ -250,8 +250,8 @@ def evaluate(ctx: StageContext) -> dict:
 def eval_reads(cfg: Config) -> Reads:
     """The eval section, and what the measurement runs on besides the export: the target, its chat template,
     the draft depth trained, the seed and the capture's chunking of long prompts."""
-    return Reads(("eval", "target", "data.chat_template", "drafter.ttt_steps", "run.seed",
-                  "capture.chunk_tokens"))
+    return Reads(("eval", "target", "data.chat_template", "drafter.ttt_steps", "drafter.algorithm",
+                  "drafter.block_size", "run.seed", "capture.chunk_tokens"))
 
 
 def check_eval_sources(cfg: Config) -> None:

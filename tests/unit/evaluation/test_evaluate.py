@@ -9,7 +9,7 @@ import torch
 
 from fledge.atomic import write_json_atomic
 from fledge.evaluation.evaluate import acceptance_stats, distinct_ngram_ratio
-from fledge.evaluation.speculative import DecodeResult, Round
+from fledge.evaluation.speculative import DecodeResult, DrafterProposer, Round
 from fledge.run_layout import EvalDir, RunLayout
 from tests.helpers.evaluation import eval_cfg
 
@@ -199,7 +199,7 @@ def test_greedy_mismatch_is_an_error(monkeypatch):
 
     def corrupt(*args, **kw):
         res = real(*args, **kw)
-        if not kw.get("temperature") and isinstance(args[1], ev.DrafterProposer):
+        if not kw.get("temperature") and isinstance(args[1], DrafterProposer):
             res.tokens[3] = (res.tokens[3] + 1) % target.config.vocab_size
         return res
 
