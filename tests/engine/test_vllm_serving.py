@@ -297,3 +297,44 @@ def test_a_p_eagle_drafter_is_served_with_parallel_drafting_at_its_in_process_ac
     inproc = evaluate_set("default", req["sets"]["default"], frozen.model, drafter, cfg.eval, req["stop_token_ids"],
                           0)["drafter"]["al_uncut"]
     assert served_al > 1.2 and abs(served_al - inproc) <= cfg.eval.engine_al_tolerance, (served_al, inproc)
+
+
+DFLASH_STEPS = 150
+
+
+def test_a_dflash_drafter_is_served_by_vllms_dflash_method_at_its_in_process_acceptance(served, tiny_target, tmp_path):
+    """DFlash (drafter=dflash, blocks of k + 1 = 6) trained on the shared run's features, exported in the layout vLLM's
+    DFlashQwen3ForCausalLM loads, linted clean and served with method dflash (one forward per block): lossless, and its
+    AL within the eval stage's tolerance of the harness's block proposer (~1 min beyond the shared run)."""
+    import torch
+
+    from fledge.conf.compose import compose
+    from fledge.evaluation.evaluate import evaluate_set, load_eval_models
+    from fledge.serving.export import load_target_config, spec_from_export
+    from fledge.serving.lint import format_findings, has_errors, lint_drafter
+
+    base = served.parent / "dflash"
+    base.mkdir()
+    for stage in ("prepare", "capture"):
+        (base / stage).symlink_to(served / stage, target_is_directory=True)
+    cfg = compose(_overrides(served, tiny_target))
+    k = cfg.eval.draft_tokens
+    _torchrun(*_overrides(served, tiny_target), "run.name=dflash", "drafter=dflash", f"drafter.block_size={k + 1}",
+              "drafter.num_anchors=64", "run.stages=[train,export]", f"train.max_steps={DFLASH_STEPS}",
+              f"train.eval_every={DFLASH_STEPS}", f"train.save_every={DFLASH_STEPS}")
+    export = base / "export" / "drafter"
+    findings = lint_drafter(export, load_target_config(cfg.target))
+    assert not has_errors(findings), format_findings(findings)
+    spec_cfg = speculative_config("eagle3", k, export)
+    assert spec_cfg["method"] == "dflash"
+    req = _engine_file(served, "request.json")
+    req["sets"] = {"default": req["sets"]["default"]}
+    req["engines"] = [{"name": "dflash", "speculative_config": spec_cfg}]
+    got = run_driver("vllm", ENGINE, req, tmp_path / "engine", 1800)["engines"]["dflash"]["sets"]["default"]
+    assert got["outputs"] == _plain_outputs(served)  # lossless
+    served_al = acceptance(got["counters"], k)["al"]
+    frozen, drafter = load_eval_models(cfg, export, torch.device("cpu"), spec_from_export(export, serving=True))
+    assert drafter.spec.algorithm == "dflash"
+    inproc = evaluate_set("default", req["sets"]["default"], frozen.model, drafter, cfg.eval, req["stop_token_ids"],
+                          0)["drafter"]["al_uncut"]
+    assert served_al > 1.2 and abs(served_al - inproc) <= cfg.eval.engine_al_tolerance, (served_al, inproc)

@@ -1,0 +1,230 @@
+"""DFlash's serving layout: the directory vLLM 0.32's ``DFlashQwen3ForCausalLM`` loads (``method="dflash"``).
+
+What vLLM reads (vllm/model_executor/models/qwen3_dflash.py, config/speculative.py, the aux-layer reader
+v1/worker/gpu/spec_decode/eagle/eagle3_utils.py), and so what the export writes and the linter checks:
+
+- ``architectures: ["DFlashDraftModel"]``, ``model_type: "qwen3"``: the layers are Qwen3's (q/k norms; an explicit
+  ``head_dim``), ``num_hidden_layers`` of them, built from the top-level keys, RoPE included (written in both
+  spellings, as every export: serving/serving_config.py).
+- ``dflash_config.target_layer_ids``: the *0-based index of the layer whose output* feeds ``fc`` (vLLM adds 1 to get
+  its capture boundary). Fledge's aux ids are boundary ids (docs/architecture.md), so ``target_layer_ids = b - 1``;
+  writing the boundary ids shifts every state one layer deeper, the AL ~1 of the peers' DFlash issues. Any
+  ``eagle_aux_hidden_state_layer_ids`` in the config wins over them in vLLM, so the export writes none.
+- ``dflash_config.mask_token_id``: the id every slot after the bonus token is fed (embedded by the *target's* table,
+  shared with the drafter); it must be the one training filled the blocks with.
+- attention inside a block is bidirectional: vLLM makes a layer causal when ``is_causal``, ``dflash_config.causal``
+  or a ``sliding_attention`` entry of ``layer_types`` says so; the export writes ``use_sliding_window: false`` and
+  every layer ``full_attention``.
+- ``block_size`` (top level and in ``dflash_config``, as the peers' checkpoints carry it) is the block training
+  used: vLLM drafts ``num_speculative_tokens`` slots whatever it says, and offsets past ``block_size - 1`` were
+  never trained.
+- tensors: ``fc.weight [H, n*Ht]``, ``hidden_norm``, ``layers.{i}.*`` (Qwen3), ``norm``; no ``embed_tokens`` or
+  ``lm_head`` (vLLM shares the target's when absent: the drafter was trained on them, frozen), no ``mask_hidden``
+  (vLLM asserts), no ``d2t``/``t2d`` (the draft vocab is the target's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from fledge.models.dflash import aux_layer_ids_of, serving_layer_ids
+from fledge.models.drafter import DrafterSpec
+
+ARCHITECTURE = "DFlashDraftModel"
+_FROZEN = ("embed_tokens.weight", "lm_head.weight")  # the target's: vLLM shares them
+Finding = tuple[str, str, str, str]  # (level, code, message, fix), as serving/lint.py reports them
+
+
+def is_dflash(config: Mapping) -> bool:
+    """Whether an exported config.json is a DFlash drafter's (the architecture vLLM maps to its DFlash model)."""
+    archs = config.get("architectures") or []
+    return any(a.startswith("DFlash") for a in archs) or "dflash_config" in config
+
+
+def build_config(layer: dict, spec: Any, aux_layer_ids: list[int], target_hidden_size: int,
+                 target_num_layers: int) -> dict:
+    """config.json of a DFlash drafter: ``layer`` the Qwen3 layer settings of the target (serving_config's), the
+    drafter's ``num_draft_layers``, ``block_size`` and ``mask_token_id`` from ``spec`` (a DrafterSpec or config)."""
+    n, block = int(spec.num_draft_layers), int(spec.block_size)
+    cfg = {"architectures": [ARCHITECTURE], **layer, "model_type": "qwen3", "num_hidden_layers": n,
+           "use_sliding_window": False, "sliding_window": None, "layer_types": ["full_attention"] * n,
+           "block_size": block, "num_target_layers": int(target_num_layers),
+           "dflash_config": {"mask_token_id": int(spec.mask_token_id),
+                             "target_layer_ids": serving_layer_ids(aux_layer_ids), "block_size": block}}
+    cfg.pop("mlp_bias", None)
+    if int(layer["hidden_size"]) != int(target_hidden_size):
+        cfg["target_hidden_size"] = int(target_hidden_size)
+    return cfg
+
+
+def serving_tensors(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The drafter's state_dict -> the tensors the export writes: bf16, the target's frozen tables left out."""
+    return {name: t.detach().to(torch.bfloat16).cpu().contiguous() for name, t in state_dict.items()
+            if name not in _FROZEN}
+
+
+def spec_from_config(config: Mapping, target_num_hidden_layers: int | None = None) -> DrafterSpec:
+    """The DrafterSpec a DFlash config.json describes, read as vLLM builds it (a public DFlash checkpoint too)."""
+    dflash = dict(config.get("dflash_config") or {})
+    ids = dflash.get("target_layer_ids")
+    if not ids:
+        raise ValueError("config.json has no dflash_config.target_layer_ids: add the 0-based target layers whose "
+                         "outputs the drafter was trained on")
+    mask = dflash.get("mask_token_id", config.get("mask_token_id"))
+    if mask is None:
+        raise ValueError("config.json has no dflash_config.mask_token_id: add the id training filled the blocks with")
+    Ht = int(config.get("target_hidden_size") or config["hidden_size"])
+    hf = {**config, "model_type": "qwen3", "hidden_size": Ht}
+    aux = aux_layer_ids_of(ids)
+    hf["num_hidden_layers"] = int(target_num_hidden_layers or config.get("num_target_layers") or max(aux) + 1)
+    block = int(dflash.get("block_size") or config.get("block_size") or 16)
+    flags = SimpleNamespace(algorithm="dflash", fc_norm=False, norm_output=False, norm_before_fc=False,
+                            draft_vocab_size=int(config["vocab_size"]), mask_token_id=int(mask), block_size=block,
+                            num_draft_layers=int(config.get("num_hidden_layers") or 1), layer="qwen3")
+    spec = DrafterSpec.from_target_config(hf, flags, aux)
+    if int(config["hidden_size"]) != Ht:
+        spec = dataclasses.replace(spec, hidden_size=int(config["hidden_size"]),
+                                   intermediate_size=int(config["intermediate_size"]))
+    return spec
+
+
+def expected_tensors(config: Mapping) -> dict[str, tuple[int, ...]]:
+    """{name: shape} a DFlash config.json implies (all bf16)."""
+    H, I, V = int(config["hidden_size"]), int(config["intermediate_size"]), int(config["vocab_size"])
+    Ht = int(config.get("target_hidden_size") or H)
+    heads = int(config["num_attention_heads"])
+    kv = int(config.get("num_key_value_heads") or heads)
+    D = int(config.get("head_dim") or H // heads)
+    n_aux = len((config.get("dflash_config") or {}).get("target_layer_ids") or [])
+    out = {"fc.weight": (H, n_aux * Ht), "hidden_norm.weight": (H,), "norm.weight": (H,)}
+    for i in range(int(config.get("num_hidden_layers") or 1)):
+        p = f"layers.{i}."
+        out.update({p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
+                    p + "self_attn.q_proj.weight": (heads * D, H), p + "self_attn.k_proj.weight": (kv * D, H),
+                    p + "self_attn.v_proj.weight": (kv * D, H), p + "self_attn.o_proj.weight": (H, heads * D),
+                    p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,),
+                    p + "mlp.gate_proj.weight": (I, H), p + "mlp.up_proj.weight": (I, H),
+                    p + "mlp.down_proj.weight": (H, I)})
+    out["optional:embed_tokens.weight"] = (V, H)
+    out["optional:lm_head.weight"] = (V, H)
+    return out
+
+
+def findings(config: Mapping, headers: Mapping[str, tuple[list[int], str]] | None, target_layers: int | None,
+             trained: DrafterSpec | None) -> list[Finding]:
+    """What would make vLLM serve this DFlash export otherwise than it was trained (``trained``: the training
+    record's spec), or refuse it; ``headers``: {tensor: (shape, dtype)} of its safetensors."""
+    out: list[Finding] = []
+    add = lambda *f: out.append(f)  # noqa: E731
+    archs = config.get("architectures") or []
+    if ARCHITECTURE not in archs and not any(a.startswith("DFlash") for a in archs):
+        add("error", "architecture", f"architectures={archs}: vLLM builds its DFlash drafter from an architecture "
+            "starting with DFlash", f'set "architectures": ["{ARCHITECTURE}"]')
+    if config.get("model_type") != "qwen3":
+        add("error", "model-type", f"model_type={config.get('model_type')!r}: vLLM's DFlash drafter is built from a "
+            "Qwen3 config", 'set "model_type": "qwen3"')
+    if not config.get("head_dim"):
+        add("error", "head-dim", "no head_dim: the q/k norms' width would be read as hidden_size / heads",
+            "set head_dim from the training record's spec")
+    dflash = config.get("dflash_config")
+    if not isinstance(dflash, Mapping):
+        add("error", "dflash-config", "no dflash_config: vLLM reads mask_token_id and target_layer_ids from it",
+            "re-export the drafter with Fledge (drafter.algorithm=dflash)")
+        dflash = {}
+    eagle_ids = config.get("eagle_aux_hidden_state_layer_ids") or (config.get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids")
+    if eagle_ids:
+        add("error", "dflash-eagle-ids", f"eagle_aux_hidden_state_layer_ids={list(eagle_ids)} is set: vLLM takes it "
+            "over dflash_config.target_layer_ids, as boundary ids", "remove it; dflash_config.target_layer_ids "
+            "names the layers")
+    mask = dflash.get("mask_token_id", config.get("mask_token_id"))
+    V = int(config.get("vocab_size") or 0)
+    if not isinstance(mask, int) or isinstance(mask, bool) or not 0 <= mask < V:
+        add("error", "dflash-mask-token", f"dflash_config.mask_token_id={mask!r}: the slots after the bonus token "
+            f"are fed this id, which must be a token of the vocab [0, {V})", "write the id the drafter was trained "
+            "with (its training record's spec.mask_token_id)")
+    elif trained is not None and trained.mask_token_id is not None and mask != trained.mask_token_id:
+        add("error", "dflash-mask-token", f"dflash_config.mask_token_id={mask} but the drafter was trained with "
+            f"{trained.mask_token_id}: every slot would see an embedding it never saw", f"set it to "
+            f"{trained.mask_token_id}")
+    ids = dflash.get("target_layer_ids")
+    if not ids:
+        add("error", "dflash-layer-ids", "no dflash_config.target_layer_ids: vLLM would not know which target "
+            "layers to capture", "write the 0-based layers (boundary aux ids - 1)")
+    else:
+        ids = [int(i) for i in ids]
+        if ids != sorted(set(ids)):
+            add("error", "dflash-layer-ids", f"target_layer_ids={ids} are not ascending: vLLM concatenates the "
+                "states in layer order", "write them ascending, in the order training concatenated them")
+        if target_layers is not None and (min(ids) < 0 or max(ids) > target_layers - 1):
+            add("error", "dflash-layer-ids", f"target_layer_ids={ids} fall outside the target's layers 0.."
+                f"{target_layers - 1}", "write 0-based layer indices (boundary aux ids - 1)")
+        if trained is not None:
+            want = serving_layer_ids(trained.aux_layer_ids)
+            if ids == list(trained.aux_layer_ids):
+                add("error", "dflash-layer-ids", f"target_layer_ids={ids} are the boundary ids the drafter was "
+                    f"trained on, written as they are: vLLM adds 1 and would capture one layer deeper than training",
+                    f"write {want} (0-based: the output of layer b - 1)")
+            elif ids != want:
+                add("error", "dflash-layer-ids", f"target_layer_ids={ids} but the drafter was trained on the "
+                    f"outputs of layers {want}", f"write {want}")
+    block = dflash.get("block_size", config.get("block_size"))
+    if block is None:
+        add("warning", "dflash-block-size", "no block_size: the block training used cannot be checked, and serving "
+            "with more draft tokens than block_size - 1 runs untrained offsets", "write the training block_size")
+    elif trained is not None and int(block) != trained.block_size:
+        add("error", "dflash-block-size", f"block_size={block} but the drafter was trained on blocks of "
+            f"{trained.block_size}", f"write block_size={trained.block_size} and serve at most "
+            f"{trained.block_size - 1} speculative tokens")
+    causal = [why for why, on in (("is_causal", config.get("is_causal")),
+                                  ("dflash_config.causal", dflash.get("causal")),
+                                  ("use_sliding_window", config.get("use_sliding_window")),
+                                  ("layer_types", "sliding_attention" in (config.get("layer_types") or []))) if on]
+    if causal:
+        add("error", "dflash-causal", f"{', '.join(causal)} make vLLM run causal or windowed attention inside the "
+            "block, which the drafter was trained without", 'remove them; write "use_sliding_window": false and '
+            'every layer "full_attention"')
+    n = int(config.get("num_hidden_layers") or 0)
+    if trained is not None and n != trained.num_draft_layers:
+        add("error", "num-layers", f"num_hidden_layers={n} but the drafter was trained with {trained.num_draft_layers} "
+            "layers", f'set "num_hidden_layers": {trained.num_draft_layers}')
+    if trained is not None and config.get("rms_norm_eps") is not None and not math.isclose(
+            float(config["rms_norm_eps"]), trained.rms_norm_eps, rel_tol=1e-6):
+        add("error", "rms-eps-trained", f"rms_norm_eps={config['rms_norm_eps']} but training used "
+            f"{trained.rms_norm_eps}", f"set rms_norm_eps={trained.rms_norm_eps}")
+    if headers is not None:
+        out += _tensor_findings(config, headers)
+    return out
+
+
+def _tensor_findings(config: Mapping, headers: Mapping[str, tuple[list[int], str]]) -> list[Finding]:
+    out: list[Finding] = []
+    try:
+        expected = expected_tensors(config)
+    except (KeyError, TypeError, ValueError) as e:
+        return [("error", "shape", f"cannot compute the tensors config.json implies: missing {e}", "re-export")]
+    for name, (shape, dtype) in headers.items():
+        if name == "mask_hidden":
+            out.append(("error", "unexpected-tensor", "mask_hidden is present: vLLM's DFlash loader asserts on it "
+                        "(slots are the mask token's embedding)", "remove it (it is P-EAGLE's, not DFlash's)"))
+        elif name in ("d2t", "t2d"):
+            continue  # vLLM drops t2d and reads d2t only for a reduced draft vocab (a DFlash export has none)
+        elif name not in expected and f"optional:{name}" not in expected:
+            out.append(("error", "unexpected-tensor", f"unexpected tensor {name} {list(shape)}",
+                        "remove it: vLLM's loader fails on names it does not know"))
+        elif tuple(shape) != tuple(expected.get(name) or expected[f"optional:{name}"]):
+            want = expected.get(name) or expected[f"optional:{name}"]
+            out.append(("error", "shape", f"{name} has shape {list(shape)}, the config implies {list(want)}",
+                        "fix config.json (sizes copied from the target) or re-export the weights"))
+        elif dtype != "BF16":
+            out.append(("warning", "dtype", f"{name} is {dtype}, expected BF16", f"cast {name} to bfloat16"))
+    for name, shape in expected.items():
+        if not name.startswith("optional:") and name not in headers:
+            out.append(("error", "missing-tensor", f"missing tensor {name} {list(shape)}", "re-export the drafter"))
+    return out

@@ -1,0 +1,118 @@
+"""DFlash's export (serving/dflash_layout.py): the layout vLLM's DFlashQwen3ForCausalLM reads, read back to the same
+drafter, and the linter's findings for the silent failures behind the peers' AL ~1 DFlash reports."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from fledge.models.drafter_checkpoint import DrafterCheckpoint
+from fledge.serving import dflash_layout
+from fledge.serving.engine import speculative_config
+from fledge.serving.export import export_checkpoint, load_drafter, spec_from_export
+from fledge.serving.lint import format_findings, has_errors, lint_drafter
+from tests.unit.models.test_dflash import TARGET, random_dflash
+
+
+@pytest.fixture
+def export(tmp_path):
+    d = random_dflash(mask_token_id=5)
+    ckpt = DrafterCheckpoint(d.spec, target={"name_or_path": "t"}, step=3).write(tmp_path / "ckpt", d.state_dict())
+    config = export_checkpoint(ckpt, tmp_path / "out", TARGET)
+    return d, config, tmp_path / "out"
+
+
+def _codes(out):
+    return {f.code for f in lint_drafter(out, TARGET) if f.level == "error"}
+
+
+def _edit(out, **changes):
+    path = out / "config.json"
+    c = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            c.pop(key, None)
+        else:
+            c[key] = value
+    path.write_text(json.dumps(c))
+    return c
+
+
+def test_config_is_what_vllm_reads(export):
+    d, c, out = export
+    assert c["architectures"] == ["DFlashDraftModel"] and c["model_type"] == "qwen3"
+    assert c["num_hidden_layers"] == 2 and c["head_dim"] == 16 and c["block_size"] == 4
+    assert c["dflash_config"] == {"mask_token_id": 5, "target_layer_ids": [1, 3, 4], "block_size": 4}
+    assert "eagle_config" not in c and "eagle_aux_hidden_state_layer_ids" not in c and "draft_vocab_size" not in c
+    assert c["use_sliding_window"] is False and c["layer_types"] == ["full_attention"] * 2
+    assert c["num_target_layers"] == 8 and c["rope_parameters"]["rope_theta"] == c["rope_theta"]
+    tensors = load_file(out / "model.safetensors")
+    assert "embed_tokens.weight" not in tensors and "lm_head.weight" not in tensors  # vLLM shares the target's
+    assert "mask_hidden" not in tensors and "d2t" not in tensors
+    assert tensors["fc.weight"].shape == (64, 3 * 64) and tensors["fc.weight"].dtype == torch.bfloat16
+    assert set(tensors) == {n for n in dflash_layout.expected_tensors(c) if not n.startswith("optional:")}
+    findings = lint_drafter(out, TARGET)
+    assert not has_errors(findings), format_findings(findings)
+    # two layers with their own k_norm: served right on a GPU only (vLLM 0.32's CPU kernel takes layer 0's)
+    assert [f.code for f in findings if f.level == "warning"] == ["dflash-cpu-k-norm"]
+    assert speculative_config("eagle3", 3, out) == {"method": "dflash", "model": str(out.resolve()),
+                                                   "num_speculative_tokens": 3}
+
+
+def test_read_back_as_served(export):
+    d, c, out = export
+    assert spec_from_export(out, serving=True) == d.spec  # from config.json alone, as vLLM builds it
+    loaded = load_drafter(out, embed_weight=d.embed_tokens.weight.detach(), head_weight=d.lm_head.weight.detach(),
+                          serving=True)
+    torch.manual_seed(0)
+    aux = torch.randn(1, 6, 3 * 64)
+    pos = torch.arange(6)[None]
+    want = d.draft(torch.tensor([7]), torch.tensor([6]), d.context_kv(d.context(aux), pos), 3)
+    got = loaded.draft(torch.tensor([7]), torch.tensor([6]), loaded.context_kv(loaded.context(aux), pos), 3)
+    assert torch.allclose(want, got, atol=0.05, rtol=0.05)  # bf16 export
+    assert torch.equal(want.argmax(-1), got.argmax(-1))
+    with pytest.raises(ValueError, match="lm_head"):
+        load_drafter(out, embed_weight=d.embed_tokens.weight.detach())
+
+
+@pytest.mark.parametrize("change,code", [
+    ({"dflash_config": {"mask_token_id": 0, "target_layer_ids": [1, 3, 4], "block_size": 4}}, "dflash-mask-token"),
+    ({"dflash_config": {"target_layer_ids": [1, 3, 4], "block_size": 4}}, "dflash-mask-token"),
+    ({"dflash_config": {"mask_token_id": 5, "target_layer_ids": [2, 4, 5], "block_size": 4}}, "dflash-layer-ids"),
+    ({"dflash_config": {"mask_token_id": 5, "target_layer_ids": [1, 3, 8], "block_size": 4}}, "dflash-layer-ids"),
+    ({"dflash_config": {"mask_token_id": 5, "target_layer_ids": [1, 3, 4], "block_size": 8}}, "dflash-block-size"),
+    ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 4, 5]}}, "dflash-eagle-ids"),
+    ({"use_sliding_window": True}, "dflash-causal"),
+    ({"is_causal": True}, "dflash-causal"),
+    ({"num_hidden_layers": 1, "layer_types": ["full_attention"]}, "num-layers"),
+    ({"model_type": "llama"}, "model-type"),
+    ({"head_dim": None}, "head-dim"),
+    ({"architectures": ["LlamaForCausalLMEagle3"]}, "architecture"),
+    ({"rope_theta": 10.0, "rope_parameters": {"rope_type": "default", "rope_theta": 10.0}}, "rope-theta"),
+])
+def test_lint_catches_what_serves_silently_wrong(export, change, code):
+    _, _, out = export
+    _edit(out, **change)
+    assert code in _codes(out)
+
+
+def test_lint_catches_wrong_tensors(export):
+    _, _, out = export
+    tensors = load_file(out / "model.safetensors")
+    tensors["mask_hidden"] = torch.zeros(1, 192, dtype=torch.bfloat16)
+    del tensors["layers.1.self_attn.k_norm.weight"]
+    tensors["fc.weight"] = tensors["fc.weight"][:, :128].contiguous()
+    save_file(tensors, out / "model.safetensors")
+    assert {"unexpected-tensor", "missing-tensor", "shape"} <= _codes(out)
+
+
+def test_card_serves_it_with_vllms_dflash_method_and_cites_the_objective(export):
+    from fledge.serving.card import build_model_card
+
+    _, _, out = export
+    card, _ = build_model_card(out, "org/tiny-dflash", speculative_tokens=7)
+    text = str(card)
+    assert '"method": "dflash", "model": "org/tiny-dflash", "num_speculative_tokens": 3' in text  # capped at block - 1
+    assert "DFlashDraftModel" in text and "arXiv 2602.06036" in text and "[1, 3, 4]" in text
+    assert "eagle3" not in text
