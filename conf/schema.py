@@ -403,6 +403,10 @@ def _check_algorithm(cfg: Config) -> None:
     if cfg.export.format != "hf":
         raise ValueError(f"drafter.algorithm=dflash with export.format={cfg.export.format}: vLLM loads DFlash drafters "
                          "from the hf layout only (DFlashDraftModel); use export.format=hf")
+    if cfg.eval.draft_tokens > d.block_size - 1:
+        raise ValueError(f"eval.draft_tokens={cfg.eval.draft_tokens} with drafter.block_size={d.block_size}: a block "
+                         f"drafts at most block_size - 1 = {d.block_size - 1} tokens (offsets past it were never "
+                         f"trained); set drafter.block_size={cfg.eval.draft_tokens + 1} or lower eval.draft_tokens")
     if cfg.eval.engine == "sglang":
         raise ValueError("drafter.algorithm=dflash with eval.engine=sglang: Fledge serves DFlash drafters with vLLM's "
                          "method dflash; use eval.engine=vllm or hf")

@@ -112,6 +112,7 @@ def test_every_slot_depends_on_the_context_and_the_bonus_token():
     (["drafter=dflash", "export.format=speculators"], "export.format=speculators"),
     (["drafter=dflash", "eval.engine=sglang"], "eval.engine=sglang"),
     (["drafter=dflash", "train.sequence_parallel=2"], "train.sequence_parallel=2"),
+    (["drafter=dflash", "drafter.block_size=4"], "eval.draft_tokens=5 with drafter.block_size=4"),
     (["drafter.algorithm=medusa"], "drafter.algorithm='medusa'"),
 ])
 def test_dflash_keys_that_cannot_be_trained_or_served_are_refused_when_composed(overrides, key):
