@@ -9,28 +9,7 @@ import torch
 from fledge.models.algorithms import ALGORITHMS, build_drafter
 from fledge.models.dflash import DFlashDrafter, aux_layer_ids_of, block_mask, serving_layer_ids
 from fledge.models.drafter import DrafterSpec, Eagle3Drafter
-
-TARGET = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 8,
-          "vocab_size": 300, "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "pad_token_id": 0,
-          "eos_token_id": 5}
-
-
-def dflash_cfg(**kw):
-    base = dict(algorithm="dflash", block_size=4, num_draft_layers=2, draft_vocab_size=32, fc_norm=False,
-                norm_output=False, norm_before_fc=False, parallel_drafting=False, mask_token_id=None, layer="auto")
-    return SimpleNamespace(**{**base, **kw})
-
-
-def random_dflash(seed=0, **kw) -> DFlashDrafter:
-    spec = DrafterSpec.from_target_config(TARGET, dflash_cfg(**kw), [2, 4, 5])
-    torch.manual_seed(seed)
-    d = build_drafter(spec)
-    for p in d.parameters():
-        if p.requires_grad and p.dim() == 1:
-            p.data.normal_(1.0, 0.1)  # random norms too
-    d.load_target_head(torch.randn(300, 64), torch.randn(300, 64) * 0.2)
-    return d.eval()
+from tests.helpers.models import DFLASH_TARGET as TARGET, dflash_cfg, random_dflash
 
 
 def test_spec_of_a_dflash_drafter():

@@ -12,7 +12,7 @@ from fledge.serving import dflash_layout
 from fledge.serving.engine import speculative_config
 from fledge.serving.export import export_checkpoint, load_drafter, spec_from_export
 from fledge.serving.lint import format_findings, has_errors, lint_drafter
-from tests.unit.models.test_dflash import TARGET, random_dflash
+from tests.helpers.models import DFLASH_TARGET as TARGET, random_dflash
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from fledge.data.features.batch import FeatureBatch
 from fledge.train.losses import SoftCrossEntropy
 from fledge.train.losses.dflash import DFlashObjective
 from fledge.train.ttt_model import _dflash_mask_token
-from tests.unit.models.test_dflash import TARGET, random_dflash
+from tests.helpers.models import DFLASH_TARGET as TARGET, random_dflash
 
 B = 4  # block size
 
