@@ -48,6 +48,7 @@ from fledge.evaluation.speculative import (
     speculative_decode,
 )
 from fledge.models import alignment
+from fledge.models.algorithms import algorithm_of
 from fledge.models.alignment import StepAccuracy, al_estimate
 from fledge.models.drafter import DrafterSpec
 from fledge.models.target import FrozenTarget
@@ -289,7 +290,7 @@ def pack_heldout(lengths: Sequence[int], row_len: int) -> list[list[int]]:
 @torch.inference_mode()
 def heldout_accuracy(drafter, frozen, samples: Sequence[tuple[list[int], list[int]]], steps: int,
                      chunk_tokens: int = 0) -> dict:
-    if drafter.spec.algorithm == "dflash":
+    if algorithm_of(drafter.spec).block:
         return block_heldout_accuracy(drafter, frozen, samples, steps, chunk_tokens)
     return chain_heldout_accuracy(drafter, frozen, samples, steps, chunk_tokens)
 

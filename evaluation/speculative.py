@@ -26,6 +26,7 @@ from typing import Protocol
 
 import torch
 
+from fledge.models.algorithms import algorithm_of
 from fledge.models.drafter import DraftCache
 
 
@@ -215,10 +216,10 @@ class BlockProposer:
 
 def proposer_for(drafter, probe=None):
     """The in-process proposer of a drafter's algorithm (models/algorithms.py): chain drafting for EAGLE (P-EAGLE
-    included, whose slots ``DrafterProposer`` feeds), one block per round for DFlash."""
-    if getattr(drafter.spec, "algorithm", "eagle") == "dflash":
+    included, whose slots ``DrafterProposer`` feeds), one block per round for a block drafter (DFlash)."""
+    if algorithm_of(drafter.spec).block:
         if probe is not None:
-            raise ValueError("the drift probe follows a chain drafter's fed-back state; a DFlash drafter has none")
+            raise ValueError("the drift probe follows a chain drafter's fed-back state; a block drafter has none")
         return BlockProposer(drafter)
     return DrafterProposer(drafter, probe=probe)
 

@@ -1,17 +1,18 @@
 """Drafter algorithms: the registry ``drafter.algorithm`` picks from.
 
 An entry names the drafter module a ``DrafterSpec`` of that algorithm builds and the speculative-decoding method
-vLLM serves it with. The other layers key their part on the same name, each in its own package, so that layers only
-point down:
+vLLM serves it with. The other layers key their part on the same name, one entry each, so that layers only point
+down (tests/unit/serving/test_dflash_layout.py::test_every_algorithm_has_its_entry_in_each_layer holds them equal):
 
-- the training objective over the shared feature batch: train/losses/<name>.py, built by train/ttt_model.py;
-- the export layout, its lint and vLLM speculative config: serving/<name>_layout.py (DFlash's), dispatched from
-  serving/serving_config.py, export.py, lint.py, engine.py and card.py;
-- the in-process proposer and held-out accuracy: evaluation/speculative.py (``proposer_for``), evaluate.py.
+- conf/schema.py ``ALGORITHMS``: the names ``drafter.algorithm`` accepts (the schema cannot import this file);
+- train/ttt_model.py ``OBJECTIVES``: the drafter built for training and its objective over the shared feature
+  batch (DFlash's: train/losses/dflash.py);
+- serving/layouts.py ``LAYOUTS``: the export layout, its lint, loading, vLLM speculative config and card
+  (DFlash's: serving/dflash_layout.py); EAGLE's is the default path through serving/dialects.py;
+- the in-process proposer and held-out accuracy follow ``block`` below (evaluation/speculative.py).
 
 Registered: ``eagle`` (models/drafter.py: EAGLE-3 and EAGLE-3.1 by their flags, P-EAGLE with ``parallel_drafting``,
-all served by vLLM's ``eagle3`` method) and ``dflash`` (models/dflash.py, vLLM's ``dflash``). A new algorithm is
-an entry here, its model file, and its entries in those three places.
+all served by vLLM's ``eagle3`` method) and ``dflash`` (models/dflash.py, vLLM's ``dflash``).
 """
 
 from __future__ import annotations

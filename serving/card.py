@@ -16,8 +16,8 @@ from pathlib import Path
 
 from fledge.atomic import read_json
 from fledge.models.drafter_checkpoint import DrafterCheckpoint
-from fledge.serving import dflash_layout
 from fledge.serving.dialects import dialect_of, serving_commands
+from fledge.serving.layouts import layout_of
 from fledge.serving.serving_config import layer_config, parallel_drafting
 
 
@@ -117,13 +117,17 @@ def build_model_card(drafter_dir: str | Path, repo_id: str, measured: Measured |
     d = Path(drafter_dir)
     config = read_json(d / "config.json") or {}
     record = DrafterCheckpoint.read_record(d) or {}
-    if dflash_layout.is_dflash(config):
-        return _dflash_card(config, record, repo_id, measured, speculative_tokens, plot_prefix)
+    run_cfg = measured.run_config.strip()
+    datasets = _datasets(run_cfg)
+    layout = layout_of(config)
+    if layout is not None:  # not EAGLE's: its own sections (serving/layouts.py)
+        parts, tags = layout.card(config, record, repo_id, speculative_tokens)
+        target = (record.get("target") or {}).get("name_or_path") or "<target>"
+        return _with_measured(parts, _card_data(target, tags, datasets), record, measured, repo_id, run_cfg,
+                              datasets, plot_prefix)
     c = layer_config(config)
     dialect = dialect_of(config)
     target = (record.get("target") or {}).get("name_or_path") or c.get("target_name") or "<target>"
-    run_cfg = measured.run_config.strip()
-    datasets = _datasets(run_cfg)
     flavour = "EAGLE-3.1" if c.get("fc_norm") or c.get("norm_output") else "EAGLE-3"
     parallel = parallel_drafting(config)
     tag = "p-eagle" if parallel else flavour.lower()
@@ -175,43 +179,6 @@ def _with_measured(parts: list[str], card_data, record: dict, measured: Measured
         parts += ["\n## Training configuration\n", f"```yaml\n{run_cfg}\n```"]
     content = f"---\n{card_data.to_yaml()}\n---\n\n" + "\n".join(parts) + "\n"
     return ModelCard(content), plots
-
-
-# Where the DFlash objective's defaults come from (train/losses/dflash.py, conf/drafter/dflash.yaml).
-DFLASH_SOURCES = ("DFlash: Block Diffusion for Flash Speculative Decoding (arXiv 2602.06036): blocks of 16, one "
-                  "non-causal forward per block conditioned on the target's aux-layer states, offset k weighted "
-                  "exp(-(k-1)/gamma) with gamma 7; SpecForge's DFlash trainer: anchors drawn among the trained "
-                  "positions (512 per row). Fledge scores each offset with the soft cross-entropy against the "
-                  "target's distribution (distillation) where the paper uses the data's tokens.")
-
-
-def _dflash_card(config: dict, record: dict, repo_id: str, measured: Measured, k: int, plot_prefix: str):
-    """The card of a DFlash export (serving/dflash_layout.py): vLLM's dflash method serves it."""
-    dflash = config.get("dflash_config") or {}
-    target = (record.get("target") or {}).get("name_or_path") or "<target>"
-    block = int(dflash.get("block_size") or config.get("block_size") or k + 1)
-    k = min(k, block - 1)
-    run_cfg = measured.run_config.strip()
-    datasets = _datasets(run_cfg)
-    spec_cfg = json.dumps({"method": "dflash", "model": repo_id, "num_speculative_tokens": k})
-    parts = [
-        f"# {repo_id.split('/')[-1]}\n",
-        f"A DFlash block drafter for **{target}**, trained with Fledge: one forward proposes a whole block of "
-        "tokens, which the target verifies, so outputs are the target's own.\n",
-        "## Drafter\n",
-        f"- format: vLLM's DFlash layout ({', '.join(config.get('architectures') or [])}, "
-        f"{config.get('num_hidden_layers')} Qwen3 layer(s))",
-        f"- block size: {block} (serve at most {block - 1} speculative tokens)",
-        f"- target layers (0-based, `dflash_config.target_layer_ids`): `{dflash.get('target_layer_ids')}`",
-        f"- mask token id: {dflash.get('mask_token_id')}; the target's embedding and lm_head are shared, not shipped",
-        f"- trained steps: {record.get('step')}",
-        f"- objective: {DFLASH_SOURCES}\n",
-        "## Serving\n",
-        f"```bash\nvllm serve {target} --speculative-config '{spec_cfg}'\n```\n",
-        "SGLang: not given; this export was served and measured with vLLM only.\n",
-    ]
-    card_data = _card_data(target, ["speculative-decoding", "dflash", "drafter"], datasets)
-    return _with_measured(parts, card_data, record, measured, repo_id, run_cfg, datasets, plot_prefix)
 
 
 def _datasets(run_config: str) -> list[str]:

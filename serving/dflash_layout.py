@@ -1,4 +1,7 @@
-"""DFlash's serving layout: the directory vLLM 0.32's ``DFlashQwen3ForCausalLM`` loads (``method="dflash"``).
+"""DFlash's serving layout: the directory vLLM 0.32's ``DFlashQwen3ForCausalLM`` loads (``method="dflash"``), and
+everything serving does with it (the functions of serving/layouts.py's ``Layout``, registered there as ``dflash``):
+its config.json and tensors, the spec read back, the lint, the module loaded for the harness, vLLM's speculative
+config and the card.
 
 What vLLM reads (vllm/model_executor/models/qwen3_dflash.py, config/speculative.py, the aux-layer reader
 v1/worker/gpu/spec_decode/eagle/eagle3_utils.py), and so what the export writes and the linter checks:
@@ -26,22 +29,27 @@ v1/worker/gpu/spec_decode/eagle/eagle3_utils.py), and so what the export writes 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any
 
 import torch
+from torch import nn
 
+from fledge.models.algorithms import build_drafter
 from fledge.models.dflash import aux_layer_ids_of, serving_layer_ids
 from fledge.models.drafter import DrafterSpec
+from fledge.models.drafter_checkpoint import RECORD, DrafterCheckpoint
+from fledge.models.weights import load_input_embeddings, load_lm_head_rows, read_tensors, tensor_headers
 
 ARCHITECTURE = "DFlashDraftModel"
 _FROZEN = ("embed_tokens.weight", "lm_head.weight")  # the target's: vLLM shares them
 Finding = tuple[str, str, str, str]  # (level, code, message, fix), as serving/lint.py reports them
 
 
-def is_dflash(config: Mapping) -> bool:
+def owns(config: Mapping) -> bool:
     """Whether an exported config.json is a DFlash drafter's (the architecture vLLM maps to its DFlash model)."""
     archs = config.get("architectures") or []
     return any(a.startswith("DFlash") for a in archs) or "dflash_config" in config
@@ -113,6 +121,38 @@ def expected_tensors(config: Mapping) -> dict[str, tuple[int, ...]]:
                     p + "mlp.down_proj.weight": (H, I)})
     out["optional:embed_tokens.weight"] = (V, H)
     out["optional:lm_head.weight"] = (V, H)
+    return out
+
+
+def lint(d, config: Mapping, target_layers: int | None, record: dict | None) -> list[Finding]:
+    """The DFlash-specific findings on the export in ``d`` (serving/lint.py adds the checks against the target and
+    the training record that every layout gets): its header, layer ids, mask token, block and tensors, and the
+    CPU build's k_norm sharing."""
+    out: list[Finding] = []
+    try:
+        headers = {name: (list(shape), dtype) for name, (shape, dtype) in tensor_headers(d).items()}
+    except (OSError, ValueError, KeyError) as e:
+        out.append(("error", "no-weights", f"cannot read the safetensors in {d}: {e}", "re-export the drafter"))
+        headers = None
+    try:
+        trained = DrafterCheckpoint.record_spec(record)
+    except (TypeError, ValueError) as e:
+        out.append(("error", "training-record", f"{RECORD} does not hold a readable spec: {e}",
+                    "re-export the drafter"))
+        trained = None
+    out += findings(config, headers, target_layers, trained)
+    n = int(config.get("num_hidden_layers") or 0)
+    names = [f"layers.{i}.self_attn.k_norm.weight" for i in range(n)]
+    if n > 1 and headers is not None and all(name in headers for name in names):
+        k_norms = read_tensors(d, names)
+        if any(not torch.equal(k_norms[names[0]], k_norms[name]) for name in names[1:]):
+            out.append(("warning", "dflash-cpu-k-norm", f"{n} layers with different k_norm weights: vLLM 0.32's CPU "
+                        "build normalises every layer's context keys with layer 0's k_norm (its GPU kernel takes each "
+                        "layer's), so on a CPU this drafter is served with other keys than trained", "serve it on a "
+                        "GPU, or train drafter.num_draft_layers=1 for CPU serving"))
+    if record is None:
+        out.append(("warning", "no-training-record", f"no {RECORD}: the mask token, block size and layer ids cannot be "
+                    "checked against training", "export with Fledge, or confirm how the checkpoint was trained"))
     return out
 
 
@@ -228,3 +268,67 @@ def _tensor_findings(config: Mapping, headers: Mapping[str, tuple[list[int], str
         if not name.startswith("optional:") and name not in headers:
             out.append(("error", "missing-tensor", f"missing tensor {name} {list(shape)}", "re-export the drafter"))
     return out
+
+
+# ------------------------------------------------------------------------------------------ loading and serving
+
+
+def load(d, spec: DrafterSpec, embed_weight, head_weight, target, dtype) -> nn.Module:
+    """The DFlash drafter of the export in ``d`` for the in-process harness, with the target's embedding and lm_head
+    (given, or read from ``target``) where the export left them out."""
+    sd = {name: t.to(dtype) for name, t in read_tensors(d).items() if name not in ("d2t", "t2d")}
+    load_head = lambda source: load_lm_head_rows(source, None, torch.arange(spec.vocab_size))  # noqa: E731
+    for name, given, read in (("embed_tokens.weight", embed_weight, load_input_embeddings),
+                              ("lm_head.weight", head_weight, load_head)):
+        if name in sd:
+            continue
+        if given is None and target is not None:
+            given = read(target)
+        if given is None:
+            raise ValueError(f"{d} has no {name}: pass the target (embed_weight=/head_weight= or target=)")
+        sd[name] = given.to(dtype)
+    model = build_drafter(spec)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{d}: tensors do not match the DFlash drafter (missing {sorted(missing)}, unexpected "
+                         f"{sorted(unexpected)}); run `fledge lint` on it")
+    return model
+
+
+def speculative_config(path, k: int) -> dict:
+    """vLLM's ``speculative_config`` for the export at ``path``: its dflash method drafts the block in one forward."""
+    return {"method": "dflash", "model": str(path), "num_speculative_tokens": int(k)}
+
+
+# Where the DFlash objective's defaults come from (train/losses/dflash.py, conf/drafter/dflash.yaml).
+SOURCES = ("DFlash: Block Diffusion for Flash Speculative Decoding (arXiv 2602.06036): blocks of 16, one "
+           "non-causal forward per block conditioned on the target's aux-layer states, offset k weighted "
+           "exp(-(k-1)/gamma) with gamma 7; SpecForge's DFlash trainer: anchors drawn among the trained "
+           "positions (512 per row). Fledge scores each offset with the soft cross-entropy against the "
+           "target's distribution (distillation) where the paper uses the data's tokens.")
+
+
+def card(config: Mapping, record: dict, repo_id: str, k: int) -> tuple[list[str], list[str]]:
+    """The card's own sections for a DFlash export (serving/card.py adds the measured ones) and its tags."""
+    dflash = config.get("dflash_config") or {}
+    target = (record.get("target") or {}).get("name_or_path") or "<target>"
+    block = int(dflash.get("block_size") or config.get("block_size") or k + 1)
+    k = min(k, block - 1)
+    spec_cfg = json.dumps(speculative_config(repo_id, k))
+    parts = [
+        f"# {repo_id.split('/')[-1]}\n",
+        f"A DFlash block drafter for **{target}**, trained with Fledge: one forward proposes a whole block of "
+        "tokens, which the target verifies, so outputs are the target's own.\n",
+        "## Drafter\n",
+        f"- format: vLLM's DFlash layout ({', '.join(config.get('architectures') or [])}, "
+        f"{config.get('num_hidden_layers')} Qwen3 layer(s))",
+        f"- block size: {block} (serve at most {block - 1} speculative tokens)",
+        f"- target layers (0-based, `dflash_config.target_layer_ids`): `{dflash.get('target_layer_ids')}`",
+        f"- mask token id: {dflash.get('mask_token_id')}; the target's embedding and lm_head are shared, not shipped",
+        f"- trained steps: {record.get('step')}",
+        f"- objective: {SOURCES}\n",
+        "## Serving\n",
+        f"```bash\nvllm serve {target} --speculative-config '{spec_cfg}'\n```\n",
+        "SGLang: not given; this export was served and measured with vLLM only.\n",
+    ]
+    return parts, ["speculative-decoding", "dflash", "drafter"]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from fledge.engine_process import SETUP_HINT, DriverProcess, engine_python
 from fledge.models.layers.kind import kind_of_config
-from fledge.serving import dflash_layout
+from fledge.serving.layouts import layout_of
 from fledge.serving.serving_config import parallel_drafting
 
 ENGINES = ("hf", "vllm", "sglang")  # hf = Fledge's in-process transformers harness only
@@ -56,8 +56,9 @@ def speculative_config(method: str, k: int, drafter_dir: Path | None = None, loo
     if method in ("eagle3", "dflash"):
         path = Path(drafter_dir).resolve()
         config = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else {}
-        if dflash_layout.is_dflash(config):  # a block drafter: vLLM's dflash method (parallel by itself)
-            return {"method": "dflash", "model": str(path), "num_speculative_tokens": int(k)}
+        layout = layout_of(config)
+        if layout is not None:  # not EAGLE's: its own method (DFlash's dflash, a block in one forward)
+            return layout.speculative_config(path, k)
         parallel = {"parallel_drafting": True} if config and parallel_drafting(config) else {}
         return {"method": "eagle3", "model": str(path), "num_speculative_tokens": int(k), **parallel}
     if method == "ngram":

@@ -23,14 +23,13 @@ from typing import Any
 import torch
 
 from fledge.atomic import atomic_path, read_json, write_json_atomic
-from fledge.models.algorithms import build_drafter
 from fledge.models.drafter import DrafterSpec, Eagle3Drafter
 from fledge.models.drafter_checkpoint import DrafterCheckpoint
 from fledge.models.families import read_target, text_config_dict
 from fledge.models.layers.kind import get_layer_kind, kind_of_architecture, kind_of_config
 from fledge.models.weights import load_input_embeddings, read_tensors
-from fledge.serving import dflash_layout
 from fledge.serving.dialects import DIALECTS, dialect_of, get_dialect
+from fledge.serving.layouts import layout_for, layout_of
 from fledge.serving.serving_config import layer_config, parallel_drafting, serving_config
 
 log = logging.getLogger(__name__)
@@ -105,8 +104,9 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, target_co
                             target_name=target_name or trained.target.get("name_or_path"),
                             speculative_tokens=speculative_tokens)
     tensors = DrafterCheckpoint.tensors(checkpoint_dir)
-    if spec.algorithm == "dflash":  # the target's embedding and head stay out: vLLM shares them
-        tensors = dflash_layout.serving_tensors(tensors)
+    layout = layout_for(spec.algorithm)
+    if layout is not None:  # not EAGLE's: its own tensors (DFlash: the target's embedding and head stay out)
+        tensors = layout.serving_tensors(tensors)
     write_drafter(out_dir, tensors, config, trained, max_shard_size, include_embed)
     return config
 
@@ -126,8 +126,9 @@ def spec_from_export(drafter_dir: str | Path, target_num_hidden_layers: int | No
     config = read_json(d / "config.json")
     if config is None:
         raise ValueError(f"{d}: no config.json")
-    if dflash_layout.is_dflash(config):
-        return dflash_layout.spec_from_config(config, target_num_hidden_layers)
+    layout = layout_of(config)
+    if layout is not None:
+        return layout.spec_from_config(config, target_num_hidden_layers)
     c = layer_config(config)
     hf = dict(c)
     hf["hidden_size"] = int(c.get("target_hidden_size") or c["hidden_size"])
@@ -187,8 +188,9 @@ def load_drafter(drafter_dir: str | Path, embed_weight: torch.Tensor | None = No
         if target is not None and (Path(target) / "config.json").exists():
             L = read_target(read_json(Path(target) / "config.json"))[1].num_hidden_layers
         spec = spec_from_export(d, L, serving=serving)
-    if spec.algorithm == "dflash":
-        return _load_dflash(d, spec, embed_weight, head_weight, target, dtype).to(device)
+    layout = layout_for(spec.algorithm)
+    if layout is not None:
+        return layout.load(d, spec, embed_weight, head_weight, target, dtype).to(device)
     sd = from_serving_state_dict(read_tensors(d), dtype, dialect_of(read_json(d / "config.json") or {}).name)
     V, Vd = spec.vocab_size, spec.draft_vocab_size
     if "embed_tokens.weight" not in sd:
@@ -211,30 +213,6 @@ def load_drafter(drafter_dir: str | Path, embed_weight: torch.Tensor | None = No
         raise ValueError(f"{d}: tensors do not match the drafter (missing {sorted(missing)}, unexpected "
                          f"{sorted(unexpected)}); run `fledge lint` on it")
     return model.to(device)
-
-
-def _load_dflash(d: Path, spec: DrafterSpec, embed_weight, head_weight, target, dtype):
-    from fledge.models.weights import load_lm_head_rows
-
-    def load_output_embeddings(source):
-        return load_lm_head_rows(source, None, torch.arange(spec.vocab_size))
-
-    sd = {name: t.to(dtype) for name, t in read_tensors(d).items() if name not in ("d2t", "t2d")}
-    for name, given, load in (("embed_tokens.weight", embed_weight, load_input_embeddings),
-                              ("lm_head.weight", head_weight, load_output_embeddings)):
-        if name in sd:
-            continue
-        if given is None and target is not None:
-            given = load(target)
-        if given is None:
-            raise ValueError(f"{d} has no {name}: pass the target (embed_weight=/head_weight= or target=)")
-        sd[name] = given.to(dtype)
-    model = build_drafter(spec)
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"{d}: tensors do not match the DFlash drafter (missing {sorted(missing)}, unexpected "
-                         f"{sorted(unexpected)}); run `fledge lint` on it")
-    return model
 
 
 # ------------------------------------------------------------------------------------------ the stage

@@ -27,10 +27,10 @@ from fledge.models.drafter_checkpoint import RECORD, DrafterCheckpoint
 from fledge.models.families import TargetShape, read_target, rope_of, text_config_dict
 from fledge.models.layers.kind import kind_of_config
 from fledge.models.weights import read_tensors, tensor_headers
-from fledge.serving import dflash_layout
 from fledge.serving.dialects import dialect_of
 from fledge.serving.engine_aux import ENGINES, captured_layers
 from fledge.serving.export import load_target_config
+from fledge.serving.layouts import layout_of
 from fledge.serving.serving_config import expected_tensors, layer_config, parallel_drafting
 
 _ST_DTYPE = {torch.bfloat16: "BF16", torch.int64: "I64", torch.bool: "BOOL"}
@@ -74,8 +74,14 @@ def lint_drafter(drafter_dir: str | Path, target_config: Any = None) -> list[Fin
             add("error", "target-config", f"cannot read the target's config: {e}",
                 "give the target's config.json (--target), or register its family in fledge/models/families.py")
     record = DrafterCheckpoint.read_record(d)
-    if dflash_layout.is_dflash(config):
-        _lint_dflash(d, config, t, record, target_config, add)
+    layout = layout_of(config)
+    if layout is not None:  # not EAGLE's: its own checks, then the target's and the training record's
+        for finding in layout.lint(d, config, t.num_hidden_layers if t is not None else None, record):
+            add(*finding)
+        if t is not None:
+            _check_against_target(config, t, add)
+        if record is not None:
+            _check_layer_trained(config, record, add)
         return out
     c = layer_config(config)
     _check_header(config, c, add)
@@ -90,39 +96,6 @@ def lint_drafter(drafter_dir: str | Path, target_config: Any = None) -> list[Fin
     _check_layer_trained(c, record, add)
     _check_tensors(d, config, c, add)
     return out
-
-
-def _lint_dflash(d: Path, config: dict, t: TargetShape | None, record: dict | None, target_config, add) -> None:
-    """A DFlash export (serving/dflash_layout.py): its own header, layer ids, mask token, block and tensors, and the
-    layer settings against the target and the training record as for every drafter."""
-    try:
-        headers = {name: (list(shape), dtype) for name, (shape, dtype) in tensor_headers(d).items()}
-    except (OSError, ValueError, KeyError) as e:
-        add("error", "no-weights", f"cannot read the safetensors in {d}: {e}", "re-export the drafter")
-        headers = None
-    try:
-        trained = DrafterCheckpoint.record_spec(record)
-    except (TypeError, ValueError) as e:
-        add("error", "training-record", f"{RECORD} does not hold a readable spec: {e}", "re-export the drafter")
-        trained = None
-    for finding in dflash_layout.findings(config, headers, t.num_hidden_layers if t is not None else None, trained):
-        add(*finding)
-    n = int(config.get("num_hidden_layers") or 0)
-    names = [f"layers.{i}.self_attn.k_norm.weight" for i in range(n)]
-    if n > 1 and headers is not None and all(name in headers for name in names):
-        k_norms = read_tensors(d, names)
-        if any(not torch.equal(k_norms[names[0]], k_norms[name]) for name in names[1:]):
-            add("warning", "dflash-cpu-k-norm", f"{n} layers with different k_norm weights: vLLM 0.32's CPU build "
-                "normalises every layer's context keys with layer 0's k_norm (its GPU kernel takes each layer's), so "
-                "on a CPU this drafter is served with other keys than trained", "serve it on a GPU, or train "
-                "drafter.num_draft_layers=1 for CPU serving")
-    if t is not None:
-        _check_against_target(config, t, add)
-    if record is None:
-        add("warning", "no-training-record", f"no {RECORD}: the mask token, block size and layer ids cannot be "
-            "checked against training", "export with Fledge, or confirm how the checkpoint was trained")
-    else:
-        _check_layer_trained(config, record, add)
 
 
 def _check_header(config: dict, c: dict, add) -> None:

@@ -22,8 +22,8 @@ from fledge.conf.drafter_rules import drafter_problems, raise_problems
 from fledge.models.drafter import mask_token_id_for
 from fledge.models.families import read_target, text_config_dict
 from fledge.models.layers.kind import get_layer_kind, kind_of_config, layer_settings, resolve_layer_kind
-from fledge.serving import dflash_layout
 from fledge.serving.dialects import ServingFields, dialect_of, get_dialect
+from fledge.serving.layouts import layout_for
 
 
 def _flag(drafter: Any, name: str) -> bool:
@@ -68,8 +68,9 @@ def serving_config(
         if _opt(drafter, key) is not None and _opt(drafter, key) != 0:
             layer[key] = _opt(drafter, key)
     H = layer["hidden_size"]
-    if _opt(drafter, "algorithm") == "dflash":  # its own layout: serving/dflash_layout.py
-        return dflash_layout.build_config(layer, drafter, ids, Ht, L)
+    layout = layout_for(_opt(drafter, "algorithm"))
+    if layout is not None:  # not EAGLE's: its own layout (serving/layouts.py)
+        return layout.build_config(layer, drafter, ids, Ht, L)
     flags = {"fc_norm": fc_norm, "norm_output": norm_output, **({"norm_before_fc": True} if nbf else {})}
     if _flag(drafter, "parallel_drafting"):  # P-EAGLE: vLLM reads the slots' token from config.json's mask_token_id
         flags["mask_token_id"] = mask_token_id_for(drafter, target_config, V)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -20,6 +21,7 @@ from fledge.data.prepare.vocab import DraftVocab
 from fledge.models.algorithms import build_drafter
 from fledge.models.drafter import DrafterSpec, Eagle3Drafter
 from fledge.models.weights import load_input_embeddings, load_lm_head_rows
+from fledge.registry import Registry
 from fledge.serving.export import load_drafter
 from fledge.train.losses import TTTLoss, TTTResult, build_loss, step_denominators
 from fledge.train.losses.dflash import DFlashObjective
@@ -73,8 +75,13 @@ def build_ttt_model(cfg: Config, vocab_path: Path, device: torch.device) -> TTTM
     loss = build_loss(cfg.drafter)  # an unknown drafter.loss fails before any weight is read
     t = cfg.target
     hf_config = AutoConfig.from_pretrained(t.name_or_path, revision=t.revision, trust_remote_code=t.trust_remote_code)
-    if cfg.drafter.algorithm == "dflash":
-        return _build_dflash(cfg, hf_config, loss, device)
+    return OBJECTIVES.get(cfg.drafter.algorithm)(cfg, hf_config, loss, vocab_path, device)
+
+
+def _build_eagle(cfg: Config, hf_config, loss: TTTLoss, vocab_path: Path, device: torch.device) -> TTTModel:
+    """An EAGLE drafter (models/drafter.py) over the prepared draft vocab, its lm_head warm-started from the teacher's
+    rows; the objective is ``loss`` unrolled over the TTT steps (train/losses)."""
+    t = cfg.target
     vocab = DraftVocab.load(vocab_path)
     if len(vocab.d2t) != cfg.drafter.draft_vocab_size:
         raise ValueError(f"{vocab_path}: draft vocab has {len(vocab.d2t)} ids but "
@@ -95,9 +102,10 @@ def build_ttt_model(cfg: Config, vocab_path: Path, device: torch.device) -> TTTM
     return TTTModel(drafter, teacher_head, loss).to(device)
 
 
-def _build_dflash(cfg: Config, hf_config, loss: TTTLoss, device: torch.device) -> TTTModel:
-    """A DFlash drafter (models/dflash.py) over the target's whole vocab: its frozen embedding and lm_head are the
-    target's, the lm_head also the teacher's head; the objective is train/losses/dflash.py's over ``loss``."""
+def _build_dflash(cfg: Config, hf_config, loss: TTTLoss, vocab_path: Path, device: torch.device) -> TTTModel:
+    """A DFlash drafter (models/dflash.py) over the target's whole vocab (no draft vocab: ``vocab_path`` unread): its
+    frozen embedding and lm_head are the target's, the lm_head also the teacher's head; the objective is
+    train/losses/dflash.py's over ``loss``."""
     t = cfg.target
     spec = DrafterSpec.from_target_config(hf_config, cfg.drafter, cfg.aux_layer_ids())
     torch.manual_seed(cfg.run.seed)
@@ -130,6 +138,13 @@ def _dflash_mask_token(spec: DrafterSpec, hf_config, embedding: torch.Tensor, gi
     raise ValueError(f"drafter.mask_token_id={spec.mask_token_id}: the target's embedding of that token is zero (a "
                      "padding row), so every mask slot of a DFlash block would have a zero query; set "
                      "drafter.mask_token_id to a token with a trained embedding (a rarely used special token)")
+
+
+# Each algorithm's drafter and objective over the shared feature batch (models/algorithms.py names the algorithms):
+# (cfg, the target's config, the loss, the prepare stage's draft vocab path, device) -> the TTTModel to train.
+OBJECTIVES: Registry[Callable[..., TTTModel]] = Registry("drafter.algorithm", "train/ttt_model.py")
+OBJECTIVES.register("eagle", _build_eagle)
+OBJECTIVES.register("dflash", _build_dflash)
 
 
 # What a drafter to fine-tune must share with this run, as (config key, DrafterSpec field). The layer's

@@ -116,3 +116,38 @@ def test_card_serves_it_with_vllms_dflash_method_and_cites_the_objective(export)
     assert '"method": "dflash", "model": "org/tiny-dflash", "num_speculative_tokens": 3' in text  # capped at block - 1
     assert "DFlashDraftModel" in text and "arXiv 2602.06036" in text and "[1, 3, 4]" in text
     assert "eagle3" not in text
+
+
+def test_every_algorithm_has_its_entry_in_each_layer():
+    """An algorithm is one entry per layer, under one name: its model (models/algorithms.py), the names the schema
+    accepts, its drafter and objective (train/ttt_model.py) and, unless it is EAGLE's, its serving layout with every
+    function serving calls (serving/layouts.py)."""
+    import inspect
+
+    from fledge.conf.schema import ALGORITHMS as SCHEMA_NAMES
+    from fledge.models.algorithms import ALGORITHMS
+    from fledge.serving.layouts import LAYOUTS, Layout
+    from fledge.train.ttt_model import OBJECTIVES
+
+    assert sorted(SCHEMA_NAMES) == ALGORITHMS.names() == OBJECTIVES.names()
+    assert LAYOUTS.names() == [n for n in ALGORITHMS.names() if n != "eagle"]
+    wanted = {name for name, _ in inspect.getmembers(Layout, inspect.isfunction) if not name.startswith("_")}
+    assert wanted >= {"owns", "build_config", "lint", "load", "speculative_config", "card"}
+    for name, layout in LAYOUTS.items():
+        assert not wanted - set(dir(layout)), f"layout {name} lacks {sorted(wanted - set(dir(layout)))}"
+
+
+def test_serving_reaches_a_new_algorithms_layout_through_the_registry(tmp_path):
+    """A fourth algorithm's layout is found by what its export is, with no change to engine.py or lint.py."""
+    from types import SimpleNamespace
+
+    from fledge.serving.layouts import LAYOUTS
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["ToyDrafter"]}))
+    toy = SimpleNamespace(owns=lambda c: c.get("architectures") == ["ToyDrafter"],
+                          speculative_config=lambda path, k: {"method": "toy", "model": str(path), "k": k},
+                          lint=lambda d, config, layers, record: [("error", "toy", "toy finding", "fix it")])
+    with LAYOUTS.temporary("toy", toy):
+        assert speculative_config("eagle3", 3, tmp_path)["method"] == "toy"
+        assert "toy" in {f.code for f in lint_drafter(tmp_path, None)}
+    assert speculative_config("eagle3", 3, tmp_path)["method"] == "eagle3"
