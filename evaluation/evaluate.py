@@ -398,7 +398,8 @@ def load_eval_models(cfg, drafter_dir: Path, device: torch.device, served: Draft
     frozen = FrozenTarget.load(cfg.target, device, served.aux_layer_ids)
     if device.type == "cpu":
         frozen.model.float()
-    head = frozen.model.get_output_embeddings().weight.detach().float().cpu() if served.algorithm == "dflash" else None
+    head = (frozen.model.get_output_embeddings().weight.detach().float().cpu()
+            if algorithm_of(served).target_head else None)
     drafter = load_drafter(drafter_dir, embed_weight=frozen.input_embeddings().float().cpu(), head_weight=head,
                            dtype=torch.float32, device=device, spec=served).eval()
     return frozen, drafter

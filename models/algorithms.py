@@ -33,13 +33,14 @@ class Algorithm:
     build: Callable[..., nn.Module]  # (spec, attention=..., norm_impl=...) -> the drafter module
     vllm_method: str  # vLLM's speculative_config "method"
     block: bool  # drafts all k tokens in one forward without feeding a draft back (the proposer's loop)
+    target_head: bool = False  # scores with the target's lm_head (loaded from the target, not the export)
 
 
 ALGORITHMS: Registry[Algorithm] = Registry("drafter.algorithm", "models/algorithms.py")
 ALGORITHMS.register("eagle", Algorithm("eagle", lambda spec, attention="auto", norm_impl="torch": Eagle3Drafter(
     spec, attention=attention, norm_impl=norm_impl), "eagle3", block=False))
 ALGORITHMS.register("dflash", Algorithm("dflash", lambda spec, attention="auto", norm_impl="torch": DFlashDrafter(
-    spec, norm_impl=norm_impl), "dflash", block=True))
+    spec, norm_impl=norm_impl), "dflash", block=True, target_head=True))
 
 
 def algorithm_of(spec: DrafterSpec) -> Algorithm:

@@ -36,6 +36,7 @@ import torch
 from fledge.atomic import atomic_path, read_json, write_bytes_atomic, write_json_atomic
 from fledge.conf.schema import Config
 from fledge.distributed import World
+from fledge.models.algorithms import algorithm_of
 from fledge.models.drafter import DrafterSpec
 from fledge.models.drafter_checkpoint import DrafterCheckpoint
 from fledge.train.deepspeed_setup import decay_progress, lr_lambda
@@ -63,7 +64,7 @@ def drafter_checkpoint(cfg: Config, spec: DrafterSpec) -> DrafterCheckpoint:
                   "fc_norm": d.fc_norm, "norm_output": d.norm_output, "norm_before_fc": d.norm_before_fc,
                   "parallel_drafting": d.parallel_drafting, "algorithm": d.algorithm,
                   **({"block_size": d.block_size, "num_anchors": d.num_anchors, "position_decay": d.position_decay,
-                      "num_draft_layers": d.num_draft_layers} if d.algorithm == "dflash" else {}),
+                      "num_draft_layers": d.num_draft_layers} if algorithm_of(spec).block else {}),
                   "train": dataclasses.asdict(cfg.train)})
 
 

@@ -109,3 +109,18 @@ def test_a_longer_run_says_the_lr_schedule_is_respanned_over_its_new_length():
     assert checkpoint.resume_plan(_saved(100, 100, 1, 100), constant, per_step=1, batches_per_epoch=1000).note is None
     epochs = _cfg("train.max_steps=0", "train.epochs=1")
     assert checkpoint.resume_plan(_saved(6, 12, 2, 10), epochs, per_step=1, batches_per_epoch=20).note is None
+
+
+def test_a_block_drafters_checkpoint_records_its_block_settings_and_a_chain_drafters_does_not():
+    """The training record says how a DFlash drafter was trained (block size, anchors, decay, layers), from
+    the algorithm's block flag (models/algorithms.py), not a name test; an EAGLE record carries none of them."""
+    from fledge.models.drafter import DrafterSpec
+    from tests.helpers.models import DFLASH_TARGET, dflash_cfg, make_drafter
+
+    cfg = _cfg("drafter=dflash", "drafter.block_size=6", "drafter.num_anchors=64")
+    spec = DrafterSpec.from_target_config(DFLASH_TARGET, dflash_cfg(block_size=6), [2, 4, 5])
+    training = checkpoint.drafter_checkpoint(cfg, spec).training
+    assert (training["algorithm"], training["block_size"], training["num_anchors"]) == ("dflash", 6, 64)
+    assert training["num_draft_layers"] == cfg.drafter.num_draft_layers
+    eagle = checkpoint.drafter_checkpoint(_cfg(), make_drafter().spec).training
+    assert eagle["algorithm"] == "eagle" and not {"block_size", "num_anchors", "position_decay"} & eagle.keys()
