@@ -119,7 +119,8 @@ def main() -> None:
                 row[conf]["greedy_equal"] = len(r["outputs"]) - len(diffs)
                 # What a round costs here, in plain decoding steps (drafting k + verifying k+1 tokens; every
                 # drafter round drafts): the AL at which the drafter breaks even with plain decoding on this machine.
-                if row[conf]["drafts"]:
+                # Not for lookup: its steps without a match draft nothing, so wall time / drafts is no round's cost.
+                if conf != "ngram" and row[conf]["drafts"]:
                     row[conf]["round_cost_x_plain"] = ((r["wall_s"] / row[conf]["drafts"])
                                                        / (plain["wall_s"] / plain["tokens"]))
             report["runs"][f"{name}@b{bs}"] = row
@@ -135,8 +136,9 @@ def main() -> None:
         for conf in (*drafters, "ngram"):
             d = r[conf]
             at = " ".join(f"{a:.2f}" for a in d["accept_at"])
+            cost = f"{d['round_cost_x_plain']:.2f}x" if "round_cost_x_plain" in d else ""
             print(f"| {key} | {conf} | {d['al']:.2f} | {at} | {d['tokens_per_s']:.1f} ({d['speedup']:.2f}x) | "
-                  f"{d['greedy_equal']}/{n} | {d.get('round_cost_x_plain', float('nan')):.2f}x | |")
+                  f"{d['greedy_equal']}/{n} | {cost} | |")
 
 
 def drafter_dirs(ap, args) -> dict[str, Path]:
