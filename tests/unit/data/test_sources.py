@@ -1,6 +1,7 @@
 """Loading and normalising chat rows: file kinds, ShareGPT / OpenAI forms, thinking, tools, bad input."""
 
 import json
+import re
 
 import pytest
 
@@ -107,6 +108,63 @@ def test_a_json_list_cut_at_a_size_limit_gives_its_whole_records(tmp_path):
     bad.write_text('[{"conversations": []},\n {"conversations": [}]\n]')
     with pytest.raises(ValueError, match=r"bad.json:2: malformed JSON"):
         list(iter_rows(str(bad)))
+
+
+def _cut_list_with_a_bad_record(tmp_path, n=1001, bad=3):
+    """``n`` ShareGPT records as one JSON list whose record ``bad`` is malformed (a value that is no JSON) and whose
+    last record the file's end cuts in two: the list never closes."""
+    rows = [{"conversations": [{"from": "human", "value": f"q{i}" * 20}, {"from": "gpt", "value": f"a{i}" * 20}]}
+            for i in range(n)]
+    parts = [json.dumps(r, indent=1) for r in rows]
+    parts[bad] = parts[bad].replace(f'"a{bad}', f'nope"a{bad}', 1)
+    text = "[\n" + ",\n".join(parts) + "\n]"
+    cut = text[: text.rindex(f'"q{n - 1}') + 30]  # inside the last record's first value
+    p = tmp_path / "cut.json"
+    p.write_text(cut)
+    return p, rows
+
+
+def test_a_corrupt_record_in_a_cut_list_is_a_bad_row_not_the_end_of_the_file(tmp_path):
+    """Only the last record of a list that never closes may be cut. A record the decoder stops inside before the
+    file's end is corrupt: under data.on_error=error one line naming the file, the record's index and byte offset
+    and the fix; under skip one bad row, and every record after it still read (the old reader stopped at it,
+    silently: 3 of 1,001 records kept, 0 bad rows)."""
+    from fledge.conf.schema import SourceConfig
+    from fledge.data.prepare.build import ErrorLog, load_conversations
+
+    p, rows = _cut_list_with_a_bad_record(tmp_path)
+    text = p.read_text()
+    starts = [m.start() for m in re.finditer(r'\{\n "conversations"', text)]  # each record's opening brace
+    offset = starts[3]
+    with pytest.raises(ValueError) as e:
+        load_conversations([SourceConfig(path=str(p))], ErrorLog("error"))
+    msg = str(e.value)
+    assert len(msg.splitlines()) == 1 and f"cut.json[3] (byte {offset})" in msg, msg
+    assert "repair or remove this record" in msg and "data.on_error=skip" in msg, msg
+    errors, notes = ErrorLog("skip"), {}
+    convs = load_conversations([SourceConfig(path=str(p))], errors)
+    assert len(convs) == 999 and errors.count == 1 and "cut.json[3]" in errors.first[0]
+    assert [c["index"] for c in convs[:4]] == [0, 1, 2, 4] and convs[-1]["index"] == 999  # indices stay the file's
+    assert convs[3]["messages"][0]["content"] == rows[4]["conversations"][0]["value"]
+    got = list(iter_rows(str(p), notes=notes))
+    assert notes == {"records": 1000, "bytes_left": len(text[starts[-1]:].encode())}  # the cut record's bytes
+    assert [r.index for r in got if r.error] == [3]
+
+
+@pytest.mark.parametrize("tail", ['{"conversations": [{"from": "human", "value": "abc\\',
+                                  '{"conversations": [{"from": "human", "value": "\\u00',
+                                  '{"conversations": [{"from": "human", "value": tr',
+                                  '{"conversations": [{"from": "human", "value": -1.',
+                                  '{"conversations": [{"from": "human"',
+                                  '{"conversations": [{"from": "human", ',
+                                  '{"conversations": [{"from": "human", "value": "x"}'])
+def test_a_cut_anywhere_in_the_last_record_is_a_cut(tmp_path, tail):
+    whole = '[{"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]},\n '
+    p = tmp_path / "cut.json"
+    p.write_text(whole + tail)
+    notes = {}
+    got = list(iter_rows(str(p), notes=notes))
+    assert [r.error for r in got] == [None] and notes == {"records": 1, "bytes_left": len(tail.encode())}
 
 
 def test_gzipped_jsonl(tmp_path):
