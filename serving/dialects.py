@@ -18,7 +18,11 @@ is one ``register_dialect`` here plus its test (tests/unit/serving/test_dialects
 - ``speculators``: vLLM's speculators format, which ``vllm serve <dir>`` runs alone (``Eagle3Speculator``,
   the layer settings nested in ``transformer_layer_config``, ``layers.0.*``). It sets
   ``norm_before_residual: false`` explicitly: vLLM's adapter reads a missing key as true, which is not the
-  EAGLE-3 layer Fledge trains (``u = hidden_norm(g)``, residual = raw ``g``).
+  EAGLE-3 layer Fledge trains (``u = hidden_norm(g)``, residual = raw ``g``). A P-EAGLE drafter is written
+  as ``speculators_model_type: peagle``, which vLLM serves with ``parallel_drafting`` (``eagle3`` would not).
+
+Every vLLM command a dialect prints carries the speculative_config the eval stage sends vLLM, as it is
+(serving_config.py's ``vllm_speculative_config``).
 """
 
 from __future__ import annotations
@@ -58,8 +62,10 @@ Finding = tuple[str, str, str, str]  # (level, code, message, fix), as serving/l
 class Dialect:
     """One serving format. ``read`` returns the layer keys with the Eagle-3 fields merged in under
     EAGLE_KEYS' names plus ``aux_layer_ids`` (and ``target_name`` when the format records the target);
-    ``commands(drafter, target, k)`` returns {engine: command line or a note}; ``header_checks(config)``
-    returns findings beyond the architecture name."""
+    ``commands(served, target)`` returns {engine: command line or a note}, ``served`` being the vLLM
+    ``speculative_config`` of the export (serving_config.py's ``vllm_speculative_config``, the eval stage's
+    request), which every vLLM command carries as it is; ``header_checks(config)`` returns findings beyond the
+    architecture name."""
 
     name: str
     architecture: str
@@ -67,7 +73,7 @@ class Dialect:
     build: Callable[[ServingFields], dict]
     read: Callable[[Mapping], dict]
     detect: Callable[[Mapping], bool]
-    commands: Callable[[str, str, int], dict[str, str]]
+    commands: Callable[[dict, str], dict[str, str]]
     header_checks: Callable[[Mapping], list[Finding]] = lambda config: []
     architecture_of: Callable[[Mapping], str] | None = None  # per config (the hf dialect: per layer kind)
     # The engines (serving/engine_aux.py ENGINES) this format is made for: an engine among them that would
@@ -122,10 +128,11 @@ def names() -> list[str]:
     return DIALECTS.names()
 
 
-def serving_commands(dialect: Dialect, drafter: str, target: str, k: int = 5) -> str:
-    """A markdown bash block with the dialect's command line per engine (hub model card)."""
+def serving_commands(dialect: Dialect, served: dict, target: str) -> str:
+    """A markdown bash block with the dialect's command line per engine (hub model card); ``served``: the vLLM
+    speculative_config of the export (serving_config.py's ``vllm_speculative_config``)."""
     lines = []
-    for engine, cmd in dialect.commands(drafter, target, k).items():
+    for engine, cmd in dialect.commands(served, target).items():
         lines += [f"# {engine}", cmd, ""]
     return "```bash\n" + "\n".join(lines).rstrip() + "\n```"
 
@@ -164,14 +171,22 @@ def _hf_checks(config: Mapping) -> list[Finding]:
     return kind.checks(config)
 
 
-def _vllm_command(drafter: str, target: str, k: int) -> str:
-    spec_cfg = json.dumps({"method": "eagle3", "model": drafter, "num_speculative_tokens": k})
-    return f"vllm serve {target} --speculative-config '{spec_cfg}'"
+def _vllm_command(served: dict, target: str) -> str:
+    return f"vllm serve {target} --speculative-config '{json.dumps(served)}'"
 
 
-def _sglang_command(drafter: str, target: str, k: int) -> str:
+# Why a P-EAGLE export gets no SGLang command: SGLang's EAGLE3 worker drafts step by step, a chain drafter.
+SGLANG_PARALLEL_NOTE = ("# not this export: it is a P-EAGLE drafter, trained to draft all k tokens in one forward "
+                        "(vLLM's parallel_drafting);\n# SGLang has no parallel drafting for EAGLE drafters and would "
+                        "run it as a chain drafter, feeding its steps otherwise than training did")
+
+
+def _sglang_command(served: dict, target: str) -> str:
+    if served.get("parallel_drafting"):
+        return SGLANG_PARALLEL_NOTE
+    k = int(served["num_speculative_tokens"])
     return (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 \\\n"
-            f"    --speculative-draft-model-path {drafter} --speculative-num-steps {k} \\\n"
+            f"    --speculative-draft-model-path {served['model']} --speculative-num-steps {k} \\\n"
             f"    --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}")
 
 
@@ -181,8 +196,8 @@ SGLANG_SHIFT_NOTE = ("# not this export: SGLang adds 1 to every explicit eagle_a
                      "one it reads right (default aux ids)")
 
 
-def _hf_commands(drafter: str, target: str, k: int) -> dict[str, str]:
-    return {"vLLM": _vllm_command(drafter, target, k), "SGLang": SGLANG_SHIFT_NOTE}
+def _hf_commands(served: dict, target: str) -> dict[str, str]:
+    return {"vLLM": _vllm_command(served, target), "SGLang": SGLANG_SHIFT_NOTE}
 
 
 # ------------------------------------------------------------------------------------- speculators
@@ -196,11 +211,12 @@ def _speculators_build(f: ServingFields) -> dict:
     if not f.target_name:
         raise ValueError("the speculators dialect needs the target's name_or_path (speculators_config.verifier): "
                          "set target.name_or_path")
+    algorithm = speculators_algorithm(f.flags)
     return {
         "architectures": ["Eagle3Speculator"],
-        "speculators_model_type": "eagle3",
+        "speculators_model_type": algorithm,
         "speculators_config": {
-            "algorithm": "eagle3",
+            "algorithm": algorithm,
             "default_proposal_method": "greedy",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(f.speculative_tokens),
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
@@ -215,6 +231,13 @@ def _speculators_build(f: ServingFields) -> dict:
         **f.flags,
         "torch_dtype": "bfloat16",
     }
+
+
+def speculators_algorithm(config: Mapping) -> str:
+    """The ``speculators_model_type`` of a drafter whose flags (or config.json) are ``config``: ``peagle`` for a
+    P-EAGLE one (it names a ``mask_token_id``), the one from which ``vllm serve DIR`` builds ``parallel_drafting``
+    (vLLM 0.32's SpeculatorsConfig; from ``eagle3`` it would run the drafter as a chain drafter), else ``eagle3``."""
+    return "peagle" if config.get("mask_token_id") is not None else "eagle3"
 
 
 def _speculators_read(config: Mapping) -> dict:
@@ -235,6 +258,16 @@ def _speculators_checks(config: Mapping) -> list[Finding]:
     if kind is None or not kind.speculators:
         return [("error", "model-type", f"transformer_layer_config.model_type={layer.get('model_type')!r}: vLLM's "
                  "speculators adapter maps only llama and qwen3", "export with export.format=hf")]
+    want, got = speculators_algorithm(_speculators_read(config)), config.get("speculators_model_type")
+    if got != want:
+        why = ("it names a mask_token_id (a P-EAGLE drafter): from any other type `vllm serve DIR` runs it as a "
+               "chain drafter, without parallel_drafting" if want == "peagle" else "it names no mask_token_id, "
+               "which vLLM's peagle reader requires (a P-EAGLE drafter's parallel-slot token)")
+        return [("error", "speculators-model-type", f"speculators_model_type={got!r} but {why}",
+                 f'set "speculators_model_type": "{want}" (re-export with Fledge)')]
+    if want == "peagle" and config.get("mask_token_id") is None:
+        return [("error", "speculators-mask-token", "mask_token_id is only in transformer_layer_config: vLLM's peagle "
+                 "reader takes it from the top level", "copy mask_token_id to the top level (re-export with Fledge)")]
     if config.get("norm_before_residual") is not False:
         return [("error", "norm-before-residual",
                  f"norm_before_residual={config.get('norm_before_residual')!r}: vLLM's speculators adapter reads a "
@@ -242,9 +275,11 @@ def _speculators_checks(config: Mapping) -> list[Finding]:
     return kind.checks(layer)
 
 
-def _speculators_commands(drafter: str, target: str, k: int) -> dict[str, str]:
+def _speculators_commands(served: dict, target: str) -> dict[str, str]:
     return {
-        "vLLM (the target comes from speculators_config.verifier)": f"vllm serve {drafter}",
+        "vLLM": _vllm_command(served, target),
+        "vLLM, the drafter alone (the target from speculators_config.verifier, k from its proposal_methods)":
+            f"vllm serve {served['model']}",
         "SGLang": "# export with export.format=sglang: the hf layout with the aux ids SGLang reads right",
     }
 
@@ -282,8 +317,8 @@ def _sglang_detect(config: Mapping) -> bool:
             and "eagle_aux_hidden_state_layer_ids" not in (config.get("eagle_config") or {}))
 
 
-def _sglang_commands(drafter: str, target: str, k: int) -> dict[str, str]:
-    return {"vLLM": _vllm_command(drafter, target, k), "SGLang": _sglang_command(drafter, target, k)}
+def _sglang_commands(served: dict, target: str) -> dict[str, str]:
+    return {"vLLM": _vllm_command(served, target), "SGLang": _sglang_command(served, target)}
 
 
 def check_export_format(fmt: str, aux_layer_ids: list[int], num_hidden_layers: int) -> None:

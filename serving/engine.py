@@ -16,8 +16,7 @@ from pathlib import Path
 
 from fledge.engine_process import SETUP_HINT, DriverProcess, engine_python
 from fledge.models.layers.kind import kind_of_config
-from fledge.serving.layouts import layout_of
-from fledge.serving.serving_config import parallel_drafting
+from fledge.serving.serving_config import vllm_speculative_config
 
 ENGINES = ("hf", "vllm", "sglang")  # hf = Fledge's in-process transformers harness only
 DRIVERS = {"vllm": "eval_driver.py"}  # in vllm_side/, package data run by the engine
@@ -48,19 +47,14 @@ def check_engine(engine: str, device_type: str, python: str | None = None) -> Pa
 
 
 def speculative_config(method: str, k: int, drafter_dir: Path | None = None, lookup_max: int = 3) -> dict:
-    """vLLM's ``speculative_config`` for ``method`` = eagle3 or dflash (the export in ``drafter_dir``: a DFlash
-    export gets method dflash, whichever was named; an EAGLE one eagle3, with
-    ``parallel_drafting`` when its config.json names a ``mask_token_id``: a P-EAGLE export, whose k drafts vLLM
-    makes in one forward, and which vLLM would otherwise run as a chain drafter without a word) or ngram
-    (prompt lookup over the context, n-grams of 1..``lookup_max`` tokens, the harness's baseline)."""
+    """vLLM's ``speculative_config`` for ``method`` = eagle3 or dflash: the export in ``drafter_dir`` served as
+    serving_config.py's ``vllm_speculative_config`` says from its config.json (the one the model card prints: a
+    DFlash export gets method dflash, whichever was named; a P-EAGLE one eagle3 with ``parallel_drafting``), or
+    ngram (prompt lookup over the context, n-grams of 1..``lookup_max`` tokens, the harness's baseline)."""
     if method in ("eagle3", "dflash"):
         path = Path(drafter_dir).resolve()
         config = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else {}
-        layout = layout_of(config)
-        if layout is not None:  # not EAGLE's: its own method (DFlash's dflash, a block in one forward)
-            return layout.speculative_config(path, k)
-        parallel = {"parallel_drafting": True} if config and parallel_drafting(config) else {}
-        return {"method": "eagle3", "model": str(path), "num_speculative_tokens": int(k), **parallel}
+        return vllm_speculative_config(config, str(path), k)
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": int(k), "prompt_lookup_max": int(lookup_max),
                 "prompt_lookup_min": 1}

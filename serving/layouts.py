@@ -43,11 +43,13 @@ class Layout(Protocol):
     def load(self, d: Path, spec: DrafterSpec, embed_weight, head_weight, target, dtype) -> nn.Module:
         """The drafter module of the export in ``d`` for the in-process harness."""
 
-    def speculative_config(self, path: Path, k: int) -> dict:
-        """vLLM's ``speculative_config`` serving the export at ``path`` with ``k`` speculative tokens."""
+    def speculative_config(self, config: Mapping, model: str, k: int) -> dict:
+        """vLLM's ``speculative_config`` serving the export whose config.json is ``config`` from ``model`` (a path
+        or hub id) with ``k`` speculative tokens (serving_config.py's ``vllm_speculative_config`` calls it)."""
 
-    def card(self, config: Mapping, record: dict, repo_id: str, k: int) -> tuple[list[str], list[str]]:
-        """The model card's own sections (card.py adds the measured ones) and its tags."""
+    def card(self, config: Mapping, record: dict, repo_id: str, served: dict) -> tuple[list[str], list[str]]:
+        """The model card's own sections (card.py adds the measured ones) and its tags; ``served`` is the
+        ``speculative_config`` its command must carry (``vllm_speculative_config``'s, as the eval sends it)."""
 
 
 LAYOUTS: Registry[Layout] = Registry("drafter.algorithm", "serving/layouts.py", reserved=("eagle",))

@@ -23,7 +23,7 @@ from fledge.models.drafter import mask_token_id_for
 from fledge.models.families import read_target, text_config_dict
 from fledge.models.layers.kind import get_layer_kind, kind_of_config, layer_settings, resolve_layer_kind
 from fledge.serving.dialects import ServingFields, dialect_of, get_dialect
-from fledge.serving.layouts import layout_for
+from fledge.serving.layouts import layout_for, layout_of
 
 
 def _flag(drafter: Any, name: str) -> bool:
@@ -91,6 +91,20 @@ def parallel_drafting(config: Mapping) -> bool:
     """Whether an exported config.json (any dialect) is a P-EAGLE drafter's: it names the ``mask_token_id`` vLLM
     feeds the parallel slots (and then wants ``mask_hidden`` and ``parallel_drafting`` in its speculative config)."""
     return layer_config(config).get("mask_token_id") is not None
+
+
+def vllm_speculative_config(config: Mapping, model: str, k: int) -> dict:
+    """vLLM's ``speculative_config`` serving the export whose config.json is ``config``, loaded from ``model`` (a
+    path or hub id), with ``k`` speculative tokens. The one place it is built: the eval stage sends it
+    (serving/engine.py), the model card prints it and the dialects' commands carry it, so that a card serves an
+    export exactly as the eval measured it. An EAGLE export gets method eagle3, plus ``parallel_drafting`` for a
+    P-EAGLE one (vLLM reads that only from here: without it vLLM runs the drafter as a chain drafter, without a
+    word); any other algorithm its layout's (serving/layouts.py)."""
+    layout = layout_of(config)
+    if layout is not None:
+        return layout.speculative_config(config, str(model), int(k))
+    parallel = {"parallel_drafting": True} if config and parallel_drafting(config) else {}
+    return {"method": "eagle3", "model": str(model), "num_speculative_tokens": int(k), **parallel}
 
 
 def expected_tensors(config: Mapping, include_embed: bool = False) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

@@ -145,7 +145,7 @@ def test_serving_reaches_a_new_algorithms_layout_through_the_registry(tmp_path):
 
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["ToyDrafter"]}))
     toy = SimpleNamespace(owns=lambda c: c.get("architectures") == ["ToyDrafter"],
-                          speculative_config=lambda path, k: {"method": "toy", "model": str(path), "k": k},
+                          speculative_config=lambda config, model, k: {"method": "toy", "model": model, "k": k},
                           lint=lambda d, config, layers, record: [("error", "toy", "toy finding", "fix it")])
     with LAYOUTS.temporary("toy", toy):
         assert speculative_config("eagle3", 3, tmp_path)["method"] == "toy"

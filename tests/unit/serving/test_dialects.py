@@ -82,8 +82,8 @@ def _checks(config):
     return []
 
 
-def _commands(drafter, target, k):
-    return {"TestEngine": f"serve {target} --draft {drafter}"}
+def _commands(served, target):
+    return {"TestEngine": f"serve {target} --draft {served['model']}"}
 
 
 @pytest.fixture

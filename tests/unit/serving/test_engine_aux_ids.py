@@ -16,7 +16,7 @@ from fledge.serving.dialects import get_dialect
 from fledge.serving.export import load_drafter, spec_from_export, write_drafter
 from fledge.serving.hub import build_model_card
 from fledge.serving.lint import format_findings, has_errors, lint_drafter
-from fledge.serving.serving_config import layer_config, serving_config
+from fledge.serving.serving_config import layer_config, serving_config, vllm_speculative_config
 from tests.helpers.models import random_state_dict
 
 
@@ -111,7 +111,7 @@ def test_the_sglang_command_is_printed_only_for_an_export_sglang_reads_as_traine
     printed = {}
     for fmt in dialects.names():
         d, config = _export(tmp_path, fmt, L, ids)
-        commands = get_dialect(fmt).commands("org/drafter", "org/target", 5)
+        commands = get_dialect(fmt).commands(vllm_speculative_config(config, "org/drafter", 5), "org/target")
         printed[fmt] = any("sglang.launch_server" in cmd for cmd in commands.values())
         assert printed[fmt] == (sglang_captures(config, L) == ids), (fmt, sglang_captures(config, L), commands)
         assert ("sglang.launch_server" in str(build_model_card(d, "org/drafter")[0])) == printed[fmt]
