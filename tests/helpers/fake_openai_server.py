@@ -1,7 +1,8 @@
 """A stand-in for vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server --model M --host H
 --port P ...``), started by ``fledge regenerate --serve`` through a fake engine python: answers ``/health`` and
-``/v1/chat/completions`` (only with ``Authorization: Bearer $VLLM_API_KEY``), writes its argv, key and a child's pid
-to ``$FAKE_SERVER_RECORD`` (the child stands for vLLM's engine core: stopping the server must end it too).
+``/v1/chat/completions`` (only with ``Authorization: Bearer $VLLM_API_KEY``; each answer takes
+``$FAKE_SERVER_ANSWER_S``), writes its argv, key, pid and a child's pid to ``$FAKE_SERVER_RECORD`` (the child stands
+for vLLM's engine core: stopping the server must end it too).
 
     python fake_openai_server.py -m vllm.entrypoints.openai.api_server --model M --host H --port P [...]
 """
@@ -32,6 +33,7 @@ class Handler(BaseHTTPRequestHandler):
             self.end_headers()
             return
         last = body["messages"][-1]["content"]
+        time.sleep(float(os.environ.get("FAKE_SERVER_ANSWER_S", "0")))  # a model takes a while to answer
         reply = json.dumps({"choices": [{"message": {"role": "assistant", "content": f"{body['model']}:{last}"},
                                          "finish_reason": "stop"}]}).encode()
         self.send_response(200)
@@ -46,6 +48,6 @@ class Handler(BaseHTTPRequestHandler):
 if __name__ == "__main__":
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     with open(os.environ["FAKE_SERVER_RECORD"], "w") as f:
-        json.dump({"argv": sys.argv[1:], "child": child.pid, "key": os.environ["VLLM_API_KEY"]}, f)
+        json.dump({"argv": sys.argv[1:], "pid": os.getpid(), "child": child.pid, "key": os.environ["VLLM_API_KEY"]}, f)
     time.sleep(float(os.environ.get("FAKE_SERVER_DELAY_S", "0.5")))  # a server takes a while to answer /health
     ThreadingHTTPServer((arg("--host"), int(arg("--port"))), Handler).serve_forever()

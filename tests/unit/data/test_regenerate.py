@@ -1,6 +1,8 @@
 """Regeneration against a loopback OpenAI-compatible stub and in-process on a tiny random Llama."""
 
 import json
+import signal
+import subprocess
 import sys
 import threading
 import time
@@ -16,6 +18,8 @@ from fledge.data.prepare.regenerate import OpenAIBackend, TransformersBackend, d
 class Stub(BaseHTTPRequestHandler):
     fail_on = set()  # user contents that get HTTP 400
     too_long = set()  # user contents that get vLLM's HTTP 400 for a prompt longer than its context
+    server_errors = {}  # user content -> how many more times it gets HTTP 503 before an answer
+    delay_s = 0.0  # each answer takes this long
     calls = []
     auth = []
 
@@ -24,6 +28,13 @@ class Stub(BaseHTTPRequestHandler):
         Stub.calls.append(body)
         Stub.auth.append(self.headers.get("Authorization"))
         last = body["messages"][-1]["content"]
+        if Stub.server_errors.get(last):
+            Stub.server_errors[last] -= 1
+            self.send_response(503)
+            self.end_headers()
+            self.wfile.write(b'{"error": "engine overloaded"}' + b" " * 400 + b"END")
+            return
+        time.sleep(Stub.delay_s)
         if last in Stub.too_long:  # vLLM's answer to a prompt past --max-model-len
             self.send_response(400)
             self.end_headers()
@@ -49,7 +60,7 @@ class Stub(BaseHTTPRequestHandler):
 
 @pytest.fixture()
 def server():
-    Stub.fail_on, Stub.too_long, Stub.calls = set(), set(), []
+    Stub.fail_on, Stub.too_long, Stub.server_errors, Stub.delay_s, Stub.calls = set(), set(), {}, 0.0, []
     srv = ThreadingHTTPServer(("127.0.0.1", 0), Stub)
     t = threading.Thread(target=srv.serve_forever, daemon=True)
     t.start()
@@ -204,3 +215,166 @@ def test_a_conversation_past_the_servers_context_is_skipped_not_failed(server, t
     assert rc == 0 and done_indices(out) == {0, 2}
     s = regenerate(_convs(3), out, OpenAIBackend(server, "m", retries=0), progress=False)
     assert s == {"done": 0, "skipped_existing": 2, "too_long": 1, "failed": 0, "first_errors": []}
+
+
+def test_a_server_error_is_retried_and_the_error_quotes_the_servers_reply(server, tmp_path):
+    """HTTP 5xx (an overloaded or restarting server) is retried with backoff, a bounded number of times; when the
+    retries run out the error quotes the server's reply (cut short), never the request's private text."""
+    be = OpenAIBackend(server, "m", retries=3, backoff_s=0.01)
+    Stub.server_errors = {"q0": 2}
+    assert be.complete([{"role": "user", "content": "q0"}], 0.0, 4)["content"] == "re:q0|t=0.0"
+    assert len(Stub.calls) == 3
+    Stub.server_errors, Stub.calls = {"my private question": 99}, []
+    with pytest.raises(RuntimeError) as e:
+        be.complete([{"role": "user", "content": "my private question"}], 0.0, 4)
+    msg = str(e.value)
+    assert len(Stub.calls) == 4 and "HTTP 503" in msg and "engine overloaded" in msg, msg
+    assert "my private question" not in msg and "END" not in msg and len(msg) < 500, msg  # the reply, truncated
+    Stub.fail_on, Stub.calls = {"bad"}, []
+    with pytest.raises(RuntimeError, match="HTTP 400"):  # our request is wrong: no retry answers it
+        be.complete([{"role": "user", "content": "bad"}], 0.0, 4)
+    assert len(Stub.calls) == 1
+
+
+# ---- stop signals: every conversation finished is kept, nothing more is sent, no process survives ---------------
+
+STOPS = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
+
+
+def _input(tmp_path, n=20):
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(json.dumps({"messages": c["messages"]}) for c in _convs(n)) + "\n")
+    return src
+
+
+def _start(argv):
+    """The real command, in a session of its own (as a shell's job: a signal reaches it alone)."""
+    return subprocess.Popen([sys.executable, "-m", "fledge", "regenerate", *map(str, argv)], start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_answers(proc, out, n, timeout_s=120):
+    deadline = time.monotonic() + timeout_s
+    while len(done_indices(out)) < n:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"regenerate never wrote {n} answers:\n{proc.communicate()[1]}")
+        time.sleep(0.02)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _stopped(proc, sig, out, timeout_s=60):
+    """Send ``sig``; the command's stderr once it has exited with 128 + sig and one line saying how to resume."""
+    proc.send_signal(sig)
+    try:
+        _, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"regenerate still running {timeout_s} s after {sig.name}:\n{proc.communicate()[1]}")
+    assert proc.returncode == 128 + sig, err
+    assert "Traceback" not in err, err
+    resume = [line for line in err.splitlines() if "rerun" in line]
+    assert len(resume) == 1 and sig.name in resume[0] and str(out) in resume[0], err
+    lines = out.read_text().splitlines()
+    assert len(lines) == len(done_indices(out)) == len({json.loads(x)["index"] for x in lines})  # whole, once each
+    return err
+
+
+@pytest.mark.parametrize("sig", STOPS, ids=lambda s: s.name)
+def test_a_stop_signal_sends_nothing_more_keeps_every_answer_and_says_how_to_resume(server, tmp_path, sig):
+    """Ctrl-C (or SIGTERM, SIGHUP) on `fledge regenerate --endpoint`: nothing more is sent (the queued conversations
+    are dropped at once, not sent one by one for hours), every answer finished is in the output, the exit code is
+    128 + the signal's, one line says how to resume, and resuming answers exactly the rest."""
+    Stub.delay_s = 0.2
+    out = tmp_path / "o.jsonl"
+    argv = ["--input", _input(tmp_path), "--output", out, "--endpoint", server, "--model", "m", "--concurrency", "2"]
+    proc = _start(argv)
+    _wait_for_answers(proc, out, 4)
+    kept_before, sent = len(done_indices(out)), len(Stub.calls)
+    _stopped(proc, sig, out)
+    time.sleep(0.5)
+    assert len(Stub.calls) <= sent + 2, "conversations were still sent after the signal"
+    kept = done_indices(out)
+    assert kept_before <= len(kept) < 20
+    Stub.delay_s, Stub.calls = 0.0, []
+    res = subprocess.run([sys.executable, "-m", "fledge", "regenerate", *map(str, argv)], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert done_indices(out) == set(range(20)) and len(out.read_text().splitlines()) == 20
+    assert len(Stub.calls) == 2 * (20 - len(kept))  # two turns each, only the conversations not kept
+
+
+@pytest.mark.parametrize("sig", STOPS, ids=lambda s: s.name)
+def test_a_stop_signal_on_serve_ends_the_server_and_keeps_every_answer(tmp_path, monkeypatch, sig):
+    """`fledge regenerate --serve` stopped by any of the three signals: the server it started (and the server's
+    engine process) ends with it, whatever the signal (SIGTERM and SIGHUP used to leave it running, holding the
+    GPUs), and the answers finished are kept."""
+    from tests.helpers.processes import descendants
+
+    model = _fake_engine_python(tmp_path, monkeypatch)
+    monkeypatch.setenv("FAKE_SERVER_ANSWER_S", "0.2")
+    out = tmp_path / "o.jsonl"
+    proc = _start(["--input", _input(tmp_path), "--output", out, "--serve", model, "--concurrency", "2",
+                   "--max-turns", "1"])
+    _wait_for_answers(proc, out, 3)
+    ours = [proc.pid, *descendants(proc.pid)]
+    seen = json.loads((tmp_path / "server.json").read_text())
+    assert {seen["pid"], seen["child"]} <= set(ours)
+    _stopped(proc, sig, out)
+    left = [pid for pid in ours if _alive(pid)]
+    assert not left, f"processes of regenerate outlived it: {left}"
+    assert 3 <= len(done_indices(out)) < 20
+
+
+def test_a_process_answering_on_the_servers_port_never_gets_the_key(tmp_path, monkeypatch, capsys):
+    """The port --serve picks is free when picked, and the server binds it only later: another local process that
+    takes it meanwhile answers /health. Regenerate checks that the port's listener is the server it started before
+    it sends the key (and any conversation) there."""
+    model = _fake_engine_python(tmp_path, monkeypatch)
+    monkeypatch.setenv("FAKE_SERVER_DELAY_S", "4")  # the real server is slow to bind
+    got = []
+
+    class Impostor(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(200)
+            self.end_headers()
+
+        def do_POST(self):  # noqa: N802
+            got.append(self.headers.get("Authorization"))
+            self.send_response(500)
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    def squat():
+        record = tmp_path / "server.json"
+        while True:
+            try:
+                argv = json.loads(record.read_text())["argv"]
+                break
+            except (OSError, ValueError):
+                time.sleep(0.01)
+        srv = ThreadingHTTPServer(("127.0.0.1", int(argv[argv.index("--port") + 1])), Impostor)
+        squatters.append(srv)
+        srv.serve_forever()
+
+    squatters = []
+    threading.Thread(target=squat, daemon=True).start()
+    src = _input(tmp_path, 2)
+    try:
+        rc = cli.main(["--input", str(src), "--output", str(tmp_path / "o.jsonl"), "--serve", str(model)])
+    finally:
+        for srv in squatters:
+            srv.shutdown()
+    assert not got, f"the key went to another process: {got}"
+    err = capsys.readouterr().err.strip()
+    assert rc == 1 and "not the server" in err and len(err.splitlines()) == 1, err
+    seen = json.loads((tmp_path / "server.json").read_text())
+    assert not _alive(seen["pid"]) and not _alive(seen["child"])
