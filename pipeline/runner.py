@@ -13,7 +13,8 @@ runs, each selected stage is planned against its manifest:
   publish): it starts over in a cleared directory;
 - something changed, in a stage whose output is costly (prepare, capture, train): nothing runs and one
   line names what changed, old -> new, and the two ways on: ``run.force=[stage]`` starts it over, a new
-  ``run.name`` starts another run beside it. Nothing is deleted unless the user asked.
+  ``run.name`` starts another run beside it. Nothing is deleted unless the user asked, and never a directory
+  that is not this run's (fledge/owned.py: a stage directory of someone else's files is refused before any runs).
 
 What counts as an input is what each record says its stage reads (``Stage.inputs``: a
 :class:`~fledge.stage_context.Reads`): the stage receives exactly that slice of the config
@@ -33,7 +34,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -44,12 +44,14 @@ from fledge.atomic import read_json, write_json_atomic
 from fledge.conf.schema import Config
 from fledge.distributed import World, broadcast_object
 from fledge.models.target import target_fingerprint
+from fledge.owned import check_replaceable, remove_owned
 from fledge.pipeline.preflight import check_target_path
 from fledge.run_layout import RunLayout
 from fledge.stage_context import ConfigSlice, Reads, StageContext
 
 log = logging.getLogger(__name__)
 SCHEMA_VERSION = 1
+STAGE_FIX = "move those files away, or pick another run.name or run.output_root (nothing was deleted)"
 
 
 def _always(cfg: Config) -> bool:
@@ -173,7 +175,7 @@ def run_stages(cfg: Config, world: World, stages: Sequence[Stage]) -> dict[str, 
         if world.is_main:
             if plan.action == "start over" and stage_dir.exists():
                 log.warning("stage %s: %s; starting it over", name, plan.why)
-                shutil.rmtree(stage_dir)
+                remove_owned(stage_dir, f"{name} stage", STAGE_FIX)  # planned already; a link: the link only
             elif plan.why:
                 log.info("stage %s: %s", name, plan.why)
             stage_dir.mkdir(parents=True, exist_ok=True)
@@ -239,6 +241,8 @@ def plan_stages(cfg: Config, stages: Sequence[Stage], old: dict[str, dict | None
         h = digest(inputs)
         plan = _plan(cfg, stage, m, inputs, h, {k: out for k, (_, out) in ahead.items()}, [s.name for s in stages])
         plans[name] = plan
+        if plan.action in ("run", "start over"):  # the directory it writes (or deletes) must be this run's
+            check_replaceable(layout.stage(name), f"{name} stage", STAGE_FIX)
         ahead[name] = (plan.inputs_hash, output_id(m) if plan.action == "skip" else NEW)
     return plans
 

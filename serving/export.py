@@ -81,7 +81,7 @@ def write_drafter(out_dir: str | Path, state_dict: dict[str, torch.Tensor], conf
 
     tensors = to_serving_state_dict(state_dict, dialect_of(config).name, include_embed)
     out = Path(out_dir)
-    with atomic_path(out) as tmp:
+    with atomic_path(out, "export") as tmp:  # an existing out only when Fledge wrote it (fledge/owned.py)
         tmp.mkdir(parents=True)
         save_torch_state_dict(tensors, tmp, max_shard_size=max_shard_size, metadata={"format": "pt"})
         write_json_atomic(tmp / "config.json", config)

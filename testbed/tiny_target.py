@@ -66,7 +66,7 @@ def _cached(out: Path, key: str, build) -> Path:
         return out
     with _lock(out):
         if not _done(out, key):
-            with atomic_path(out) as tmp:
+            with atomic_path(out, "tiny-target", f"pass another --out, or delete {out} yourself") as tmp:
                 tmp.mkdir()
                 extra = build(tmp) or {}
                 write_json_atomic(tmp / "build.json", {"key": key, **extra})

@@ -194,7 +194,7 @@ def _prune(ckpt_dir: Path, keep_last: int) -> None:
 
 def promote_best(drafter: Path, best_dir: Path) -> None:
     """Copy a checkpoint's drafter checkpoint to best/ (rank 0), atomically."""
-    with atomic_path(best_dir) as tmp:
+    with atomic_path(best_dir, "drafter-checkpoint") as tmp:
         shutil.copytree(drafter, tmp)
 
 

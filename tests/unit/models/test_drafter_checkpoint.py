@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from fledge.models.drafter_checkpoint import META, RECORD, TRAINED_WITH, WEIGHTS, DrafterCheckpoint
+from fledge.owned import MARK
 from tests.helpers.models import make_drafter
 from tests.helpers.paths import REPO
 
@@ -28,7 +29,7 @@ def _checkpoint(drafter, step=12) -> DrafterCheckpoint:
 def test_round_trip_keeps_the_description_and_the_tensors(drafter, tmp_path):
     written = _checkpoint(drafter)
     d = written.write(tmp_path / "drafter", drafter.state_dict())
-    assert sorted(p.name for p in d.iterdir()) == sorted([WEIGHTS, META])  # nothing else, no temp dir left
+    assert sorted(p.name for p in d.iterdir()) == sorted([WEIGHTS, META, MARK])  # nothing else, no temp dir left
     assert [p.name for p in tmp_path.iterdir()] == ["drafter"]
     assert DrafterCheckpoint.read(d) == written
     back = DrafterCheckpoint.tensors(d)

@@ -36,7 +36,7 @@ def test_an_existing_directory_it_did_not_write_is_never_replaced(tmp_path, monk
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    with pytest.raises(ValueError, match="was not written by `fledge import-gguf`"):
+    with pytest.raises(ValueError, match=f"{out} exists and was not written by Fledge's import-gguf .*keep.txt"):
         gguf_import.import_gguf(str(gguf), out)
     assert (out / "keep.txt").read_text() == "mine"
 
