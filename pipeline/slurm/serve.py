@@ -8,8 +8,11 @@ step. It starts vLLM's OpenAI server under the launcher words after ``--`` (an s
 here to that component's first node, listening on that node's NodeAddr only), waits (at most ``--wait-s``) for
 ``/health`` there,
 runs ``fledge regenerate --endpoint http://ADDR:PORT/v1`` for every pair, and stops the server (SIGTERM to srun
-ends the step; SIGKILL after a grace). A pair whose output already holds every input conversation is skipped,
-and when all are, the target is not served at all: a requeued job goes straight to training.
+ends the step; SIGKILL after a grace). A pair whose output already holds every input conversation (or lists it as
+too long for the server's context, OUTPUT.too_long) is skipped, and when all are, the target is not served at all:
+a requeued job goes straight to training. SIGTERM (the batch script's at the time limit), SIGINT or SIGHUP ends the
+phase: `fledge regenerate` gets the signal and keeps its finished answers, the server is stopped, and the exit code
+is 128 + the signal's.
 
 The server's API key is ``FLEDGE_API_KEY`` from the environment, handed to vLLM as ``VLLM_API_KEY`` (srun
 exports the environment); it is never on a command line nor printed. Without it the phase refuses to serve (an
@@ -27,6 +30,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from fledge import signals
 from fledge.data.prepare.regenerate import API_KEY_ENV
 from fledge.engine_process import engine_python, wait_healthy
 from fledge.pipeline.slurm.launch import PORT_BASE, PORT_SPAN, expand_nodelist
@@ -80,15 +84,16 @@ def server_command(args: argparse.Namespace, node: str, addr: str, port: int) ->
 
 
 def pending(pair: tuple[str, str], extra: list[str]) -> int:
-    """Input conversations of ``pair`` not yet in its output (what `fledge regenerate` would still do)."""
-    from fledge.data.prepare.regenerate import done_indices
+    """Input conversations of ``pair`` not yet in its output nor recorded too long for the server's context
+    (what `fledge regenerate` would still do)."""
+    from fledge.data.prepare.regenerate import finished_indices
     from fledge.data.prepare.sources import DataError, iter_rows, normalize
 
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--split", default="train")
     p.add_argument("--max-samples", type=int)
     known, _ = p.parse_known_args(extra)
-    have, todo = done_indices(pair[1]), 0
+    have, todo = finished_indices(pair[1]), 0
     for row in iter_rows(pair[0], known.split, known.max_samples):
         if row.error or row.index in have:
             continue
@@ -173,23 +178,44 @@ def main(argv: list[str] | None = None) -> int:
     args.log.parent.mkdir(parents=True, exist_ok=True)
     print(f"fledge.serve: serving the target on {node} ({addr}:{port}), log {args.log}: {shlex.join(cmd)}",
           flush=True)
-    with open(args.log, "ab") as log:
-        server = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+    server = regen = None
     rc = 0
-    try:
-        t0 = time.monotonic()
-        wait_healthy(f"http://{addr}:{port}/health", server, args.wait_s, args.log)
-        print(f"fledge.serve: server healthy after {time.monotonic() - t0:.0f} s", flush=True)
-        for inp, out in todo:
-            regen = [sys.executable, "-m", "fledge", "regenerate", "--input", inp, "--output", out, "--endpoint",
-                     f"http://{addr}:{port}/v1", "--model", args.model, *extra]
-            print(f"fledge.serve: {shlex.join(regen)}", flush=True)
-            rc = subprocess.run(regen).returncode or rc
-    except RuntimeError as e:
-        print(f"fledge.serve: {e}", file=sys.stderr)
-        rc = 1
-    finally:
-        stop(server)
+    with signals.stop_on_signals():  # SIGTERM at the time limit (train.sbatch), Ctrl-C, SIGHUP: end it all, keep
+        try:
+            try:
+                with signals.deferred(), open(args.log, "ab") as log:
+                    server = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                              stderr=subprocess.STDOUT)
+                t0 = time.monotonic()
+                wait_healthy(f"http://{addr}:{port}/health", server, args.wait_s, args.log)
+                print(f"fledge.serve: server healthy after {time.monotonic() - t0:.0f} s", flush=True)
+                for inp, out in todo:
+                    words = [sys.executable, "-m", "fledge", "regenerate", "--input", inp, "--output", out,
+                             "--endpoint", f"http://{addr}:{port}/v1", "--model", args.model, *extra]
+                    print(f"fledge.serve: {shlex.join(words)}", flush=True)
+                    with signals.deferred():
+                        regen = subprocess.Popen(words)
+                    rc = regen.wait() or rc
+            except signals.Stopped as e:
+                if regen is not None and regen.poll() is None:  # it keeps its finished answers and exits
+                    regen.send_signal(e.signum)
+                    try:
+                        regen.wait(timeout=STOP_GRACE_S)
+                    except subprocess.TimeoutExpired:
+                        regen.kill()
+                        regen.wait()
+                raise
+            finally:
+                if server is not None:
+                    with signals.deferred():
+                        stop(server)
+        except RuntimeError as e:
+            print(f"fledge.serve: {e}", file=sys.stderr)
+            rc = 1
+        except signals.Stopped as e:
+            print(f"fledge.serve: stopped by {e.name}; the server is stopped and every finished answer kept: the "
+                  "requeued (or resubmitted) job resumes the rest", file=sys.stderr)
+            return e.exit_code
     if rc:
         print(f"fledge.serve: regeneration failed (exit {rc}); resubmit the same job to retry what is missing",
               file=sys.stderr)

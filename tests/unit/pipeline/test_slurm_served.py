@@ -8,8 +8,11 @@ import json
 import os
 import re
 import shlex
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -212,19 +215,58 @@ def test_serve_finds_the_engine_node_and_skips_finished_pairs(tmp_path):
     assert rc == 0 and not (tmp_path / "serve.log").exists()
 
 
-FAKE_SERVER = """import http.server, os, sys
+def test_a_conversation_too_long_for_the_server_does_not_keep_the_phase_pending(tmp_path, capsys):
+    """vLLM refuses a prompt past its --max-model-len, and no rerun answers it: it is recorded (OUTPUT.too_long,
+    counted), so the requeued job finds nothing pending and goes straight to training instead of starting the
+    server again on every requeue."""
+    from fledge.data.prepare.regenerate import TooLong, regenerate
+
+    class Backend:
+        name = "m"
+
+        def complete(self, messages, temperature, max_tokens):
+            if messages[-1]["content"] == "a very long question":
+                raise TooLong("HTTP 400: This model's maximum context length is 2048 tokens.")
+            return {"content": "new", "finish_reason": "stop"}
+
+    convs = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": "old"}]}
+             for q in ("hi", "a very long question", "yo")]
+    inp, outp = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    stats = regenerate([{**c, "index": i} for i, c in enumerate(convs)], outp, Backend(), progress=False)
+    assert (stats["done"], stats["too_long"], stats["failed"]) == (2, 1, 0)
+    assert serve.pending((str(inp), str(outp)), []) == 0
+    rc = serve.main(["--model", "m", "--log", str(tmp_path / "serve.log"), "--pair", f"{inp}:{outp}", "--",
+                     "srun", "--het-group=1"])
+    assert rc == 0 and not (tmp_path / "serve.log").exists()  # the target is not served again
+    assert "nothing to regenerate" in capsys.readouterr().out
+    again = regenerate([{**c, "index": i} for i, c in enumerate(convs)], outp, Backend(), progress=False)
+    assert (again["done"], again["skipped_existing"], again["too_long"]) == (0, 2, 1)  # still counted
+
+
+FAKE_SERVER = """import http.server, os, sys, time
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         self.send_response(200 if self.path == "/health" else 404); self.end_headers()
     def do_POST(self):
         n = int(self.headers["Content-Length"]); self.rfile.read(n)
+        time.sleep(float(os.environ.get("FAKE_ANSWER_S", "0")))
         ok = self.headers.get("Authorization") == "Bearer " + os.environ.get("VLLM_API_KEY", "")
         body = b'{"choices": [{"message": {"content": "new"}, "finish_reason": "stop"}]}'
         self.send_response(200 if ok else 401); self.end_headers(); self.wfile.write(body if ok else b"{}")
     def log_message(self, *a): pass
 port = int(sys.argv[sys.argv.index("--port") + 1])
-http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+http.server.ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
 """
+
+
+def _fake_vllm(tmp_path: Path) -> None:
+    """``-m vllm.entrypoints.openai.api_server`` as FAKE_SERVER, for a python with ``tmp_path`` on its path."""
+    fake = tmp_path / "vllm" / "entrypoints" / "openai"
+    fake.mkdir(parents=True)
+    for d in (tmp_path / "vllm", tmp_path / "vllm" / "entrypoints", fake):
+        (d / "__init__.py").write_text("")
+    (fake / "api_server.py").write_text(FAKE_SERVER)
 
 
 def test_serve_refuses_to_start_a_server_without_a_key_unless_told(tmp_path, monkeypatch, capsys):
@@ -264,11 +306,7 @@ def test_serve_waits_for_health_regenerates_and_stops_the_server(tmp_path, monke
     conv = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "old"}]}
     inp, outp = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text(json.dumps(conv) + "\n" + json.dumps(conv) + "\n")
-    fake = tmp_path / "vllm" / "entrypoints" / "openai"
-    fake.mkdir(parents=True)
-    for d in (tmp_path / "vllm", tmp_path / "vllm" / "entrypoints", fake):
-        (d / "__init__.py").write_text("")
-    (fake / "api_server.py").write_text(FAKE_SERVER)
+    _fake_vllm(tmp_path)
     with _socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -287,3 +325,52 @@ def test_serve_waits_for_health_regenerates_and_stops_the_server(tmp_path, monke
         _socket.create_connection(("127.0.0.1", port), timeout=2).close()
     printed = capfd.readouterr()
     assert "s3cret" not in printed.out + printed.err + log.read_text()  # the key is in no output
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=lambda s: s.name)
+def test_a_stopped_regenerate_phase_ends_regenerate_and_the_server_and_keeps_the_answers(tmp_path, sig):
+    """The phase stopped (SIGTERM: what the batch script sends it at the time limit, before it requeues the job):
+    `fledge regenerate` gets the signal and keeps its finished answers, the server is stopped, no process of the
+    phase survives, and the exit code is 128 + the signal's, so the batch script requeues."""
+    from tests.helpers.processes import descendants
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text('#!/bin/sh\necho "NodeName=$3 NodeAddr=127.0.0.1"\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    _fake_vllm(tmp_path)
+    conv = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "old"}]}
+    inp, outp = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text((json.dumps(conv) + "\n") * 40)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST_HET_GROUP_1": "gpu09",
+           "FLEDGE_API_KEY": "s3cret", "PYTHONPATH": str(tmp_path), "FAKE_ANSWER_S": "0.2"}
+    proc = subprocess.Popen([sys.executable, "-m", "fledge.pipeline.slurm.serve", "--model", "m", "--engine-python",
+                             sys.executable, "--log", str(tmp_path / "serve.log"), "--port", str(port), "--wait-s",
+                             "60", "--pair", f"{inp}:{outp}", "--regenerate-args", "--concurrency 2", "--", "env"],
+                            env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not outp.exists() or len(outp.read_text().splitlines()) < 3:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"the phase never answered:\n{proc.communicate()}")
+        time.sleep(0.02)
+    ours = [proc.pid, *descendants(proc.pid)]
+    assert len(ours) >= 3  # the phase, its server, its `fledge regenerate`
+    proc.send_signal(sig)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"the phase still ran 60 s after {sig.name}: {proc.communicate()}")
+    assert proc.returncode == 128 + sig, err
+    assert "Traceback" not in err and "s3cret" not in err, err
+    time.sleep(0.2)
+    left = [pid for pid in ours if Path(f"/proc/{pid}").exists()
+            and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
+    assert not left, f"processes of the phase outlived it: {left}"
+    lines = outp.read_text().splitlines()
+    assert 3 <= len(lines) < 40 and all(json.loads(x)["messages"][1]["content"] == "new" for x in lines)
+    assert serve.pending((str(inp), str(outp)), []) == 40 - len(lines)  # a requeued job resumes the rest
