@@ -24,7 +24,7 @@ from fledge.pipeline.preflight import check_publish
 from fledge.run_layout import RunLayout
 from fledge.serving.card import Measured
 from fledge.serving.export import load_target_config
-from fledge.serving.hub import push_to_hub
+from fledge.serving.hub import check_online, push_to_hub
 from fledge.serving.lint import resolve_target_config
 
 log = logging.getLogger(__name__)
@@ -87,11 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     drafter = Path(args.drafter_dir)
     layout = RunLayout(args.run_dir) if args.run_dir else run_of_export(drafter)
     try:
+        check_online()  # before the target is looked up on the Hub, or anything is linted
         url = push_to_hub(drafter, args.repo_id, private=not args.public, measured=measured_by_run(layout, drafter),
                           target_config=resolve_target_config(args.target, args.recipe, drafter),
                           speculative_tokens=args.k, endpoint=args.endpoint)
-    except ValueError as e:
-        print(f"push_to_hub: {e}", file=sys.stderr)
-        return 1
+    except ValueError as e:  # a HubError too: one line, the fix, no token
+        print(f"fledge push: error: {e}", file=sys.stderr)
+        return 2
     print(url)
     return 0

@@ -6,7 +6,8 @@ run measured of the very export pushed (a ``Measured``; the card shows nothing e
 export that fails the linter is refused, and so is an existing repo whose visibility is not the one asked for
 (``create_repo(private=..., exist_ok=True)`` leaves an existing repo as it is). Transient failures (HTTP 5xx /
 429, connection errors and timeouts) are retried with exponential backoff; other errors (401, 403, 404, ...)
-are raised at once.
+are raised at once. Offline mode (``HF_HUB_OFFLINE``) is refused before any request, and every failure reaches
+the user as one :class:`HubError` line naming the cause and the fix, without the token.
 """
 
 from __future__ import annotations
@@ -25,10 +26,53 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def is_transient(exc: BaseException) -> bool:
-    """5xx / 429 answers and network-level failures are worth retrying; anything else is not."""
-    from huggingface_hub.errors import HfHubHTTPError
+class HubError(ValueError):
+    """The Hub cannot take the upload (offline, token refused, repo not found, unreachable): one line, the fix."""
 
+
+def check_online() -> None:
+    """Refuse offline mode before any request: huggingface_hub would refuse each one (and each retry). Its
+    constant, read from HF_HUB_OFFLINE when it is imported, is what it enforces."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        raise HubError("HF_HUB_OFFLINE=1 is set, and uploading needs the Hub: unset it for this command "
+                       "(`env -u HF_HUB_OFFLINE fledge push ...`)")
+
+
+def hub_error(exc: BaseException, what: str, repo_id: str, endpoint: str | None, token: str | None) -> HubError | None:
+    """The one line a Hub failure of ``what`` reaches the user as (None: not a Hub failure, a bug keeps its
+    traceback); the token never appears in it."""
+    from huggingface_hub.errors import HfHubHTTPError, LocalTokenNotFoundError, OfflineModeIsEnabled
+
+    where = endpoint or os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    if isinstance(exc, OfflineModeIsEnabled):
+        msg = "HF_HUB_OFFLINE=1 is set, and uploading needs the Hub: unset it for this command"
+    elif isinstance(exc, LocalTokenNotFoundError):
+        msg = "no Hub token: export HF_TOKEN (a write token), or log in with `hf auth login`"
+    elif isinstance(exc, HfHubHTTPError):
+        status = getattr(exc.response, "status_code", None)
+        fix = {401: "the token was refused (401 Unauthorized): set HF_TOKEN to a valid write token",
+               403: f"the token may not write to {repo_id} (403 Forbidden): use a token with write access to its "
+                    "owner, or push to a repo id under your own name",
+               404: f"{repo_id} or its owner was not found (404): check the repo id (org/name) and the endpoint "
+                    "(--endpoint, HF_ENDPOINT)"}.get(status, f"the Hub answered HTTP {status}"
+                                                     + (" (retried): try again later" if is_transient(exc) else ""))
+        msg = f"{fix} [{what} at {where}]"
+    elif is_transient(exc):
+        msg = (f"cannot reach the Hub at {where} ({type(exc).__name__}; retried): check the network, a proxy, or "
+               "--endpoint / HF_ENDPOINT")
+    else:
+        return None
+    return HubError(f"{repo_id}: {msg.replace(token, '***') if token else msg}")
+
+
+def is_transient(exc: BaseException) -> bool:
+    """5xx / 429 answers and network-level failures are worth retrying; anything else (offline mode too) is not."""
+    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+
+    if isinstance(exc, OfflineModeIsEnabled):  # a ConnectionError, but no retry will be let through
+        return False
     if isinstance(exc, HfHubHTTPError):
         status = getattr(exc.response, "status_code", None)
         return status is None or status >= 500 or status == 429
@@ -73,19 +117,30 @@ def push_to_hub(drafter_dir: str | Path, repo_id: str, private: bool = True, mea
                 token: str | None = None, commit_message: str = "Upload Fledge drafter",
                 attempts: int = 5, base_delay: float = 2.0) -> str:
     """Create (or update) the model repo ``repo_id`` with the export and a model card of ``measured``; return
-    the commit URL. Refuses an export with linter errors. ``token`` defaults to ``HF_TOKEN``."""
+    the commit URL. Refuses an export with linter errors. ``token`` defaults to ``HF_TOKEN``. Raises HubError
+    (one line, no token) when the Hub cannot take it."""
     from huggingface_hub import CommitOperationAdd, HfApi  # the Hub client, only to upload
 
+    check_online()
     d = Path(drafter_dir)
     findings = lint_drafter(d, target_config)
     if has_errors(findings):
         raise ValueError(f"refusing to upload {d}: it fails the linter\n" + "\n".join(format_findings(findings)))
     card, plots = build_model_card(d, repo_id, measured, speculative_tokens)
-    api = HfApi(endpoint=endpoint, token=token or os.environ.get("HF_TOKEN") or None)
-    with_retries(lambda: api.create_repo(repo_id, private=private, exist_ok=True), "create_repo",
-                 attempts, base_delay)
-    check_visibility(repo_id, private, with_retries(lambda: api.model_info(repo_id).private, "model_info",
-                                                    attempts, base_delay))
+    token = token or os.environ.get("HF_TOKEN") or None
+    api = HfApi(endpoint=endpoint, token=token)
+
+    def call(fn: Callable[[], T], what: str) -> T:
+        try:
+            return with_retries(fn, what, attempts, base_delay)
+        except Exception as e:  # noqa: BLE001 - a Hub failure becomes one line; anything else is a bug
+            err = hub_error(e, what, repo_id, endpoint, token)
+            if err is None:
+                raise
+            raise err from None
+
+    call(lambda: api.create_repo(repo_id, private=private, exist_ok=True), "create_repo")
+    check_visibility(repo_id, private, call(lambda: api.model_info(repo_id).private, "model_info"))
 
     def operations() -> list:  # fresh objects per attempt: a CommitOperationAdd is single-use
         ops = [CommitOperationAdd(path_in_repo=p.name, path_or_fileobj=str(p))
@@ -94,7 +149,7 @@ def push_to_hub(drafter_dir: str | Path, repo_id: str, private: bool = True, mea
         ops += [CommitOperationAdd(path_in_repo=f"eval/{p.name}", path_or_fileobj=str(p)) for p in plots]
         return ops
 
-    info = with_retries(lambda: api.create_commit(repo_id, operations=operations(), commit_message=commit_message),
-                        "create_commit", attempts, base_delay)
+    info = call(lambda: api.create_commit(repo_id, operations=operations(), commit_message=commit_message),
+                "create_commit")
     log.info("uploaded %s to %s (%s)", d, repo_id, "private" if private else "public")
     return str(info.commit_url)

@@ -16,6 +16,7 @@ class Stub(BaseHTTPRequestHandler):
     calls: list = []  # (path, authorization header, body) of every POST
     fail_commits = 0  # answer this many commits with 503 first
     private: bool | None = None  # the repo's visibility: None until created (a test sets it for an existing repo)
+    refuse: int | None = None  # answer every request with this HTTP status (401, 403, 404, ...)
 
     def log_message(self, *args):
         pass
@@ -31,6 +32,8 @@ class Stub(BaseHTTPRequestHandler):
     def do_POST(self):
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         Stub.calls.append((self.path, self.headers.get("authorization"), body))
+        if Stub.refuse:
+            return self._reply(Stub.refuse, {"error": f"refused ({Stub.refuse})"})
         base = f"http://127.0.0.1:{self.server.server_port}"
         if self.path == "/api/repos/create":
             if Stub.private is None:  # create_repo(exist_ok=True) leaves an existing repo as it is
@@ -50,6 +53,8 @@ class Stub(BaseHTTPRequestHandler):
         return self._reply(404, {"error": self.path})
 
     def do_GET(self):
+        if Stub.refuse:
+            return self._reply(Stub.refuse, {"error": f"refused ({Stub.refuse})"})
         if self.path.startswith("/api/models/org/drafter") and Stub.private is not None:
             return self._reply(200, {"id": "org/drafter", "private": Stub.private, "sha": "a" * 40})
         return self._reply(404, {"error": self.path})
@@ -58,7 +63,7 @@ class Stub(BaseHTTPRequestHandler):
 @contextmanager
 def serve() -> Iterator[str]:
     """Run the stub on a free port (its recorded calls cleared); yields its base URL."""
-    Stub.calls, Stub.fail_commits, Stub.private = [], 0, None
+    Stub.calls, Stub.fail_commits, Stub.private, Stub.refuse = [], 0, None, None
     server = ThreadingHTTPServer(("127.0.0.1", 0), Stub)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:

@@ -114,6 +114,43 @@ def test_push_refuses_lint_failures(hub, run_dir):
     assert Stub.calls == []  # nothing was sent
 
 
+def test_push_under_hf_hub_offline_is_one_line_at_once(run_dir, tmp_path, monkeypatch, capsys):
+    """`fledge push` with HF_HUB_OFFLINE=1 (conftest sets it): one line naming HF_HUB_OFFLINE and the fix, exit 2,
+    before any request (no 30 s of retries, no traceback), the token nowhere."""
+    import time
+
+    from fledge.pipeline.publish import main
+
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    (tmp_path / "target.json").write_text(json.dumps(TARGET))
+    with serve() as url:
+        start = time.monotonic()
+        code = main([str(run_dir / "export" / "drafter"), "org/drafter", "--endpoint", url,
+                     "--target", str(tmp_path / "target.json")])
+        assert time.monotonic() - start < 5
+        assert Stub.calls == []
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "HF_HUB_OFFLINE" in err and "unset" in err, err
+    assert "Traceback" not in err and TOKEN not in err
+
+
+@pytest.mark.parametrize("status,says", [(401, "token was refused"), (403, "may not write to org/drafter"),
+                                         (404, "not found"), (None, "cannot reach the Hub")])
+def test_a_hub_failure_is_one_line_naming_the_cause_without_the_token(hub, run_dir, monkeypatch, status, says):
+    from fledge.serving.hub import HubError
+
+    endpoint = hub
+    if status is None:  # nothing listening: a connection error, retried, then one line
+        endpoint = "http://127.0.0.1:9"
+    Stub.refuse = status
+    with pytest.raises(HubError) as e:
+        push_to_hub(run_dir / "export" / "drafter", "org/drafter", target_config=TARGET, endpoint=endpoint,
+                    attempts=2, base_delay=0.0)
+    msg = str(e.value)
+    assert says in msg and "\n" not in msg and TOKEN not in msg, msg
+    assert e.value.__cause__ is None and e.value.__suppress_context__  # no chained traceback under it
+
+
 @pytest.mark.parametrize("stale", ["export made again", "another drafter"])
 def test_the_card_leaves_out_an_eval_of_another_export(run_dir, stale):
     """The card's figures come only from an eval of the export pushed: not after the export was made again
