@@ -14,7 +14,9 @@ runs, each selected stage is planned against its manifest:
 - something changed, in a stage whose output is costly (prepare, capture, train): nothing runs and one
   line names what changed, old -> new, and the two ways on: ``run.force=[stage]`` starts it over, a new
   ``run.name`` starts another run beside it. Nothing is deleted unless the user asked, and never a directory
-  that is not this run's (fledge/owned.py: a stage directory of someone else's files is refused before any runs).
+  that is not this run's (fledge/owned.py: a stage directory of someone else's files is refused before any runs);
+- only an upgrade changed it (library versions, a config key the older Fledge did not record, at the schema's
+  default): its output is kept and used as if unchanged, with a warning, and its manifest records the new inputs.
 
 What counts as an input is what each record says its stage reads (``Stage.inputs``: a
 :class:`~fledge.stage_context.Reads`): the stage receives exactly that slice of the config
@@ -30,6 +32,7 @@ it do not run.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -136,6 +139,7 @@ class _Plan:
     inputs: dict
     inputs_hash: str
     why: str = ""  # for the log: what changed, or what more was asked
+    upgraded: bool = False  # only an upgrade changed its inputs: its output is kept, its manifest rewritten
 
 
 def run_stages(cfg: Config, world: World, stages: Sequence[Stage]) -> dict[str, dict]:
@@ -165,7 +169,12 @@ def run_stages(cfg: Config, world: World, stages: Sequence[Stage]) -> dict[str, 
     result: dict[str, dict] = {}
     for name, plan in plans.items():
         if plan.action in ("use", "skip"):
-            if plan.action == "skip":
+            if plan.upgraded:
+                log.warning("stage %s: %s", name, plan.why)
+                old[name] = {**old[name], "inputs_hash": plan.inputs_hash, "inputs": plan.inputs}
+                if world.is_main:
+                    write_json_atomic(layout.manifest(name), old[name])
+            elif plan.action == "skip":
                 log.info("stage %s: up to date (manifest %s), skipped", name, plan.inputs_hash)
             manifests[name] = old[name]
             result[name] = {**old[name], "action": plan.action}
@@ -177,7 +186,7 @@ def run_stages(cfg: Config, world: World, stages: Sequence[Stage]) -> dict[str, 
                 log.warning("stage %s: %s; starting it over", name, plan.why)
                 remove_owned(stage_dir, f"{name} stage", STAGE_FIX)  # planned already; a link: the link only
             elif plan.why:
-                log.info("stage %s: %s", name, plan.why)
+                (log.warning if plan.upgraded else log.info)("stage %s: %s", name, plan.why)
             stage_dir.mkdir(parents=True, exist_ok=True)
             write_json_atomic(layout.manifest(name), {
                 "stage": name, "inputs_hash": plan.inputs_hash, "complete": False, "started": time.time(),
@@ -224,6 +233,7 @@ def plan_stages(cfg: Config, stages: Sequence[Stage], old: dict[str, dict | None
     layout = layout or RunLayout.of(cfg.run)
     ahead: dict[str, tuple[str, str | None]] = {}  # stage -> (inputs hash, output id) later stages read
     plans: dict[str, _Plan] = {}
+    upgraded: set[str] = set()  # stages whose inputs only an upgrade changed
     for stage in stages:
         name, m = stage.name, old[stage.name]
         if name not in cfg.run.stages:
@@ -239,8 +249,11 @@ def plan_stages(cfg: Config, stages: Sequence[Stage], old: dict[str, dict | None
                 f"before it ran again) in {layout.root}; add it to run.stages (e.g. run.stages=[{up},{name}])")
         inputs = stage_inputs(cfg, stage, {k: h for k, (h, _) in ahead.items()})
         h = digest(inputs)
-        plan = _plan(cfg, stage, m, inputs, h, {k: out for k, (_, out) in ahead.items()}, [s.name for s in stages])
+        plan = _plan(cfg, stage, m, inputs, h, {k: out for k, (_, out) in ahead.items()}, [s.name for s in stages],
+                     upgraded)
         plans[name] = plan
+        if plan.upgraded:
+            upgraded.add(name)
         if plan.action in ("run", "start over"):  # the directory it writes (or deletes) must be this run's
             check_replaceable(layout.stage(name), f"{name} stage", STAGE_FIX)
         ahead[name] = (plan.inputs_hash, output_id(m) if plan.action == "skip" else NEW)
@@ -248,7 +261,7 @@ def plan_stages(cfg: Config, stages: Sequence[Stage], old: dict[str, dict | None
 
 
 def _plan(cfg: Config, stage: Stage, m: dict | None, inputs: dict, h: str, read: dict[str, str | None],
-          order: list[str]) -> _Plan:
+          order: list[str], upgraded: set[str] = frozenset()) -> _Plan:
     name = stage.name
     if name in cfg.run.force:
         return _Plan("start over", inputs, h, f"run.force=[{name}]")
@@ -258,6 +271,11 @@ def _plan(cfg: Config, stage: Stage, m: dict | None, inputs: dict, h: str, read:
     if changes:
         if stage.rebuild:
             return _Plan("start over", inputs, h, f"inputs changed ({changes})")
+        if _only_an_upgrade(m, inputs, read, upgraded):
+            why = (f"recorded by another version of Fledge or its libraries ({changes}); nothing the run computes "
+                   "changed, so its output is kept and its manifest now records this version")
+            action = "skip" if m.get("complete") and stage.done(m, cfg) else "resume"
+            return _Plan(action, inputs, h, why, upgraded=True)
         force = ",".join(s for s in order if s in cfg.run.force or s == name)
         raise ValueError(f"{name}: its inputs changed since it ran ({changes}); its output is kept: "
                          f"run.force=[{force}] starts {name} over on them (deleting that output), or a new "
@@ -288,6 +306,47 @@ def describe_changes(m: dict, inputs: dict, h: str, read: dict[str, str | None],
         out += [f"{_key_name(k)}: {_short(was.get(k, '(absent)'))} -> {_short(now_.get(k, '(absent)'))}"
                 for k in sorted(was.keys() | now_.keys()) if was.get(k) != now_.get(k) and k not in replaced]
     return "; ".join(out)
+
+
+def _only_an_upgrade(m: dict, inputs: dict, read: dict[str, str | None], upgraded: set[str]) -> bool:
+    """Whether every difference between the manifest ``m`` and ``inputs`` is one an upgrade of Fledge or its
+    libraries makes, not the user: library versions and the payload's schema, a config key one side does not
+    record that stands at the schema's default (a key the older Fledge did not read), and the hash of an
+    upstream stage whose own difference was such. The outputs it read must be the ones there now."""
+    if "inputs" not in m or any(now is NEW or ("read" in m and m["read"].get(s) != now) for s, now in read.items()):
+        return False
+    was, now = dict(_flatten(m["inputs"])), dict(_flatten(json.loads(json.dumps(inputs, default=str))))
+    for k in was.keys() | now.keys():
+        if was.get(k, _ABSENT) == now.get(k, _ABSENT) or k.startswith("versions.") or k == "schema":
+            continue
+        if k.startswith("upstream.") and k[len("upstream."):] in upgraded:
+            continue
+        if k.startswith("config.") and (k not in was or k not in now) \
+                and now.get(k, was.get(k)) == _schema_default(k[len("config."):]):
+            continue
+        return False
+    return True
+
+
+_ABSENT = object()
+
+
+def _schema_default(key: str) -> Any:
+    """The schema's default of the config key ``key`` (dotted) as a manifest records it, or _ABSENT."""
+    obj: Any = Config
+    for part in key.split("."):
+        field = {f.name: f for f in dataclasses.fields(obj)}.get(part) if dataclasses.is_dataclass(obj) else None
+        if field is None:
+            return _ABSENT
+        if field.default is not dataclasses.MISSING:
+            obj = field.default
+        elif field.default_factory is not dataclasses.MISSING:
+            obj = field.default_factory()
+        else:
+            return _ABSENT
+    if dataclasses.is_dataclass(obj):
+        return _ABSENT  # a whole section is recorded key by key
+    return json.loads(json.dumps(obj, default=str))
 
 
 def _flatten(d: dict, prefix: str = ""):

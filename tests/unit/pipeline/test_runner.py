@@ -254,14 +254,13 @@ def test_export_reruns_when_what_it_reads_changes(tmp_path, calls, world):
     assert calls == []
 
 
-def test_new_library_versions_or_target_files_stop_too(tmp_path, calls, world, monkeypatch):
+def test_new_target_files_stop_too_new_library_versions_keep_the_output(tmp_path, calls, world, monkeypatch):
     import transformers
 
     runner.run_stages(make_cfg(tmp_path, "run.stages=[prepare]"), world, calls.fns)
-    was = transformers.__version__
     monkeypatch.setattr(transformers, "__version__", "99.0.0")
-    with pytest.raises(ValueError, match=rf"^prepare: .*versions.transformers: {was} -> 99.0.0"):
-        runner.run_stages(make_cfg(tmp_path, "run.stages=[prepare]"), world, calls.fns)
+    got = runner.run_stages(make_cfg(tmp_path, "run.stages=[prepare]"), world, calls.fns)
+    assert got["prepare"]["action"] == "skip" and got["prepare"]["inputs"]["versions"]["transformers"] == "99.0.0"
     monkeypatch.undo()
     (tmp_path / "config.json").write_text("{}")  # the target directory (make_cfg) gains a file
     with pytest.raises(ValueError, match=r"^prepare: .*the target's files \(target.name_or_path\): \w+ -> \w+"):
@@ -289,3 +288,42 @@ def test_online_runtime_settings_are_not_inputs(tmp_path, calls, world):
         make_cfg(tmp_path, "capture.engine=vllm", "capture.buffer_batches=8"), stages.STAGES["capture"], {})
 
 
+def _as_an_older_fledge_wrote_it(root, transformers_version, drop_keys=()):
+    """Rewrite the run's manifests as an older Fledge would have: other library versions, no record of the
+    config keys ``drop_keys`` (which it did not read), each hash over those inputs, chained down the stages."""
+    hashes = {}
+    for stage in ("prepare", "capture", "train", "export", "eval"):
+        path = root / stage / "manifest.json"
+        m = json.loads(path.read_text())
+        m["inputs"]["versions"]["transformers"] = transformers_version
+        for key in drop_keys:
+            *parents, last = key.split(".")
+            node = m["inputs"]["config"]
+            for p in parents:
+                node = node.get(p, {})
+            node.pop(last, None)
+        m["inputs"]["upstream"] = {k: hashes[k] for k in m["inputs"]["upstream"]}
+        m["inputs_hash"] = hashes[stage] = runner.digest(m["inputs"])
+        path.write_text(json.dumps(m))
+
+
+def test_a_run_of_an_older_fledge_trains_on_after_an_upgrade(tmp_path, calls, world):
+    """After an upgrade (other library versions, keys the older Fledge did not record, at their defaults) the
+    run's outputs are kept: nothing is refused, and no force that deletes checkpoints is suggested. A change
+    the user made still stops the run as before."""
+    five = "run.stages=[prepare,capture,train,export,eval]"
+    runner.run_stages(make_cfg(tmp_path, five), world, calls.fns)
+    _as_an_older_fledge_wrote_it(tmp_path / "tiny", "4.0.0", drop_keys=["drafter.position_decay"])
+    calls.clear()
+    got = runner.run_stages(make_cfg(tmp_path, five), world, calls.fns)
+    assert calls == ["export", "eval"]  # rebuilt in minutes; prepare, capture and train kept
+    assert [got[s]["action"] for s in ("prepare", "capture", "train")] == ["skip"] * 3
+    calls.clear()
+    runner.run_stages(make_cfg(tmp_path, five), world, calls.fns)
+    assert calls == []  # the manifests now record this version: nothing more to say
+    _as_an_older_fledge_wrote_it(tmp_path / "tiny", "4.0.0", drop_keys=["drafter.position_decay"])
+    with pytest.raises(ValueError, match=r"^train: .*drafter.position_decay: \(absent\) -> 3.0"):
+        runner.run_stages(make_cfg(tmp_path, five, "drafter.position_decay=3.0"), world, calls.fns)
+    with pytest.raises(ValueError, match=r"^train: .*train.optim.lr: 0.001 -> 0.5"):
+        runner.run_stages(make_cfg(tmp_path, five, "train.optim.lr=0.5"), world, calls.fns)
+    assert calls == []
