@@ -70,7 +70,8 @@ def write_bytes_atomic(path: str | Path, data: bytes) -> None:
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
     try:
-        os.fchmod(fd, file_mode())  # mkstemp's 0600 would hide exports and reports from other accounts
+        with contextlib.suppress(OSError):  # a filesystem without modes keeps its own
+            os.fchmod(fd, file_mode())  # mkstemp's 0600 would hide exports and reports from other accounts
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
