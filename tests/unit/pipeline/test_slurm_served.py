@@ -19,7 +19,7 @@ import pytest
 
 from fledge.pipeline.slurm import serve
 from fledge.pipeline.slurm.launch import PORT_BASE, PORT_SPAN
-from tests.helpers.fake_slurm import fake_slurm, submit_module, write_scripts
+from tests.helpers.fake_slurm import FAKE_SRUN_LONG, fake_slurm, submit_module, write_scripts
 
 # ---- a served target: the heterogeneous job --------------------------------------------------------------
 
@@ -374,3 +374,55 @@ def test_a_stopped_regenerate_phase_ends_regenerate_and_the_server_and_keeps_the
     lines = outp.read_text().splitlines()
     assert 3 <= len(lines) < 40 and all(json.loads(x)["messages"][1]["content"] == "new" for x in lines)
     assert serve.pending((str(inp), str(outp)), []) == 40 - len(lines)  # a requeued job resumes the rest
+
+
+FAKE_PHASE = """#!/bin/bash
+# a python whose `-m fledge.pipeline.slurm.serve` is a regenerate phase that runs until SIGTERM, as one whose
+# conversations outlast the job's time limit
+trap 'echo term >>"$FAKE_LOG.phase"; exit 143' TERM
+[ "$2" = fledge.pipeline.slurm.serve ] || exit 99
+echo $$ >"$FAKE_LOG.phase_pid"
+touch "$FAKE_LOG.phase"
+while :; do sleep 0.05; done
+"""
+
+
+@pytest.mark.parametrize("restarts,requeued", [("0", True), ("5", False)])
+def test_a_regenerate_phase_at_the_time_limit_is_stopped_and_requeued(tmp_path, restarts, requeued):
+    """USR1 (5 minutes before the time limit) while the regenerate phase runs: the phase gets SIGTERM (it keeps its
+    answers and stops the server) and the job is requeued like a training step, up to MAX_REQUEUES. Before, the
+    phase ran in the foreground, so bash ran the USR1 trap only once it had ended: at the time limit, never
+    requeued."""
+    out = write_scripts(tmp_path, "train", "recipe=llama3", *ONLINE, "--engine-nodes", "1", "--regenerate",
+                        "in.jsonl:/d/regen.jsonl", "data.sources.0.path=/d/regen.jsonl")
+    script = out / "llama3/slurm/train.sbatch"
+    (tmp_path / "phase-python").write_text(FAKE_PHASE)
+    (tmp_path / "phase-python").chmod(0o755)
+    text = script.read_text()
+    script.write_text(re.sub(r"(?m)^PYTHON=.*$", f"PYTHON={tmp_path / 'phase-python'}", text, count=1))
+    env = fake_slurm(tmp_path, FAKE_SRUN_LONG, SLURM_RESTART_COUNT=restarts)
+    proc = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    phase = tmp_path / "fake.log.phase"
+    deadline = time.time() + 30
+    while not phase.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    try:
+        assert phase.exists(), "the regenerate phase never started"
+        proc.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@300 delivers to the batch shell
+        stdout, _ = proc.communicate(timeout=30)
+    finally:  # the fake phase holds the output pipe open: never leave it behind
+        pids = [proc.pid] + [int(p.read_text()) for p in [tmp_path / "fake.log.phase_pid"] if p.exists()]
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert proc.returncode == 143, stdout
+    assert phase.read_text().strip() == "term"
+    assert not (tmp_path / "fake.log.srun_pid").exists(), "training started after a stopped phase"
+    scontrol = tmp_path / "fake.log.scontrol"
+    assert (scontrol.exists() and scontrol.read_text().strip() == "requeue 999") == requeued, stdout
+    end = (out / "llama3/slurm/jobs.tsv").read_text().splitlines()[-1].split("\t")
+    assert end[6] == ("exit 143 (regenerate) after USR1, requeued" if requeued
+                      else "exit 143 (regenerate) after USR1, MAX_REQUEUES=5 reached")
