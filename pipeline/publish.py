@@ -66,6 +66,19 @@ def publish_run(cfg: Config, layout: RunLayout, drafter_dir: Path) -> dict:
     return {"pushed": True, "repo_id": cfg.export.repo_id, "private": cfg.export.private, "hub_url": url}
 
 
+def measured_draft_tokens(measured: Measured) -> int | None:
+    """The k the run's eval served the export with (its engine section's, else the run's eval.draft_tokens): the
+    card's commands then carry the speculative config the eval measured."""
+    if measured.engine and measured.engine.get("k"):
+        return int(measured.engine["k"])
+    if not measured.run_config:
+        return None
+    import yaml
+
+    k = ((yaml.safe_load(measured.run_config) or {}).get("eval") or {}).get("draft_tokens")
+    return int(k) if k else None
+
+
 def run_of_export(drafter_dir: Path) -> RunLayout | None:
     """The run whose export stage wrote ``drafter_dir``, when it is one's (``<run>/export/drafter``)."""
     layout = RunLayout(Path(drafter_dir).parent.parent)
@@ -81,16 +94,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-dir", help="the run directory, for the card's eval table, plots and config")
     ap.add_argument("--target", help="target: local dir, config.json, or hub id (default: from the export)")
     ap.add_argument("--recipe", help="take the target's config from conf/recipe/<name>.yaml")
-    ap.add_argument("--k", type=int, default=5, help="num_speculative_tokens in the card's serving commands")
+    ap.add_argument("--k", type=int, help="num_speculative_tokens in the card's serving commands (default: the "
+                    "eval's eval.draft_tokens, as the run measured the export; 5 without a run)")
     ap.add_argument("--endpoint", help="Hub endpoint (default HF_ENDPOINT or huggingface.co)")
     args = ap.parse_args(argv)
     drafter = Path(args.drafter_dir)
     layout = RunLayout(args.run_dir) if args.run_dir else run_of_export(drafter)
     try:
         check_online()  # before the target is looked up on the Hub, or anything is linted
-        url = push_to_hub(drafter, args.repo_id, private=not args.public, measured=measured_by_run(layout, drafter),
+        measured = measured_by_run(layout, drafter)
+        url = push_to_hub(drafter, args.repo_id, private=not args.public, measured=measured,
                           target_config=resolve_target_config(args.target, args.recipe, drafter),
-                          speculative_tokens=args.k, endpoint=args.endpoint)
+                          speculative_tokens=args.k or measured_draft_tokens(measured) or 5, endpoint=args.endpoint)
     except ValueError as e:  # a HubError too: one line, the fix, no token
         print(f"fledge push: error: {e}", file=sys.stderr)
         return 2

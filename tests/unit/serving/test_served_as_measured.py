@@ -130,3 +130,33 @@ def test_a_dflash_export_is_never_served_more_drafts_than_its_block_trained(tmp_
     text = str(build_model_card(out, REPO, speculative_tokens=9)[0])
     assert json.loads(re.findall(r"--speculative-config '([^']*)'", text)[0])["num_speculative_tokens"] == 3
     assert speculative_config("eagle3", 9, out)["num_speculative_tokens"] == 3
+
+
+def test_the_reproduce_snippet_loads_the_target_as_the_eval_did(tmp_path):
+    """The eval's driver loads the target at its revision, with its own code, and on a CPU with the attention
+    backend its family needs (serving/vllm_side/eval_driver.py): the snippet says the same, or it reproduces
+    another model's acceptance (another revision) without a word."""
+    import ast
+
+    out = _eagle(tmp_path, "hf", False)
+    request = {**_eval_request(out), "revision": "0123abc", "trust_remote_code": True, "attention_backend": "CPU_MLA"}
+    snippet = _card(out, request).split("```python\n")[1].split("```")[0]
+    call = next(n for n in ast.walk(ast.parse(snippet))
+                if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "LLM")
+    kwargs = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+    assert {key: kwargs.get(key) for key in ("model", "revision", "trust_remote_code", "attention_backend")} == {
+        "model": "org/target", "revision": "0123abc", "trust_remote_code": True, "attention_backend": "CPU_MLA"}
+    plain = _card(out, _eval_request(out)).split("```python\n")[1].split("```")[0]
+    assert "revision=" not in plain and "trust_remote_code=" not in plain  # only what the eval set
+
+
+@pytest.mark.parametrize("flags", [{"fc_norm": True, "norm_output": True}, {"fc_norm": False, "norm_output": False}])
+def test_an_sglang_command_for_an_eagle_3_1_drafter_says_which_sglang_reads_its_flags(tmp_path, flags):
+    """SGLang's llama_eagle3 before EAGLE-3.1 support skips fc_norm.* and feeds back the un-normed state: the card
+    printing its command for a 3.1 drafter says so."""
+    spec = DrafterSpec.from_target_config(TARGET, DrafterConfig(draft_vocab_size=64, **flags), IDS)
+    config = serving_config(TARGET, spec, IDS, 64, fmt="sglang")
+    write_drafter(tmp_path / "out", random_state_dict(config), config, DrafterCheckpoint(spec))
+    text = str(build_model_card(tmp_path / "out", REPO)[0])
+    assert "sglang.launch_server" in text
+    assert ("loads this drafter as EAGLE-3 without a word" in text) == flags["fc_norm"]
