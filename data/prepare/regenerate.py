@@ -348,7 +348,8 @@ def regenerate(conversations: Iterable[dict], out_path: str | Path, backend: Bac
 
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    have, too_long = done_indices(out_path), done_indices(too_long_path(out_path)) - done_indices(out_path)
+    have = done_indices(out_path)
+    too_long = done_indices(too_long_path(out_path)) - have
     todo, known_long = [], 0
     for c in conversations:
         i = int(c["index"])
