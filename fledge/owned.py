@@ -6,7 +6,8 @@ Fledge deletes only what it wrote, unless the user asked for it by name (a ``--f
   (``import-gguf``, ``tiny-target``, ``export``, ``drafter-checkpoint``...) and of the exact files written; it
   is replaced only by a writer of the same kind, and only while it holds no file outside that list;
 - anything inside a run's stage directory (one whose ``manifest.json`` names it: the runner made it) is the
-  run's own: its stages replace, resume and start it over;
+  run's own: its stages replace, resume and start it over (unless it records another writer's kind: an
+  ``import-gguf --out`` pointed at a run's ``best/`` is refused);
 - a missing or empty directory, or a symlink (removing a link deletes nothing behind it), loses nothing.
 
 Anything else is refused with :class:`NotOwned`: one line naming the directory, files of it that Fledge did
@@ -46,9 +47,11 @@ def foreign(path: str | Path, kind: str, limit: int = 3) -> list[str]:
         return []
     if not p.is_dir():
         return [p.name]
-    if in_run_stage(p):
+    recorded, written = _record(p)
+    if in_run_stage(p) and recorded in (None, kind):  # the run's own (an older Fledge wrote no record)
         return []
-    written = _record(p, kind)
+    if recorded != kind:
+        written = set()
     out = []
     for f in _files(p):
         if str(f) != MARK and str(f) not in written:
@@ -92,15 +95,15 @@ def in_run_stage(path: str | Path) -> bool:
     return False
 
 
-def _record(d: Path, kind: str) -> set[str]:
-    """The files ``kind``'s record in ``d`` lists (empty without one of that kind)."""
+def _record(d: Path) -> tuple[str | None, set[str]]:
+    """The kind and the files of the record in ``d`` ((None, empty) without a readable one)."""
     try:
         rec = json.loads((d / MARK).read_text())
     except (OSError, ValueError):
-        return set()
-    if not isinstance(rec, dict) or rec.get("fledge") != kind or not isinstance(rec.get("files"), list):
-        return set()
-    return {f for f in rec["files"] if isinstance(f, str)}
+        return None, set()
+    if not isinstance(rec, dict) or not isinstance(rec.get("fledge"), str) or not isinstance(rec.get("files"), list):
+        return None, set()
+    return rec["fledge"], {f for f in rec["files"] if isinstance(f, str)}
 
 
 def _files(d: Path):

@@ -258,3 +258,16 @@ def test_every_deleting_call_is_the_guard_or_reviewed():
             if n:
                 found[str(path.relative_to(REPO))] = n
     assert found == {k: n for k, (n, _) in REVIEWED_RMTREE.items()}
+
+
+def test_a_run_output_of_another_kind_is_not_replaced(tmp_path, fake_stages, gguf):
+    """Inside a run's stage directory the run's writers replace their own outputs; another writer pointed at one
+    (import-gguf --out at a run's checkpoint) is refused."""
+    runner.run_stages(_cfg(tmp_path, "run.stages=[prepare]"), init_world(), fake_stages)
+    drafter = make_drafter(seed=3)
+    ckpt = DrafterCheckpoint(drafter.spec).write(tmp_path / "tiny" / "prepare" / "best", drafter.state_dict())
+    before = files(ckpt)
+    with pytest.raises(NotOwned, match="drafter-checkpoint|import-gguf"):
+        gguf_import.import_gguf(str(gguf), ckpt, log=lambda *a: None)
+    assert files(ckpt) == before
+    DrafterCheckpoint(drafter.spec).write(ckpt, drafter.state_dict())  # its own writer: replaced
