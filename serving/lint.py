@@ -34,6 +34,7 @@ from fledge.serving.layouts import layout_of
 from fledge.serving.serving_config import expected_tensors, layer_config, parallel_drafting
 
 _ST_DTYPE = {torch.bfloat16: "BF16", torch.int64: "I64", torch.bool: "BOOL"}
+SIZE_KEYS = ("hidden_size", "intermediate_size", "vocab_size", "num_attention_heads")  # every layer's, every dialect
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,11 @@ def lint_drafter(drafter_dir: str | Path, target_config: Any = None) -> list[Fin
             _check_layer_trained(config, record, add)
         return out
     c = layer_config(config)
+    missing = [key for key in SIZE_KEYS if not isinstance(c.get(key), int) or isinstance(c.get(key), bool)]
+    if missing:  # nothing below can be checked, and no engine can build the layer
+        add("error", "config-sizes", f"config.json (read as the {dialect_of(config).name} dialect) has no integer "
+            f"{', '.join(missing)}", "re-export the drafter with Fledge, or copy the sizes from the target's config")
+        return out
     _check_header(config, c, add)
     _check_aux_ids(c, t, record, add)
     _check_engine_readings(config, c, t, record, add)

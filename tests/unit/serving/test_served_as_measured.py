@@ -160,3 +160,17 @@ def test_an_sglang_command_for_an_eagle_3_1_drafter_says_which_sglang_reads_its_
     text = str(build_model_card(tmp_path / "out", REPO)[0])
     assert "sglang.launch_server" in text
     assert ("loads this drafter as EAGLE-3 without a word" in text) == flags["fc_norm"]
+
+
+def test_the_linter_reports_a_config_without_the_layer_sizes_instead_of_failing(tmp_path):
+    """A speculators config whose type was removed reads as the hf dialect, without the layer's sizes (nested in
+    transformer_layer_config): one finding, not a KeyError out of `fledge lint` or `fledge push`."""
+    from fledge.serving.lint import lint_drafter
+
+    out = _eagle(tmp_path, "speculators", True)
+    config = json.loads((out / "config.json").read_text())
+    del config["speculators_model_type"]
+    (out / "config.json").write_text(json.dumps(config))
+    findings = lint_drafter(out, TARGET)
+    assert [(f.level, f.code) for f in findings] == [("error", "config-sizes")]
+    assert "hidden_size" in findings[0].message
