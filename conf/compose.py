@@ -6,10 +6,12 @@ so a recipe means the same thing everywhere. The YAML groups live beside this fi
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue
 
 from fledge.conf.schema import Config
 
@@ -41,7 +43,12 @@ def to_config(dcfg: DictConfig) -> Config:
     if extra:
         raise ValueError(f"{', '.join(extra)}: no such config key (a + override adds a key the schema does not "
                          "have); fledge config recipe=NAME prints every key")
-    cfg = OmegaConf.to_object(dcfg)
+    try:
+        cfg = OmegaConf.to_object(dcfg)
+    except MissingMandatoryValue as e:  # a ??? left unset: the schema's mandatory keys, or a list entry's
+        key = re.sub(r"\[(\d+)\]", r".\1", str(e.full_key))  # data.sources[0].path -> data.sources.0.path
+        raise ValueError(f"{key} has no value (??? in the schema): set it in the recipe or on the command line, "
+                         f"e.g. {key}=VALUE") from None
     assert isinstance(cfg, Config)
     return cfg.validate()
 

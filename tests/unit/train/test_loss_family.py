@@ -299,7 +299,8 @@ def test_every_loss_is_selectable_by_config_with_its_options():
 @pytest.mark.parametrize("overrides, key", [
     (["drafter.loss=mix"], r"drafter\.loss=mix needs .* drafter\.loss_mix"),
     (["+drafter.loss_mix={tv: 1.0}"], r"drafter\.loss_mix=\{'tv': 1\.0\} is set but drafter\.loss=ttt_ce"),
-    (["drafter.loss=mix", "+drafter.loss_mix={tv: -1.0}"], r"drafter\.loss_mix=.*must be finite, >= 0"),
+    (["drafter.loss=mix", "+drafter.loss_mix={tv: -1.0}"], r"drafter\.loss_mix\.tv=-1\.0: must be >= 0"),
+    (["drafter.loss=mix", "+drafter.loss_mix={tv: nan}"], r"drafter\.loss_mix\.tv=nan: must be finite and >= 0"),
     (["drafter.loss=mix", "+drafter.loss_mix={tv: 0.0}"], r"drafter\.loss_mix=.*not all 0"),
     (["drafter.loss=mix", "+drafter.loss_mix={mix: 1.0}"], r"drafter\.loss_mix=.*'mix' cannot be a part"),
     (["drafter.loss_options.jsd_beta=1.0"], r"drafter\.loss_options\.jsd_beta=1\.0: must be in \(0, 1\)"),
