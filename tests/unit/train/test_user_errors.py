@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -163,3 +164,16 @@ def test_fledge_config_refuses_what_fledge_run_refuses(tmp_path):
     res = subprocess.run([sys.executable, "-m", "fledge", "config", "recipe=tiny", "drafter.loss=nope"],
                          cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
     assert_one_line(res, "drafter.loss='nope': expected one of [", "'ttt_ce'", "train/losses")
+
+
+def test_a_bad_data_file_on_two_ranks_is_rank_0s_one_line(tmp_path, random_tiny_target, tiny_data):
+    """The README's main command on 2 ranks with a malformed row: rank 0 alone prepares, and its error was its one
+    line followed by rank 1's gloo traceback from the barrier it waited at (prepare's outcome was not broadcast,
+    as export's was): every rank now exits with rank 0's one line."""
+    src = tmp_path / "chat.jsonl"
+    good = Path(tiny_data, "train.jsonl").read_text().splitlines()[:3]
+    src.write_text("\n".join([*good, '{"messages": [oops', *good]) + "\n")
+    res = _fledge(tmp_path, "run", "--nproc-per-node", "2", "recipe=tiny", f"run.output_root={tmp_path / 'out'}",
+                  *prepare_only(tmp_path, random_tiny_target, src)[1:])
+    assert_one_line(res, f"{src}:4: malformed JSON", "data.on_error=skip")
+    assert "gloo" not in res.stderr and "exitcode" not in res.stderr, res.stderr
