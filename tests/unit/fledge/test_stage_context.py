@@ -44,6 +44,7 @@ def test_the_hash_holds_the_hashed_keys_without_their_runtime_parts():
     ("target.config_overrides", {"rms_norm_eps": 1e-6}, {"export", "eval", "publish"}),
     ("capture.chunk_tokens", 64, {"capture", "eval"}),
     ("capture.num_slices", 2, set()),
+    ("data.num_proc", 4, set()),  # how many processes tokenize: prepare's output is the same (test_prepare.py)
     ("export.repo_id", "o/r", {"publish"}),
 ])
 def test_a_key_changes_the_hash_of_exactly_the_stages_that_read_it(key, value, stages):

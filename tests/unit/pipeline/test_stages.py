@@ -27,3 +27,28 @@ def test_each_record_gives_its_inputs_and_the_runner_names_no_stage():
     tree = ast.parse((ROOT / "pipeline" / "runner.py").read_text())
     consts = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
     assert not consts & set(STAGES), consts & set(STAGES)
+
+
+def test_a_prepared_run_keeps_its_output_whatever_data_num_proc(tmp_path):
+    """data.num_proc only sets how many processes tokenize (the same output on any count: test_prepare.py), so
+    it is read at runtime, not hashed: a prepared run goes on under another value, and a manifest of a Fledge
+    that still hashed it (at its default) is kept too, not refused with a force that would redo capture."""
+    import json
+
+    from fledge.pipeline import runner
+    from fledge.pipeline.stages import STAGES as RECORDS
+
+    def cfg(*overrides):
+        return compose(["recipe=tiny", f"run.output_root={tmp_path}", f"target.name_or_path={tmp_path}",
+                        "run.stages=[prepare]", *overrides])
+
+    prepare = RECORDS["prepare"]
+    inputs = runner.stage_inputs(cfg(), prepare, {})
+    for recorded in (None, 1):  # this Fledge's manifest; an older one's, which hashed data.num_proc
+        was = json.loads(json.dumps(inputs))
+        if recorded is not None:
+            was["config"]["data"]["num_proc"] = recorded
+        manifest = {"stage": "prepare", "complete": True, "read": {}, "output_id": "x", "inputs": was,
+                    "inputs_hash": runner.digest(was)}
+        plan = runner.plan_stages(cfg("data.num_proc=4"), [prepare], {"prepare": manifest})["prepare"]
+        assert plan.action == "skip", (recorded, plan)
