@@ -23,7 +23,7 @@ from typing import Any
 
 from fledge.conf.schema import Config, TargetConfig
 from fledge.distributed import broadcast_object
-from fledge.pipeline.runner import Stage, StageContext
+from fledge.pipeline.runner import Refused, Stage, StageContext
 from fledge.stage_context import Reads
 
 log = logging.getLogger(__name__)
@@ -57,16 +57,13 @@ def _keys(section: str, names) -> tuple[str, ...]:
 
 # ------------------------------------------------------------------------------------------ prepare
 def prepare(ctx: StageContext) -> dict:
-    """Tokenize the chat data with assistant-only masks and build the draft vocab (rank 0 works)."""
+    """Tokenize the chat data with assistant-only masks and build the draft vocab (rank 0 works; its outcome,
+    summary or error, reaches every rank, as export's does)."""
     from fledge.data.prepare.build import prepare as build
 
     cfg = ctx.cfg
-    try:
-        if not ctx.world.is_main:
-            return {}
-        return build(cfg.data, cfg.target, cfg.drafter.draft_vocab_size, cfg.run.seed, ctx.layout.prepare)
-    finally:
-        ctx.world.barrier()
+    return _on_main(ctx, lambda: build(cfg.data, cfg.target, cfg.drafter.draft_vocab_size, cfg.run.seed,
+                                       ctx.layout.prepare))
 
 
 def prepare_reads(cfg: Config) -> Reads:
@@ -284,17 +281,21 @@ def publish_reads(cfg: Config) -> Reads:
 
 # ------------------------------------------------------------------------------------------ helpers
 def _on_main(ctx: StageContext, work: Callable[[], dict]) -> dict:
-    """Run ``work`` on rank 0 and give every rank its outcome: the summary, or its user error re-raised, so
-    no rank waits at a collective for a rank 0 that failed."""
+    """Run ``work`` on rank 0 and give every rank its outcome: the summary, or its user error re-raised as
+    the run's refusal (one line, said once: rank 0 decided), so no rank waits at a collective for a rank 0
+    that failed."""
+    from fledge.user_errors import USER_ERRORS
+
     result: dict[str, Any] = {}
+    error = None
     if ctx.world.is_main:
         try:
             result = {"summary": work()}
-        except ValueError as e:
-            result = {"error": str(e)}
+        except USER_ERRORS as e:
+            result, error = {"error": str(e)}, e
     result = broadcast_object(result)
     if "error" in result:
-        raise ValueError(result["error"])
+        raise Refused(result["error"]) from error  # rank 0's own, for FLEDGE_DEBUG=1's traceback
     return result["summary"]
 
 
