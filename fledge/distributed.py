@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -52,10 +53,10 @@ def init_world(timeout_minutes: int = 120) -> World:
     store = None
     if os.environ.get("WORLD_SIZE", "1") == "1" and not dist.is_initialized():
         # A world of one (a plain ``python``, or torchrun with one process) meets nobody: its store is its own,
-        # on a port the OS picks as it binds. A port chosen first and bound later went to whatever bound it in
-        # between, and a MASTER_PORT inherited from a parent that holds it (a run started from a process that
-        # ran one in-process) cannot be bound again: both were EADDRINUSE.
-        store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timeout, wait_for_workers=False)
+        # on loopback only, on a port the OS picks as it binds. A port chosen first and bound later went to
+        # whatever bound it in between, and a MASTER_PORT inherited from a parent that holds it (a run started
+        # from a process that ran one in-process) cannot be bound again: both were EADDRINUSE.
+        store = loopback_store(timeout)
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"),
                           LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(store.port))  # for libraries that read the world from the env
@@ -71,10 +72,35 @@ def init_world(timeout_minutes: int = 120) -> World:
     if not dist.is_initialized():
         # Long timeout: rank 0 alone runs `prepare` while the others wait at a barrier.
         if store is not None:
-            dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout)
+            # gloo's own listener goes where GLOO_SOCKET_IFNAME says, else to the address the host name has
+            ours = "GLOO_SOCKET_IFNAME" not in os.environ
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            try:
+                dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout)
+            finally:
+                if ours:
+                    os.environ.pop("GLOO_SOCKET_IFNAME", None)
         else:
             dist.init_process_group(backend=backend, timeout=timeout, device_id=None)
     return World(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def loopback_store(timeout: datetime.timedelta, multi_tenant: bool = False) -> dist.TCPStore:
+    """A c10d store server that listens on 127.0.0.1 only, on a port the OS picks as it binds (``.port``).
+    TCPStore's own server listens on every interface whatever host it is named, and nothing authenticates
+    its clients: anyone who reaches the port could read and write the run's keys, and torchrun's rendezvous
+    state, which torch unpickles. ``multi_tenant``: a TCPStore made later in this process on the same port
+    (torchrun's agent, pipeline/torchrun.py) shares this server instead of binding its own."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+    except OSError:
+        sock.close()
+        raise
+    port = sock.getsockname()[1]
+    return dist.TCPStore("127.0.0.1", port, None, True, timeout=timeout, wait_for_workers=False,
+                         multi_tenant=multi_tenant, master_listen_fd=sock.detach())  # the store owns the socket
 
 
 def setup_logging(world: World) -> None:

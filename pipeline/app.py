@@ -63,6 +63,7 @@ def main(dcfg: DictConfig) -> None:
     # imported after Hydra composed the config, for the reason given in run()
     from fledge.pipeline.preflight import check_config, check_environment
     from fledge.pipeline.runner import Refused
+    from fledge.signals import Stopped, stop_on_signals
     from fledge.train.trainer import PREEMPTED_EXIT_CODE, Preempted
 
     try:
@@ -73,11 +74,19 @@ def main(dcfg: DictConfig) -> None:
         if debugging():
             raise
         user_error(f"config: {e}", all_ranks_agree=True)
+    said = int(os.environ.get("RANK", "0")) == 0  # every rank stops alike: rank 0 says so, once
     try:
-        run(cfg)
-    except Preempted as e:
-        print(f"fledge: {e}", file=sys.stderr)
+        with stop_on_signals():  # SIGTERM, SIGINT, SIGHUP: every `finally` runs, ending the engines it started
+            run(cfg)
+    except Preempted as e:  # the trainer's stop, at a step boundary, after its checkpoint
+        if said:
+            print(f"fledge: {e}", file=sys.stderr)
         sys.exit(PREEMPTED_EXIT_CODE)
+    except Stopped as e:
+        if said:
+            print(f"fledge: stopped by {e.name}; the stages done are kept: re-run the same command to go on",
+                  file=sys.stderr)
+        sys.exit(e.exit_code)
     except USER_ERRORS as e:
         if debugging():
             raise

@@ -22,8 +22,8 @@ step: its batches are given back (the checkpoint's data position is the step's s
 the steps trained are checkpointed and the ranks exit 75 (so too after the last step, with its checkpoint). A rank
 waiting for a streaming engine's batch gives the wait up at once (data/capture/stream.py ``StreamInterrupted``):
 the engines get the job's SIGTERM too, and one started again would load for longer than the grace period. A
-held-out evaluation cut short so is skipped (every rank learns it before each forward); the run checkpoints and
-exits there.
+held-out evaluation, streamed or read from the store, is cut short so and skipped (every rank learns it before each
+forward); the run checkpoints and exits there.
 
 A non-finite loss skips its whole optimizer step, on every rank: every micro-batch still runs its
 backward and DeepSpeed step (so DeepSpeed's accumulation boundary never moves), the non-finite one with
@@ -34,11 +34,11 @@ step's gradients and leaves the weights, optimizer state and lr schedule as they
 from __future__ import annotations
 
 import logging
-import signal
 import time
 
 import torch
 
+from fledge import signals
 from fledge.conf.schema import Config
 from fledge.data.capture.sources import feature_sources
 from fledge.data.capture.stream import EngineFeatureSource, StreamInterrupted
@@ -64,20 +64,13 @@ class Preempted(Exception):
         self.step = step
 
 
-class _SigtermFlag:
-    def __init__(self) -> None:
-        self.raised = False
-        self._old = signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        self.raised = True
-
-    def restore(self) -> None:
-        signal.signal(signal.SIGTERM, self._old)
-
-
 def run_training(ctx: StageContext) -> dict:
     """The train stage: build the TTT model and DeepSpeed engine, resume, train, checkpoint, evaluate."""
+    with signals.held():  # SIGTERM (and Ctrl-C's SIGINT, a closed terminal's SIGHUP) is taken at a step boundary
+        return _train(ctx)
+
+
+def _train(ctx: StageContext) -> dict:
     cfg, world = ctx.cfg, ctx.world
     groups = sequence_groups(world, cfg.train.sequence_parallel)  # a bad size fails before any weight is read
     model = build_ttt_model(cfg, ctx.layout.prepare.vocab, world.device)
@@ -132,10 +125,9 @@ def run_training(ctx: StageContext) -> dict:
     if world.is_main:
         metrics_log = MetricsLog(paths.metrics, step, cfg.logging, cfg.run.name,
                                  {"recipe": cfg.recipe, "drafter": vars(cfg.drafter), "train": vars(cfg.train)})
-    sigterm = _SigtermFlag()
     for source in (train_data, eval_data):  # a wait for a streaming engine's batch ends on SIGTERM
         if isinstance(source, EngineFeatureSource):
-            source.stop_requested = lambda: sigterm.raised
+            source.stop_requested = signals.stopping
     saved = plan.step if tag else None  # the step of the newest checkpoint
 
     def save(position: int) -> None:
@@ -164,7 +156,7 @@ def run_training(ctx: StageContext) -> dict:
                 micro = [train_data.next_batch() for _ in range(cfg.train.grad_accum)]
             except StreamInterrupted:
                 micro = None
-            if any_rank(micro is None or sigterm.raised):  # the step boundary: no rank runs this step
+            if any_rank(micro is None or signals.stopping()):  # the step boundary: no rank runs this step
                 if saved != step:
                     save(start)
                 raise Preempted(step)
@@ -228,7 +220,7 @@ def run_training(ctx: StageContext) -> dict:
                     ev = evaluate(engine, eval_data, cfg, world, dtype, seq)
                 except StreamInterrupted:  # on every rank (evaluate agrees on it): this eval is skipped
                     cut_short = True
-                    log.warning("step %d: SIGTERM while the held-out set streamed; its evaluation is skipped", step)
+                    log.warning("step %d: SIGTERM during the held-out evaluation; it is skipped", step)
                 else:
                     if metrics_log:
                         metrics_log.write({"step": step, **ev})
@@ -238,13 +230,12 @@ def run_training(ctx: StageContext) -> dict:
                 save(train_data.position)
             if cut_short:
                 raise Preempted(step)
-        if any_rank(sigterm.raised):  # during the last step: its checkpoint is written, the stages after it wait
+        if any_rank(signals.stopping()):  # during the last step: its checkpoint is written, the stages after it wait
             raise Preempted(step)
     finally:
         for source in (train_data, eval_data):  # an engine streaming states (data/capture/stream.py) ends here
             getattr(source, "close", lambda: None)()
         bar.close()
-        sigterm.restore()
         if metrics_log:
             metrics_log.close()
     return {"steps": step, "last": str(last_drafter_dir),
@@ -281,8 +272,9 @@ def evaluate(engine, data, cfg: Config, world: World, dtype: torch.dtype, seq=No
 
 def _agreed(batches):
     """``batches``, each once every rank has its own (their forwards may be collectives: ZeRO-3 gathers); a
-    StreamInterrupted on every rank as soon as any rank's read was cut short by SIGTERM. Every rank reads as many
-    held-out batches (padded), so all of them reach the end together."""
+    StreamInterrupted on every rank as soon as any rank was told to stop (SIGTERM: a stream's read cut short, or a
+    flag between batches of a store's, so a long held-out set never outlasts the grace period). Every rank reads as
+    many held-out batches (padded), so all of them reach the end together."""
     it = iter(batches)
     while True:
         try:
@@ -291,8 +283,8 @@ def _agreed(batches):
             return
         except StreamInterrupted:
             item = None
-        if any_rank(item is None):
-            raise StreamInterrupted("SIGTERM while the held-out set streamed")
+        if any_rank(item is None or signals.stopping()):
+            raise StreamInterrupted("SIGTERM during the held-out evaluation")
         yield item
 
 
