@@ -5,7 +5,8 @@ The driver starts in a new session, so everything it starts (vLLM's EngineCore a
 processes, which hold the GPU memory) belongs to its process group. Ending the driver ends that group:
 SIGTERM, a bounded wait, then SIGKILL for whatever is left; killing only the driver's pid would leave
 the engine's processes running, holding their GPUs. The driver's files stay in its work directory for
-inspection: ``request.json`` (written here), ``result.json`` (the driver's), ``engine.log``.
+inspection: ``request.json`` (written here), ``result.json`` (the driver's), ``engine.log``; an earlier
+engine's log there (one that died and was started again, or a killed run's) is kept as ``engine.N.log``.
 """
 
 from __future__ import annotations
@@ -82,6 +83,20 @@ def end_group(proc: subprocess.Popen, grace_s: float = GRACE_S) -> int:
     return found
 
 
+def keep_log(path: Path) -> Path | None:
+    """Move the log an earlier engine left at ``path`` (``engine.log``) to the first free numbered name beside it
+    (``engine.1.log``, ``engine.2.log``, ...), so the next engine's does not overwrite it: a dead engine's log is
+    what says why it died. Returns where it went (None: there was none)."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    n = 1
+    while (kept := path.with_name(f"{path.stem}.{n}{path.suffix}")).exists():
+        n += 1
+    path.rename(kept)
+    return kept
+
+
 def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, log: Path) -> None:
     """Poll a server's ``url`` until it answers 200; fail at once when ``proc`` (the server) exits, and after
     ``timeout_s``. Never through a proxy: the server is on this machine or a cluster node."""
@@ -114,6 +129,7 @@ class DriverProcess:
         self.log_path = self.workdir / LOG
         self.req_path.write_text(json.dumps(request))
         self.res_path.unlink(missing_ok=True)
+        self.kept_log = keep_log(self.log_path)  # an earlier engine's
         self._log = open(self.log_path, "w", encoding="utf-8")
         self.started = time.monotonic()
         # -I: the driver's folder stays off sys.path and Fledge's PYTHONPATH is ignored, so the engine's

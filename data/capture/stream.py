@@ -66,6 +66,7 @@ from fledge.data.capture.engine import (
 from fledge.data.features.packing import collate
 from fledge.data.features.reader import BatchIterator
 from fledge.data.features.store import decode_aux, encode_sample
+from fledge.engine_process import keep_log
 
 log = logging.getLogger(__name__)
 
@@ -312,10 +313,12 @@ class EngineFeatureSource(BatchIterator):
                     self.close()
                     raise
                 self._restarts_left -= 1
-                log.warning("capture.engine=vllm: the engine died (%s); starting it again at global batch %d "
-                            "(%d restarts left, capture.engine_restarts)",
-                            str(e).splitlines()[0][:300], self._restart_point(g), self._restarts_left)
+                dead_log = self._run.log_path
                 self.close()
+                log.warning("capture.engine=vllm: the engine died (%s); its log is kept as %s; starting it again at "
+                            "global batch %d (%d restarts left, capture.engine_restarts)",
+                            str(e).splitlines()[0][:300], keep_log(dead_log), self._restart_point(g),
+                            self._restarts_left)
                 self._open(self._restart_point(g))
                 self._next_g = g
                 continue

@@ -135,12 +135,17 @@ def test_a_killed_runs_leftover_batches_do_not_hold_the_new_engines_buffer(setup
     _same(_consume(_sources(root, python, "leftover", 2, timeout_s=10)), own)
 
 
-def test_a_shared_engine_killed_mid_run_restarts_at_the_step_start_and_loses_nothing(setup, own, monkeypatch):
+def test_a_shared_engine_killed_mid_run_restarts_at_the_step_start_and_loses_nothing(setup, own, monkeypatch,
+                                                                                      caplog):
     root, python = setup
     monkeypatch.setenv("FAKE_ENGINE_DELAY_S", "0.05")  # so the member is still waiting when the engine dies
     srcs = _sources(root, python, "killed", 2, launcher=["timeout", "300"])
     _same(_consume(srcs, kill_after=3), own)
     assert srcs[0].engine_starts == 2
+    # the dead engine's log is kept (the restarted engine's used to overwrite it), and the restart line names it
+    kept = (root / "killed" / "rank00000" / "train" / "engine.1.log").resolve()
+    assert kept.is_file() and (kept.parent / "engine.log").is_file()
+    assert [r for r in caplog.records if "the engine died" in r.getMessage() and str(kept) in r.getMessage()]
     restarted = json.loads((root / "killed" / "rank00000" / "train" / "request.json").read_text())
     assert restarted["jobs"][0]["keys"][0] == 4  # the leader's 4th batch (g=6) is in the step that began at g=4
     assert restarted["owner"]["heartbeat"].endswith("owner.alive")

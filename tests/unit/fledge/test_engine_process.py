@@ -203,3 +203,24 @@ def test_dp_driver_takes_part_until_every_rank_is_done(tmp_path, monkeypatch):
     drv.take_part_until_all_done(engine, {"data_parallel": None})  # no DP group: nothing to wait for
     drv.take_part_until_all_done(engine, req)  # every rank done: returns at once
     assert engine.calls == calls
+
+
+def test_an_engine_started_again_keeps_the_earlier_engines_log(tmp_path, monkeypatch):
+    """Each engine's log was opened with "w" in the same work directory, so a restarted engine (capture's
+    capture.engine_restarts, a resumed run) overwrote the dead one's: the only file that said why it died. The
+    earlier logs are kept as engine.1.log, engine.2.log, ..."""
+    from fledge.engine_process import DriverProcess
+
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\necho "engine $STAND_IN_NO"\n')
+    fake.chmod(0o755)
+    drivers = []
+    for n in (1, 2, 3):
+        monkeypatch.setenv("STAND_IN_NO", str(n))
+        drivers.append(DriverProcess(fake, tmp_path / "driver.py", tmp_path / "engine", {}))
+        assert drivers[-1].wait(60) == 0
+        drivers[-1].stop()
+    logs = {p.name: p.read_text() for p in (tmp_path / "engine").glob("engine*.log")}
+    assert logs == {"engine.1.log": "engine 1\n", "engine.2.log": "engine 2\n", "engine.log": "engine 3\n"}
+    work = (tmp_path / "engine").resolve()
+    assert [d.kept_log for d in drivers] == [None, work / "engine.1.log", work / "engine.2.log"]
