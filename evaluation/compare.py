@@ -42,7 +42,15 @@ from fledge.evaluation.eval_sets import EVAL_SETS
 from fledge.evaluation.long_context import drift_at
 from fledge.evaluation.perturbations import PERTURBATIONS
 from fledge.evaluation.report import plot_context
-from fledge.evaluation.seeds import cell, load_run, require_in_process, set_figures, spread, warnings
+from fledge.evaluation.seeds import (
+    cell,
+    load_run,
+    require_engine_checks_passed,
+    require_in_process,
+    set_figures,
+    spread,
+    warnings,
+)
 from fledge.run_layout import RunLayout
 
 LABELS = ("EAGLE-3.1", "EAGLE-3")
@@ -61,6 +69,7 @@ def load_report(run_dir: Path, want_31: bool) -> dict:
         raise SystemExit(f"{path} not found: run the pipeline through the eval stage for {run_dir}")
     report = json.loads(path.read_text())
     require_in_process(report, path)
+    require_engine_checks_passed(report, path)
     flags = report["flags"]
     if (flags["fc_norm"] and flags["norm_output"]) != want_31 or (not want_31 and any(flags.values())):
         print(f"warning: {path} has flags {flags}, expected {'EAGLE-3.1' if want_31 else 'EAGLE-3'}", file=sys.stderr)

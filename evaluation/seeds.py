@@ -47,6 +47,18 @@ def require_in_process(report: dict, path: Path) -> None:
                          "figures a comparison needs; re-run its eval stage with eval.in_process=true")
 
 
+def require_engine_checks_passed(report: dict, path: Path) -> None:
+    """SystemExit when the report at ``path`` failed its engine checks (the eval stage failed on them after
+    writing it: evaluation/engine_eval.py): a drafter the engine serves differently from what was measured, or
+    one that collapsed, has figures that must not be tabled, let alone averaged over seeds."""
+    failures = (report.get("engine") or {}).get("failures") or []
+    if failures:
+        first = str(failures[0]).splitlines()[0] if str(failures[0]).strip() else "?"
+        raise SystemExit(f"{path}: its eval failed {len(failures)} engine check(s) ({first}; the rest in "
+                         f"{path.with_suffix('.md').name} beside it), so its figures are not compared; fix the "
+                         "drafter or its export and re-run its eval stage")
+
+
 def load_run(run_dir: Path, partial: bool = False) -> dict:
     """What a summary needs of one run directory (SystemExit naming the missing file): its eval report, its
     train config (drafter, seed), the capture it read, and its training speed. ``partial``: an eval cut short
@@ -63,6 +75,7 @@ def load_run(run_dir: Path, partial: bool = False) -> dict:
         if not got:
             raise SystemExit(f"{path} not found: run the pipeline through the eval stage for {run_dir}")
     require_in_process(report, layout.eval.report_json)
+    require_engine_checks_passed(report, report_path)
     config = (manifest.get("inputs") or {}).get("config") or {}
     metrics = layout.train.metrics
     lines = metrics.read_text().splitlines() if metrics.exists() else []
