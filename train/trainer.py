@@ -44,6 +44,7 @@ from fledge.data.capture.sources import feature_sources
 from fledge.data.capture.stream import EngineFeatureSource, StreamInterrupted
 from fledge.distributed import World, all_reduce_sum, any_rank, sequence_groups
 from fledge.models.alignment import StepAccuracy, al_estimate
+from fledge.models.drafter_checkpoint import META, DrafterCheckpoint
 from fledge.progress import progress
 from fledge.stage_context import StageContext
 from fledge.train import checkpoint
@@ -110,6 +111,8 @@ def _train(ctx: StageContext) -> dict:
                  state["world_size"])
         if plan.note and world.is_main:
             log.warning(plan.note)
+        if world.is_main:
+            _best_follows_state(ckpt_dir, state, paths.best)
     step = plan.step
     # the run ends after total - step more steps of per_step global batches (an engine streams exactly those)
     train_data.seek(plan.batches, end=plan.batches + (total - step) * per_step)
@@ -286,6 +289,22 @@ def _agreed(batches):
         if any_rank(item is None or signals.stopping()):
             raise StreamInterrupted("SIGTERM during the held-out evaluation")
         yield item
+
+
+def _best_follows_state(ckpt_dir, state: dict, best_dir) -> None:
+    """best/ holds the drafter of the checkpoint's best step (rank 0, at a resume). A save that finds a new best
+    writes the checkpoint, ``latest`` naming it, and only then copies its drafter to best/: a run killed between
+    the two resumes with a state whose best is that step and a best/ that is still the one before (which export
+    and the manifest's ``best`` would then serve as the best); the copy is made now, from that checkpoint."""
+    step = state.get("best_step")
+    src = checkpoint.drafter_dir(ckpt_dir, checkpoint.tag_for(step)) if step is not None else None
+    if src is None or not src.is_dir():  # no best yet, or one promoted before a later checkpoint was saved
+        return
+    held = DrafterCheckpoint.read(best_dir).step if (best_dir / META).is_file() else None
+    if held != step:
+        log.warning("train: %s holds the drafter of step %s, the checkpoint's best is step %d (a run stopped between "
+                    "the two): copying it there", best_dir, held, step)
+        checkpoint.promote_best(src, best_dir)
 
 
 def _grad_norm(engine) -> float:

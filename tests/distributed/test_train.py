@@ -325,6 +325,27 @@ def test_a_run_resumed_at_its_last_step_names_that_checkpoint(base, two_steps_on
     assert json.loads((run_dir / "export" / "manifest.json").read_text())["complete"]
 
 
+def test_a_run_stopped_between_its_checkpoint_and_best_copy_resumes_with_that_best(base, two_steps_on_two_ranks):
+    """A save that finds a new best writes the checkpoint (its trainer.json naming itself the best, then ``latest``)
+    and only then copies its drafter to best/. Killed between the two, the run resumed with best/ still holding the
+    drafter before, which the manifest's ``best`` (and export) then served as the best of step 2. Here best/ holds
+    step 2's weights labelled step 1, the state the kill left; the resume must copy step 2's drafter there."""
+    out, target = base
+    shutil.copytree(out / two_steps_on_two_ranks, out / "best_window")
+    train = out / "best_window" / "train"
+    manifest = json.loads((train / "manifest.json").read_text())
+    (train / "manifest.json").write_text(json.dumps({**manifest, "complete": False}))  # as the runner left it
+    args = ["recipe=tiny", f"target.name_or_path={target}", f"run.output_root={out}", "run.name=best_window",
+            "run.stages=[train]", "data.perturb.fraction=0", *TRAIN, "deepspeed=zero2", "train.max_steps=2",
+            "train.eval_every=2"]
+    assert json.loads((train / "checkpoints" / "step_00000002" / "trainer.json").read_text())["best_step"] == 2
+    stale = json.loads((train / "best" / "fledge.json").read_text())
+    (train / "best" / "fledge.json").write_text(json.dumps({**stale, "step": 1}))
+    run(main_cmd(2) + args)  # nothing left to train: it resumes at its last step
+    assert json.loads((train / "manifest.json").read_text())["outputs"]["best_step"] == 2
+    assert DrafterCheckpoint.read(train / "best").step == 2
+
+
 @FULL_ONLY  # CI twin: tests/distributed/test_sequence_parallel.py (two SP ranks equal one)
 def test_sequence_parallel_trains_like_data_parallel_and_resumes(base, reference):
     """train.sequence_parallel=2 on 2 ranks (one data-parallel rank of two sequence shards, rows of 256
