@@ -4,8 +4,9 @@ process, as ``torchrun`` does, but when a rank fails it exits with that rank's e
 
 A bare ``torchrun`` answers any failed rank with a ChildFailedError traceback and a failure box, after the rank's
 own one-line error (fledge/user_errors.py). Here a rank that has said why in one line (a user error, exit
-code 2; a preemption, 75) gets nothing added, and the agent's log line about its exit code is dropped; any other
-failure (a bug, whose traceback the rank printed; a signal) gets one line naming the rank and the code.
+code 2; a preemption, 75; a stop signal, 128 + it) gets nothing added, and the agent's log line about its exit
+code is dropped; any other failure (a bug, whose traceback the rank printed; a signal) gets one line naming the
+rank and the code.
 ``fledge run --nproc-per-node N``, the Slurm launcher (pipeline/slurm/launch.py) and ``fledge compare --train`` start
 their ranks through here.
 
