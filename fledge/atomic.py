@@ -14,6 +14,7 @@ import json
 import math
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -99,6 +100,7 @@ def atomic_path(path: str | Path, kind: str = "output", fix: str = DEFAULT_FIX,
     _remove(tmp)
     try:
         yield tmp
+        _honour_umask(tmp)  # safetensors and the Hub's writers create their files 0600
         if tmp.is_dir() and not tmp.is_symlink():
             mark(tmp, kind)
         if p.is_dir() and tmp.is_dir():
@@ -139,6 +141,26 @@ def umask() -> int:
 def file_mode() -> int:
     """The mode ``open(path, "w")`` gives a new file: 0666 less the umask."""
     return 0o666 & ~umask()
+
+
+def _honour_umask(path: Path) -> None:
+    """Give ``path`` and, for a directory, everything under it the modes the umask gives (0666 less it for a
+    file, 0777 less it for a directory or an executable file); symlinks are left as they are."""
+    def fix(p: Path) -> None:
+        st = p.lstat()
+        if stat.S_ISLNK(st.st_mode):
+            return
+        full = 0o777 if stat.S_ISDIR(st.st_mode) or st.st_mode & 0o111 else 0o666
+        with contextlib.suppress(OSError):  # a filesystem without modes keeps its own
+            os.chmod(p, full & ~umask())
+
+    if not path.exists() or path.is_symlink():
+        return
+    fix(path)
+    if path.is_dir():
+        for root, dirs, files in os.walk(path):
+            for name in dirs + files:
+                fix(Path(root) / name)
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
