@@ -310,8 +310,8 @@ def describe_changes(m: dict, inputs: dict, h: str, read: dict[str, str | None],
 
 def _only_an_upgrade(m: dict, inputs: dict, read: dict[str, str | None], upgraded: set[str]) -> bool:
     """Whether every difference between the manifest ``m`` and ``inputs`` is one an upgrade of Fledge or its
-    libraries makes, not the user: library versions and the payload's schema, a config key one side does not
-    record that stands at the schema's default (a key the older Fledge did not read), and the hash of an
+    libraries makes, not the user: library versions and the payload's schema, a config key this version no longer
+    hashes (whatever its value), a key the older Fledge did not read that stands at the schema's default, and the hash of an
     upstream stage whose own difference was such. The outputs it read must be the ones there now."""
     if "inputs" not in m or any(now is NEW or ("read" in m and m["read"].get(s) != now) for s, now in read.items()):
         return False
@@ -321,9 +321,10 @@ def _only_an_upgrade(m: dict, inputs: dict, read: dict[str, str | None], upgrade
             continue
         if k.startswith("upstream.") and k[len("upstream."):] in upgraded:
             continue
-        if k.startswith("config.") and (k not in was or k not in now) \
-                and now.get(k, was.get(k)) == _schema_default(k[len("config."):]):
-            continue
+        if k.startswith("config.") and k not in now:
+            continue  # this version no longer hashes the key (it says the output does not depend on it)
+        if k.startswith("config.") and k not in was and now[k] == _schema_default(k[len("config."):]):
+            continue  # a key the older version did not read, at the default it behaved as
         return False
     return True
 

@@ -32,7 +32,7 @@ def test_each_record_gives_its_inputs_and_the_runner_names_no_stage():
 def test_a_prepared_run_keeps_its_output_whatever_data_num_proc(tmp_path):
     """data.num_proc only sets how many processes tokenize (the same output on any count: test_prepare.py), so
     it is read at runtime, not hashed: a prepared run goes on under another value, and a manifest of a Fledge
-    that still hashed it (at its default) is kept too, not refused with a force that would redo capture."""
+    that still hashed it (at any value) is kept too, not refused with a force that would redo capture."""
     import json
 
     from fledge.pipeline import runner
@@ -44,7 +44,8 @@ def test_a_prepared_run_keeps_its_output_whatever_data_num_proc(tmp_path):
 
     prepare = RECORDS["prepare"]
     inputs = runner.stage_inputs(cfg(), prepare, {})
-    for recorded in (None, 1):  # this Fledge's manifest; an older one's, which hashed data.num_proc
+    for recorded in (None, 1, 16):  # this Fledge's manifest; an older one's, which hashed data.num_proc (16: the
+        # value data=sharegpt_ultrachat sets, not the default: a key this Fledge no longer hashes is kept whatever it was)
         was = json.loads(json.dumps(inputs))
         if recorded is not None:
             was["config"]["data"]["num_proc"] = recorded
