@@ -254,10 +254,18 @@ def plan_stages(cfg: Config, stages: Sequence[Stage], old: dict[str, dict | None
         plans[name] = plan
         if plan.upgraded:
             upgraded.add(name)
-        if plan.action in ("run", "start over"):  # the directory it writes (or deletes) must be this run's
-            check_replaceable(layout.stage(name), f"{name} stage", STAGE_FIX)
+        if plan.action == "start over" or (plan.action == "run" and not _a_fledge_run(layout, name)):
+            check_replaceable(layout.stage(name), f"{name} stage", STAGE_FIX)  # what it deletes or writes into
         ahead[name] = (plan.inputs_hash, output_id(m) if plan.action == "skip" else NEW)
     return plans
+
+
+def _a_fledge_run(layout: RunLayout, name: str) -> bool:
+    """Another stage of ``layout``'s run holds its manifest: the run directory is Fledge's, so a stage directory
+    there without one (deleted, as a corrupt store slice's advice asks) is the run's own to run into."""
+    others = [d for d in layout.root.iterdir() if d.is_dir() and d.name != name] if layout.root.is_dir() else []
+    return any((read_json(layout.manifest(d.name)) or {}).get("stage") == d.name for d in others
+               if layout.manifest(d.name).is_file())
 
 
 def _plan(cfg: Config, stage: Stage, m: dict | None, inputs: dict, h: str, read: dict[str, str | None],

@@ -202,6 +202,22 @@ def test_run_force_on_a_stage_directory_of_someone_elses_files(tmp_path, fake_st
     assert sorted(files(tmp_path / "tiny" / "prepare")) == ["manifest.json", "out.txt"]  # its own: started over
 
 
+def test_a_stage_of_a_fledge_run_without_its_manifest_runs_into_its_directory(tmp_path, fake_stages):
+    """A corrupt store slice's advice is "delete the slice and capture/manifest.json, then run again": the stage
+    directory of a run whose other stages hold their manifests is the run's own and runs (deleting nothing);
+    the same directory in a directory that is no Fledge run is refused, run.force or not."""
+    runner.run_stages(_cfg(tmp_path, "run.stages=[prepare,capture]"), init_world(), fake_stages)
+    capture = tmp_path / "tiny" / "capture"
+    (capture / "manifest.json").unlink()
+    (capture / "slice-0.txt").write_text("a slice the stage resumes over")
+    runner.run_stages(_cfg(tmp_path, "run.stages=[prepare,capture]"), init_world(), fake_stages)
+    assert sorted(files(capture)) == ["manifest.json", "out.txt", "slice-0.txt"]
+    root = tmp_path / "outputs"
+    someones_dir(root / "tiny" / "prepare")
+    refused(lambda: runner.run_stages(_cfg(root, "run.stages=[prepare]"), init_world(), fake_stages),
+            root / "tiny" / "prepare", "run.name")
+
+
 @pytest.mark.parametrize("name", ["..", ".", "a/b", "/abs", ""])
 def test_a_run_name_that_leaves_the_output_root_is_refused(tmp_path, fake_stages, name):
     """run.name=.. with run.force=[prepare] deleted <output_root>/../prepare. The schema refuses such names too;
