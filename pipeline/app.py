@@ -34,9 +34,10 @@ def run(cfg: Config) -> dict:
     from fledge.pipeline.stages import PIPELINE
     from fledge.run_layout import RunLayout
 
+    layout = RunLayout.of(cfg.run)
+    _check_config_is_fledges(layout.config)  # on every rank, before any process group: each refuses alike
     world = init_world()
     setup_logging(world)
-    layout = RunLayout.of(cfg.run)
     if world.is_main:
         write_bytes_atomic(layout.config, OmegaConf.to_yaml(OmegaConf.structured(cfg)).encode())
         log.info("recipe %s, run directory %s, world %d on %s", cfg.recipe, layout.root, world.world_size,
@@ -51,6 +52,21 @@ def run(cfg: Config) -> dict:
                                 if not isinstance(v, (dict, list)))
             log.info("%-8s [%s] %s", stage, ACTIONS.get(m.get("action"), m.get("action")), summary or "done")
     return manifests
+
+
+def _check_config_is_fledges(path) -> None:
+    """The run directory's config.yaml is absent or one a Fledge run wrote (a composed config: run and recipe at
+    its top): the run writes over it, and a file of someone else's there is refused in one line."""
+    if not path.is_file():
+        return
+    try:
+        text = OmegaConf.load(path)
+        ours = isinstance(text, DictConfig) and {"run", "recipe"} <= set(text.keys())
+    except Exception:  # noqa: BLE001 - any file that does not parse as a config is not a run's
+        ours = False
+    if not ours:
+        raise ValueError(f"{path} exists and is not a Fledge run's config (a run writes its config there): "
+                         f"pick another run.name or run.output_root, or move that file away (nothing was written)")
 
 
 # What this command did with each stage (pipeline/runner.py's plan), as the closing summary says it.

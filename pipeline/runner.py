@@ -318,9 +318,9 @@ def describe_changes(m: dict, inputs: dict, h: str, read: dict[str, str | None],
 
 def _only_an_upgrade(m: dict, inputs: dict, read: dict[str, str | None], upgraded: set[str]) -> bool:
     """Whether every difference between the manifest ``m`` and ``inputs`` is one an upgrade of Fledge or its
-    libraries makes, not the user: library versions and the payload's schema, a config key this version no longer
-    hashes (whatever its value), a key the older Fledge did not read that stands at the schema's default, and the hash of an
-    upstream stage whose own difference was such. The outputs it read must be the ones there now."""
+    libraries makes, not the user: library versions and the payload's schema, a config key this version no
+    longer hashes (whatever its value), a key the older Fledge did not read that stands at the schema's default,
+    and the hash of an upstream stage whose own difference was such. The outputs it read must be the ones there now."""
     if "inputs" not in m or any(now is NEW or ("read" in m and m["read"].get(s) != now) for s, now in read.items()):
         return False
     was, now = dict(_flatten(m["inputs"])), dict(_flatten(json.loads(json.dumps(inputs, default=str))))

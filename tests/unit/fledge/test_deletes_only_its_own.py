@@ -287,3 +287,22 @@ def test_a_run_output_of_another_kind_is_not_replaced(tmp_path, fake_stages, ggu
         gguf_import.import_gguf(str(gguf), ckpt, log=lambda *a: None)
     assert files(ckpt) == before
     DrafterCheckpoint(drafter.spec).write(ckpt, drafter.state_dict())  # its own writer: replaced
+
+
+def test_a_run_directory_holding_someone_elses_config_yaml_is_refused(tmp_path, monkeypatch):
+    """fledge run writes the composed config to <run>/config.yaml: over a file of someone else's there it refuses
+    in one line before anything is written; over its own (a composed config) it writes."""
+    from fledge.pipeline import app
+
+    run_dir = tmp_path / "tiny"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("my: own settings\n")
+    cfg = _cfg(tmp_path, "run.stages=[prepare]")
+    monkeypatch.setattr("fledge.pipeline.runner.run_stages", lambda *a: {})
+    with pytest.raises(ValueError, match="config.yaml exists and is not a Fledge run's config") as e:
+        app.run(cfg)
+    assert "\n" not in str(e.value) and (run_dir / "config.yaml").read_text() == "my: own settings\n"
+    (run_dir / "config.yaml").unlink()
+    app.run(cfg)
+    app.run(cfg)  # its own config.yaml: written over
+    assert "recipe: tiny" in (run_dir / "config.yaml").read_text()

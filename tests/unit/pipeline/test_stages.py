@@ -44,8 +44,9 @@ def test_a_prepared_run_keeps_its_output_whatever_data_num_proc(tmp_path):
 
     prepare = RECORDS["prepare"]
     inputs = runner.stage_inputs(cfg(), prepare, {})
-    for recorded in (None, 1, 16):  # this Fledge's manifest; an older one's, which hashed data.num_proc (16: the
-        # value data=sharegpt_ultrachat sets, not the default: a key this Fledge no longer hashes is kept whatever it was)
+    # This Fledge's manifest; an older one's, which hashed data.num_proc (16: the value data=sharegpt_ultrachat
+    # sets, not the default: a key this Fledge no longer hashes is kept whatever it was).
+    for recorded in (None, 1, 16):
         was = json.loads(json.dumps(inputs))
         if recorded is not None:
             was["config"]["data"]["num_proc"] = recorded
