@@ -1,0 +1,71 @@
+"""scripts/bench_levers.py (issue 55 item 2): every variant of its table composes against the recipe's schema, it
+refuses bad input in one line (exit 2), and on a captured tiny store it trains two variants, writes the JSON lines
+and the table, and a re-run skips what is there."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+
+import pytest
+
+from tests.helpers.cli import fledge_run
+from tests.helpers.paths import REPO
+
+spec = importlib.util.spec_from_file_location("bench_levers", REPO / "scripts" / "bench_levers.py")
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+LEVER_KEYS = {"cfg", "optim", "head", "warmup_pct", "norm_init", "nbr"}
+
+
+def test_variant_table_names_only_known_levers():
+    assert {"fledge", "frozen_head", "muon", "muon_frozen", "w1", "clip1", "linear_1pct", "norm_init", "nbr", "nbfc",
+            "peer", "peer_arch"} <= set(bench.VARIANTS)
+    assert bench.VARIANTS["fledge"] == {}
+    for name, lever in bench.VARIANTS.items():
+        assert set(lever) <= LEVER_KEYS, name
+        assert lever.get("optim", "muon") == "muon" and lever.get("head", "frozen") == "frozen", name
+
+
+def test_refusals_are_one_line_with_exit_2(tmp_path, capsys):
+    assert bench.main([str(tmp_path), "--variants", "fledge"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no complete prepare stage" in err[0] and "run.stages=[prepare,capture]" in err[0], err
+    assert bench.main([str(tmp_path), "--variants", "fledge", "nope"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--variants nope: no such variant" in err[0] and "peer_arch" in err[0], err
+
+
+@pytest.fixture(scope="module")
+def captured(tmp_path_factory, random_tiny_target, tiny_data):
+    """A prepared and captured tiny run (random target, 12 conversations)."""
+    root = tmp_path_factory.mktemp("levers")
+    res = fledge_run(root, "run.stages=[prepare,capture]", f"target.name_or_path={random_tiny_target}",
+                     f"data.sources=[{{path: {tiny_data}/train.jsonl, max_samples: 12}}]",
+                     f"data.eval_sources=[{{path: {tiny_data}/eval.jsonl, max_samples: 4}}]")
+    assert res.returncode == 0, res.stderr[-4000:]
+    return root / "out" / "tiny"
+
+
+def test_two_variants_train_and_a_rerun_skips_them(captured, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(captured, run)
+    (run / "capture" / "manifest.json").rename(run / "manifest.json")
+    assert bench.main([str(run), "--steps", "2", "--tokens", "256", "--variants", "fledge"]) == 2
+    assert "no complete capture stage" in capsys.readouterr().err
+    (run / "manifest.json").rename(run / "capture" / "manifest.json")
+    args = [str(run), "--steps", "2", "--tokens", "256", "--threads", "1", "--out", str(tmp_path / "o"),
+            "--variants", "fledge", "peer_arch"]
+    assert bench.main(args) == 0
+    recs = [json.loads(line) for line in (tmp_path / "o" / "levers.jsonl").read_text().splitlines()]
+    assert [r["variant"] for r in recs] == ["fledge", "peer_arch"]
+    for r in recs:
+        assert len(r["heldout_acc"]) == len(r["heldout_peer_style_full_acc"]) == 3 and r["steps"] == 2
+        assert r["heldout_al_estimate"] >= 1 and r["train_s"] >= 0 and r["machine"] and r["date"]
+    assert recs[0]["head_drift"] > 0 == recs[1]["head_drift"]  # peer_arch freezes the lm_head
+    md = (tmp_path / "o" / "levers.md").read_text()
+    assert "| fledge | 0 | 2 x 256 |" in md and "| peer_arch | 0 | 2 x 256 |" in md and "peer-style" in md
+    capsys.readouterr()
+    assert bench.main(args) == 0
+    assert capsys.readouterr().out.count("already in") == 2
