@@ -1,4 +1,4 @@
-"""The sample-efficiency levers of issue 55 (item 2), measured on one captured store: every variant trains a drafter
+"""The sample-efficiency levers of the drafter recipe, measured on one captured store: every variant trains a drafter
 from the same batches in one process, with Fledge's own model, loss and feature loader (train/ttt_model.py,
 data/features/reader.py), the run's lr schedule (train/deepspeed_setup.py ``lr_lambda``) and the trainer's held-out
 evaluation (train/trainer.py ``evaluate``); only the optimizer, the lm_head, the clip, the schedule and the
@@ -92,7 +92,7 @@ def _nbr_forward(self, emb, g, cos, sin, attend):
 
 @torch.no_grad()
 def peer_full_acc(model, batch, K: int) -> list[tuple[float, float]]:
-    """speculators 0.9.0's full_acc_k (models/eagle3/metrics.py) on Fledge's batch, as (hits, rows) per step: row t
+    """speculators 0.9.0's full_acc_k (its eagle3 metrics module) on Fledge's batch, as (hits, rows) per step: row t
     at step k is scored against the teacher at t+1+k, its mask is loss_mask[t+1+k], and the teacher's argmax is
     over the draft vocab (renormalised)."""
     from fledge.models.alignment import shift, ttt_states

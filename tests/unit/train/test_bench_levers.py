@@ -1,6 +1,6 @@
-"""scripts/bench_levers.py (issue 55 item 2): every variant of its table composes against the recipe's schema, it
-refuses bad input in one line (exit 2), and on a captured tiny store it trains two variants, writes the JSON lines
-and the table, and a re-run skips what is there."""
+"""scripts/bench_levers.py (the sample-efficiency levers): its variants name only the levers it has and their config
+overrides compose on a run's config, it refuses bad input in one line (exit 2), and on a captured tiny store it trains
+two variants, writes the JSON lines and the table, and a re-run skips what is there."""
 
 from __future__ import annotations
 
@@ -55,6 +55,8 @@ def test_two_variants_train_and_a_rerun_skips_them(captured, tmp_path, capsys):
     assert bench.main([str(run), "--steps", "2", "--tokens", "256", "--variants", "fledge"]) == 2
     assert "no complete capture stage" in capsys.readouterr().err
     (run / "manifest.json").rename(run / "capture" / "manifest.json")
+    for name, lever in bench.VARIANTS.items():  # every variant's overrides are keys and values the schema takes
+        assert bench.load_config(run, lever.get("cfg", [])).run.name == "tiny", name
     args = [str(run), "--steps", "2", "--tokens", "256", "--threads", "1", "--out", str(tmp_path / "o"),
             "--variants", "fledge", "peer_arch"]
     assert bench.main(args) == 0
