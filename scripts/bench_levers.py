@@ -213,8 +213,8 @@ def table(records: list[dict]) -> str:
               f"{f(r['heldout_acc'])} | {f(r['heldout_full_acc'])} | {r['heldout_al_estimate']:.3f} | "
               f"{f(r['heldout_peer_style_full_acc'])} | {r['first_grad_norms']} | {r['head_drift']:.3f} |"
               for r in records]
-    machines = sorted({f"{r['machine']} ({r['date']})" for r in records})
-    return "\n".join([*lines, "", "Machine (date): " + "; ".join(machines),
+    machines, dates = sorted({r["machine"] for r in records}), sorted({r["date"][:10] for r in records})
+    return "\n".join([*lines, "", f"Machine: {'; '.join(machines)}. Date: {', '.join(dates)}.",
                       "Command: `" + "`; `".join(sorted({r["command"] for r in records})) + "`", ""])
 
 
@@ -266,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
             write_bytes_atomic(jsonl, "".join(json.dumps(r) + "\n" for r in records).encode())
             write_bytes_atomic(out / "levers.md", table(records).encode())
             print(json.dumps(rec), flush=True)
+    write_bytes_atomic(out / "levers.md", table(records).encode())  # also when every variant was there already
     print(table(records))
     return 0
 
