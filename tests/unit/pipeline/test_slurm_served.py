@@ -20,6 +20,7 @@ import pytest
 from fledge.pipeline.slurm import serve
 from fledge.pipeline.slurm.launch import PORT_BASE, PORT_SPAN
 from tests.helpers.fake_slurm import FAKE_SRUN_LONG, fake_slurm, submit_module, write_scripts
+from tests.helpers.suites import FULL_ONLY
 
 # ---- a served target: the heterogeneous job --------------------------------------------------------------
 
@@ -327,7 +328,10 @@ def test_serve_waits_for_health_regenerates_and_stops_the_server(tmp_path, monke
     assert "s3cret" not in printed.out + printed.err + log.read_text()  # the key is in no output
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=lambda s: s.name)
+# SIGINT and SIGHUP in the full suite (CI's 30 minutes): the phase forwards every signal by one handler, and
+# regenerate's own per-signal tests (tests/unit/data/test_regenerate.py) are their CI twins.
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=FULL_ONLY),
+                                 pytest.param(signal.SIGHUP, marks=FULL_ONLY)], ids=lambda s: s.name)
 def test_a_stopped_regenerate_phase_ends_regenerate_and_the_server_and_keeps_the_answers(tmp_path, sig):
     """The phase stopped (SIGTERM: what the batch script sends it at the time limit, before it requeues the job):
     `fledge regenerate` gets the signal and keeps its finished answers, the server is stopped, no process of the
