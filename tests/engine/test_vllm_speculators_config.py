@@ -14,6 +14,7 @@ from fledge.models.drafter import DrafterSpec
 from fledge.serving.serving_config import serving_config, vllm_speculative_config
 from tests.helpers.engine import engine_marks
 from tests.helpers.models import DFLASH_TARGET as TARGET
+from tests.helpers.suites import FULL_ONLY
 
 pytestmark = engine_marks()
 
@@ -32,6 +33,9 @@ for line in sys.stdin:
 """
 
 
+@FULL_ONLY  # CI's 30 minutes (70 s there); its CI twins: the derived config and the peagle type against the card
+# and the linter (tests/unit/serving/test_served_as_measured.py), and P-EAGLE served with parallel drafting at its
+# in-process acceptance (tests/engine/test_vllm_serving.py)
 def test_vllm_serve_dir_serves_a_speculators_export_as_the_eval_stage_does(tmp_path):
     dirs = {}
     for parallel in (False, True):
