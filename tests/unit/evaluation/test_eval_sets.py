@@ -18,7 +18,7 @@ from fledge.evaluation.eval_sets import (
     render_prompts,
 )
 from fledge.run_layout import EvalDir, RunLayout
-from tests.helpers.evaluation import eval_cfg, tokenizer
+from tests.helpers.evaluation import eval_cfg, eval_inputs, tokenizer
 from tests.helpers.paths import FIXTURES as FIXTURE_DIR
 
 FIX = FIXTURE_DIR / "eval_sets"
@@ -213,7 +213,7 @@ def test_eval_stage_reports_named_sets(run, tmp_path, monkeypatch):
     cfg.eval.num_prompts, cfg.eval.temperature, cfg.eval.heldout_steps, cfg.eval.max_new_tokens = 2, 0.0, 1, 8
     cfg.eval.max_prompt_tokens, cfg.eval.drift_depth = 200, 1
     out = tmp_path / "eval"
-    summary = E.evaluate_run(cfg, RunLayout(run / "run").prepare, EvalDir(out), run / "run/export/drafter",
+    summary = E.evaluate_run(eval_inputs(cfg), RunLayout(run / "run").prepare, EvalDir(out), run / "run/export/drafter",
                              torch.device("cpu"))
     report = json.loads((out / "report.json").read_text())
     assert list(report["sets"]) == ["mt_bench", "speed_bench_coding"]

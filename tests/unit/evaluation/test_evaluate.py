@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from fledge.atomic import write_json_atomic
-from fledge.evaluation.evaluate import acceptance_stats, distinct_ngram_ratio
+from fledge.evaluation.acceptance import acceptance_stats, distinct_ngram_ratio
 from fledge.evaluation.speculative import DecodeResult, DrafterProposer, Round
 from fledge.run_layout import EvalDir, RunLayout
-from tests.helpers.evaluation import eval_cfg
+from tests.helpers.evaluation import eval_cfg, eval_inputs
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +84,8 @@ def test_eval_measures_the_drafter_config_json_describes(run, tmp_path, monkeypa
 
     monkeypatch.setattr(E, "evaluate_set", first_set)
     with pytest.raises(Measured) as seen:
-        E.evaluate_run(eval_cfg(run), RunLayout(run / "run").prepare, EvalDir(tmp_path / "eval"), drafter_dir,
-                       torch.device("cpu"))
+        E.evaluate_run(eval_inputs(eval_cfg(run)), RunLayout(run / "run").prepare, EvalDir(tmp_path / "eval"),
+                       drafter_dir, torch.device("cpu"))
     measured = seen.value.args[0]
     assert {k: getattr(measured.spec, k) for k in planted} == planted
     trained = load_drafter(drafter_dir, embed_weight=measured.embed_tokens.weight)  # the record's drafter
@@ -187,7 +187,7 @@ def test_greedy_mismatch_is_an_error(monkeypatch):
     """A speculative output that leaves plain greedy decoding (not at a numerical tie) fails the stage."""
     from types import SimpleNamespace
 
-    import fledge.evaluation.evaluate as ev
+    import fledge.evaluation.acceptance as ev
     from tests.helpers.models import random_drafter, random_llama
     target = random_llama()
     drafter = random_drafter(target)
@@ -247,7 +247,7 @@ def test_heldout_accuracy_shows_flex_a_bounded_set_of_lengths(monkeypatch):
     """50 held-out samples of 50 different lengths: flex (compiled with static shapes on GPU, one compile per
     key length) sees one row length, not one per sample; the numbers equal one unpadded row per sample."""
     import fledge.models.attention as A
-    from fledge.evaluation.evaluate import heldout_accuracy
+    from fledge.evaluation.heldout import heldout_accuracy
     from tests.helpers.models import make_drafter
 
     g = torch.Generator().manual_seed(0)
@@ -361,8 +361,8 @@ def test_report_and_compare_are_strict_json_when_no_prompt_is_non_degenerate(run
     cfg = eval_cfg(run)
     cfg.eval.sets, cfg.eval.num_prompts, cfg.eval.temperature = ["default"], 2, 0.0
     cfg.eval.degenerate_threshold = 1.01  # no output's distinct-3-gram ratio reaches it: every prompt degenerate
-    E.evaluate_run(cfg, RunLayout(run / "run").prepare, EvalDir(tmp_path / "r31" / "eval"), run / "run/export/drafter",
-                   torch.device("cpu"))
+    E.evaluate_run(eval_inputs(cfg), RunLayout(run / "run").prepare, EvalDir(tmp_path / "r31" / "eval"),
+                   run / "run/export/drafter", torch.device("cpu"))
     report = _strict_json(tmp_path / "r31" / "eval" / "report.json")
     s = report["sets"]["default"]
     assert s["non_degenerate_prompts"] == 0 and s["drafter_non_degenerate"]["al"] is None
@@ -387,7 +387,7 @@ def test_the_report_says_how_much_of_the_target_output_the_draft_vocab_covers():
     drafter can propose at all), measured on the eval output and shown in report.md."""
     from types import SimpleNamespace
 
-    import fledge.evaluation.evaluate as ev
+    import fledge.evaluation.acceptance as ev
     from fledge.evaluation.report import markdown
     from fledge.evaluation.speculative import TargetRunner, greedy_decode
     from tests.helpers.models import random_drafter, random_llama

@@ -4,8 +4,8 @@ layout and leaves its turns' words, and as eval sets they pair with ``default`` 
 import pytest
 
 from fledge.data.prepare.chat import ChatRenderer
-from fledge.evaluation.evaluate import build_prompt_sets
 from fledge.evaluation.perturbations import LONG_SYSTEM, OTHER_SYSTEM, PERTURBATIONS, perturbed
+from fledge.evaluation.prompt_sets import build_prompt_sets
 from fledge.run_layout import RunLayout
 from tests.helpers.evaluation import eval_cfg, tokenizer
 
