@@ -129,4 +129,4 @@ def test_engine_attention_backend_for_mla_targets_on_cpu(recipe, device, backend
     """vLLM picks AMX_MLA (bf16 only) for MLA targets on an AMX CPU; the fp32 CPU engine asks for CPU_MLA."""
     from fledge.evaluation.engine_eval import engine_attention_backend
 
-    assert engine_attention_backend(compose_recipe(recipe), device) == backend
+    assert engine_attention_backend(compose_recipe(recipe).target, device) == backend

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fledge.data.features.batch import FeatureBatch
-from fledge.evaluation.evaluate import heldout_accuracy
+from fledge.evaluation.heldout import heldout_accuracy
 from fledge.models import alignment
 from fledge.models.alignment import StepAccuracy, al_estimate
 from fledge.train.losses import ttt_loss

@@ -22,6 +22,7 @@ from fledge.serving.engine import (
     speculative_config,
 )
 from tests.helpers.engine import fake_driver_result
+from tests.helpers.evaluation import eval_inputs
 from tests.helpers.paths import REPO
 
 EVAL_DRIVER = REPO / "serving" / "vllm_side" / "eval_driver.py"
@@ -187,12 +188,13 @@ def test_request_names_a_local_target_absolutely_and_a_hub_id_as_is(tmp_path, mo
     (tmp_path / "tgt").mkdir()
     cfg = _cfg(engine="vllm")
     cfg.target.name_or_path = "tgt"
-    req = build_request(cfg, {"default": [[1, 2, 3]]}, tmp_path / "d", [5], 2048, "cpu")
+    req = build_request(eval_inputs(cfg), {"default": [[1, 2, 3]]}, tmp_path / "d", [5], 2048, "cpu")
     assert req["target"] == str(tmp_path / "tgt") and req["dtype"] == "float32"
     assert req["max_model_len"] == 3 + cfg.eval.max_new_tokens + cfg.eval.draft_tokens + 16
     assert [e["name"] for e in req["engines"]] == ["plain", "drafter", "lookup"]
     cfg.target.name_or_path = "org/model"
-    assert build_request(cfg, {"default": [[1]]}, tmp_path / "d", [5], 2048, "cuda")["target"] == "org/model"
+    req = build_request(eval_inputs(cfg), {"default": [[1]]}, tmp_path / "d", [5], 2048, "cuda")
+    assert req["target"] == "org/model"
 
 
 def test_a_sampled_eval_asks_the_drafter_engine_for_a_sampled_pass(tmp_path):
@@ -200,9 +202,10 @@ def test_a_sampled_eval_asks_the_drafter_engine_for_a_sampled_pass(tmp_path):
     rejection sampling, the engine's sampled AL); plain and lookup stay greedy only."""
     from fledge.evaluation.engine_eval import build_request
 
-    req = build_request(_cfg(engine="vllm", temperature=1.0), {"default": [[1, 2]]}, tmp_path / "d", [5], 2048, "cpu")
+    req = build_request(eval_inputs(_cfg(engine="vllm", temperature=1.0)), {"default": [[1, 2]]}, tmp_path / "d", [5],
+                        2048, "cpu")
     assert [e.get("sampled_temperature") for e in req["engines"]] == [None, 1.0, None]
-    req = build_request(_cfg(engine="vllm"), {"default": [[1, 2]]}, tmp_path / "d", [5], 2048, "cpu")
+    req = build_request(eval_inputs(_cfg(engine="vllm")), {"default": [[1, 2]]}, tmp_path / "d", [5], 2048, "cpu")
     assert all("sampled_temperature" not in e for e in req["engines"])
 
 
@@ -269,7 +272,7 @@ def _engine_section(monkeypatch, tmp_path, report: dict, lookup_accepted: int = 
     monkeypatch.setattr(E, "run_driver", lambda *a, **k: res)
     monkeypatch.setattr(E, "served_lint_errors", lambda *a, **k: [])
     cfg = _cfg(engine="vllm", temperature=1.0, draft_tokens=2)
-    return E.run_engine_eval(cfg, sets, report, tmp_path / "d", tmp_path, [5], 64, "cpu", Path("py"))
+    return E.run_engine_eval(eval_inputs(cfg), sets, report, tmp_path / "d", tmp_path, [5], 64, "cpu", Path("py"))
 
 
 def test_the_engine_section_carries_the_sampled_acceptance(monkeypatch, tmp_path):
