@@ -188,12 +188,13 @@ def test_eagle3_without_the_31_flags_is_served_with_its_in_process_acceptance(se
     import torch
 
     from fledge.conf.compose import compose
-    from fledge.evaluation.evaluate import evaluate_set, load_eval_models
+    from fledge.evaluation.acceptance import evaluate_set
+    from fledge.evaluation.evaluate import load_eval_models
     from fledge.serving.export import spec_from_export
 
     got, dirs = variants
     cfg = compose(_overrides(served, tiny_target))
-    frozen, drafter = load_eval_models(cfg, dirs["eagle3"], torch.device("cpu"),
+    frozen, drafter = load_eval_models(cfg.target, dirs["eagle3"], torch.device("cpu"),
                                        spec_from_export(dirs["eagle3"], serving=True))
     req = _engine_file(served, "request.json")
     inproc = evaluate_set("default", req["sets"]["default"], frozen.model, drafter, cfg.eval, req["stop_token_ids"],
@@ -248,6 +249,7 @@ def test_the_eval_stage_fails_on_a_served_fault_with_the_causes(served, tmp_path
     from fledge.conf.compose import compose
     from fledge.evaluation.evaluate import evaluate_run
     from fledge.run_layout import EvalDir, RunLayout
+    from tests.helpers.evaluation import eval_inputs
     from tests.helpers.faults import plant
 
     bad = plant(served / "export" / "drafter", "norm_output_flipped", tmp_path / "drafter")
@@ -256,7 +258,7 @@ def test_the_eval_stage_fails_on_a_served_fault_with_the_causes(served, tmp_path
     with pytest.raises(ValueError, match=r"(?s)fails fledge lint.*norm flags.*norm-output-mismatch.*fledge lint"):
         run = RunLayout(served)  # the stage hands evaluate_run the run's paths, train's estimate (pipeline/stages.py)
         estimate = json.loads(run.manifest("train").read_text())["outputs"]["best_al_estimate"]
-        evaluate_run(cfg, run.prepare, EvalDir(tmp_path / "eval"), bad, torch.device("cpu"),
+        evaluate_run(eval_inputs(cfg), run.prepare, EvalDir(tmp_path / "eval"), bad, torch.device("cpu"),
                      metrics_path=run.train.metrics, train_al_estimate=estimate)
     md = (tmp_path / "eval" / "report.md").read_text()
     assert "Engine checks failed" in md and "## Served by vllm" in md
@@ -271,7 +273,8 @@ def test_a_p_eagle_drafter_is_served_with_parallel_drafting_at_its_in_process_ac
     import torch
 
     from fledge.conf.compose import compose
-    from fledge.evaluation.evaluate import evaluate_set, load_eval_models
+    from fledge.evaluation.acceptance import evaluate_set
+    from fledge.evaluation.evaluate import load_eval_models
     from fledge.serving.export import spec_from_export
 
     base = served.parent / "p_eagle"
@@ -292,7 +295,7 @@ def test_a_p_eagle_drafter_is_served_with_parallel_drafting_at_its_in_process_ac
     got = run_driver("vllm", ENGINE, req, tmp_path / "engine", 1800)["engines"]["p_eagle"]["sets"]["default"]
     assert got["outputs"] == _plain_outputs(served)  # lossless
     served_al = acceptance(got["counters"], k)["al"]
-    frozen, drafter = load_eval_models(cfg, export, torch.device("cpu"), spec_from_export(export, serving=True))
+    frozen, drafter = load_eval_models(cfg.target, export, torch.device("cpu"), spec_from_export(export, serving=True))
     assert drafter.spec.parallel_drafting
     inproc = evaluate_set("default", req["sets"]["default"], frozen.model, drafter, cfg.eval, req["stop_token_ids"],
                           0)["drafter"]["al_uncut"]
@@ -309,7 +312,8 @@ def test_a_dflash_drafter_is_served_by_vllms_dflash_method_at_its_in_process_acc
     import torch
 
     from fledge.conf.compose import compose
-    from fledge.evaluation.evaluate import evaluate_set, load_eval_models
+    from fledge.evaluation.acceptance import evaluate_set
+    from fledge.evaluation.evaluate import load_eval_models
     from fledge.serving.export import load_target_config, spec_from_export
     from fledge.serving.lint import format_findings, has_errors, lint_drafter
 
@@ -333,7 +337,7 @@ def test_a_dflash_drafter_is_served_by_vllms_dflash_method_at_its_in_process_acc
     got = run_driver("vllm", ENGINE, req, tmp_path / "engine", 1800)["engines"]["dflash"]["sets"]["default"]
     assert got["outputs"] == _plain_outputs(served)  # lossless
     served_al = acceptance(got["counters"], k)["al"]
-    frozen, drafter = load_eval_models(cfg, export, torch.device("cpu"), spec_from_export(export, serving=True))
+    frozen, drafter = load_eval_models(cfg.target, export, torch.device("cpu"), spec_from_export(export, serving=True))
     assert drafter.spec.algorithm == "dflash"
     inproc = evaluate_set("default", req["sets"]["default"], frozen.model, drafter, cfg.eval, req["stop_token_ids"],
                           0)["drafter"]["al_uncut"]
