@@ -248,8 +248,8 @@ def test_the_eval_stage_fails_on_a_served_fault_with_the_causes(served, tmp_path
 
     from fledge.conf.compose import compose
     from fledge.evaluation.evaluate import evaluate_run
+    from fledge.pipeline.stages import eval_inputs
     from fledge.run_layout import EvalDir, RunLayout
-    from tests.helpers.evaluation import eval_inputs
     from tests.helpers.faults import plant
 
     bad = plant(served / "export" / "drafter", "norm_output_flipped", tmp_path / "drafter")

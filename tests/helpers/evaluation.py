@@ -1,6 +1,5 @@
 """The eval stage's test run: a random tiny target with its tokenizer, a random export of it, a prepared run
-directory (tests/unit/evaluation/conftest.py makes it once per module), the config the tests evaluate with and
-the eval stage's inputs of a config."""
+directory (tests/unit/evaluation/conftest.py makes it once per module), and the config the tests evaluate with."""
 
 from __future__ import annotations
 
@@ -91,12 +90,3 @@ def eval_cfg(run):
     cfg.eval.long_prompt_tokens = 120
     cfg.eval.temperature = 0.8
     return cfg
-
-
-def eval_inputs(cfg):
-    """The eval stage's inputs of ``cfg`` (fledge/stage_inputs.py EvalInputs), as pipeline/stages.py builds them."""
-    from fledge.stage_inputs import EvalInputs
-
-    return EvalInputs(eval=cfg.eval, target=cfg.target, chat_template=cfg.data.chat_template,
-                      ttt_steps=cfg.drafter.ttt_steps, algorithm=cfg.drafter.algorithm,
-                      block_size=cfg.drafter.block_size, seed=cfg.run.seed, chunk_tokens=cfg.capture.chunk_tokens)

@@ -9,9 +9,10 @@ import sys
 import pytest
 import torch
 
+from fledge.pipeline.stages import eval_inputs
 from fledge.run_layout import EvalDir, RunLayout
 from tests.helpers.engine import fake_driver_result
-from tests.helpers.evaluation import eval_cfg, eval_inputs
+from tests.helpers.evaluation import eval_cfg
 
 
 def _engine_only_eval(run, out_dir, monkeypatch, train_al_estimate=None, **result):

@@ -17,8 +17,9 @@ from fledge.evaluation.eval_sets import (
     load_conversations,
     render_prompts,
 )
+from fledge.pipeline.stages import eval_inputs
 from fledge.run_layout import EvalDir, RunLayout
-from tests.helpers.evaluation import eval_cfg, eval_inputs, tokenizer
+from tests.helpers.evaluation import eval_cfg, tokenizer
 from tests.helpers.paths import FIXTURES as FIXTURE_DIR
 
 FIX = FIXTURE_DIR / "eval_sets"

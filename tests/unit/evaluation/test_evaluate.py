@@ -10,23 +10,23 @@ import torch
 from fledge.atomic import write_json_atomic
 from fledge.evaluation.acceptance import acceptance_stats, distinct_ngram_ratio
 from fledge.evaluation.speculative import DecodeResult, DrafterProposer, Round
+from fledge.pipeline.stages import eval_inputs
 from fledge.run_layout import EvalDir, RunLayout
-from tests.helpers.evaluation import eval_cfg, eval_inputs
+from tests.helpers.evaluation import eval_cfg
 
 
 @pytest.fixture(scope="module")
 def evaluated(run):
     """The eval stage run once on ``run``: (its stage dir, the stage's summary)."""
     from fledge.distributed import World
-    from fledge.pipeline.runner import StageContext
     from fledge.pipeline.stages import evaluate as run_stage
-    from fledge.run_layout import RunLayout
+    from fledge.stage_context import StageContext
 
     stage_dir = run / "run/eval"
     stage_dir.mkdir()
     cfg = eval_cfg(run)
     cfg.eval.context_buckets, cfg.eval.bucket_prompts = [32, 64], 1  # AL vs context length (evaluation/long_context.py)
-    ctx = StageContext(cfg, World(0, 1, 0, torch.device("cpu")), RunLayout(run / "run"), "eval",
+    ctx = StageContext(eval_inputs(cfg), World(0, 1, 0, torch.device("cpu")), RunLayout(run / "run"), "eval",
                        {"export": {"outputs": {"drafter": str(run / "run/export/drafter")}}})
     return stage_dir, run_stage(ctx)
 

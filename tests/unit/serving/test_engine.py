@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from fledge.conf.schema import Config
+from fledge.pipeline.stages import eval_inputs
 from fledge.serving.engine import (
     EngineError,
     acceptance,
@@ -22,7 +23,6 @@ from fledge.serving.engine import (
     speculative_config,
 )
 from tests.helpers.engine import fake_driver_result
-from tests.helpers.evaluation import eval_inputs
 from tests.helpers.paths import REPO
 
 EVAL_DRIVER = REPO / "serving" / "vllm_side" / "eval_driver.py"
