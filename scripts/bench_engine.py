@@ -32,23 +32,28 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import torch
 
 from fledge.run_layout import RunLayout
+from fledge.stage_inputs import EvalInputs
 
 
-def in_process_al(cfg, run: RunLayout, drafter_dir: Path, ks: list[int], max_new: int, device: torch.device):
+def in_process_al(inputs: EvalInputs, run: RunLayout, drafter_dir: Path, ks: list[int], max_new: int,
+                  device: torch.device):
     """(prompts, stop ids, max positions, {k: AL}, {k: greedy-equal count}) from Fledge's harness."""
     from fledge.data.prepare.build import load_tokenizer
     from fledge.data.prepare.chat import ChatRenderer, eot_ids_from_target
-    from fledge.evaluation.evaluate import acceptance_stats, build_prompt_sets, load_eval_models
+    from fledge.evaluation.acceptance import acceptance_stats
+    from fledge.evaluation.evaluate import load_eval_models
+    from fledge.evaluation.prompt_sets import build_prompt_sets
     from fledge.evaluation.speculative import DrafterProposer, TargetRunner, greedy_decode, speculative_decode
     from fledge.serving.export import spec_from_export
 
-    renderer = ChatRenderer(load_tokenizer(cfg.target, cfg.data.chat_template),
-                            extra_eot_ids=eot_ids_from_target(cfg.target.name_or_path, cfg.target.revision))
+    target = inputs.target
+    renderer = ChatRenderer(load_tokenizer(target, inputs.chat_template),
+                            extra_eot_ids=eot_ids_from_target(target.name_or_path, target.revision))
     eos = sorted(renderer.eot_ids)
-    frozen, drafter = load_eval_models(cfg, drafter_dir, device, spec_from_export(drafter_dir, serving=True))
+    frozen, drafter = load_eval_models(target, drafter_dir, device, spec_from_export(drafter_dir, serving=True))
     model = frozen.model
     max_pos = int(getattr(model.config, "max_position_embeddings", 1 << 30))
-    prompts = build_prompt_sets(cfg.eval, renderer, run.prepare, max_pos - max_new - max(ks) - 2)["default"]
+    prompts = build_prompt_sets(inputs.eval, renderer, run.prepare, max_pos - max_new - max(ks) - 2)["default"]
     runner, plain, prop = TargetRunner(model, drafter.spec.aux_layer_ids), TargetRunner(model), DrafterProposer(drafter)
     with torch.inference_mode():
         refs = [greedy_decode(plain, p, max_new, eos)[0] for p in prompts]
@@ -77,6 +82,7 @@ def main(argv: list[str]) -> int:
 
     from fledge.conf.compose import compose
     from fledge.evaluation.engine_eval import build_request
+    from fledge.pipeline.stages import eval_inputs
     from fledge.serving.engine import acceptance, check_engine, run_driver, speculative_config
 
     try:
@@ -90,11 +96,14 @@ def main(argv: list[str]) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    cfg.eval = dataclasses.replace(cfg.eval, sets=["default"], num_prompts=args.prompts,
-                                   max_new_tokens=args.max_new, engine_batch_size=args.batch_size)
-    prompts, eos, max_pos, inproc, inproc_same = in_process_al(cfg, run, drafter_dir, args.ks, args.max_new, device)
+    inputs = eval_inputs(cfg)  # what the eval stage reads of the run's config, on the default set at these sizes
+    inputs = dataclasses.replace(inputs, eval=dataclasses.replace(
+        inputs.eval, sets=["default"], num_prompts=args.prompts, max_new_tokens=args.max_new,
+        engine_batch_size=args.batch_size))
+    prompts, eos, max_pos, inproc, inproc_same = in_process_al(inputs, run, drafter_dir, args.ks, args.max_new,
+                                                               device)
 
-    req = build_request(cfg, {"default": prompts}, drafter_dir, eos, max_pos, device.type)
+    req = build_request(inputs, {"default": prompts}, drafter_dir, eos, max_pos, device.type)
     req["gpu_memory_utilization"] = 0.85  # the harness's target is gone: vLLM may take the GPU
     req["engines"] = [{"name": "plain"}] + [
         {"name": f"k{k}", "speculative_config": speculative_config("eagle3", k, drafter_dir)} for k in args.ks]

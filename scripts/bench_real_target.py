@@ -60,7 +60,7 @@ def machine() -> str:
 
 def main() -> None:
     from fledge.engine_process import engine_python
-    from fledge.evaluation.evaluate import distinct_ngram_ratio
+    from fledge.evaluation.acceptance import distinct_ngram_ratio
     from fledge.serving.engine import acceptance, greedy_differences, run_driver, speculative_config
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
