@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from fledge.conf import compose
-from fledge.conf.schema import Config
+from fledge.conf.schema import Config, ExportConfig
 from fledge.distributed import check_sequence_parallel
 from fledge.evaluation.eval_sets import EVAL_SETS, check_reachable, check_set_names
 from fledge.models.layers.kind import LAYER_KINDS, check_layer_format
@@ -69,12 +70,13 @@ def check_environment(cfg: Config, world_size: int) -> None:
         check_sequence_parallel(world_size, cfg.train.sequence_parallel)
     if "eval" in cfg.run.stages:
         check_reachable(cfg.eval.sets, cfg.eval.set_paths)
-    check_publish(cfg)
+    check_publish(cfg.export, cfg.run.stages)
 
 
-def check_publish(cfg: Config) -> None:
-    """A run that will publish needs a token in HF_TOKEN and the Hub reachable."""
-    if not (cfg.export.push_to_hub and "publish" in cfg.run.stages):
+def check_publish(export: ExportConfig, stages: Sequence[str]) -> None:
+    """A run that will publish (``export.push_to_hub`` and the publish stage among ``stages``) needs a token in
+    HF_TOKEN and the Hub reachable."""
+    if not (export.push_to_hub and "publish" in stages):
         return
     import huggingface_hub.constants  # only when publishing: the Hub client is not needed otherwise
 

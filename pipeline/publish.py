@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 
 from fledge.atomic import read_json
-from fledge.conf.schema import Config
 from fledge.engine_process import read_request
 from fledge.pipeline.preflight import check_publish
 from fledge.run_layout import RunLayout
@@ -26,6 +25,7 @@ from fledge.serving.card import Measured
 from fledge.serving.export import load_target_config
 from fledge.serving.hub import check_online, push_to_hub
 from fledge.serving.lint import resolve_target_config
+from fledge.stage_inputs import PublishInputs
 
 log = logging.getLogger(__name__)
 PLOT_SUFFIXES = (".png", ".svg", ".jpg")
@@ -57,13 +57,14 @@ def measured_by_run(layout: RunLayout | None, drafter_dir: Path) -> Measured:
     return Measured(run_config=run_config)
 
 
-def publish_run(cfg: Config, layout: RunLayout, drafter_dir: Path) -> dict:
+def publish_run(inputs: PublishInputs, layout: RunLayout, drafter_dir: Path) -> dict:
     """The publish stage's work: push the export with a card of this run's eval (export.push_to_hub)."""
-    check_publish(cfg)  # the token may have gone since the command started
-    url = push_to_hub(drafter_dir, cfg.export.repo_id, private=cfg.export.private,
-                      measured=measured_by_run(layout, drafter_dir), target_config=load_target_config(cfg.target),
-                      speculative_tokens=cfg.eval.draft_tokens, token=os.environ["HF_TOKEN"])
-    return {"pushed": True, "repo_id": cfg.export.repo_id, "private": cfg.export.private, "hub_url": url}
+    ex = inputs.export
+    check_publish(ex, inputs.stages)  # the token may have gone since the command started
+    url = push_to_hub(drafter_dir, ex.repo_id, private=ex.private, measured=measured_by_run(layout, drafter_dir),
+                      target_config=load_target_config(inputs.target), speculative_tokens=inputs.draft_tokens,
+                      token=os.environ["HF_TOKEN"])
+    return {"pushed": True, "repo_id": ex.repo_id, "private": ex.private, "hub_url": url}
 
 
 def measured_draft_tokens(measured: Measured) -> int | None:

@@ -1,9 +1,9 @@
 """The stage runner: the pipeline's stages (pipeline/stages.py, one :class:`Stage` record each) in order,
 resumable by manifest.
 
-Each stage writes its manifest (fledge/run_layout.py): its inputs (its config slice, the upstream stages'
-inputs hashes, code-relevant versions, a fingerprint of a local target) and their hash, the ids of the
-upstream outputs it read, and once complete its summary and a fresh id of its own output. Before any stage
+Each stage writes its manifest (fledge/run_layout.py): its inputs (the hashed fields of its stage inputs, the
+upstream stages' inputs hashes, code-relevant versions, a fingerprint of a local target) and their hash, the ids
+of the upstream outputs it read, and once complete its summary and a fresh id of its own output. Before any stage
 runs, each selected stage is planned against its manifest:
 
 - same inputs, same upstream outputs: a complete stage is skipped when its ``Stage.done`` finds nothing
@@ -18,10 +18,10 @@ runs, each selected stage is planned against its manifest:
 - only an upgrade changed it (library versions, a config key the older Fledge did not record, at the schema's
   default): its output is kept and used as if unchanged, with a warning, and its manifest records the new inputs.
 
-What counts as an input is what each record says its stage reads (``Stage.inputs``: a
-:class:`~fledge.stage_context.Reads`): the stage receives exactly that slice of the config
-(:class:`~fledge.stage_context.ConfigSlice`) and its hashed keys are hashed (keys that only lay the work
-out, run length and cadence are read as runtime; ``Stage.done`` handles the length). ``run.force=[X]``
+What counts as an input is what each record's builder makes of the config (``Stage.inputs``: the stage's
+dataclass of fledge/stage_inputs.py): the stage receives exactly that, and its hashed fields are hashed
+(``stage_inputs.hashed``; fields that only lay the work out, run length and cadence are runtime;
+``Stage.done`` handles the length). ``run.force=[X]``
 clears X and runs it; its output is then new, so the stages after it see a changed input: the rebuildable
 ones rebuild, a costly one stops the run before anything runs unless it is forced too. A complete stage
 that is not selected and read an upstream output that has since been replaced is out of date: later
@@ -50,22 +50,23 @@ from fledge.models.target import target_fingerprint
 from fledge.owned import check_replaceable, remove_owned
 from fledge.pipeline.preflight import check_target_path
 from fledge.run_layout import RunLayout
-from fledge.stage_context import ConfigSlice, Reads, StageContext
+from fledge.stage_context import StageContext
+from fledge.stage_inputs import StageInputs, hashed
 
 log = logging.getLogger(__name__)
 SCHEMA_VERSION = 1
 STAGE_FIX = "move those files away, or pick another run.name or run.output_root (nothing was deleted)"
 
 
-def _always(cfg: Config) -> bool:
+def _always(inputs: StageInputs) -> bool:
     return True
 
 
-def _always_done(manifest: dict, cfg: Config) -> bool:
+def _always_done(manifest: dict, inputs: StageInputs) -> bool:
     return True
 
 
-def _no_check(cfg: Config) -> None:
+def _no_check(inputs: StageInputs) -> None:
     return None
 
 
@@ -74,30 +75,25 @@ class Stage:
     """One pipeline stage, as everything that handles stages reads it: the runner plans, hashes and runs it
     from this record, the schema's stage list is held to the records (tests/unit/pipeline/test_stages.py).
 
-    ``inputs(cfg)``: the config keys it reads (:class:`~fledge.stage_context.Reads`): it receives that slice of
-    the config, and the slice's hashed keys are hashed with the upstream hashes and versions. ``upstream``:
-    the stage whose output it reads (None for the first);
-    ``needs_upstream(cfg)`` False when this config does without it (online training reads the target live,
+    ``inputs(cfg)``: what it reads of the config (its dataclass of fledge/stage_inputs.py): it receives that,
+    and its hashed fields are hashed with the upstream hashes and versions. The hooks below are given the same
+    inputs. ``upstream``: the stage whose output it reads (None for the first);
+    ``needs_upstream(inputs)`` False when these inputs do without it (online training reads the target live,
     not capture's store). ``rebuild``: its output is rebuilt from upstream in minutes, so a changed input
-    starts it over instead of stopping the run. ``done(manifest, cfg)``: given its complete manifest, True
+    starts it over instead of stopping the run. ``done(manifest, inputs)``: given its complete manifest, True
     = nothing more to do, False = run again over its output (train asked for more steps), a ValueError = the
     config asks what this output cannot give. ``target_files``: the target's local files are an input.
-    ``check(cfg)``: what must hold
-    before it runs (a missing input file), called only when it will run."""
+    ``check(inputs)``: what must hold before it runs (a missing input file), called only when it will run."""
 
     name: str
     run: Callable[[StageContext], dict]
-    inputs: Callable[[Config], Reads]
+    inputs: Callable[[Config], StageInputs]
     upstream: str | None = None
-    needs_upstream: Callable[[Config], bool] = _always
+    needs_upstream: Callable[[Any], bool] = _always
     rebuild: bool = False
-    done: Callable[[dict, Config], bool] = _always_done
+    done: Callable[[dict, Any], bool] = _always_done
     target_files: bool = False
-    check: Callable[[Config], None] = _no_check
-
-    def config(self, cfg: Config) -> ConfigSlice:
-        """The slice of ``cfg`` this stage reads (and the runner hashes)."""
-        return ConfigSlice(cfg, self.inputs(cfg), self.name)
+    check: Callable[[Any], None] = _no_check
 
 
 class Refused(ValueError):
@@ -112,7 +108,7 @@ def stage_inputs(cfg: Config, stage: Stage, upstream_hashes: dict[str, str]) -> 
     payload = {
         "schema": SCHEMA_VERSION,
         "stage": stage.name,
-        "config": stage.config(cfg).hashed(),
+        "config": hashed(stage.inputs(cfg)),
         "upstream": dict(upstream_hashes),
         "versions": {"torch": torch.__version__.split("+")[0], "transformers": transformers.__version__},
     }
@@ -156,7 +152,7 @@ def run_stages(cfg: Config, world: World, stages: Sequence[Stage]) -> dict[str, 
             plans = plan_stages(cfg, stages, old, layout)
             for name, plan in plans.items():
                 if plan.action not in ("use", "skip"):
-                    by_name[name].check(cfg)
+                    by_name[name].check(by_name[name].inputs(cfg))
             decided = {"old": old, "plans": plans}
         except ValueError as e:
             decided = {"error": str(e)}
@@ -194,7 +190,7 @@ def run_stages(cfg: Config, world: World, stages: Sequence[Stage]) -> dict[str, 
         world.barrier()
         log.info("stage %s: running -> %s", name, stage_dir)
         t0 = time.time()
-        job = StageContext(by_name[name].config(cfg), world, layout, name, dict(manifests))
+        job = StageContext(by_name[name].inputs(cfg), world, layout, name, dict(manifests))
         outputs = by_name[name].run(job) or {}
         outputs, new_id = broadcast_object((outputs, uuid.uuid4().hex))  # rank 0's summary and id are recorded
         world.barrier()
@@ -243,7 +239,7 @@ def plan_stages(cfg: Config, stages: Sequence[Stage], old: dict[str, dict | None
                 ahead[name] = (m["inputs_hash"], output_id(m))
             continue
         up = stage.upstream
-        if up and up not in ahead and stage.needs_upstream(cfg):
+        if up and up not in ahead and stage.needs_upstream(stage.inputs(cfg)):
             raise ValueError(
                 f"stage '{name}' needs the output of '{up}', which is missing, incomplete or out of date (a stage "
                 f"before it ran again) in {layout.root}; add it to run.stages (e.g. run.stages=[{up},{name}])")
@@ -282,7 +278,7 @@ def _plan(cfg: Config, stage: Stage, m: dict | None, inputs: dict, h: str, read:
         if _only_an_upgrade(m, inputs, read, upgraded):
             why = (f"recorded by another version of Fledge or its libraries ({changes}); nothing the run computes "
                    "changed, so its output is kept and its manifest now records this version")
-            action = "skip" if m.get("complete") and stage.done(m, cfg) else "resume"
+            action = "skip" if m.get("complete") and stage.done(m, stage.inputs(cfg)) else "resume"
             return _Plan(action, inputs, h, why, upgraded=True)
         force = ",".join(s for s in order if s in cfg.run.force or s == name)
         raise ValueError(f"{name}: its inputs changed since it ran ({changes}); its output is kept: "
@@ -290,7 +286,7 @@ def _plan(cfg: Config, stage: Stage, m: dict | None, inputs: dict, h: str, read:
                          "run.name starts a separate run")
     if not m.get("complete"):
         return _Plan("resume", inputs, h, "incomplete: running it again over its own output")
-    if stage.done(m, cfg):
+    if stage.done(m, stage.inputs(cfg)):
         return _Plan("skip", inputs, h)
     return _Plan("resume", inputs, h, "complete, and this config asks for more: running it again over its output")
 

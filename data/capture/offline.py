@@ -26,6 +26,7 @@ import logging
 import shutil
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -267,7 +268,7 @@ def store_meta(t: TargetConfig, aux_dtype: str, target: FrozenTarget, prepare_ma
                           target.vocab_size, str(target.lm_head.weight.dtype), prepare_manifest)
 
 
-def describe_store(t: TargetConfig, aux_dtype: str, aux_layer_ids: list[int], num_layers: int, hidden_size: int,
+def describe_store(t: TargetConfig, aux_dtype: str, aux_layer_ids: Sequence[int], num_layers: int, hidden_size: int,
                    vocab_size: int, compute_dtype: str, prepare_manifest: dict | None) -> dict:
     """store_meta from the target's numbers (the vLLM path has no in-process model to read them from)."""
     n_aux = len(aux_layer_ids)
@@ -305,7 +306,7 @@ def _fresh_done_dir(work: Path, world: World) -> Path:
     return work / broadcast_object(name)
 
 
-def capture_engine(target_cfg: TargetConfig, cap: CaptureConfig, aux_layer_ids: list[int], world: World,
+def capture_engine(target_cfg: TargetConfig, cap: CaptureConfig, aux_layer_ids: Sequence[int], world: World,
                    prep: PrepareDir, out: CaptureDir, splits: list[str],
                    prepare_manifest: dict | None) -> tuple[dict, dict]:
     """``capture.engine=vllm``: every split through one vLLM run on this rank (data/capture/engine.py).
@@ -331,7 +332,7 @@ def capture_engine(target_cfg: TargetConfig, cap: CaptureConfig, aux_layer_ids: 
     return meta, per_split
 
 
-def capture(target_cfg: TargetConfig, cap: CaptureConfig, aux_layer_ids: list[int], world: World, prep: PrepareDir,
+def capture(target_cfg: TargetConfig, cap: CaptureConfig, aux_layer_ids: Sequence[int], world: World, prep: PrepareDir,
             out_dir: CaptureDir, prepare_manifest: dict | None, array_script: Path) -> dict:
     """Capture the states at ``aux_layer_ids`` of the target ``target_cfg`` names for every prepared split
     of ``prep`` into the feature stores of ``out_dir`` (``cap.mode=offline``); a no-op online.

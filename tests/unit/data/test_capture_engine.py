@@ -158,10 +158,11 @@ def test_config_keys():
 def test_capture_hashes_what_changes_the_store():
     """With engine=hf no engine key is hashed; the engine's python and patience never re-run a capture;
     switching the engine does."""
-    from fledge.pipeline.stages import STAGES
+    from fledge.pipeline.stages import capture_inputs
+    from fledge.stage_inputs import hashed as hashed_inputs
 
     def hashed(*overrides):
-        return STAGES["capture"].config(compose(["recipe=tiny", *overrides])).hashed()
+        return hashed_inputs(capture_inputs(compose(["recipe=tiny", *overrides])))
 
     hf = hashed()["capture"]
     assert not {"engine", "tensor_parallel_size", "engine_python", "engine_timeout_s"} & set(hf)

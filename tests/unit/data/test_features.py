@@ -16,7 +16,7 @@ from fledge.data.features.store import INDEX, STORE_MANIFEST, bytes_per_token
 from fledge.distributed import World
 from fledge.models.target import FrozenTarget
 from fledge.pipeline.runner import StageContext
-from fledge.pipeline.stages import capture as run_stage
+from fledge.pipeline.stages import capture as run_stage, capture_inputs
 from fledge.run_layout import RunLayout
 
 L, H, V, IDS = 6, 32, 96, [2, 3, 4]
@@ -58,7 +58,8 @@ def make_cfg(root: Path, name: str, dtype="bf16", shard_kb=8) -> Config:
 def capture(cfg: Config) -> Path:
     run_dir = Path(cfg.run.output_root) / cfg.run.name
     world = World(0, 1, 0, torch.device("cpu"))
-    ctx = StageContext(cfg, world, RunLayout(run_dir), "capture", {"prepare": {"inputs_hash": "x", "complete": True}})
+    up = {"prepare": {"inputs_hash": "x", "complete": True}}
+    ctx = StageContext(capture_inputs(cfg), world, RunLayout(run_dir), "capture", up)
     ctx.stage_dir.mkdir(parents=True, exist_ok=True)
     out = run_stage(ctx)
     assert out["train_samples"] == N_TRAIN and out["eval_samples"] == N_EVAL
@@ -272,13 +273,14 @@ def test_array_slices_merge_into_one_store(root, bf16_store):
     def run(slice_index, world):
         c = make_cfg(root, "sliced")
         c.run.stages, c.capture.num_slices, c.capture.slice_index = ["capture"], 3, slice_index
-        return run_stage(StageContext(c.validate(), world, RunLayout(run_dir), "capture", up))
+        return run_stage(StageContext(capture_inputs(c.validate()), world, RunLayout(run_dir), "capture", up))
 
     out = run(0, World(0, 1, 0, torch.device("cpu")))
     assert out["complete"] is False and out["train_samples"] == N_TRAIN // 3
     for rank in (1, 0):  # rank 0 records the slice once its own part is done: run it last
         run(2, _NoBarrierWorld(rank, 2, rank, torch.device("cpu")))
-    merge = StageContext(cfg.validate(), World(0, 1, 0, torch.device("cpu")), RunLayout(run_dir), "capture", up)
+    merge = StageContext(capture_inputs(cfg.validate()), World(0, 1, 0, torch.device("cpu")), RunLayout(run_dir),
+                         "capture", up)
     with pytest.raises(ValueError, match=r"slices 1 have not finished.*sbatch --array=1 .*capture_array.sbatch"):
         run_stage(merge)
     with pytest.raises(ValueError, match="no complete store.json"):

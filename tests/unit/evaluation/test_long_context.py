@@ -186,7 +186,7 @@ def test_missing_tiny_target_names_its_build_command():
     (testbed/hints.py); the libraries below say only that the path is missing."""
     from fledge.conf import compose
     from fledge.pipeline.preflight import check_target_path
-    from fledge.pipeline.stages import check_sources
+    from fledge.pipeline.stages import check_sources, prepare_inputs
 
     for path, cmd in ((".cache/tiny_target/long", "long`"), (".cache/tiny_target/llama", "`"),
                       (".cache/tiny_target/moe", "moe`")):
@@ -195,7 +195,7 @@ def test_missing_tiny_target_names_its_build_command():
         assert f"fledge tiny-target{' ' if cmd != '`' else ''}{cmd}" in str(e.value)
     cfg = compose(["recipe=tiny_long", "data.sources.0.path=/nonexistent/.cache/tiny_target/long_data/train.jsonl"])
     with pytest.raises(ValueError, match="fledge tiny-target long`"):  # recipe=tiny_long's data
-        check_sources(cfg)
+        check_sources(prepare_inputs(cfg))
     from fledge.data.prepare.sources import iter_rows
 
     with pytest.raises(ValueError, match="no such file or directory") as e:

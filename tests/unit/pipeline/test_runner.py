@@ -44,14 +44,15 @@ def calls(monkeypatch):
                 log.partial.pop()
                 return {"n": len(log), "complete": False}  # e.g. one slice of an array capture
             if stage == "train":
-                per_step = ctx.cfg.train.grad_accum * max(1, ctx.world.world_size // ctx.cfg.train.sequence_parallel)
-                steps = checkpoint.planned_steps(ctx.cfg.train.max_steps, ctx.cfg.train.epochs, 0, 0, per_step, 100)
+                t = ctx.inputs.train
+                per_step = t.grad_accum * max(1, ctx.world.world_size // t.sequence_parallel)
+                steps = checkpoint.planned_steps(t.max_steps, t.epochs, 0, 0, per_step, 100)
                 return {"n": len(log), "steps": steps, "global_batches_per_epoch": 100,
                         "global_batches_per_step": per_step}
             return {"n": len(log)}
         return run
 
-    log.fns = tuple(replace(stage, run=entry_for(stage.name), check=lambda cfg: None) for stage in stages.PIPELINE)
+    log.fns = tuple(replace(stage, run=entry_for(stage.name), check=lambda inputs: None) for stage in stages.PIPELINE)
     log.kill = log_kill
     log.partial = []
     return log

@@ -15,7 +15,7 @@ from fledge.models.drafter_checkpoint import RECORD, DrafterCheckpoint
 from fledge.models.families import rope_of
 from fledge.models.weights import read_tensors
 from fledge.pipeline.runner import StageContext
-from fledge.pipeline.stages import export as run_stage
+from fledge.pipeline.stages import export as run_stage, export_inputs
 from fledge.run_layout import RunLayout
 from fledge.serving.export import from_serving_state_dict, to_serving_state_dict, write_drafter
 from fledge.serving.lint import compose_recipe, has_errors, lint_drafter
@@ -149,7 +149,7 @@ class _World:
 
 
 def _ctx(cfg, run_dir, upstream) -> StageContext:
-    return StageContext(cfg, _World(), RunLayout(run_dir), "export", upstream)
+    return StageContext(export_inputs(cfg), _World(), RunLayout(run_dir), "export", upstream)
 
 
 def _checkpoint(path: Path, config: dict, trained: DrafterCheckpoint) -> Path:
@@ -178,7 +178,7 @@ def test_export_stage_writes_lints_and_summarises(tmp_path):
     # the config follows how the checkpoint was trained (spec), not the current drafter config
     bad_spec = dataclasses.replace(spec, norm_output=False)
     ckpt2 = _checkpoint(tmp_path / "run" / "train" / "bad", config, DrafterCheckpoint(bad_spec, step=1))
-    cfg.export.checkpoint = str(ckpt2)
+    ctx.inputs.export.checkpoint = str(ckpt2)
     summary2 = run_stage(ctx)
     assert json.loads((Path(summary2["drafter"]) / "config.json").read_text())["norm_output"] is False
 

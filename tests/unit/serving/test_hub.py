@@ -211,9 +211,10 @@ def test_the_publish_stage_pushes_after_eval_what_this_eval_measured(hub, tmp_pa
             if stage == "eval":
                 measured = ctx.upstream["export"]["outputs"]["drafter"]
                 (ctx.stage_dir / "report.json").write_text(json.dumps({"drafter": measured}))
-                return {"al_default": 2.0 + ctx.cfg.eval.num_prompts / 8}
+                return {"al_default": 2.0 + ctx.inputs.eval.num_prompts / 8}
             if stage == "train":
-                return {"steps": ctx.cfg.train.max_steps, "global_batches_per_epoch": 1, "global_batches_per_step": 1}
+                return {"steps": ctx.inputs.train.max_steps, "global_batches_per_epoch": 1,
+                        "global_batches_per_step": 1}
             return {}
         return run
 
@@ -242,9 +243,10 @@ def test_the_publish_stage_pushes_after_eval_what_this_eval_measured(hub, tmp_pa
 
 def test_publishing_needs_hf_token(monkeypatch, tmp_path):
     from fledge.conf import compose
+    from fledge.conf.schema import STAGES
     from fledge.pipeline.preflight import check_publish
 
     monkeypatch.delenv("HF_TOKEN", raising=False)
     with pytest.raises(ValueError, match="HF_TOKEN only"):
-        check_publish(compose(["recipe=tiny", "export.push_to_hub=true", "export.repo_id=org/x"]))
-    check_publish(compose(["recipe=tiny", "export.push_to_hub=true", "export.repo_id=org/x", "run.stages=[train]"]))
+        check_publish(compose(["recipe=tiny", "export.push_to_hub=true", "export.repo_id=org/x"]).export, STAGES)
+    check_publish(compose(["recipe=tiny", "export.push_to_hub=true", "export.repo_id=org/x"]).export, ["train"])
