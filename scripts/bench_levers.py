@@ -1,7 +1,7 @@
 """The sample-efficiency levers of the drafter recipe, measured on one captured store: every variant trains a drafter
 from the same batches in one process, with Fledge's own model, loss and feature loader (train/ttt_model.py,
 data/features/reader.py), the run's lr schedule (train/deepspeed_setup.py ``lr_lambda``) and the trainer's held-out
-evaluation (train/trainer.py ``evaluate``); only the optimizer, the lm_head, the clip, the schedule and the
+evaluation (train/held_out.py ``held_out_metrics``); only the optimizer, the lm_head, the clip, the schedule and the
 architecture flags named in VARIANTS differ. A hand-written loop, not DeepSpeed: so Muon and a frozen head fit in.
 
     fledge run recipe=tiny run.stages=[prepare,capture]            # the store (any recipe; SmolLM2: recipe=smollm2)
@@ -125,10 +125,11 @@ def train_variant(run: Path, name: str, seed: int, steps: int, tokens: int, devi
     from fledge.distributed import World
     from fledge.models.drafter import _MidLayer
     from fledge.models.weights import final_norm_name, read_tensors, weight_map
+    from fledge.pipeline.stages import train_inputs
     from fledge.progress import LineProgress, is_terminal, progress
     from fledge.run_layout import RunLayout
     from fledge.train.deepspeed_setup import lr_lambda
-    from fledge.train.trainer import evaluate
+    from fledge.train.held_out import held_out_metrics
     from fledge.train.ttt_model import build_ttt_model
 
     lever, layout = VARIANTS[name], RunLayout(run)
@@ -137,7 +138,7 @@ def train_variant(run: Path, name: str, seed: int, steps: int, tokens: int, devi
         ov.append(f"train.optim.warmup_steps={steps * lever['warmup_pct'] // 100}")
     cfg = load_config(run, ov)
     torch.manual_seed(seed)
-    model = build_ttt_model(cfg, layout.prepare.vocab, device)
+    model = build_ttt_model(train_inputs(cfg), layout.prepare.vocab, device)
     d = model.drafter
     if lever.get("nbr"):
         for m in d.modules():
@@ -152,7 +153,7 @@ def train_variant(run: Path, name: str, seed: int, steps: int, tokens: int, devi
         d.lm_head.weight.requires_grad_(False)
     params = [p for p in model.parameters() if p.requires_grad]
     opts = optimizers(model, cfg, lever)
-    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(cfg, steps)) for o in opts]
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(cfg.train.optim, steps)) for o in opts]
     clip = cfg.train.optim.grad_clip or math.inf
     train = FeatureLoader(layout.capture.store("train"), 0, 1, tokens, 1, seed, dtype=torch.float32)
     bar = progress(total=steps, desc=f"{name} seed {seed}", unit="step") if is_terminal() else \
@@ -176,8 +177,8 @@ def train_variant(run: Path, name: str, seed: int, steps: int, tokens: int, devi
         torch.cuda.synchronize()
     train_s = time.perf_counter() - t0
     heldout = FeatureLoader(layout.capture.store("eval"), 0, 1, tokens, 1, seed, dtype=torch.float32)
-    ev = evaluate(model, heldout, cfg, World(0, 1, 0, device), torch.float32)
     K = cfg.drafter.draft_steps()
+    ev = held_out_metrics(model, heldout, cfg.train.eval_batches, K, World(0, 1, 0, device), torch.float32)
     peer = [[0.0, 0.0] for _ in range(K)]
     for batch, counts in heldout.eval_batches(cfg.train.eval_batches):
         for k, (hits, rows) in enumerate(peer_full_acc(model, batch.to(device), K) if counts else []):

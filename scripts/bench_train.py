@@ -160,6 +160,7 @@ def _one(job: dict) -> dict:
     import torch
 
     from fledge.distributed import destroy_world, init_world
+    from fledge.pipeline.stages import train_inputs
     from fledge.train.deepspeed_setup import build_engine, use_bf16
 
     world = init_world()
@@ -181,9 +182,9 @@ def _one(job: dict) -> dict:
         destroy_world()
         return out
 
-    bf16 = use_bf16(cfg, world)
+    bf16 = use_bf16(cfg.deepspeed, world)
     dtype = torch.bfloat16 if bf16 else torch.float32
-    engine, _, _ = build_engine(model, cfg, world, total_steps=job["warmup"] + job["steps"])
+    engine, _, _ = build_engine(model, train_inputs(cfg), world, total_steps=job["warmup"] + job["steps"])
     model.cast_teacher(dtype)  # as the trainer does: DeepSpeed's bf16 casts parameters, not buffers
     batch = batch.to(world.device, dtype)
     sync = torch.cuda.synchronize if cuda else (lambda: None)

@@ -34,11 +34,12 @@ from typing import Any
 import torch
 
 from fledge.atomic import atomic_path, read_json, write_bytes_atomic, write_json_atomic
-from fledge.conf.schema import Config
+from fledge.conf.schema import OptimConfig, TrainConfig
 from fledge.distributed import World
 from fledge.models.algorithms import algorithm_of
 from fledge.models.drafter import DrafterSpec
-from fledge.models.drafter_checkpoint import DrafterCheckpoint
+from fledge.models.drafter_checkpoint import META, DrafterCheckpoint
+from fledge.stage_inputs import TrainInputs
 from fledge.train.deepspeed_setup import decay_progress, lr_lambda
 
 log = logging.getLogger(__name__)
@@ -54,18 +55,18 @@ def drafter_dir(ckpt_dir: Path, tag: str) -> Path:
     return ckpt_dir / tag / "drafter"
 
 
-def drafter_checkpoint(cfg: Config, spec: DrafterSpec) -> DrafterCheckpoint:
+def drafter_checkpoint(inputs: TrainInputs, spec: DrafterSpec) -> DrafterCheckpoint:
     """What each checkpoint says of the drafter with ``spec`` besides its weights: the target, and how it
     was trained (its step is filled in at each save)."""
-    d = cfg.drafter
+    d = inputs.drafter
     return DrafterCheckpoint(
-        spec, target={"name_or_path": cfg.target.name_or_path, "revision": cfg.target.revision},
-        training={"recipe": cfg.recipe, "loss": d.loss, "ttt_steps": d.ttt_steps, "step_weight": d.step_weight,
+        spec, target={"name_or_path": inputs.target.name_or_path, "revision": inputs.target.revision},
+        training={"recipe": inputs.recipe, "loss": d.loss, "ttt_steps": d.ttt_steps, "step_weight": d.step_weight,
                   "fc_norm": d.fc_norm, "norm_output": d.norm_output, "norm_before_fc": d.norm_before_fc,
                   "parallel_drafting": d.parallel_drafting, "algorithm": d.algorithm,
                   **({"block_size": d.block_size, "num_anchors": d.num_anchors, "position_decay": d.position_decay,
                       "num_draft_layers": d.num_draft_layers} if algorithm_of(spec).block else {}),
-                  "train": dataclasses.asdict(cfg.train)})
+                  "train": dataclasses.asdict(inputs.train)})
 
 
 def latest_tag(ckpt_dir: Path) -> str | None:
@@ -107,7 +108,7 @@ def planned_steps(max_steps: int, epochs: int, step: int, batches: int, per_step
     return max(1, step + max(0, epochs * batches_per_epoch - batches) // per_step)
 
 
-def resume_plan(state: dict, cfg: Config, per_step: int, batches_per_epoch: int) -> ResumePlan:
+def resume_plan(state: dict, t: TrainConfig, per_step: int, batches_per_epoch: int) -> ResumePlan:
     """The plan for a run whose last checkpoint's trainer.json is ``state`` ({} for a fresh run), taking
     ``per_step`` global batches per optimizer step now (grad_accum x data-parallel ranks), whatever the
     checkpoint's step size was.
@@ -115,8 +116,7 @@ def resume_plan(state: dict, cfg: Config, per_step: int, batches_per_epoch: int)
     ``train.max_steps`` counts optimizer steps, whatever their size. ``train.epochs`` counts data: the run
     ends when ``epochs`` x ``batches_per_epoch`` global batches are consumed, so after a change of step size
     the steps left are the batches left at the new size, and the lr decay goes on from where it was to the
-    new end (DeepSpeed restores the scheduler's step count; its end is the run's)."""
-    t = cfg.train
+    new end (DeepSpeed restores the scheduler's step count; its end is the run's). ``t``: the train section."""
     step = int(state.get("step", 0))
     # a trainer.json from before the data position was stored: assume today's step size, as resumes did then
     batches = int(state.get("batches", step * per_step))
@@ -125,26 +125,27 @@ def resume_plan(state: dict, cfg: Config, per_step: int, batches_per_epoch: int)
     decay_from = tuple(saved["decay_from"]) if saved and saved["decay_from"] else None
     moved = bool(saved) and total != saved["total"] and per_step != state["batches_per_step"]
     if moved and saved["count"] >= t.optim.warmup_steps:  # (during warmup the decay has not started)
-        decay_from = (saved["count"], decay_progress(cfg, saved["total"], saved["count"], decay_from))
-    note = schedule_note(cfg, saved, total, decay_from, step) if saved else None
+        decay_from = (saved["count"], decay_progress(t.optim, saved["total"], saved["count"], decay_from))
+    note = schedule_note(t.optim, saved, total, decay_from, step) if saved else None
     return ResumePlan(step, batches, total, decay_from, note)
 
 
-def schedule_note(cfg: Config, saved: dict, total: int, decay_from: tuple[int, float] | None, step: int) -> str | None:
+def schedule_note(o: OptimConfig, saved: dict, total: int, decay_from: tuple[int, float] | None,
+                  step: int) -> str | None:
     """What the resume message says when a longer (or shorter) run re-spans the lr schedule over its new length
     (docs/architecture.md, Resuming and changing a run): the steps trained ran under the old span, and the lr
     jumps at the resume (a finished cosine run's floor rises back up the curve). Kept deliberately: extending
     the old schedule instead would train every added step at its final lr (``min_lr_ratio`` x lr, 0 by default).
     None when the lr goes on as it was (same end, a constant schedule, the decay carried over a step size change)."""
-    count, lr = saved["count"], cfg.train.optim.lr
+    count, lr = saved["count"], o.lr
     old_decay = tuple(saved["decay_from"]) if saved["decay_from"] else None
-    before = lr * lr_lambda(cfg, saved["total"], old_decay)(count)
-    after = lr * lr_lambda(cfg, total, decay_from)(count)
+    before = lr * lr_lambda(o, saved["total"], old_decay)(count)
+    after = lr * lr_lambda(o, total, decay_from)(count)
     if math.isclose(before, after, rel_tol=1e-6, abs_tol=1e-12 * lr):
         return None
     return (f"train: the lr schedule ended at step {saved['total']} and the run now ends at step {total} "
             "(train.max_steps / train.epochs changed): the train.optim.schedule="
-            f"{cfg.train.optim.schedule} decay is recomputed over the new length, so the lr at step {count} goes "
+            f"{o.schedule} decay is recomputed over the new length, so the lr at step {count} goes "
             f"from {before:.3g} to {after:.3g}; the {step} steps trained so far ran under the {saved['total']}-step "
             "schedule (run.force=[train] trains the whole run under one)")
 
@@ -196,6 +197,22 @@ def promote_best(drafter: Path, best_dir: Path) -> None:
     """Copy a checkpoint's drafter checkpoint to best/ (rank 0), atomically."""
     with atomic_path(best_dir, "drafter-checkpoint") as tmp:
         shutil.copytree(drafter, tmp)
+
+
+def best_follows_state(ckpt_dir: Path, state: dict, best_dir: Path) -> None:
+    """best/ holds the drafter of the checkpoint's best step (rank 0, at a resume). A save that finds a new best
+    writes the checkpoint, ``latest`` naming it, and only then copies its drafter to best/: a run killed between
+    the two resumes with a state whose best is that step and a best/ that is still the one before (which export
+    and the manifest's ``best`` would then serve as the best); the copy is made now, from that checkpoint."""
+    step = state.get("best_step")
+    src = drafter_dir(ckpt_dir, tag_for(step)) if step is not None else None
+    if src is None or not src.is_dir():  # no best yet, or one promoted before a later checkpoint was saved
+        return
+    held = DrafterCheckpoint.read(best_dir).step if (best_dir / META).is_file() else None
+    if held != step:
+        log.warning("train: %s holds the drafter of step %s, the checkpoint's best is step %d (a run stopped between "
+                    "the two): copying it there", best_dir, held, step)
+        promote_best(src, best_dir)
 
 
 def to_universal(ckpt_dir: Path, tag: str, world: World) -> str:

@@ -1,6 +1,6 @@
-"""DeepSpeed engine from the typed config: ZeRO stage, offload, precision, AdamW, lr schedule.
+"""DeepSpeed engine from the train stage's inputs: ZeRO stage, offload, precision, AdamW, lr schedule.
 
-Batch sizes come from ``cfg.train`` only (each value lives once; no "auto", which only the
+Batch sizes come from ``inputs.train`` only (each value lives once; no "auto", which only the
 Hugging Face integration resolves). bf16 on CUDA, fp32 on CPU unless ``deepspeed.bf16=true`` asks for it
 on a CPU with native bf16 (models/precision.py decides; elsewhere it falls back to fp32 with a warning).
 """
@@ -13,30 +13,44 @@ from typing import Any
 
 import torch
 
-from fledge.conf.schema import Config
+from fledge.conf.schema import DeepSpeedConfig, OptimConfig
 from fledge.distributed import World
 from fledge.models.precision import compute_dtype
+from fledge.stage_inputs import TrainInputs
 
 log = logging.getLogger(__name__)
 
 
-def use_bf16(cfg: Config, world: World) -> bool:
+def use_bf16(ds: DeepSpeedConfig, world: World) -> bool:
     """Whether DeepSpeed trains in bf16 (and the batches are cast to it): ``deepspeed.bf16=auto`` means on
     CUDA only; ``true`` on a CPU without native bf16 means fp32, with a warning naming the key (emulated
     bf16 there is an order of magnitude slower than fp32)."""
-    mode = str(cfg.deepspeed.bf16).lower()
+    mode = str(ds.bf16).lower()
     if mode == "auto":
         return world.device.type == "cuda"
     if mode == "true":
         return compute_dtype(torch.bfloat16, world.device, "deepspeed.bf16=true") == torch.bfloat16
     if mode == "false":
         return False
-    raise ValueError(f"deepspeed.bf16={cfg.deepspeed.bf16!r}: expected auto | true | false")
+    raise ValueError(f"deepspeed.bf16={ds.bf16!r}: expected auto | true | false")
 
 
-def deepspeed_config(cfg: Config, world: World, load_universal: bool = False) -> dict[str, Any]:
-    """The DeepSpeed json, built from the typed config; ``deepspeed.extra`` is merged last."""
-    t, ds = cfg.train, cfg.deepspeed
+def training_dtype(ds: DeepSpeedConfig, world: World) -> torch.dtype:
+    """The dtype the drafter trains in and its batches are cast to (:func:`use_bf16`); ValueError for a setting
+    that would step the optimizer on a NaN batch's gradients."""
+    dtype = torch.bfloat16 if use_bf16(ds, world) else torch.float32
+    if ds.zero_stage == 0 and dtype == torch.float32:
+        # Measured (DeepSpeed 0.19.8): ZeRO 1-3, and bf16 at stage 0, skip a step whose gradient norm is
+        # not finite; fp32 at stage 0 hands the gradients to the optimizer as they are.
+        raise ValueError("deepspeed.zero_stage=0 in fp32 steps the optimizer on non-finite gradients, so a "
+                         "NaN batch would corrupt the drafter instead of being skipped; use "
+                         "deepspeed.zero_stage=1 (or deepspeed.bf16=true)")
+    return dtype
+
+
+def deepspeed_config(inputs: TrainInputs, world: World, load_universal: bool = False) -> dict[str, Any]:
+    """The DeepSpeed json, built from the train stage's inputs; ``deepspeed.extra`` is merged last."""
+    t, ds = inputs.train, inputs.deepspeed
     zero: dict[str, Any] = {"stage": ds.zero_stage}
     if ds.offload_optimizer:
         if ds.zero_stage == 0:
@@ -54,7 +68,7 @@ def deepspeed_config(cfg: Config, world: World, load_universal: bool = False) ->
         "train_batch_size": t.micro_batch_size * t.grad_accum * world.world_size,
         "gradient_clipping": t.optim.grad_clip,
         "zero_optimization": zero,
-        "bf16": {"enabled": use_bf16(cfg, world)},
+        "bf16": {"enabled": use_bf16(ds, world)},
         "steps_per_print": 10**9,  # we log ourselves
         "wall_clock_breakdown": False,
     }
@@ -72,10 +86,9 @@ def _merge(base: dict, extra: dict) -> dict:
     return base
 
 
-def lr_lambda(cfg: Config, total_steps: int, decay_from: tuple[int, float] | None = None):
+def lr_lambda(o: OptimConfig, total_steps: int, decay_from: tuple[int, float] | None = None):
     """Linear warmup, then cosine / linear decay to ``min_lr_ratio`` (or constant), as a function of the
-    scheduler's step. ``decay_from``: see :func:`decay_progress`."""
-    o = cfg.train.optim
+    scheduler's step (``o``: ``train.optim``). ``decay_from``: see :func:`decay_progress`."""
     warm = max(0, o.warmup_steps)
 
     def f(step: int) -> float:
@@ -83,7 +96,7 @@ def lr_lambda(cfg: Config, total_steps: int, decay_from: tuple[int, float] | Non
             return (step + 1) / warm
         if o.schedule == "constant" or total_steps <= warm:
             return 1.0
-        progress = decay_progress(cfg, total_steps, step, decay_from)
+        progress = decay_progress(o, total_steps, step, decay_from)
         decay = 0.5 * (1 + math.cos(math.pi * progress)) if o.schedule == "cosine" else 1 - progress
         return o.min_lr_ratio + (1 - o.min_lr_ratio) * decay
 
@@ -100,37 +113,37 @@ def gradient_divisor(engine) -> float:
     return engine.gradient_accumulation_steps() * engine.dp_world_size / engine.sequence_parallel_size
 
 
-def decay_progress(cfg: Config, total_steps: int, step: int, decay_from: tuple[int, float] | None = None) -> float:
+def decay_progress(o: OptimConfig, total_steps: int, step: int, decay_from: tuple[int, float] | None = None) -> float:
     """The fraction of the lr decay done at scheduler step ``step`` (1 at ``total_steps``). The decay runs
     from the end of warmup, or, with ``decay_from=(s, p)``, from fraction p at step s: a resume whose new
     step size moved the run's end (train/checkpoint.py ``resume_plan``) goes on from the lr it had."""
-    start, done = decay_from or (max(0, cfg.train.optim.warmup_steps), 0.0)
+    start, done = decay_from or (max(0, o.warmup_steps), 0.0)
     return min(1.0, done + (1 - done) * (step - start) / max(1, total_steps - start))
 
 
-def build_engine(model: torch.nn.Module, cfg: Config, world: World, total_steps: int,
+def build_engine(model: torch.nn.Module, inputs: TrainInputs, world: World, total_steps: int,
                  decay_from: tuple[int, float] | None = None, load_universal: bool = False):
     """Wrap ``model`` (whose trainable parameters are the drafter's) in a DeepSpeed engine; the lr schedule
     ends at ``total_steps`` (``decay_from``: see :func:`decay_progress`)."""
     import deepspeed
 
-    o = cfg.train.optim
+    o = inputs.train.optim
     if len(o.betas) != 2:
         raise ValueError(f"train.optim.betas={o.betas}: expected two values, e.g. [0.9, 0.95]")
     params = [p for p in model.parameters() if p.requires_grad]
-    if cfg.deepspeed.offload_optimizer:
+    if inputs.deepspeed.offload_optimizer:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         optimizer = DeepSpeedCPUAdam(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay,
                                      adamw_mode=True)
     else:
         optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_steps, decay_from))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(o, total_steps, decay_from))
     engine, optimizer, _, scheduler = deepspeed.initialize(
         model=model,
         optimizer=optimizer,
         lr_scheduler=scheduler,
-        config=deepspeed_config(cfg, world, load_universal),
+        config=deepspeed_config(inputs, world, load_universal),
         dist_init_required=False,
     )
     return engine, optimizer, scheduler

@@ -39,16 +39,16 @@ import time
 import torch
 
 from fledge import signals
-from fledge.conf.schema import Config
 from fledge.data.capture.sources import feature_sources
-from fledge.data.capture.stream import EngineFeatureSource, StreamInterrupted
-from fledge.distributed import World, all_reduce_sum, any_rank, sequence_groups
+from fledge.data.features.source import FeatureSource, StreamInterrupted
+from fledge.distributed import SequenceGroups, World, all_reduce_sum, any_rank, sequence_groups
 from fledge.models.alignment import StepAccuracy, al_estimate
-from fledge.models.drafter_checkpoint import META, DrafterCheckpoint
 from fledge.progress import progress
-from fledge.stage_context import StageContext
+from fledge.run_layout import RunLayout, TrainDir
+from fledge.stage_inputs import TrainInputs
 from fledge.train import checkpoint
-from fledge.train.deepspeed_setup import build_engine, gradient_divisor, use_bf16
+from fledge.train.deepspeed_setup import build_engine, gradient_divisor, training_dtype
+from fledge.train.held_out import held_out_metrics
 from fledge.train.metrics import MetricsLog, RatioMeter
 from fledge.train.sequence_parallel import SequenceParallel, check_heads
 from fledge.train.ttt_model import TTTModel, build_ttt_model
@@ -65,246 +65,260 @@ class Preempted(Exception):
         self.step = step
 
 
-def run_training(ctx: StageContext) -> dict:
-    """The train stage: build the TTT model and DeepSpeed engine, resume, train, checkpoint, evaluate."""
+def run_training(inputs: TrainInputs, world: World, layout: RunLayout) -> dict:
+    """The train stage: build the TTT model and this rank's feature sources, then :meth:`Trainer.fit`; the stage's
+    outputs (its manifest's, which pipeline/stages.py ``TrainOutputs`` and ``trained_enough`` read)."""
     with signals.held():  # SIGTERM (and Ctrl-C's SIGINT, a closed terminal's SIGHUP) is taken at a step boundary
-        return _train(ctx)
+        groups = sequence_groups(world, inputs.train.sequence_parallel)  # a bad size fails before any weight is read
+        model = build_ttt_model(inputs, layout.prepare.vocab, world.device)
+        spec = model.drafter.spec
+        check_heads(groups.size, spec.num_key_value_heads, spec.num_attention_heads)
+        dtype = training_dtype(inputs.deepspeed, world)
+        # a sequence-parallel group is one data-parallel rank: the global batch plan is the same as without it
+        source, held_out = feature_sources(inputs.target, inputs.capture, inputs.train, list(inputs.aux_layer_ids),
+                                           inputs.seed, layout, world, dtype, groups.dp_rank, groups.dp_size)
+        return Trainer(inputs, model, source, held_out, world, layout.train, groups, dtype).fit()
 
 
-def _train(ctx: StageContext) -> dict:
-    cfg, world = ctx.cfg, ctx.world
-    groups = sequence_groups(world, cfg.train.sequence_parallel)  # a bad size fails before any weight is read
-    model = build_ttt_model(cfg, ctx.layout.prepare.vocab, world.device)
-    spec = model.drafter.spec
-    check_heads(groups.size, spec.num_key_value_heads, spec.num_attention_heads)
-    seq = SequenceParallel(groups, cfg.drafter.ttt_steps) if groups.size > 1 else None
-    dtype = torch.bfloat16 if use_bf16(cfg, world) else torch.float32
-    if cfg.deepspeed.zero_stage == 0 and dtype == torch.float32:
-        # Measured (DeepSpeed 0.19.8): ZeRO 1-3, and bf16 at stage 0, skip a step whose gradient norm is
-        # not finite; fp32 at stage 0 hands the gradients to the optimizer as they are.
-        raise ValueError("deepspeed.zero_stage=0 in fp32 steps the optimizer on non-finite gradients, so a "
-                         "NaN batch would corrupt the drafter instead of being skipped; use "
-                         "deepspeed.zero_stage=1 (or deepspeed.bf16=true)")
-    # a sequence-parallel group is one data-parallel rank: the global batch plan is the same as without it
-    train_data, eval_data = feature_sources(cfg.target, cfg.capture, cfg.train, cfg.aux_layer_ids(), cfg.run.seed,
-                                           ctx.layout, ctx.world, dtype, groups.dp_rank, groups.dp_size)
-    per_step = cfg.train.grad_accum * groups.dp_size  # global batches per optimizer step
+class Trainer:
+    """Trains ``model`` under DeepSpeed on ``source``'s batches (``held_out``'s for evaluation), resumable exactly
+    from the checkpoints under ``paths`` (the module docstring says how). ``fit`` runs the stage: ``resume``, then
+    ``step`` after ``step`` with its logs, ``evaluate`` and ``save`` at the run's cadence."""
 
-    paths = ctx.layout.train
-    ckpt_dir = paths.checkpoints
-    tag = checkpoint.latest_tag(ckpt_dir)
-    state = checkpoint.trainer_state(ckpt_dir, tag) if tag else {"step": 0, "best_al": None, "best_step": None}
-    plan = checkpoint.resume_plan(state, cfg, per_step, train_data.global_batches_per_epoch)
-    total = plan.total
-    # the resumed checkpoint's weights are the run's last until it saves another (it may have nothing left to do)
-    last_drafter_dir = checkpoint.drafter_dir(ckpt_dir, tag) if tag else None
-    universal = bool(tag) and state["world_size"] != world.world_size
-    if universal:
-        tag = checkpoint.to_universal(ckpt_dir, tag, world)
-    engine, _, scheduler = build_engine(model, cfg, world, total, plan.decay_from, load_universal=universal)
-    model.cast_teacher(dtype)
-    if tag:
-        path, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag)
+    def __init__(self, inputs: TrainInputs, model: TTTModel, source: FeatureSource, held_out: FeatureSource,
+                 world: World, paths: TrainDir, groups: SequenceGroups, dtype: torch.dtype) -> None:
+        self.inputs, self.model, self.source, self.held_out = inputs, model, source, held_out
+        self.world, self.paths, self.groups, self.dtype = world, paths, groups, dtype
+        self.seq = SequenceParallel(groups, inputs.drafter.ttt_steps) if groups.size > 1 else None
+        self.per_step = inputs.train.grad_accum * groups.dp_size  # global batches per optimizer step
+        self.drafter_ckpt = checkpoint.drafter_checkpoint(inputs, model.drafter.spec)
+        self.state: dict = {}  # trainer.json's (train/checkpoint.py): data position, best so far, skipped steps
+        self.plan: checkpoint.ResumePlan | None = None
+        self.engine = self.scheduler = None
+        self.steps_done = self.total = 0  # optimizer steps done; the step the run ends at
+        self.saved: int | None = None  # the step of the newest checkpoint
+        self.last_drafter_dir = None  # its drafter checkpoint
+        self.divisor = 1.0  # micro-batch losses per optimizer step (deepspeed_setup.gradient_divisor)
+        self.meter, self.tokens, self.t_log = RatioMeter(), 0, time.time()  # since the last metrics line
+        self.nonfinite_run = self.skipped = 0  # skipped steps: in a row, in all
+        self.metrics_log: MetricsLog | None = None
+        self.bar = None
+
+    # ------------------------------------------------------------------------------------------ the run
+    def fit(self) -> dict:
+        """Resume, then train to the run's end; the stage's outputs. ``Preempted`` (a checkpoint written) when a
+        stop signal arrives; the sources are closed however the run ends."""
+        try:
+            self.resume()
+            self._start()
+            while self.steps_done < self.total:
+                self.step()
+                self._after_step()
+            if any_rank(signals.stopping()):  # during the last step: its checkpoint is written, the stages after wait
+                raise Preempted(self.steps_done)
+        finally:
+            self._close()
+        return self.outputs()
+
+    def resume(self) -> None:
+        """Build the DeepSpeed engine at the newest checkpoint, on any world size and grad_accum (train/checkpoint.py
+        ``resume_plan``; DeepSpeed's universal format when the world changed), or fresh; seek the source to the
+        checkpoint's data position."""
+        ckpt_dir, world = self.paths.checkpoints, self.world
+        tag = checkpoint.latest_tag(ckpt_dir)
+        self.state = checkpoint.trainer_state(ckpt_dir, tag) if tag else {"step": 0, "best_al": None, "best_step": None}
+        plan = self.plan = checkpoint.resume_plan(self.state, self.inputs.train, self.per_step,
+                                                  self.source.global_batches_per_epoch)
+        self.steps_done, self.total = plan.step, plan.total
+        # the resumed checkpoint's weights are the run's last until it saves another (it may have nothing left to do)
+        self.last_drafter_dir = checkpoint.drafter_dir(ckpt_dir, tag) if tag else None
+        universal = bool(tag) and self.state["world_size"] != world.world_size
+        if universal:
+            tag = checkpoint.to_universal(ckpt_dir, tag, world)
+        self.engine, _, self.scheduler = build_engine(self.model, self.inputs, world, plan.total, plan.decay_from,
+                                                      load_universal=universal)
+        self.model.cast_teacher(self.dtype)
+        if tag:
+            self._load(tag)
+        # the run ends after total - step more steps of per_step global batches (an engine streams exactly those)
+        self.source.seek(plan.batches, end=plan.batches + (plan.total - plan.step) * self.per_step)
+        self._warn_step_size(bool(tag))
+        self.divisor = gradient_divisor(self.engine)
+        self.saved = plan.step if tag else None
+        self.skipped = int(self.state.get("skipped", 0))
+
+    def step(self) -> None:
+        """One optimizer step: ``train.grad_accum`` micro-batches on every data-parallel rank, the loss the mean over
+        all their rows (train/losses ``step_denominators``); a non-finite loss skips the step on every rank (its
+        NaN scale makes DeepSpeed discard the step's gradients). ``Preempted`` at the step boundary on SIGTERM."""
+        w, engine = self.world, self.engine
+        torch.manual_seed(self.inputs.seed * 1_000_003 + self.steps_done * w.world_size + w.rank)
+        micro = [(g, self.seq.split(b) if self.seq else b) for g, b in self._read_step()]  # this rank's rows
+        denominators = self.model.step_denominators([b for _, b in micro], self.divisor)
+        meter, tokens, nonfinite = RatioMeter(), 0, []
+        for _, batch in micro:
+            out = engine(batch.to(w.device, self.dtype), denominators)
+            bad = ~torch.isfinite(out.loss.detach())
+            # Skipping this backward would move DeepSpeed's accumulation boundary (the next micro-batch
+            # would close this step); a NaN scale instead makes sure the step's gradient is non-finite
+            # even where this loss's would not be, so DeepSpeed discards the whole step. x1 is exact.
+            engine.backward(out.loss * torch.where(bad, float("nan"), 1.0))
+            engine.step()
+            # kept apart until the step is known to count. "loss": the mean over the step's grad_accum x
+            # world micro-batch losses, which is the objective the step optimised (gradient_divisor)
+            meter.add({**out.metrics, "loss": (out.loss.detach(), 1.0)})
+            tokens += batch.num_tokens
+            nonfinite.append(bad)
+        self._count_step(meter, tokens, [g for g, _ in micro], nonfinite)
+        self.steps_done += 1
+        self.bar.update(1)
+
+    def evaluate(self) -> dict[str, float] | None:
+        """The held-out metrics at this step (train/held_out.py), logged; a better AL estimate becomes the best, which
+        the next :meth:`save` copies to best/. None when SIGTERM cut the evaluation short (on every rank: skipped)."""
+        t = self.inputs
+        try:
+            ev = held_out_metrics(self.engine, self.held_out, t.train.eval_batches, t.drafter.draft_steps(), self.world,
+                                  self.dtype, self.seq)
+        except StreamInterrupted:
+            log.warning("step %d: SIGTERM during the held-out evaluation; it is skipped", self.steps_done)
+            return None
+        if self.metrics_log:
+            self.metrics_log.write({"step": self.steps_done, **ev})
+        if self.state["best_al"] is None or ev["eval/al_estimate"] > self.state["best_al"]:
+            self.state.update(best_al=ev["eval/al_estimate"], best_step=self.steps_done, best_pending=True)
+        return ev
+
+    def save(self, position: int) -> None:
+        """A checkpoint at this step whose data position is global batch ``position``, its drafter copied to best/
+        when this step is the best so far; every rank calls."""
+        schedule = {"total": self.total, "count": self.scheduler.last_epoch, "decay_from": self.plan.decay_from}
+        self.state.update(skipped=self.skipped, batches=position, batches_per_step=self.per_step, schedule=schedule)
+        self.last_drafter_dir = checkpoint.save(self.engine, self.world, self.paths.checkpoints, self.steps_done,
+                                                {k: v for k, v in self.state.items() if k != "best_pending"},
+                                                self.drafter_ckpt, TTTModel.PREFIX, self.inputs.train.keep_last)
+        if self.state.pop("best_pending", False) and self.world.is_main:
+            checkpoint.promote_best(self.last_drafter_dir, self.paths.best)
+        self.world.barrier()
+        self.saved = self.steps_done
+
+    def outputs(self) -> dict:
+        """The train stage's manifest outputs (pipeline/stages.py ``TrainOutputs`` and ``trained_enough`` read them),
+        with what the source records of itself (a stream's engine waits and starts)."""
+        last, best = self.last_drafter_dir, self.paths.best
+        return {"steps": self.steps_done, "last": str(last), "best": str(best if best.exists() else last),
+                "best_step": self.state["best_step"], "best_al_estimate": self.state["best_al"],
+                "skipped_steps": self.skipped, "global_batches": self.source.position,
+                "global_batches_per_epoch": self.source.global_batches_per_epoch,
+                "global_batches_per_step": self.per_step, **self.source.stats()}
+
+    # ------------------------------------------------------------------------------------------ its parts
+    def _load(self, tag: str) -> None:
+        """Load checkpoint ``tag`` into the engine; rank 0 says what the resume changed and puts best/ right."""
+        ckpt_dir, plan = self.paths.checkpoints, self.plan
+        path, _ = self.engine.load_checkpoint(str(ckpt_dir), tag=tag)
         if path is None:
             raise ValueError(f"could not load checkpoint {ckpt_dir / tag}; delete {ckpt_dir} to start over")
         log.info("resumed from %s at step %d, global batch %d (saved by %d ranks)", tag, plan.step, plan.batches,
-                 state["world_size"])
-        if plan.note and world.is_main:
-            log.warning(plan.note)
-        if world.is_main:
-            _best_follows_state(ckpt_dir, state, paths.best)
-    step = plan.step
-    # the run ends after total - step more steps of per_step global batches (an engine streams exactly those)
-    train_data.seek(plan.batches, end=plan.batches + (total - step) * per_step)
-    was = state.get("batches_per_step")
-    if tag and was and was != per_step and world.is_main:
-        log.warning("train: the optimizer step now takes %d global batches (train.grad_accum=%d x %d data-parallel "
-                    "ranks) where the checkpoint's took %d: the run goes on from global batch %d with steps of the "
-                    "new size; set train.grad_accum to keep the old one", per_step, cfg.train.grad_accum,
-                    groups.dp_size, was, plan.batches)
-    divisor = gradient_divisor(engine)
+                 self.state["world_size"])
+        if self.world.is_main:
+            if plan.note:
+                log.warning(plan.note)
+            checkpoint.best_follows_state(ckpt_dir, self.state, self.paths.best)
 
-    metrics_log = None
-    if world.is_main:
-        metrics_log = MetricsLog(paths.metrics, step, cfg.logging, cfg.run.name,
-                                 {"recipe": cfg.recipe, "drafter": vars(cfg.drafter), "train": vars(cfg.train)})
-    for source in (train_data, eval_data):  # a wait for a streaming engine's batch ends on SIGTERM
-        if isinstance(source, EngineFeatureSource):
-            source.stop_requested = signals.stopping
-    saved = plan.step if tag else None  # the step of the newest checkpoint
+    def _warn_step_size(self, resumed: bool) -> None:
+        was = self.state.get("batches_per_step")
+        if resumed and was and was != self.per_step and self.world.is_main:
+            log.warning("train: the optimizer step now takes %d global batches (train.grad_accum=%d x %d data-parallel "
+                        "ranks) where the checkpoint's took %d: the run goes on from global batch %d with steps of the "
+                        "new size; set train.grad_accum to keep the old one", self.per_step,
+                        self.inputs.train.grad_accum, self.groups.dp_size, was, self.plan.batches)
 
-    def save(position: int) -> None:
-        """A checkpoint at ``step`` whose data position is global batch ``position``; every rank calls."""
-        nonlocal last_drafter_dir, saved
-        state.update(skipped=skipped, batches=position, batches_per_step=per_step,
-                     schedule={"total": total, "count": scheduler.last_epoch, "decay_from": plan.decay_from})
-        last_drafter_dir = checkpoint.save(engine, world, ckpt_dir, step,
-                                           {k: v for k, v in state.items() if k != "best_pending"},
-                                           drafter_ckpt, TTTModel.PREFIX, cfg.train.keep_last)
-        if state.pop("best_pending", False) and world.is_main:
-            checkpoint.promote_best(last_drafter_dir, paths.best)
-        world.barrier()
-        saved = step
+    def _start(self) -> None:
+        """The metrics log and progress bar from the resumed step; a wait for a streaming engine's batch ends on
+        SIGTERM."""
+        t = self.inputs
+        if self.world.is_main:
+            self.metrics_log = MetricsLog(self.paths.metrics, self.steps_done, t.logging, t.run_name,
+                                          {"recipe": t.recipe, "drafter": vars(t.drafter), "train": vars(t.train)})
+        for source in (self.source, self.held_out):
+            source.stop_when(signals.stopping)
+        self.bar = progress(total=self.total, initial=self.steps_done, desc="train", disable=not self.world.is_main)
+        self.t_log = time.time()
 
-    meter, tokens, nonfinite_run, skipped = RatioMeter(), 0, 0, int(state.get("skipped", 0))
-    bar = progress(total=total, initial=step, desc="train", disable=not world.is_main)
-    t_log = time.time()
-    drafter_ckpt = checkpoint.drafter_checkpoint(cfg, model.drafter.spec)
-    try:
-        while step < total:
-            torch.manual_seed(cfg.run.seed * 1_000_003 + step * world.world_size + world.rank)
-            step_meter, step_tokens, positions, nonfinite = RatioMeter(), 0, [], []
-            start = train_data.position
-            try:
-                micro = [train_data.next_batch() for _ in range(cfg.train.grad_accum)]
-            except StreamInterrupted:
-                micro = None
-            if any_rank(micro is None or signals.stopping()):  # the step boundary: no rank runs this step
-                if saved != step:
-                    save(start)
-                raise Preempted(step)
-            micro = [(g, seq.split(b) if seq else b) for g, b in micro]  # this rank's rows, before the device
-            # the step's loss is the mean over all its rows, on every rank (train/losses step_denominators)
-            denominators = model.step_denominators([b for _, b in micro], divisor)
-            for position, batch in micro:
-                out = engine(batch.to(world.device, dtype), denominators)
-                bad = ~torch.isfinite(out.loss.detach())
-                # Skipping this backward would move DeepSpeed's accumulation boundary (the next micro-batch
-                # would close this step); a NaN scale instead makes sure the step's gradient is non-finite
-                # even where this loss's would not be, so DeepSpeed discards the whole step. x1 is exact.
-                engine.backward(out.loss * torch.where(bad, float("nan"), 1.0))
-                engine.step()
-                # kept apart until the step is known to count. "loss": the mean over the step's grad_accum x
-                # world micro-batch losses, which is the objective the step optimised (gradient_divisor)
-                step_meter.add({**out.metrics, "loss": (out.loss.detach(), 1.0)})
-                step_tokens += batch.num_tokens
-                positions.append(position)
-                nonfinite.append(bad)
-            applied = engine.was_step_applied()  # the same on every rank: the gradient norm is global
-            if any_rank(torch.stack(nonfinite)) and applied:
-                raise RuntimeError(f"DeepSpeed applied step {step} although a loss was non-finite; this trainer "
-                                   "relies on DeepSpeed skipping steps whose gradient norm is not finite")
-            if applied:
-                nonfinite_run = 0
-                meter.add(step_meter.sums)
-                tokens += step_tokens
-            else:
-                nonfinite_run += 1
-                skipped += 1
-                here = [g for g, b in zip(positions, nonfinite) if bool(b)]
-                log.warning("step %d skipped (no update): %s", step,
-                            f"non-finite loss at global batch {here}" if here else "non-finite loss or gradient")
-                if nonfinite_run >= cfg.train.max_nonfinite:
-                    # The user's settings or data, not a bug: a ValueError is one line and exit code 2.
-                    raise ValueError(
-                        f"{nonfinite_run} optimizer steps in a row skipped for non-finite losses or gradients (limit "
-                        f"train.max_nonfinite={cfg.train.max_nonfinite}), the last at step {step} (global batches "
-                        f"{positions} on rank {world.rank}): training diverged. Lower train.optim.lr and start the "
-                        "stage over with run.force=[train]; if the loss was finite before, check the features of "
-                        "those batches")
-            step += 1
-            bar.update(1)
-            if step % cfg.train.log_every == 0 or step == total:
-                values = meter.reduce()
-                n_tok = float(all_reduce_sum(torch.tensor([float(tokens)]))[0])
-                now = time.time()
-                record = {"step": step, "lr": scheduler.get_last_lr()[0], "grad_norm": _grad_norm(engine),
-                          "tokens_per_s": n_tok / max(1e-9, now - t_log), "skipped": skipped, **values,
-                          "al_estimate": al_estimate(StepAccuracy.from_values(values, cfg.drafter.draft_steps()))}
-                tokens, t_log = 0, now
-                if metrics_log:
-                    metrics_log.write(record)
-                    bar.set_postfix(loss=f"{values.get('loss', float('nan')):.3f}",
-                                    al=f"{record['al_estimate']:.2f}")
-            is_eval = step % cfg.train.eval_every == 0 or step == total
-            cut_short = False
-            if is_eval:
-                try:
-                    ev = evaluate(engine, eval_data, cfg, world, dtype, seq)
-                except StreamInterrupted:  # on every rank (evaluate agrees on it): this eval is skipped
-                    cut_short = True
-                    log.warning("step %d: SIGTERM during the held-out evaluation; it is skipped", step)
-                else:
-                    if metrics_log:
-                        metrics_log.write({"step": step, **ev})
-                    if state["best_al"] is None or ev["eval/al_estimate"] > state["best_al"]:
-                        state.update(best_al=ev["eval/al_estimate"], best_step=step, best_pending=True)
-            if step % cfg.train.save_every == 0 or step == total or cut_short or state.get("best_pending"):
-                save(train_data.position)
-            if cut_short:
-                raise Preempted(step)
-        if any_rank(signals.stopping()):  # during the last step: its checkpoint is written, the stages after it wait
-            raise Preempted(step)
-    finally:
-        for source in (train_data, eval_data):  # an engine streaming states (data/capture/stream.py) ends here
-            getattr(source, "close", lambda: None)()
-        bar.close()
-        if metrics_log:
-            metrics_log.close()
-    return {"steps": step, "last": str(last_drafter_dir),
-            "best": str(paths.best if paths.best.exists() else last_drafter_dir),
-            "best_step": state["best_step"], "best_al_estimate": state["best_al"], "skipped_steps": skipped,
-            "global_batches": train_data.position, "global_batches_per_epoch": train_data.global_batches_per_epoch,
-            "global_batches_per_step": per_step,
-            **({"engine_wait_s": round(train_data.wait_s, 3), "engine_starts": train_data.engine_starts}
-               if hasattr(train_data, "wait_s") else {})}
+    def _close(self) -> None:
+        for source in (self.source, self.held_out):  # an engine streaming states (data/capture/stream.py) ends here
+            source.close()
+        if self.bar is not None:
+            self.bar.close()
+        if self.metrics_log:
+            self.metrics_log.close()
 
-
-@torch.no_grad()
-def evaluate(engine, data, cfg: Config, world: World, dtype: torch.dtype, seq=None) -> dict[str, float]:
-    """Teacher-forced held-out metrics over ``train.eval_batches`` global batches, split over the
-    data-parallel ranks (``data.eval_batches``), so the same on any world size (``seq``: the rank's
-    ``SequenceParallel``, which splits each batch over its group)."""
-    meter = RatioMeter()
-    engine.eval()
-    try:
-        for batch, counts in _agreed(data.eval_batches(cfg.train.eval_batches)):
-            metrics = engine((seq.split(batch) if seq else batch).to(world.device, dtype)).metrics
-            if not counts:  # a filler forward: zeros under the same names, which reduce() all-reduces on every rank
-                metrics = {k: (torch.zeros_like(num), torch.zeros_like(torch.as_tensor(den))) for k, (num, den) in
-                           metrics.items()}
-            meter.add(metrics)
-    finally:
-        engine.train()
-    values = meter.reduce()
-    values = {f"eval/{k}": v for k, v in values.items()}
-    accuracy = StepAccuracy.from_values(values, cfg.drafter.draft_steps(), prefix="eval/")
-    values["eval/al_estimate"] = al_estimate(accuracy)
-    return values
-
-
-def _agreed(batches):
-    """``batches``, each once every rank has its own (their forwards may be collectives: ZeRO-3 gathers); a
-    StreamInterrupted on every rank as soon as any rank was told to stop (SIGTERM: a stream's read cut short, or a
-    flag between batches of a store's, so a long held-out set never outlasts the grace period). Every rank reads as
-    many held-out batches (padded), so all of them reach the end together."""
-    it = iter(batches)
-    while True:
+    def _read_step(self) -> list:
+        """This rank's micro-batches of the step, as (global batch, batch). The step boundary: when any rank was told
+        to stop, no rank runs the step; the steps trained are checkpointed at the step's start and ``Preempted``."""
+        start = self.source.position
         try:
-            item = next(it)
-        except StopIteration:
-            return
+            micro = [self.source.next_batch() for _ in range(self.inputs.train.grad_accum)]
         except StreamInterrupted:
-            item = None
-        if any_rank(item is None or signals.stopping()):
-            raise StreamInterrupted("SIGTERM during the held-out evaluation")
-        yield item
+            micro = None
+        if any_rank(micro is None or signals.stopping()):
+            if self.saved != self.steps_done:
+                self.save(start)
+            raise Preempted(self.steps_done)
+        return micro
 
+    def _count_step(self, meter: RatioMeter, tokens: int, positions: list[int], nonfinite: list) -> None:
+        """Count the step just run: its metrics and tokens when DeepSpeed applied it, else a skipped step, and a
+        ValueError once ``train.max_nonfinite`` were skipped in a row."""
+        applied = self.engine.was_step_applied()  # the same on every rank: the gradient norm is global
+        if any_rank(torch.stack(nonfinite)) and applied:
+            raise RuntimeError(f"DeepSpeed applied step {self.steps_done} although a loss was non-finite; this trainer "
+                               "relies on DeepSpeed skipping steps whose gradient norm is not finite")
+        if applied:
+            self.nonfinite_run = 0
+            self.meter.add(meter.sums)
+            self.tokens += tokens
+            return
+        self.nonfinite_run += 1
+        self.skipped += 1
+        here = [g for g, b in zip(positions, nonfinite) if bool(b)]
+        log.warning("step %d skipped (no update): %s", self.steps_done,
+                    f"non-finite loss at global batch {here}" if here else "non-finite loss or gradient")
+        limit = self.inputs.train.max_nonfinite
+        if self.nonfinite_run >= limit:
+            # The user's settings or data, not a bug: a ValueError is one line and exit code 2.
+            raise ValueError(
+                f"{self.nonfinite_run} optimizer steps in a row skipped for non-finite losses or gradients (limit "
+                f"train.max_nonfinite={limit}), the last at step {self.steps_done} (global batches {positions} on "
+                f"rank {self.world.rank}): training diverged. Lower train.optim.lr and start the stage over with "
+                "run.force=[train]; if the loss was finite before, check the features of those batches")
 
-def _best_follows_state(ckpt_dir, state: dict, best_dir) -> None:
-    """best/ holds the drafter of the checkpoint's best step (rank 0, at a resume). A save that finds a new best
-    writes the checkpoint, ``latest`` naming it, and only then copies its drafter to best/: a run killed between
-    the two resumes with a state whose best is that step and a best/ that is still the one before (which export
-    and the manifest's ``best`` would then serve as the best); the copy is made now, from that checkpoint."""
-    step = state.get("best_step")
-    src = checkpoint.drafter_dir(ckpt_dir, checkpoint.tag_for(step)) if step is not None else None
-    if src is None or not src.is_dir():  # no best yet, or one promoted before a later checkpoint was saved
-        return
-    held = DrafterCheckpoint.read(best_dir).step if (best_dir / META).is_file() else None
-    if held != step:
-        log.warning("train: %s holds the drafter of step %s, the checkpoint's best is step %d (a run stopped between "
-                    "the two): copying it there", best_dir, held, step)
-        checkpoint.promote_best(src, best_dir)
+    def _after_step(self) -> None:
+        """The run's cadence after a step: the metrics line, the held-out evaluation, the checkpoint (also at a new
+        best, and when SIGTERM cut the evaluation short: then ``Preempted``)."""
+        t, step = self.inputs.train, self.steps_done
+        last = step == self.total
+        if step % t.log_every == 0 or last:
+            self._log_metrics()
+        cut_short = (step % t.eval_every == 0 or last) and self.evaluate() is None
+        if step % t.save_every == 0 or last or cut_short or self.state.get("best_pending"):
+            self.save(self.source.position)
+        if cut_short:
+            raise Preempted(step)
+
+    def _log_metrics(self) -> None:
+        """One metrics line over the steps since the last (all ranks reduce; rank 0 writes)."""
+        values = self.meter.reduce()
+        n_tok = float(all_reduce_sum(torch.tensor([float(self.tokens)]))[0])
+        now = time.time()
+        record = {"step": self.steps_done, "lr": self.scheduler.get_last_lr()[0], "grad_norm": _grad_norm(self.engine),
+                  "tokens_per_s": n_tok / max(1e-9, now - self.t_log), "skipped": self.skipped, **values,
+                  "al_estimate": al_estimate(StepAccuracy.from_values(values, self.inputs.drafter.draft_steps()))}
+        self.tokens, self.t_log = 0, now
+        if self.metrics_log:
+            self.metrics_log.write(record)
+            self.bar.set_postfix(loss=f"{values.get('loss', float('nan')):.3f}", al=f"{record['al_estimate']:.2f}")
 
 
 def _grad_norm(engine) -> float:

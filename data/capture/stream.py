@@ -24,10 +24,10 @@ training engine holds. So the leader stops its training engine before an evaluat
 training batch starts it again at the data position (an evaluation runs between optimizer steps, so at a step's
 start, where a restarted shared engine begins anyway).
 
-SIGTERM ends every wait for a batch at once (``stop_requested``, the trainer's flag): ``StreamInterrupted``, and no
-engine is started after it. Under Slurm the engines get the job's SIGTERM too; restarting one and waiting for it to
-load would outlast the grace the trainer has to checkpoint. The trainer takes it as a step boundary
-(train/trainer.py).
+SIGTERM ends every wait for a batch at once (``stop_requested``, the trainer's flag, set by ``stop_when``):
+``StreamInterrupted``, and no engine is started after it. Under Slurm the engines get the job's SIGTERM too;
+restarting one and waiting for it to load would outlast the grace the trainer has to checkpoint. The trainer takes
+it as a step boundary (train/trainer.py).
 
 On a cluster the engines run on GPUs of their own: ``capture.engine_launcher`` is the command prefix each
 engine's driver starts under (``srun --het-group=1 ...`` in the heterogeneous job of pipeline/slurm/submit.py;
@@ -65,6 +65,7 @@ from fledge.data.capture.engine import (
 )
 from fledge.data.features.packing import collate
 from fledge.data.features.reader import BatchIterator
+from fledge.data.features.source import StreamInterrupted
 from fledge.data.features.store import decode_aux, encode_sample
 from fledge.engine_process import keep_log
 
@@ -98,11 +99,6 @@ class StreamSpec:
     expert_parallel: bool = False  # capture.expert_parallel: MoE experts over those GPUs
 
 
-class StreamInterrupted(Exception):
-    """SIGTERM arrived while this rank waited for a batch (``EngineFeatureSource.stop_requested``): the wait was given
-    up, and no engine started."""
-
-
 EVAL_KEY = 10_000_000  # the k-th evaluation's batches are keyed k * EVAL_KEY + g: keys grow in every spool
 
 
@@ -117,8 +113,8 @@ class EngineFeatureSource(BatchIterator):
     by key and drops keys below the one it waits for (batches a restarted engine made again).
 
     ``displaces``: the source whose engine this one's evaluations take the place of (the held-out split's, the
-    training split's). ``stop_requested``: the trainer's SIGTERM flag; once true, a wait for a batch raises
-    StreamInterrupted and no engine is started."""
+    training split's). ``stop_requested``: the trainer's SIGTERM flag (``stop_when`` sets it); once true, a wait for a
+    batch raises StreamInterrupted and no engine is started."""
 
     def __init__(self, dataset_dir: str | Path, spec: StreamSpec, rank: int, world: int, row_tokens: int,
                  rows_per_batch: int, seed: int, end: int | None = None, name: str = "train",
@@ -220,6 +216,12 @@ class EngineFeatureSource(BatchIterator):
     def seek(self, position: int, end: int | None = None) -> None:
         super().seek(position, end)
         self._steps_from = self.position
+
+    def stop_when(self, stopping: Callable[[], bool]) -> None:
+        self.stop_requested = stopping
+
+    def stats(self) -> dict[str, float | int]:
+        return {"engine_wait_s": round(self.wait_s, 3), "engine_starts": self.engine_starts}
 
     # -- reading a rank's spool ---------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from fledge.atomic import read_json, sha256_file
 from fledge.conf.schema import TargetConfig
 from fledge.data.features.batch import FeatureBatch
 from fledge.data.features.packing import collate, plan_rows
+from fledge.data.features.source import FeatureSource
 from fledge.data.features.store import INDEX, SCHEMA_VERSION, STORE_MANIFEST, decode_aux, rank_dir, recapture_advice
 from fledge.models.weights import is_contained
 
@@ -131,7 +132,7 @@ def _check_contained(listing: Path, key: str, entry: object) -> None:
                          "or fix that entry)")
 
 
-class BatchIterator:
+class BatchIterator(FeatureSource):
     """A global batch plan that does not depend on the world size, and an exactly resumable position.
 
     Epoch e packs all samples into rows (data.packing.plan_rows, seed + e), groups rows
@@ -142,7 +143,8 @@ class BatchIterator:
     straddle two epochs), so every rank runs the same number of steps and collectives. The position is
     the number of global batches consumed by all ranks together, so 2 ranks x 1 batch and 1 rank x 2
     batches (gradient accumulation) see the same sequence in every epoch, and a resume on another world
-    size continues where the run stopped. Subclasses implement ``fetch``."""
+    size continues where the run stopped. Subclasses implement ``fetch``; a source that waits for its batches
+    overrides the ``FeatureSource`` methods (data/features/source.py)."""
 
     def __init__(self, lengths: list[int], rank: int, world: int, row_tokens: int, rows_per_batch: int, seed: int):
         self.lengths, self.rank, self.world = list(lengths), rank, world

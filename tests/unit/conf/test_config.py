@@ -156,9 +156,10 @@ def test_run_dir_does_not_depend_on_the_clock():
 def test_triton_norms_on_cpu_fail_before_any_work(tmp_path):
     import torch
 
+    from fledge.pipeline.stages import train_inputs
     from fledge.run_layout import RunLayout
     from fledge.train.ttt_model import build_ttt_model
 
     cfg = compose(["recipe=tiny", "drafter.norm_impl=triton"])  # valid config: a GPU may run it
     with pytest.raises(ValueError, match="drafter.norm_impl=torch"):
-        build_ttt_model(cfg, RunLayout(tmp_path).prepare.vocab, torch.device("cpu"))
+        build_ttt_model(train_inputs(cfg), RunLayout(tmp_path).prepare.vocab, torch.device("cpu"))

@@ -211,17 +211,19 @@ def test_regenerate_in_process_follows_the_rule(force, random_tiny_target):
 
 
 def test_deepspeed_bf16_true_on_cpu_follows_the_rule(force, caplog):
+    from fledge.pipeline.stages import train_inputs
     from fledge.train.deepspeed_setup import deepspeed_config, use_bf16
 
     cfg = compose(["recipe=tiny", "deepspeed.bf16=true"])
     force("0")
     with caplog.at_level(logging.WARNING, logger="fledge.models.precision"):
-        assert use_bf16(cfg, CPU) is False
+        assert use_bf16(cfg.deepspeed, CPU) is False
     assert any("deepspeed.bf16=true" in r.message for r in caplog.records)
-    assert deepspeed_config(cfg, CPU)["bf16"]["enabled"] is False
+    assert deepspeed_config(train_inputs(cfg), CPU)["bf16"]["enabled"] is False
     force("1")
-    assert use_bf16(cfg, CPU) is True and deepspeed_config(cfg, CPU)["bf16"]["enabled"] is True
+    assert use_bf16(cfg.deepspeed, CPU) is True and deepspeed_config(train_inputs(cfg), CPU)["bf16"]["enabled"] is True
     cuda = World(0, 1, 0, torch.device("cuda", 0))
     force("0")
-    assert use_bf16(cfg, cuda) is True  # CUDA keeps what it is told
-    assert use_bf16(compose(["recipe=tiny"]), CPU) is False and use_bf16(compose(["recipe=tiny"]), cuda) is True
+    assert use_bf16(cfg.deepspeed, cuda) is True  # CUDA keeps what it is told
+    tiny = compose(["recipe=tiny"]).deepspeed
+    assert use_bf16(tiny, CPU) is False and use_bf16(tiny, cuda) is True

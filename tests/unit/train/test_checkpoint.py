@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from fledge.conf import compose
+from fledge.pipeline.stages import train_inputs
 from fledge.train import checkpoint
 from fledge.train.deepspeed_setup import lr_lambda
 
@@ -38,6 +39,11 @@ def _cfg(*overrides):
     return compose(["recipe=tiny", "train.optim.warmup_steps=2", *overrides])
 
 
+def _train(*overrides):
+    """The train section the resume plan reads."""
+    return _cfg(*overrides).train
+
+
 def _saved(step, batches, per_step, total, count=None, decay_from=None):
     """trainer.json as train/trainer.py writes it (the fields the resume plan reads)."""
     return {"step": step, "batches": batches, "batches_per_step": per_step,
@@ -46,7 +52,7 @@ def _saved(step, batches, per_step, total, count=None, decay_from=None):
 
 def test_the_resume_plan_seeks_the_batches_consumed_not_step_times_todays_step():
     """2 steps at 2 ranks x 1 micro-batch consumed global batches 0..3; 1 rank continues at batch 4."""
-    plan = checkpoint.resume_plan(_saved(2, 4, 2, 10), _cfg("train.max_steps=10"), per_step=1,
+    plan = checkpoint.resume_plan(_saved(2, 4, 2, 10), _train("train.max_steps=10"), per_step=1,
                                   batches_per_epoch=20)
     assert (plan.step, plan.batches, plan.total) == (2, 4, 10)  # max_steps counts optimizer steps
 
@@ -54,7 +60,7 @@ def test_the_resume_plan_seeks_the_batches_consumed_not_step_times_todays_step()
 def test_epochs_end_where_the_data_ends_on_any_step_size():
     """train.epochs is data: 1 epoch of 20 global batches is 10 steps at 2 per step; resumed after 6 of them
     (12 batches) at 1 per step, 8 steps remain (not 20 - 6, which replays 6 batches of the next epoch)."""
-    cfg = _cfg("train.max_steps=0", "train.epochs=1")
+    cfg = _train("train.max_steps=0", "train.epochs=1")
     assert checkpoint.resume_plan({}, cfg, per_step=2, batches_per_epoch=20).total == 10
     assert checkpoint.resume_plan(_saved(6, 12, 2, 10), cfg, per_step=1, batches_per_epoch=20).total == 14
     assert checkpoint.resume_plan(_saved(6, 12, 2, 10), cfg, per_step=4, batches_per_epoch=20).total == 8
@@ -66,26 +72,26 @@ def test_the_lr_schedule_continues_when_the_step_size_changes_the_run_length(sch
     """Epochs at 2 batches per step: 10 steps. Resumed at step 6 with 1 per step, the run has 14 steps: the
     lr goes on from where it was (no jump back up the curve) and reaches the minimum at step 14; a second
     resume keeps that curve. Without a change of step size the schedule is the plain one."""
-    cfg = _cfg("train.max_steps=0", "train.epochs=1", f"train.optim.schedule={schedule}",
+    cfg = _train("train.max_steps=0", "train.epochs=1", f"train.optim.schedule={schedule}",
                "train.optim.min_lr_ratio=0.1")
-    old = lr_lambda(cfg, 10)
+    old = lr_lambda(cfg.optim, 10)
     plan = checkpoint.resume_plan(_saved(6, 12, 2, 10), cfg, per_step=1, batches_per_epoch=20)
-    new = lr_lambda(cfg, plan.total, plan.decay_from)
+    new = lr_lambda(cfg.optim, plan.total, plan.decay_from)
     assert new(6) == pytest.approx(old(6))
     assert new(7) < new(6) and new(14) == pytest.approx(0.1)
     assert [new(s) for s in range(7, 15)] == sorted((new(s) for s in range(7, 15)), reverse=True)
     again = checkpoint.resume_plan(_saved(9, 15, 1, plan.total, decay_from=plan.decay_from), cfg, per_step=1,
                                    batches_per_epoch=20)
-    assert again.total == 14 and [lr_lambda(cfg, 14, again.decay_from)(s) for s in range(9, 15)] == \
+    assert again.total == 14 and [lr_lambda(cfg.optim, 14, again.decay_from)(s) for s in range(9, 15)] == \
         [new(s) for s in range(9, 15)]
     same = checkpoint.resume_plan(_saved(6, 12, 2, 10), cfg, per_step=2, batches_per_epoch=20)
-    assert same.decay_from is None and [lr_lambda(cfg, same.total)(s) for s in range(12)] == \
+    assert same.decay_from is None and [lr_lambda(cfg.optim, same.total)(s) for s in range(12)] == \
         [old(s) for s in range(12)]
 
 
 def test_a_checkpoint_without_a_data_position_resumes_as_before():
     """trainer.json written before the data position was stored: step x today's step size."""
-    plan = checkpoint.resume_plan({"step": 3, "world_size": 2}, _cfg("train.max_steps=10"), per_step=2,
+    plan = checkpoint.resume_plan({"step": 3, "world_size": 2}, _train("train.max_steps=10"), per_step=2,
                                   batches_per_epoch=20)
     assert (plan.step, plan.batches, plan.total, plan.decay_from) == (3, 6, 10, None)
 
@@ -95,9 +101,9 @@ def test_a_longer_run_says_the_lr_schedule_is_respanned_over_its_new_length():
     the schedule recomputed over 200 steps puts step 100 back near the middle of the curve. The resume message says
     so, with both lrs (extending the old schedule instead would train the 100 new steps at the floor). The same
     end, a constant schedule, and a step-size change whose decay carries on are resumed without a word."""
-    cfg = _cfg("train.max_steps=200", "train.optim.min_lr_ratio=0.1")
+    cfg = _train("train.max_steps=200", "train.optim.min_lr_ratio=0.1")
     plan = checkpoint.resume_plan(_saved(100, 100, 1, 100), cfg, per_step=1, batches_per_epoch=1000)
-    before, after = 1e-3 * lr_lambda(cfg, 100)(100), 1e-3 * lr_lambda(cfg, 200)(100)
+    before, after = 1e-3 * lr_lambda(cfg.optim, 100)(100), 1e-3 * lr_lambda(cfg.optim, 200)(100)
     assert before == pytest.approx(1e-4) and after > 5e-4
     assert plan.note == (
         "train: the lr schedule ended at step 100 and the run now ends at step 200 (train.max_steps / "
@@ -105,9 +111,9 @@ def test_a_longer_run_says_the_lr_schedule_is_respanned_over_its_new_length():
         f"at step 100 goes from 0.0001 to {after:.3g}; the 100 steps trained so far ran under the 100-step schedule "
         "(run.force=[train] trains the whole run under one)")
     assert checkpoint.resume_plan(_saved(50, 50, 1, 200), cfg, per_step=1, batches_per_epoch=1000).note is None
-    constant = _cfg("train.max_steps=200", "train.optim.schedule=constant")
+    constant = _train("train.max_steps=200", "train.optim.schedule=constant")
     assert checkpoint.resume_plan(_saved(100, 100, 1, 100), constant, per_step=1, batches_per_epoch=1000).note is None
-    epochs = _cfg("train.max_steps=0", "train.epochs=1")
+    epochs = _train("train.max_steps=0", "train.epochs=1")
     assert checkpoint.resume_plan(_saved(6, 12, 2, 10), epochs, per_step=1, batches_per_epoch=20).note is None
 
 
@@ -119,8 +125,8 @@ def test_a_block_drafters_checkpoint_records_its_block_settings_and_a_chain_draf
 
     cfg = _cfg("drafter=dflash", "drafter.block_size=6", "drafter.num_anchors=64")
     spec = DrafterSpec.from_target_config(DFLASH_TARGET, dflash_cfg(block_size=6), [2, 4, 5])
-    training = checkpoint.drafter_checkpoint(cfg, spec).training
+    training = checkpoint.drafter_checkpoint(train_inputs(cfg), spec).training
     assert (training["algorithm"], training["block_size"], training["num_anchors"]) == ("dflash", 6, 64)
     assert training["num_draft_layers"] == cfg.drafter.num_draft_layers
-    eagle = checkpoint.drafter_checkpoint(_cfg(), make_drafter().spec).training
+    eagle = checkpoint.drafter_checkpoint(train_inputs(_cfg()), make_drafter().spec).training
     assert eagle["algorithm"] == "eagle" and not {"block_size", "num_anchors", "position_decay"} & eagle.keys()

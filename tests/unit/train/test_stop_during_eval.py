@@ -1,4 +1,4 @@
-"""SIGTERM during the trainer's held-out evaluation on an offline store (train/trainer.py ``evaluate``): only a
+"""SIGTERM during the trainer's held-out evaluation on an offline store (train/held_out.py): only a
 streamed read (capture.mode=online) could cut an evaluation short, so on a store every one of
 ``train.eval_batches`` held-out batches was evaluated before the step boundary saw the signal: a long held-out set
 outlasted Slurm's grace period and the job was killed without its checkpoint. The evaluation now stops at the
@@ -14,10 +14,9 @@ import pytest
 import torch
 
 from fledge import signals
-from fledge.conf import compose
-from fledge.data.capture.stream import StreamInterrupted
+from fledge.data.features.source import StreamInterrupted
 from fledge.distributed import World
-from fledge.train import trainer
+from fledge.train.held_out import held_out_metrics
 
 
 class _Batch:
@@ -58,10 +57,9 @@ class _Engine:
 
 
 def test_sigterm_during_a_held_out_eval_on_the_store_stops_it_at_the_next_batch():
-    cfg = compose(["recipe=tiny", "train.eval_batches=40"])
     store, engine = _Store(), _Engine()
     with signals.held():  # as run_training holds the stop signals
         with pytest.raises(StreamInterrupted):
-            trainer.evaluate(engine, store, cfg, World(0, 1, 0, torch.device("cpu")), torch.float32)
+            held_out_metrics(engine, store, 40, 1, World(0, 1, 0, torch.device("cpu")), torch.float32)
         assert signals.stopping()
     assert engine.forwards == 1 and store.read <= 2, (engine.forwards, store.read)
