@@ -35,7 +35,9 @@ import io
 import json
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fledge.atomic import write_bytes_atomic, write_json_atomic
 from fledge.evaluation.eval_sets import EVAL_SETS
@@ -52,6 +54,10 @@ from fledge.evaluation.seeds import (
     warnings,
 )
 from fledge.run_layout import RunLayout
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 LABELS = ("EAGLE-3.1", "EAGLE-3")
 # The EAGLE-3.1 paper's AL(3.1)/AL(3), per eval set of ours that measures the same thing.
@@ -76,16 +82,16 @@ def load_report(run_dir: Path, want_31: bool) -> dict:
     return report
 
 
-def _f(x, d=2):
+def _f(x: float | None, d: int = 2) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{d}f}"
 
 
-def _ratio(a, b):
+def _ratio(a: float | None, b: float | None) -> float | None:
     """a / b, None where either is missing (a report writes an AL over no rounds as null) or b is 0."""
     return a / b if a is not None and b else None
 
 
-def _minus(a, b):
+def _minus(a: float | None, b: float | None) -> float | None:
     return a - b if a is not None and b is not None else None
 
 
@@ -306,12 +312,12 @@ def markdown_seeds(c: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _legend(ax, size: int) -> None:
+def _legend(ax: Axes, size: int) -> None:
     if ax.get_legend_handles_labels()[0]:  # a report without the figure (a cut eval) draws an empty panel
         ax.legend(fontsize=size)
 
 
-def _save(fig, path: Path) -> None:
+def _save(fig: Figure, path: Path) -> None:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
     write_bytes_atomic(path, buf.getvalue())
@@ -421,7 +427,7 @@ def _write(out: Path, r31: dict, r3: dict, seeds: dict | None = None) -> str:
     return md
 
 
-def main(argv=None, sweep=None) -> int:
+def main(argv: list[str] | None = None, sweep: Callable[..., list[str]] | None = None) -> int:
     """The report from run directories; ``--train`` needs ``sweep``, the pipeline's seeds driver that trains the
     runs first (pipeline/seeds.py ``compare_main``, which ``fledge compare`` runs)."""
     argv = list(sys.argv[1:] if argv is None else argv)

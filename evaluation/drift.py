@@ -22,8 +22,10 @@ import math
 from collections.abc import Sequence
 
 import torch
+from torch import nn
 
-from fledge.evaluation.speculative import DrafterProposer
+from fledge.evaluation.speculative import DrafterProposer, TargetRunner
+from fledge.models.drafter import DraftCache
 from fledge.progress import progress
 
 FIELDS = ("sink", "context", "drafted", "state_rms")
@@ -32,7 +34,7 @@ FIELDS = ("sink", "context", "drafted", "state_rms")
 class DriftProbe:
     """Accumulates the per-depth diagnostics; pass it as ``DrafterProposer(drafter, probe=...)``."""
 
-    def __init__(self, drafter):
+    def __init__(self, drafter: nn.Module):
         self.drafter = drafter
         self.attn = drafter.midlayer.self_attn
         self._q: torch.Tensor | None = None
@@ -40,7 +42,8 @@ class DriftProbe:
         # attention sees it (RoPE, q/k norms, MLA's scale and padding applied) while the probe is open.
         project = self.attn.project
 
-        def keep_last_query(z, cos, sin):
+        def keep_last_query(z: torch.Tensor, cos: torch.Tensor,
+                            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             q, k, v = project(z, cos, sin)
             self._q = q[:1, :, -1:].detach()  # [1, Hq, 1, D]
             return q, k, v
@@ -53,7 +56,7 @@ class DriftProbe:
         self.attn.__dict__.pop("project", None)
 
     @torch.no_grad()
-    def record(self, depth: int, position: int, fed: torch.Tensor, cache, n_context: int) -> None:
+    def record(self, depth: int, position: int, fed: torch.Tensor, cache: DraftCache, n_context: int) -> None:
         """Called after the draft step at ``depth`` (query at RoPE ``position``; ``fed`` the state fed in;
         ``cache`` the DraftCache after that step; keys < ``n_context`` are committed rows)."""
         q = self._q  # [1, Hq, 1, D], at RoPE ``position``
@@ -78,7 +81,8 @@ class DriftProbe:
         return out
 
 
-def drift_curves(drafter, target, prompts: Sequence[Sequence[int]], depth: int, desc: str = "drift") -> dict:
+def drift_curves(drafter: nn.Module, target: TargetRunner, prompts: Sequence[Sequence[int]], depth: int,
+                 desc: str = "drift") -> dict:
     """Greedy chain drafts of ``depth`` tokens after each prompt (no verification: the diagnostics are
     about the drafter's own unroll), returning ``DriftProbe.summary()``. ``target`` is a
     ``models.speculative.TargetRunner`` built with the drafter's aux layer ids."""

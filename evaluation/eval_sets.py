@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fledge import packaged
-from fledge.data.prepare.chat import prompt_ids
+from fledge.data.prepare.chat import ChatRenderer, prompt_ids
 from fledge.data.prepare.sources import iter_rows
 from fledge.evaluation.perturbations import PERTURBATIONS
 from fledge.registry import Registry
@@ -290,7 +290,7 @@ def fit_prompt(ids: list[int], max_tokens: int, policy: str) -> list[int] | None
     return ids[:head] + ids[len(ids) - (max_tokens - head):]
 
 
-def render_prompts(loaded: LoadedSet, renderer, max_prompt_tokens: int, policy: str, num_prompts: int,
+def render_prompts(loaded: LoadedSet, renderer: ChatRenderer, max_prompt_tokens: int, policy: str, num_prompts: int,
                    respond: Callable[[list[int]], str] | None = None) -> tuple[list[list[int]], dict]:
     """Prompt token ids of ``loaded`` (every user turn is a prompt; a later turn follows the target's own answer
     ``respond(prompt_ids)`` to the earlier ones), at most ``num_prompts``, each fitted to ``max_prompt_tokens``

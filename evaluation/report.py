@@ -14,23 +14,27 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fledge.atomic import write_bytes_atomic, write_json_atomic
 from fledge.evaluation.engine_eval import engine_markdown
 from fledge.run_layout import EvalDir
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 # report.md's images, each under its alt text, when plot_report wrote it.
 PLOTS = {"acceptance.png": "acceptance", "drift.png": "drift", "heldout.png": "held-out",
          "al_vs_length.png": "AL vs context length"}
 
 
-def _fmt(x, digits: int = 2) -> str:
+def _fmt(x: float | int | None, digits: int = 2) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "n/a"
     return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
 
 
-def _pct(x) -> str:
+def _pct(x: float | None) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.1%}"
 
 
@@ -200,7 +204,7 @@ def plot_context(series: dict[str, list[dict]], path: Path, styles: dict | None 
     plt.close(fig)
 
 
-def _save(fig, path: Path) -> None:
+def _save(fig: Figure, path: Path) -> None:
     import io
 
     buf = io.BytesIO()

@@ -10,17 +10,18 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections.abc import Iterable
 from pathlib import Path
 
 from fledge.atomic import read_json
 from fledge.run_layout import RunLayout
 
 
-def num(x) -> float | None:
+def num(x: float | int | None) -> float | None:
     return None if x is None or (isinstance(x, float) and not math.isfinite(x)) else float(x)
 
 
-def spread(values) -> dict:
+def spread(values: Iterable[float | int | None]) -> dict:
     """mean and sample standard deviation over seeds (std None with one value), n the values present."""
     vals = [v for v in map(num, values) if v is not None]
     return {"mean": statistics.fmean(vals) if vals else None, "std": statistics.stdev(vals) if len(vals) > 1 else None,

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+from torch import nn
 
 from fledge.models.algorithms import algorithm_of
 from fledge.models.drafter import DraftCache
@@ -60,7 +61,8 @@ class TargetRunner:
     ``prefill(prompt)`` is ``forward`` for a prompt of any length: pieces of ``prefill_chunk`` tokens and
     only the last row's logits, so a 128K prompt never holds [S, V] logits or [S, S] attention scores."""
 
-    def __init__(self, model, aux_layer_ids: Sequence[int] | None = None, prefill_chunk: int = PREFILL_CHUNK):
+    def __init__(self, model: nn.Module, aux_layer_ids: Sequence[int] | None = None,
+                 prefill_chunk: int = PREFILL_CHUNK):
         self.model = model.eval()
         self.prefill_chunk = prefill_chunk
         self.aux_layer_ids = list(aux_layer_ids) if aux_layer_ids else None
@@ -110,6 +112,12 @@ class Proposer(Protocol):
                 generator: torch.Generator | None) -> tuple[list[int], torch.Tensor | None]: ...
 
 
+class Probe(Protocol):
+    """What ``DrafterProposer`` tells a probe after every draft step (evaluation/drift.py ``DriftProbe``)."""
+
+    def record(self, depth: int, position: int, fed: torch.Tensor, cache: DraftCache, n_context: int) -> None: ...
+
+
 class DrafterProposer:
     """Chain drafting with an ``Eagle3Drafter`` (engine path: ``fuse`` + ``decode_step`` + ``DraftCache``).
 
@@ -119,7 +127,7 @@ class DrafterProposer:
 
     needs_aux = True
 
-    def __init__(self, drafter, probe=None):
+    def __init__(self, drafter: nn.Module, probe: Probe | None = None):
         self.drafter = drafter.eval()
         self.probe = probe
         self.device = drafter.lm_head.weight.device
@@ -148,7 +156,8 @@ class DrafterProposer:
             self.probe.record(0, self.n - 1, g[:, -1:], self.cache, self.n)
 
     @torch.inference_mode()
-    def propose(self, history, k, temperature=0.0, generator=None):
+    def propose(self, history: Sequence[int], k: int, temperature: float = 0.0,
+                generator: torch.Generator | None = None) -> tuple[list[int], torch.Tensor | None]:
         self.cache.crop(self.n)  # a second propose without observe re-drafts from the committed rows
         drafts, qs = [], []
         logits, state = self.last_logits, self.last_state
@@ -183,7 +192,7 @@ class BlockProposer:
 
     needs_aux = True
 
-    def __init__(self, drafter):
+    def __init__(self, drafter: nn.Module):
         self.drafter = drafter.eval()
         self.device = drafter.lm_head.weight.device
         self.dtype = drafter.lm_head.weight.dtype
@@ -205,7 +214,8 @@ class BlockProposer:
         self.bonus = int(next_tokens[-1])
 
     @torch.inference_mode()
-    def propose(self, history, k, temperature=0.0, generator=None):
+    def propose(self, history: Sequence[int], k: int, temperature: float = 0.0,
+                generator: torch.Generator | None = None) -> tuple[list[int], torch.Tensor | None]:
         logits = self.drafter.draft(torch.tensor([self.bonus], device=self.device),
                                     torch.tensor([self.n], device=self.device), self.kv, k)[0].float()
         if temperature <= 0:
@@ -214,7 +224,7 @@ class BlockProposer:
         return [int(torch.multinomial(row, 1, generator=generator)) for row in q], q
 
 
-def proposer_for(drafter, probe=None):
+def proposer_for(drafter: nn.Module, probe: Probe | None = None) -> Proposer:
     """The in-process proposer of a drafter's algorithm (models/algorithms.py): chain drafting for EAGLE (P-EAGLE
     included, whose slots ``DrafterProposer`` feeds), one block per round for a block drafter (DFlash)."""
     if algorithm_of(drafter.spec).block:
@@ -239,10 +249,11 @@ class LookupProposer:
     def reset(self) -> None:
         pass
 
-    def observe(self, next_tokens, aux) -> None:
+    def observe(self, next_tokens: Sequence[int], aux: torch.Tensor | None) -> None:
         pass
 
-    def propose(self, history, k, temperature=0.0, generator=None):
+    def propose(self, history: Sequence[int], k: int, temperature: float = 0.0,
+                generator: torch.Generator | None = None) -> tuple[list[int], torch.Tensor | None]:
         h = list(history)
         for n in range(min(self.max_ngram, len(h) - 1), self.min_ngram - 1, -1):
             tail = h[-n:]
@@ -252,7 +263,7 @@ class LookupProposer:
         return [], None
 
 
-def _pick(logits: torch.Tensor, temperature: float, generator) -> int:
+def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
     if temperature <= 0:
         return int(logits.argmax())
     return int(torch.multinomial(torch.softmax(logits / temperature, -1).cpu(), 1, generator=generator))
