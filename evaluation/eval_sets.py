@@ -59,7 +59,7 @@ class EvalSet:
     package: str | None = None  # the same rows in an installed package (pkg:NAME/path), read before the Hub
 
 
-# The prepare stage's own (evaluation/evaluate.py) and the template perturbations of its held-out split.
+# The prepare stage's own (evaluation/prompt_sets.py) and the template perturbations of its held-out split.
 BUILTIN_SETS = ("default", "perturbed", "long", *PERTURBATIONS)
 EVAL_SETS: Registry[EvalSet] = Registry("eval.sets", "evaluation/eval_sets.py", reserved=BUILTIN_SETS)
 LOCAL_SUFFIXES = (".jsonl", ".ndjson", ".json", ".parquet")

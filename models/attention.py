@@ -217,7 +217,7 @@ def _flex(q, k0, v0, kd, vd, block_mask):
     if q.device.type == "cuda":
         if _compiled_flex is None:
             # One compile per key length (J + 1) * T: K steps of training plus the 2K held-out steps (at one
-            # row length per eval run, evaluation/evaluate.py) pass dynamo's default limit of 8, past which it would
+            # row length per eval run, evaluation/heldout.py) pass dynamo's default limit of 8, past which it would
             # silently run the eager flex_attention, which materialises the full score matrix.
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             _compiled_flex = torch.compile(flex_attention, dynamic=False)

@@ -10,7 +10,7 @@ changes what the drafter conditions on and not what the target writes.
 
 ``conversation(rng)`` draws one; ``long_conversation(rng, rows)`` a table question over many rows (the
 long-context set); ``with_context`` prefixes a question with other tasks' answers, as the main job's long set
-is built (evaluation/evaluate.py ``lengthen``). ``mixed(rng)`` draws all three kinds, the target's stream.
+is built (evaluation/prompt_sets.py ``lengthen``). ``mixed(rng)`` draws all three kinds, the target's stream.
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def long_conversation(rng: random.Random, rows: int, layout: str = DEFAULT_LAYOU
 
 def with_context(rng: random.Random, conv: dict, pieces: int) -> dict:
     """``conv`` with its first user turn prefixed by ``pieces`` answers of other tasks, laid out as
-    evaluation/evaluate.py ``lengthen`` lays out the main job's long prompts: the answer ignores the context."""
+    evaluation/prompt_sets.py ``lengthen`` lays out the main job's long prompts: the answer ignores the context."""
     context = "\n\n".join(rng.choice(TASKS)(rng)[1] for _ in range(pieces))
     msgs = [dict(m) for m in conv["messages"]]
     first = next(i for i, m in enumerate(msgs) if m["role"] == "user")
