@@ -1,5 +1,9 @@
 """The train stage: TTT training of the drafter under DeepSpeed ZeRO, resumable exactly.
 
+``run_training`` builds the TTT model (train/ttt_model.py) and this rank's feature sources (data/capture/sources.py,
+each a ``FeatureSource``: data/features/source.py) from the stage's ``TrainInputs``, and hands them to a
+:class:`Trainer`, whose ``fit`` resumes, steps, evaluates (train/held_out.py) and checkpoints (train/checkpoint.py).
+
 One optimizer step = ``grad_accum`` micro-batches on each of ``world`` ranks (with
 ``train.sequence_parallel=N``, on each of ``world / N`` groups of N ranks that split every row:
 train/sequence_parallel.py). Batches come from a
@@ -20,7 +24,7 @@ SIGTERM (Slurm's time limit or preemption) is taken at a step boundary: each ran
 and before the step's first collective every rank learns whether any rank was told to stop. If so, no rank runs the
 step: its batches are given back (the checkpoint's data position is the step's start, so a resume reads them again),
 the steps trained are checkpointed and the ranks exit 75 (so too after the last step, with its checkpoint). A rank
-waiting for a streaming engine's batch gives the wait up at once (data/capture/stream.py ``StreamInterrupted``):
+waiting for a streaming engine's batch gives the wait up at once (``FeatureSource.stop_when``: ``StreamInterrupted``):
 the engines get the job's SIGTERM too, and one started again would load for longer than the grace period. A
 held-out evaluation, streamed or read from the store, is cut short so and skipped (every rank learns it before each
 forward); the run checkpoints and exits there.
