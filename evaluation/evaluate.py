@@ -45,8 +45,7 @@ from fledge.evaluation.heldout import heldout_accuracy, offline_vs_measured
 from fledge.evaluation.prompt_sets import SET_SPLITS, bucket_prompt_sets, build_prompt_sets, read_conversations
 from fledge.evaluation.report import write_report
 from fledge.evaluation.speculative import TargetRunner, greedy_decode
-from fledge.models.algorithms import algorithm_of
-from fledge.models.drafter import DrafterSpec
+from fledge.models.algorithms import DrafterSpec, algorithm_of
 from fledge.models.target import FrozenTarget
 from fledge.run_layout import EvalDir, PrepareDir
 from fledge.serving.engine import check_engine
@@ -141,7 +140,7 @@ class Evaluator:
         report: dict = {"drafter": str(self.drafter_dir), "k": ev.draft_tokens, "ttt_steps": self.K,
                         "max_new_tokens": ev.max_new_tokens, "temperature": ev.temperature,
                         "degenerate_threshold": ev.degenerate_threshold, "in_process": ev.in_process,
-                        "flags": {f: bool(getattr(self.drafter.spec, f)) for f in ("fc_norm", "norm_output")},
+                        "flags": {f: bool(self.drafter.spec.to_dict()[f]) for f in ("fc_norm", "norm_output")},
                         "sets": {}}
         if named:
             report["named_sets"] = named

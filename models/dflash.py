@@ -17,16 +17,55 @@ target's).
 
 The aux states are the boundary convention's (docs/architecture.md, Aux layer ids): boundary id b is the output of
 0-based layer b - 1, which is what DFlash's ``target_layer_ids`` name (``serving_layer_ids``).
+
+``DFlashSpec`` is its spec (models/spec.py); the module registers the algorithm ``dflash`` (vLLM's method
+``dflash``, a block drafter scoring with the target's lm_head).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRotaryEmbedding, apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import LlamaMLP, apply_rotary_pos_emb
 
+from fledge.models.drafter_module import DrafterModule
+from fledge.models.families import TargetFamily
 from fledge.models.kernels.rmsnorm import RMSNorm
+from fledge.models.layers.kind import LayerKind, get_layer_kind
+from fledge.models.spec import ALGORITHMS, Algorithm, DrafterSpec, check_mask_token, mask_token_id_for, option
+
+
+@dataclass
+class DFlashSpec(DrafterSpec):
+    """A DFlash drafter: ``num_draft_layers`` Qwen3 layers over blocks of ``block_size`` tokens, the slots after the
+    bonus token filled with ``mask_token_id``, over the target's whole vocab (``draft_vocab_size`` = its size)."""
+
+    algorithm: ClassVar[str] = "dflash"
+
+    mask_token_id: int | None = None
+    num_draft_layers: int = 1
+    block_size: int = 16
+
+    @classmethod
+    def layer_kind(cls, family: TargetFamily, drafter: Any) -> LayerKind:
+        return get_layer_kind("qwen3")  # whatever the target (vLLM's DFlashQwen3ForCausalLM)
+
+    @classmethod
+    def config_fields(cls, drafter: Any, hf_config: Any, vocab_size: int) -> dict[str, Any]:
+        return {"draft_vocab_size": vocab_size, "mask_token_id": mask_token_id_for(drafter, hf_config, vocab_size),
+                "num_draft_layers": int(option(drafter, "num_draft_layers", 1)),
+                "block_size": int(option(drafter, "block_size", 16))}
+
+    def _validate_own(self) -> None:
+        check_mask_token(self, "a DFlash block is filled with")
+        if self.block_size < 2 or self.num_draft_layers < 1 or self.draft_vocab_size != self.vocab_size:
+            raise ValueError(f"a DFlash spec needs block_size >= 2 (has {self.block_size}), num_draft_layers >= 1 "
+                             f"(has {self.num_draft_layers}) and the whole vocab (draft_vocab_size="
+                             f"{self.draft_vocab_size}, vocab_size={self.vocab_size})")
 
 
 def serving_layer_ids(aux_layer_ids) -> list[int]:
@@ -92,13 +131,13 @@ class _Layer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class DFlashDrafter(nn.Module):
-    """A DFlash drafter of ``spec`` (a DrafterSpec with ``algorithm="dflash"``)."""
+class DFlashDrafter(DrafterModule):
+    """A DFlash drafter of a ``DFlashSpec``."""
 
-    def __init__(self, spec, norm_impl: str = "torch") -> None:
+    def __init__(self, spec: DFlashSpec, norm_impl: str = "torch") -> None:
         super().__init__()
         spec.validate()
-        if spec.algorithm != "dflash":
+        if not isinstance(spec, DFlashSpec):
             raise ValueError(f"DFlashDrafter needs a dflash spec, got algorithm={spec.algorithm!r}")
         self.spec = spec
         H, V, eps = spec.hidden_size, spec.vocab_size, spec.rms_norm_eps
@@ -111,34 +150,13 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(H, eps=eps)
         self.lm_head = nn.Linear(H, V, bias=False)
         self.lm_head.weight.requires_grad_(False)  # the target's, frozen
-        self.rotary_emb = LlamaRotaryEmbedding(config)
-        self._inv_freq_fp32 = self.rotary_emb.inv_freq.detach().clone()
+        self.init_rope(config)
         # the draft vocab is the target's: the maps every harness reads are the identity
         self.register_buffer("d2t", torch.zeros(V, dtype=torch.int64), persistent=False)
         self.register_buffer("t2d", torch.ones(V, dtype=torch.bool), persistent=False)
         self.norm_impl = norm_impl
 
     EXPORTED_FROZEN = ("embed_tokens.weight", "lm_head.weight")  # the target's: never written to an export
-
-    @property
-    def norm_impl(self) -> str:
-        return self._norm_impl
-
-    @norm_impl.setter
-    def norm_impl(self, impl: str) -> None:
-        if impl not in ("torch", "triton"):
-            raise ValueError(f"drafter.norm_impl={impl!r}: expected torch | triton")
-        self._norm_impl = impl
-        for m in self.modules():
-            if isinstance(m, RMSNorm):
-                m.impl = impl
-
-    def _apply(self, fn, recurse=True):  # keep the RoPE frequencies fp32 (as Eagle3Drafter)
-        super()._apply(fn, recurse)
-        rot = self.rotary_emb
-        rot.inv_freq = self._inv_freq_fp32.to(rot.inv_freq.device)
-        rot.original_inv_freq = rot.inv_freq.clone()
-        return self
 
     @torch.no_grad()
     def load_target_head(self, embedding: torch.Tensor, lm_head: torch.Tensor) -> None:
@@ -197,3 +215,11 @@ def block_mask(anchors: torch.Tensor, document_ids: torch.Tensor, block_size: in
     ctx = ctx.repeat_interleave(block_size, 0)
     own = own.repeat_interleave(block_size, 0).repeat_interleave(block_size, 1)
     return torch.cat([ctx, own], 1)
+
+
+def _build(spec: DFlashSpec, attention: str = "auto", norm_impl: str = "torch") -> DFlashDrafter:
+    return DFlashDrafter(spec, norm_impl=norm_impl)  # a block attends with plain SDPA: no attention choice
+
+
+ALGORITHMS.register("dflash", Algorithm("dflash", DFlashSpec, _build, vllm_method="dflash", block=True,
+                                        target_head=True))

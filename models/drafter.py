@@ -22,201 +22,15 @@ Engine-style chain drafting, for the evaluation harness::
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
-
 import torch
 from torch import nn
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRotaryEmbedding
+from transformers.models.llama.modeling_llama import LlamaMLP
 
-from fledge.conf.drafter_rules import drafter_problems, raise_problems
 from fledge.models.attention import cached_attention, resolve_attention, ttt_attention
-from fledge.models.families import read_target, rope_of, text_config_dict
+from fledge.models.drafter_module import DrafterModule
 from fledge.models.kernels.rmsnorm import RMSNorm
-from fledge.models.layers.kind import LAYER_KINDS, get_layer_kind, layer_settings, resolve_layer_kind
-
-
-@dataclass
-class DrafterSpec:
-    """Shapes and flags of a drafter; JSON-safe via ``to_dict`` / ``from_dict``."""
-
-    hidden_size: int
-    target_hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    hidden_act: str
-    vocab_size: int
-    draft_vocab_size: int
-    aux_layer_ids: list[int]
-    target_num_hidden_layers: int
-    max_position_embeddings: int
-    rope: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
-    fc_norm: bool = True
-    norm_output: bool = True
-    norm_before_fc: bool = False
-    layer: str = "llama"  # drafter layer kind (models/layers/)
-    # P-EAGLE: draft steps >= 1 take (mask_token_id, fuse(mask_hidden)) instead of the draft before them
-    parallel_drafting: bool = False
-    mask_token_id: int | None = None
-    # The algorithm (models/algorithms.py): eagle (this file) | dflash (models/dflash.py: num_draft_layers qwen3
-    # layers over blocks of block_size tokens, filled with mask_token_id)
-    algorithm: str = "eagle"
-    num_draft_layers: int = 1
-    block_size: int = 0
-    # MLA widths (layer "mla" only; models/layers/): null q_lora_rank = a plain q_proj
-    q_lora_rank: int | None = None
-    kv_lora_rank: int = 0
-    qk_nope_head_dim: int = 0
-    qk_rope_head_dim: int = 0
-    v_head_dim: int = 0
-
-    def __post_init__(self) -> None:
-        self.aux_layer_ids = [int(i) for i in self.aux_layer_ids]
-        self.validate()
-
-    @classmethod
-    def from_target_config(cls, hf_config, drafter_cfg, aux_layer_ids) -> DrafterSpec:
-        """Spec for a drafter of the target whose HF config is ``hf_config`` (a PretrainedConfig or dict).
-
-        The target's family (models/families.py) reads the config and gives the drafter layer's settings,
-        the same ones the serving config writes. ``drafter_cfg`` is a ``DrafterConfig`` (or anything with
-        its flags and ``draft_vocab_size``); ``aux_layer_ids`` are boundary ids.
-        """
-        if getattr(drafter_cfg, "ttt_steps", 1) < 1:
-            raise ValueError(f"drafter.ttt_steps={drafter_cfg.ttt_steps}: must be >= 1")
-        family, shape = read_target(hf_config)
-        get = lambda k, d: drafter_cfg.get(k, d) if isinstance(drafter_cfg, Mapping) else getattr(drafter_cfg, k, d)  # noqa: E731
-        dflash = get("algorithm", "eagle") == "dflash"
-        if family.layer_kind not in LAYER_KINDS and not dflash:
-            raise ValueError(f"target family {family.name!r} needs drafter layer kind {family.layer_kind!r}, which "
-                             f"models/layers/ does not register (it has {sorted(LAYER_KINDS)})")
-        # a DFlash drafter's layers are Qwen3's whatever the target (vLLM's DFlashQwen3ForCausalLM)
-        kind = get_layer_kind("qwen3") if dflash else resolve_layer_kind(get("layer", "auto"), family.layer_kind)
-        layer = layer_settings(kind, family.drafter_layer(shape), text_config_dict(hf_config))
-        theta, scaling = rope_of(layer)
-        return cls(
-            hidden_size=int(layer["hidden_size"]),
-            target_hidden_size=shape.hidden_size,
-            intermediate_size=int(layer["intermediate_size"]),
-            num_attention_heads=int(layer["num_attention_heads"]),
-            num_key_value_heads=int(layer["num_key_value_heads"]),
-            head_dim=int(layer["head_dim"]),
-            rms_norm_eps=float(layer["rms_norm_eps"]),
-            hidden_act=layer["hidden_act"],
-            vocab_size=shape.vocab_size,
-            draft_vocab_size=shape.vocab_size if dflash else drafter_cfg.draft_vocab_size,
-            aux_layer_ids=list(aux_layer_ids),
-            target_num_hidden_layers=shape.num_hidden_layers,
-            max_position_embeddings=int(layer["max_position_embeddings"]),
-            rope=_json_safe({**(scaling or {"rope_type": "default"}), "rope_theta": theta}),
-            fc_norm=drafter_cfg.fc_norm,
-            norm_output=drafter_cfg.norm_output,
-            norm_before_fc=drafter_cfg.norm_before_fc,
-            layer=kind.name,
-            parallel_drafting=bool(getattr(drafter_cfg, "parallel_drafting", False)),
-            mask_token_id=mask_token_id_for(drafter_cfg, hf_config, shape.vocab_size),
-            algorithm="dflash" if dflash else "eagle",
-            num_draft_layers=int(get("num_draft_layers", 1)) if dflash else 1,
-            block_size=int(get("block_size", 16)) if dflash else 0,
-            **{k: layer[k] for k in kind.spec_keys},
-        )
-
-    def validate(self) -> None:
-        """Raise ValueError naming the offending field. The aux-id and flag rules are the config's
-        (fledge.conf.drafter_rules), except that a list starting with 1 is accepted: a spec may describe a
-        public checkpoint written that way, which can still be loaded and measured (config, export and lint
-        refuse it)."""
-        problems = drafter_problems(self.aux_layer_ids, self.target_num_hidden_layers, fc_norm=self.fc_norm,
-                                    norm_before_fc=self.norm_before_fc, draft_vocab_size=self.draft_vocab_size,
-                                    vocab_size=self.vocab_size)
-        raise_problems(problems, skip=("aux-ids-start-1",))
-        kind = get_layer_kind(self.layer)
-        problems = [p for p in kind.checks(dataclasses.asdict(self)) if p[0] == "error"]
-        if problems:
-            raise ValueError(problems[0][2])
-        mask = self.mask_token_id
-        if self.algorithm not in ("eagle", "dflash"):
-            raise ValueError(f"algorithm={self.algorithm!r}: expected eagle | dflash")
-        if self.algorithm == "dflash":
-            if not (mask is not None and 0 <= mask < self.vocab_size):
-                raise ValueError(f"drafter.mask_token_id={mask}: a DFlash block is filled with a target-vocab id, in "
-                                 f"[0, {self.vocab_size}); set one in that range")
-            if self.block_size < 2 or self.num_draft_layers < 1 or self.draft_vocab_size != self.vocab_size:
-                raise ValueError(f"a DFlash spec needs block_size >= 2 (has {self.block_size}), num_draft_layers >= 1 "
-                                 f"(has {self.num_draft_layers}) and the whole vocab (draft_vocab_size="
-                                 f"{self.draft_vocab_size}, vocab_size={self.vocab_size})")
-        if self.parallel_drafting and not (mask is not None and 0 <= mask < self.vocab_size):
-            raise ValueError(f"drafter.mask_token_id={self.mask_token_id}: parallel drafting feeds its slots a "
-                             f"target-vocab id, in [0, {self.vocab_size}); set one in that range")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_key_value_heads={self.num_key_value_heads} must divide "
-                f"num_attention_heads={self.num_attention_heads}"
-            )
-
-    @property
-    def fc_in_features(self) -> int:
-        return len(self.aux_layer_ids) * self.target_hidden_size
-
-    def to_dict(self) -> dict[str, Any]:
-        return _json_safe(dataclasses.asdict(self))
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> DrafterSpec:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"DrafterSpec.from_dict: unknown keys {sorted(unknown)}")
-        return cls(**dict(d))
-
-    def layer_config(self) -> LlamaConfig:
-        """A LlamaConfig carrying the target's RoPE and MLP settings, for transformers' own modules (RoPE
-        spans the kind's ``rope_dim``: an MLA layer's qk_rope_head_dim)."""
-        return LlamaConfig(
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads,
-            head_dim=get_layer_kind(self.layer).rope_dim(self),
-            hidden_act=self.hidden_act,
-            rms_norm_eps=self.rms_norm_eps,
-            max_position_embeddings=self.max_position_embeddings,
-            rope_parameters=dict(self.rope),
-            vocab_size=self.vocab_size,
-            num_hidden_layers=1,
-        )
-
-
-def mask_token_id_for(drafter_cfg, hf_config, vocab_size: int) -> int | None:
-    """The token a parallel-drafting slot is fed: ``drafter.mask_token_id``, else the target's pad id, else its eos
-    id (the engine embeds it with the target's frozen embedding; the learned mask_hidden makes the slot)."""
-    get = drafter_cfg.get if isinstance(drafter_cfg, Mapping) else lambda k, d=None: getattr(drafter_cfg, k, d)
-    given = get("mask_token_id", None)
-    wanted = get("parallel_drafting", False) or get("algorithm", "eagle") == "dflash"
-    if not wanted or given is not None:
-        return None if given is None else int(given)
-    config = hf_config if isinstance(hf_config, Mapping) else hf_config.to_dict()
-    for key in ("pad_token_id", "eos_token_id"):
-        value = config.get(key)
-        value = value[0] if isinstance(value, (list, tuple)) and value else value
-        if isinstance(value, int) and 0 <= value < vocab_size:
-            return value
-    raise ValueError("drafter.parallel_drafting / drafter.algorithm=dflash: the target's config has no pad_token_id "
-                     "or eos_token_id to fill the draft slots with; set drafter.mask_token_id")
-
-
-def _json_safe(x: Any) -> Any:
-    if isinstance(x, Mapping):
-        return {str(k): _json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_json_safe(v) for v in x]
-    return x
+from fledge.models.layers.kind import get_layer_kind
 
 
 class DraftCache:
@@ -243,7 +57,7 @@ class DraftCache:
 class _MidLayer(nn.Module):
     """The one decoder layer (docs/architecture.md, The drafter), with the attention supplied by the caller."""
 
-    def __init__(self, spec: DrafterSpec, config: LlamaConfig) -> None:
+    def __init__(self, spec, config: LlamaConfig) -> None:
         super().__init__()
         H, eps = spec.hidden_size, spec.rms_norm_eps
         self.input_layernorm = RMSNorm(H, eps=eps)
@@ -260,15 +74,16 @@ class _MidLayer(nn.Module):
         return h1 + self.mlp(self.post_attention_layernorm(h1))
 
 
-class Eagle3Drafter(nn.Module):
-    """EAGLE-3 (flags off) / EAGLE-3.1 (``fc_norm`` + ``norm_output``) drafter for a Llama-like target.
+class Eagle3Drafter(DrafterModule):
+    """EAGLE-3 (flags off) / EAGLE-3.1 (``fc_norm`` + ``norm_output``) drafter for a Llama-like target, of an
+    ``EagleSpec`` (models/eagle.py) or a P-EAGLE ``PEagleSpec`` (models/peagle.py: ``mask_hidden`` added).
 
     ``attention`` selects the TTT attention (auto | flex | sdpa | dense; see models/attention.py) and
     may be changed on the instance; the engine path always uses a plain cached SDPA. ``norm_impl``
     selects every RMSNorm's implementation (torch | triton; see models/kernels/rmsnorm.py), likewise.
     """
 
-    def __init__(self, spec: DrafterSpec, attention: str = "auto", norm_impl: str = "torch") -> None:
+    def __init__(self, spec, attention: str = "auto", norm_impl: str = "torch") -> None:
         super().__init__()
         spec.validate()
         resolve_attention(attention, torch.device("cpu"))  # name check only
@@ -287,26 +102,12 @@ class Eagle3Drafter(nn.Module):
         self.lm_head = nn.Linear(H, spec.draft_vocab_size, bias=False)
         if spec.parallel_drafting:  # P-EAGLE's slot state, in the aux states' space (vLLM's mask_hidden [1, n*Ht])
             self.mask_hidden = nn.Parameter(torch.randn(1, spec.fc_in_features))
-        self.rotary_emb = LlamaRotaryEmbedding(config)  # transformers' RoPE (llama3/yarn/linear...)
-        self._inv_freq_fp32 = self.rotary_emb.inv_freq.detach().clone()
+        self.init_rope(config)
         Vd, V = spec.draft_vocab_size, spec.vocab_size
         self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.int64))  # identity map until set_vocab
         self.register_buffer("t2d", torch.arange(V) < Vd)
         self.register_load_state_dict_pre_hook(self._check_fc_width)
         self.norm_impl = norm_impl
-
-    @property
-    def norm_impl(self) -> str:
-        return self._norm_impl
-
-    @norm_impl.setter
-    def norm_impl(self, impl: str) -> None:
-        if impl not in ("torch", "triton"):
-            raise ValueError(f"drafter.norm_impl={impl!r}: expected torch | triton")
-        self._norm_impl = impl
-        for m in self.modules():
-            if isinstance(m, RMSNorm):
-                m.impl = impl
 
     # ---- setup -------------------------------------------------------------------------------
     @torch.no_grad()
@@ -329,14 +130,6 @@ class Eagle3Drafter(nn.Module):
         if weight.shape != self.embed_tokens.weight.shape:
             raise ValueError(f"target embedding {tuple(weight.shape)} != {tuple(self.embed_tokens.weight.shape)}")
         self.embed_tokens.weight.copy_(weight)
-
-    def _apply(self, fn, recurse=True):
-        # .to(bfloat16) would cast the RoPE frequencies too (wrong angles at long positions): restore fp32
-        super()._apply(fn, recurse)
-        rot = self.rotary_emb
-        rot.inv_freq = self._inv_freq_fp32.to(rot.inv_freq.device)
-        rot.original_inv_freq = rot.inv_freq.clone()
-        return self
 
     def _check_fc_width(self, module, state_dict, prefix, *args, **kwargs):
         w = state_dict.get(prefix + "fc.weight")

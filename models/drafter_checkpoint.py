@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from fledge.atomic import atomic_path, read_json, write_json_atomic
-from fledge.models.drafter import DrafterSpec
+from fledge.models.algorithms import DrafterSpec
 from fledge.models.weights import read_tensors
 
 WEIGHTS = "model.safetensors"

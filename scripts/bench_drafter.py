@@ -31,7 +31,8 @@ def _one(impl: str, T: int, steps: int, iters: int) -> dict:
 
     from fledge.conf.schema import DrafterConfig
     from fledge.data.features.batch import FeatureBatch
-    from fledge.models.drafter import DrafterSpec, Eagle3Drafter
+    from fledge.models.algorithms import DrafterSpec
+    from fledge.models.drafter import Eagle3Drafter
     from fledge.train.losses import ttt_loss
 
     torch.manual_seed(0)

@@ -53,8 +53,9 @@ def _one(kind: str, T: int, steps: int, iters: int, device: str, run: bool) -> d
 
     from fledge.conf.schema import DrafterConfig
     from fledge.data.features.batch import FeatureBatch
+    from fledge.models.algorithms import DrafterSpec
     from fledge.models.attention import resolve_attention
-    from fledge.models.drafter import DrafterSpec, Eagle3Drafter
+    from fledge.models.drafter import Eagle3Drafter
     from fledge.train.losses import ttt_loss
 
     torch.manual_seed(0)

@@ -58,7 +58,8 @@ def _rank(rank: int, size: int, T: int, args, port: int, out) -> None:
     import torch
 
     from fledge.data.features.batch import FeatureBatch
-    from fledge.models.drafter import DrafterSpec, Eagle3Drafter
+    from fledge.models.drafter import Eagle3Drafter
+    from fledge.models.eagle import EagleSpec
     from fledge.train.losses import SoftCrossEntropy
 
     torch.set_num_threads(max(1, args.threads // size))
@@ -71,13 +72,13 @@ def _rank(rank: int, size: int, T: int, args, port: int, out) -> None:
     shape.pop("steps", None)
     rope, Vd = shape.pop("rope"), shape.pop("draft_vocab_size")
     H, L = shape["hidden_size"], shape["num_hidden_layers"]
-    spec = DrafterSpec(hidden_size=H, target_hidden_size=H, intermediate_size=shape["intermediate_size"],
-                       num_attention_heads=shape["num_attention_heads"],
-                       num_key_value_heads=shape["num_key_value_heads"], head_dim=H // shape["num_attention_heads"],
-                       rms_norm_eps=1e-5, hidden_act="silu", vocab_size=shape["vocab_size"], draft_vocab_size=Vd,
-                       aux_layer_ids=[2, L // 2, L - 3], target_num_hidden_layers=L,
-                       max_position_embeddings=max(131072, T), rope=rope, fc_norm=True, norm_output=True,
-                       norm_before_fc=False)
+    spec = EagleSpec(hidden_size=H, target_hidden_size=H, intermediate_size=shape["intermediate_size"],
+                     num_attention_heads=shape["num_attention_heads"],
+                     num_key_value_heads=shape["num_key_value_heads"], head_dim=H // shape["num_attention_heads"],
+                     rms_norm_eps=1e-5, hidden_act="silu", vocab_size=shape["vocab_size"], draft_vocab_size=Vd,
+                     aux_layer_ids=[2, L // 2, L - 3], target_num_hidden_layers=L,
+                     max_position_embeddings=max(131072, T), rope=rope, fc_norm=True, norm_output=True,
+                     norm_before_fc=False)
     dtype = torch.bfloat16 if cuda else torch.float32
     torch.manual_seed(0)
     drafter = Eagle3Drafter(spec, attention="auto").to(device, dtype)

@@ -122,7 +122,8 @@ def _build(name: str, cfg, device):
     import torch
 
     from fledge.data.features.batch import FeatureBatch
-    from fledge.models.drafter import DrafterSpec, Eagle3Drafter
+    from fledge.models.algorithms import DrafterSpec
+    from fledge.models.drafter import Eagle3Drafter
     from fledge.train.losses import build_loss
     from fledge.train.ttt_model import TTTModel
 

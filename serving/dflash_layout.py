@@ -38,9 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fledge.models.algorithms import build_drafter
+from fledge.models.algorithms import DrafterSpec, build_drafter
 from fledge.models.dflash import aux_layer_ids_of, serving_layer_ids
-from fledge.models.drafter import DrafterSpec
 from fledge.models.drafter_checkpoint import RECORD, DrafterCheckpoint
 from fledge.models.weights import load_input_embeddings, load_lm_head_rows, read_tensors, tensor_headers
 

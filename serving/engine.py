@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fledge.engine_process import SETUP_HINT, DriverProcess, engine_python
+from fledge.models.algorithms import ALGORITHMS
 from fledge.models.layers.kind import kind_of_config
 from fledge.serving.serving_config import vllm_speculative_config
 
@@ -47,11 +48,12 @@ def check_engine(engine: str, device_type: str, python: str | None = None) -> Pa
 
 
 def speculative_config(method: str, k: int, drafter_dir: Path | None = None, lookup_max: int = 3) -> dict:
-    """vLLM's ``speculative_config`` for ``method`` = eagle3 or dflash: the export in ``drafter_dir`` served as
-    serving_config.py's ``vllm_speculative_config`` says from its config.json (the one the model card prints: a
-    DFlash export gets method dflash, whichever was named; a P-EAGLE one eagle3 with ``parallel_drafting``), or
-    ngram (prompt lookup over the context, n-grams of 1..``lookup_max`` tokens, the harness's baseline)."""
-    if method in ("eagle3", "dflash"):
+    """vLLM's ``speculative_config`` for ``method`` = a drafter algorithm's (models/algorithms.py: eagle3, dflash):
+    the export in ``drafter_dir`` served as serving_config.py's ``vllm_speculative_config`` says from its config.json
+    (the one the model card prints: a DFlash export gets method dflash, whichever was named; a P-EAGLE one eagle3
+    with ``parallel_drafting``), or ngram (prompt lookup over the context, n-grams of 1..``lookup_max`` tokens, the
+    harness's baseline)."""
+    if method in {algorithm.vllm_method for algorithm in ALGORITHMS.values()}:
         path = Path(drafter_dir).resolve()
         config = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else {}
         return vllm_speculative_config(config, str(path), k)

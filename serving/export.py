@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from fledge.atomic import atomic_path, read_json, write_json_atomic
-from fledge.models.drafter import DrafterSpec, Eagle3Drafter
+from fledge.models.algorithms import DrafterSpec
+from fledge.models.drafter import Eagle3Drafter
 from fledge.models.drafter_checkpoint import DrafterCheckpoint
 from fledge.models.families import read_target, text_config_dict
 from fledge.models.layers.kind import get_layer_kind, kind_of_architecture, kind_of_config
@@ -104,7 +105,7 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, target_co
                             target_name=target_name or trained.target.get("name_or_path"),
                             speculative_tokens=speculative_tokens)
     tensors = DrafterCheckpoint.tensors(checkpoint_dir)
-    layout = layout_for(spec.algorithm)
+    layout = layout_for(spec)
     if layout is not None:  # not EAGLE's: its own tensors (DFlash: the target's embedding and head stay out)
         tensors = layout.serving_tensors(tensors)
     write_drafter(out_dir, tensors, config, trained, max_shard_size, include_embed)
@@ -188,7 +189,7 @@ def load_drafter(drafter_dir: str | Path, embed_weight: torch.Tensor | None = No
         if target is not None and (Path(target) / "config.json").exists():
             L = read_target(read_json(Path(target) / "config.json"))[1].num_hidden_layers
         spec = spec_from_export(d, L, serving=serving)
-    layout = layout_for(spec.algorithm)
+    layout = layout_for(spec)
     if layout is not None:
         return layout.load(d, spec, embed_weight, head_weight, target, dtype).to(device)
     sd = from_serving_state_dict(read_tensors(d), dtype, dialect_of(read_json(d / "config.json") or {}).name)

@@ -1,9 +1,9 @@
 """Serving layouts: what serving does with an export, per drafter algorithm (models/algorithms.py).
 
-EAGLE's drafters (EAGLE-3, EAGLE-3.1, P-EAGLE) are the default path: their config.json comes from an export
-dialect (serving/dialects.py) and export.py, lint.py, engine.py and card.py handle them directly. Any other
-algorithm is one entry here: a module with the functions of :class:`Layout` (serving/dflash_layout.py is
-``dflash``'s), which those files call through :func:`layout_for` (by the algorithm a spec names) and
+EAGLE's drafters (``eagle``: EAGLE-3, EAGLE-3.1; ``peagle``: P-EAGLE) are the default path: their config.json comes
+from an export dialect (serving/dialects.py) and export.py, lint.py, engine.py and card.py handle them directly. Any
+other algorithm is one entry here: a module with the functions of :class:`Layout` (serving/dflash_layout.py is
+``dflash``'s), which those files call through :func:`layout_for` (by the algorithm of a spec or config) and
 :func:`layout_of` (by what an exported config.json is). A new algorithm's serving is its module plus its line below.
 """
 
@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from fledge.models.drafter import DrafterSpec
+from fledge.models.algorithms import DrafterSpec, algorithm_of
 from fledge.registry import Registry
 from fledge.serving import dflash_layout
 
@@ -52,13 +52,16 @@ class Layout(Protocol):
         ``speculative_config`` its command must carry (``vllm_speculative_config``'s, as the eval sends it)."""
 
 
-LAYOUTS: Registry[Layout] = Registry("drafter.algorithm", "serving/layouts.py", reserved=("eagle",))
+# EAGLE's algorithms are reserved: valid names without an entry, served by the dialects
+LAYOUTS: Registry[Layout] = Registry("drafter.algorithm", "serving/layouts.py", reserved=("eagle", "peagle"))
 LAYOUTS.register("dflash", dflash_layout)
 
 
-def layout_for(algorithm: str | None) -> Layout | None:
-    """The layout of the algorithm a spec or config names; None for EAGLE's (the dialects' path)."""
-    return LAYOUTS.get(algorithm) if algorithm in LAYOUTS else None
+def layout_for(drafter: Any) -> Layout | None:
+    """The layout of a spec's or a config's algorithm (models/algorithms.py ``algorithm_of``); None for EAGLE's (the
+    dialects' path)."""
+    name = algorithm_of(drafter).name
+    return LAYOUTS.get(name) if name in LAYOUTS else None
 
 
 def layout_of(config: Mapping) -> Layout | None:

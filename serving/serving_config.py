@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from fledge.conf.drafter_rules import drafter_problems, raise_problems
-from fledge.models.drafter import mask_token_id_for
+from fledge.models.algorithms import mask_token_id_for
 from fledge.models.families import read_target, text_config_dict
 from fledge.models.layers.kind import get_layer_kind, kind_of_config, layer_settings, resolve_layer_kind
 from fledge.serving.dialects import ServingFields, dialect_of, get_dialect
@@ -68,7 +68,7 @@ def serving_config(
         if _opt(drafter, key) is not None and _opt(drafter, key) != 0:
             layer[key] = _opt(drafter, key)
     H = layer["hidden_size"]
-    layout = layout_for(_opt(drafter, "algorithm"))
+    layout = layout_for(drafter)
     if layout is not None:  # not EAGLE's: its own layout (serving/layouts.py)
         return layout.build_config(layer, drafter, ids, Ht, L)
     flags = {"fc_norm": fc_norm, "norm_output": norm_output, **({"norm_before_fc": True} if nbf else {})}

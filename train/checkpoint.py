@@ -36,8 +36,7 @@ import torch
 from fledge.atomic import atomic_path, read_json, write_bytes_atomic, write_json_atomic
 from fledge.conf.schema import OptimConfig, TrainConfig
 from fledge.distributed import World
-from fledge.models.algorithms import algorithm_of
-from fledge.models.drafter import DrafterSpec
+from fledge.models.algorithms import DrafterSpec, algorithm_of
 from fledge.models.drafter_checkpoint import META, DrafterCheckpoint
 from fledge.stage_inputs import TrainInputs
 from fledge.train.deepspeed_setup import decay_progress, lr_lambda

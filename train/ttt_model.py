@@ -17,8 +17,8 @@ from torch import nn
 
 from fledge.data.features.batch import FeatureBatch
 from fledge.data.prepare.vocab import DraftVocab
-from fledge.models.algorithms import build_drafter
-from fledge.models.drafter import DrafterSpec, Eagle3Drafter
+from fledge.models.algorithms import DrafterSpec, algorithm_of, build_drafter
+from fledge.models.drafter import Eagle3Drafter
 from fledge.models.drafter_checkpoint import META, RECORD, DrafterCheckpoint
 from fledge.models.weights import load_input_embeddings, load_lm_head_rows
 from fledge.registry import Registry
@@ -75,7 +75,7 @@ def build_ttt_model(inputs: TrainInputs, vocab_path: Path, device: torch.device)
     loss = build_loss(inputs.drafter)  # an unknown drafter.loss fails before any weight is read
     t = inputs.target
     hf_config = AutoConfig.from_pretrained(t.name_or_path, revision=t.revision, trust_remote_code=t.trust_remote_code)
-    return OBJECTIVES.get(inputs.drafter.algorithm)(inputs, hf_config, loss, vocab_path, device)
+    return OBJECTIVES.get(algorithm_of(inputs.drafter).name)(inputs, hf_config, loss, vocab_path, device)
 
 
 def _build_eagle(inputs: TrainInputs, hf_config, loss: TTTLoss, vocab_path: Path, device: torch.device) -> TTTModel:
@@ -144,6 +144,7 @@ def _dflash_mask_token(spec: DrafterSpec, hf_config, embedding: torch.Tensor, gi
 # TTTModel to train.
 OBJECTIVES: Registry[Callable[..., TTTModel]] = Registry("drafter.algorithm", "train/ttt_model.py")
 OBJECTIVES.register("eagle", _build_eagle)
+OBJECTIVES.register("peagle", _build_eagle)  # P-EAGLE's mask slots are the drafter's (models/alignment.py unrolls them)
 OBJECTIVES.register("dflash", _build_dflash)
 
 

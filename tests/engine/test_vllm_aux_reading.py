@@ -11,7 +11,7 @@ import subprocess
 
 from fledge.conf.schema import DrafterConfig, default_aux_layer_ids
 from fledge.engine_process import engine_python
-from fledge.models.drafter import DrafterSpec
+from fledge.models.algorithms import DrafterSpec
 from fledge.serving import dialects
 from fledge.serving.engine_aux import captured_layers
 from fledge.serving.serving_config import serving_config

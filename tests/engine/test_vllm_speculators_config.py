@@ -10,7 +10,7 @@ import subprocess
 
 from fledge.conf.schema import DrafterConfig
 from fledge.engine_process import engine_python
-from fledge.models.drafter import DrafterSpec
+from fledge.models.algorithms import DrafterSpec
 from fledge.serving.serving_config import serving_config, vllm_speculative_config
 from tests.helpers.engine import engine_marks
 from tests.helpers.models import DFLASH_TARGET as TARGET

@@ -12,8 +12,9 @@ import torch
 
 from fledge.conf.schema import DrafterConfig
 from fledge.data.features.batch import FeatureBatch
+from fledge.models.algorithms import DrafterSpec
 from fledge.models.alignment import ttt_states
-from fledge.models.drafter import DrafterSpec, Eagle3Drafter
+from fledge.models.drafter import Eagle3Drafter
 from tests.helpers.models import target_config
 
 pytestmark = pytest.mark.gpu

@@ -9,9 +9,9 @@ from transformers import LlamaConfig
 
 from fledge.conf.schema import DrafterConfig
 from fledge.data.features.batch import FeatureBatch
-from fledge.models.algorithms import build_drafter
+from fledge.models.algorithms import DrafterSpec, build_drafter
 from fledge.models.dflash import DFlashDrafter
-from fledge.models.drafter import DrafterSpec, Eagle3Drafter
+from fledge.models.drafter import Eagle3Drafter
 
 FLAGS = {
     "eagle3": dict(fc_norm=False, norm_output=False),

@@ -226,8 +226,7 @@ def _random_block_drafter(target, block_size=4, seed=2):
     """A DFlash drafter of ``target`` with random weights (norms too)."""
     from types import SimpleNamespace
 
-    from fledge.models.algorithms import build_drafter
-    from fledge.models.drafter import DrafterSpec
+    from fledge.models.algorithms import DrafterSpec, build_drafter
 
     cfg = SimpleNamespace(algorithm="dflash", block_size=block_size, num_draft_layers=2, draft_vocab_size=VD,
                           fc_norm=False, norm_output=False, norm_before_fc=False, parallel_drafting=False,

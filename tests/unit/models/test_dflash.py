@@ -6,9 +6,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fledge.models.algorithms import ALGORITHMS, build_drafter
+from fledge.models.algorithms import ALGORITHMS, DrafterSpec, build_drafter
 from fledge.models.dflash import DFlashDrafter, aux_layer_ids_of, block_mask, serving_layer_ids
-from fledge.models.drafter import DrafterSpec, Eagle3Drafter
+from fledge.models.drafter import Eagle3Drafter
 from tests.helpers.models import DFLASH_TARGET as TARGET, dflash_cfg, random_dflash
 
 

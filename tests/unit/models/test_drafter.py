@@ -8,8 +8,9 @@ import torch
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from fledge.conf.schema import DrafterConfig
+from fledge.models.algorithms import DrafterSpec
 from fledge.models.alignment import ttt_states
-from fledge.models.drafter import DraftCache, DrafterSpec, Eagle3Drafter
+from fledge.models.drafter import DraftCache, Eagle3Drafter
 from tests.helpers.models import FLAGS, make_drafter, packed_batch, target_config
 
 

@@ -10,7 +10,8 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from fledge.conf.schema import DrafterConfig
 from fledge.models import families
-from fledge.models.drafter import DrafterSpec, Eagle3Drafter
+from fledge.models.algorithms import DrafterSpec
+from fledge.models.drafter import Eagle3Drafter
 from fledge.models.drafter_checkpoint import DrafterCheckpoint
 from fledge.models.families import TargetFamily, read_decoder_config, read_target, register_family
 from fledge.models.weights import read_tensors

@@ -18,8 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from fledge.conf.schema import DrafterConfig
+from fledge.models.algorithms import DrafterSpec
 from fledge.models.alignment import ttt_states
-from fledge.models.drafter import DraftCache, DrafterSpec, Eagle3Drafter
+from fledge.models.drafter import DraftCache, Eagle3Drafter
 from fledge.models.drafter_checkpoint import DrafterCheckpoint
 from fledge.models.families import TargetFamily
 from fledge.models.layers.kind import check_layer_format

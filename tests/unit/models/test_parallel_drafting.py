@@ -10,8 +10,9 @@ import torch
 
 from fledge.conf.schema import DrafterConfig
 from fledge.evaluation.speculative import DrafterProposer
+from fledge.models.algorithms import DrafterSpec, mask_token_id_for
 from fledge.models.alignment import ttt_states
-from fledge.models.drafter import DraftCache, DrafterSpec, mask_token_id_for
+from fledge.models.drafter import DraftCache
 from tests.helpers.models import make_drafter, packed_batch, target_config
 
 K, MASK = 4, 7
@@ -76,7 +77,8 @@ def test_the_mask_token_is_the_given_id_else_the_targets_pad_else_its_eos():
     assert mask_token_id_for(DrafterConfig(parallel_drafting=True, mask_token_id=4), {"pad_token_id": 3}, 50) == 4
     assert mask_token_id_for(on, {"pad_token_id": 3, "eos_token_id": 5}, 50) == 3
     assert mask_token_id_for(on, {"pad_token_id": None, "eos_token_id": [9, 2]}, 50) == 9
-    assert mask_token_id_for(DrafterConfig(), {"pad_token_id": 3}, 50) is None  # a chain drafter has none
+    chain = DrafterSpec.from_target_config(target_config(), DrafterConfig(draft_vocab_size=40), [2, 3, 4])
+    assert chain.to_dict()["mask_token_id"] is None  # a chain drafter has none
     with pytest.raises(ValueError, match="drafter.mask_token_id"):
         mask_token_id_for(on, {"eos_token_id": 77}, 50)
     with pytest.raises(ValueError, match="mask_token_id=50"):

@@ -119,18 +119,26 @@ def test_card_serves_it_with_vllms_dflash_method_and_cites_the_objective(export)
 
 
 def test_every_algorithm_has_its_entry_in_each_layer():
-    """An algorithm is one entry per layer, under one name: its model (models/algorithms.py), the names the schema
-    accepts, its drafter and objective (train/ttt_model.py) and, unless it is EAGLE's, its serving layout with every
-    function serving calls (serving/layouts.py)."""
+    """An algorithm is one entry per layer, under one name: its spec class and drafter (models/algorithms.py), its
+    drafter and objective (train/ttt_model.py) and, unless it is EAGLE's (reserved: the dialects' path), its serving
+    layout with every function serving calls (serving/layouts.py). The schema accepts exactly the specs'
+    ``drafter.algorithm`` values, and each spec class is what its config values select (P-EAGLE: eagle plus
+    ``parallel_drafting``), for a config as for a spec's JSON."""
     import inspect
 
     from fledge.conf.schema import ALGORITHMS as SCHEMA_NAMES
-    from fledge.models.algorithms import ALGORITHMS
+    from fledge.models.algorithms import ALGORITHMS, algorithm_of
     from fledge.serving.layouts import LAYOUTS, Layout
     from fledge.train.ttt_model import OBJECTIVES
 
-    assert sorted(SCHEMA_NAMES) == ALGORITHMS.names() == OBJECTIVES.names()
-    assert LAYOUTS.names() == [n for n in ALGORITHMS.names() if n != "eagle"]
+    assert ALGORITHMS.names() == ["dflash", "eagle", "peagle"]
+    assert ALGORITHMS.names() == OBJECTIVES.names() == sorted([*LAYOUTS.names(), *LAYOUTS.reserved])
+    assert set(SCHEMA_NAMES) == {a.spec.algorithm for a in ALGORITHMS.values()}
+    for name, algorithm in ALGORITHMS.items():
+        keys = {"algorithm": algorithm.spec.algorithm, "parallel_drafting": algorithm.spec.parallel_drafting}
+        assert algorithm.name == name and algorithm_of(keys) is algorithm
+    with pytest.raises(ValueError, match="drafter.algorithm='dflash' with drafter.parallel_drafting=true"):
+        algorithm_of({"algorithm": "dflash", "parallel_drafting": True})
     wanted = {name for name, _ in inspect.getmembers(Layout, inspect.isfunction) if not name.startswith("_")}
     assert wanted >= {"owns", "build_config", "lint", "load", "speculative_config", "card"}
     for name, layout in LAYOUTS.items():

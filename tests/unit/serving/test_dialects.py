@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from fledge.conf.schema import DrafterConfig
-from fledge.models.drafter import DrafterSpec, Eagle3Drafter
+from fledge.models.algorithms import DrafterSpec
+from fledge.models.drafter import Eagle3Drafter
 from fledge.models.drafter_checkpoint import DrafterCheckpoint
 from fledge.models.weights import read_tensors, tensor_headers
 from fledge.serving import dialects

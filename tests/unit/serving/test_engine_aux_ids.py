@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fledge.conf.schema import DrafterConfig, default_aux_layer_ids
-from fledge.models.drafter import DrafterSpec
+from fledge.models.algorithms import DrafterSpec
 from fledge.models.drafter_checkpoint import RECORD, DrafterCheckpoint
 from fledge.serving import dialects
 from fledge.serving.dialects import get_dialect

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from fledge.conf.schema import DrafterConfig
-from fledge.models.drafter import DrafterSpec
+from fledge.models.algorithms import DrafterSpec
 from fledge.models.drafter_checkpoint import RECORD, DrafterCheckpoint
 from fledge.models.families import rope_of
 from fledge.models.weights import read_tensors
@@ -187,7 +187,8 @@ def test_export_stage_writes_lints_and_summarises(tmp_path):
 
 def _trained_like_drafter(fc_norm=True, norm_output=True, seed=0):
     from fledge.conf.schema import DrafterConfig
-    from fledge.models.drafter import DrafterSpec, Eagle3Drafter
+    from fledge.models.algorithms import DrafterSpec
+    from fledge.models.drafter import Eagle3Drafter
 
     dcfg = DrafterConfig(fc_norm=fc_norm, norm_output=norm_output, draft_vocab_size=128)
     spec = DrafterSpec.from_target_config(copy.deepcopy(TINY_TARGET), dcfg, [2, 4, 5])

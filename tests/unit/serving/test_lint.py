@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fledge.models.drafter import DrafterSpec
+from fledge.models.algorithms import DrafterSpec
 from fledge.models.drafter_checkpoint import RECORD, DrafterCheckpoint
 from fledge.serving.export import write_drafter
 from fledge.serving.lint import format_findings, has_errors, lint_drafter
@@ -28,7 +28,7 @@ TARGET = {
 def _spec():
     """The DrafterSpec dict training records for a drafter of TARGET (every layer field the record holds)."""
     from fledge.conf.schema import DrafterConfig
-    from fledge.models.drafter import DrafterSpec
+    from fledge.models.algorithms import DrafterSpec
 
     return DrafterSpec.from_target_config(TARGET, DrafterConfig(draft_vocab_size=128), [2, 4, 5]).to_dict()
 

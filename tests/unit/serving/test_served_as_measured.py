@@ -10,8 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from fledge.conf.schema import DrafterConfig
-from fledge.models.algorithms import ALGORITHMS
-from fledge.models.drafter import DrafterSpec
+from fledge.models.algorithms import ALGORITHMS, DrafterSpec
 from fledge.models.drafter_checkpoint import DrafterCheckpoint
 from fledge.serving import dialects
 from fledge.serving.card import Measured, build_model_card
@@ -42,7 +41,7 @@ def _dflash(tmp_path):
 
 # Every algorithm, each EAGLE drafter in every dialect: (algorithm, build(tmp_path) -> export dir, parallel or block)
 CASES = {**{f"eagle-{fmt}": ("eagle", lambda p, fmt=fmt: _eagle(p, fmt, False), False) for fmt in dialects.names()},
-         **{f"p_eagle-{fmt}": ("eagle", lambda p, fmt=fmt: _eagle(p, fmt, True), True) for fmt in dialects.names()},
+         **{f"p_eagle-{fmt}": ("peagle", lambda p, fmt=fmt: _eagle(p, fmt, True), True) for fmt in dialects.names()},
          "dflash": ("dflash", _dflash, True)}
 
 
@@ -80,7 +79,7 @@ def test_the_card_serves_the_export_with_the_eval_stages_speculative_config(tmp_
     sent = next(e["speculative_config"] for e in request["engines"] if e["name"] == "drafter")
     assert sent["model"] == str(out.resolve()) and sent["num_speculative_tokens"] == K
     assert sent["method"] == ALGORITHMS.get(algorithm).vllm_method
-    assert sent.get("parallel_drafting", False) == (parallel and algorithm == "eagle")  # vLLM sets dflash's itself
+    assert sent.get("parallel_drafting", False) == (algorithm == "peagle")  # vLLM sets dflash's itself
     want = {**sent, "model": REPO}
     text = _card(out, request)
 

@@ -120,7 +120,7 @@ def test_a_longer_run_says_the_lr_schedule_is_respanned_over_its_new_length():
 def test_a_block_drafters_checkpoint_records_its_block_settings_and_a_chain_drafters_does_not():
     """The training record says how a DFlash drafter was trained (block size, anchors, decay, layers), from
     the algorithm's block flag (models/algorithms.py), not a name test; an EAGLE record carries none of them."""
-    from fledge.models.drafter import DrafterSpec
+    from fledge.models.algorithms import DrafterSpec
     from tests.helpers.models import DFLASH_TARGET, dflash_cfg, make_drafter
 
     cfg = _cfg("drafter=dflash", "drafter.block_size=6", "drafter.num_anchors=64")
