@@ -2,9 +2,10 @@
 
 An EAGLE-3.1 drafter (models/eagle.py) whose draft steps after the first take ``mask_token_id`` and a learned state
 (``Eagle3Drafter.mask_hidden``, in the aux states' space) instead of the draft before them, so the engine proposes
-all k tokens in one forward. vLLM serves it with its ``eagle3`` method and ``parallel_drafting`` (serving/
-serving_config.py). A config selects it with ``drafter.algorithm=eagle`` and ``drafter.parallel_drafting=true``
-(conf/drafter/p_eagle.yaml): the keys users have always written, so run hashes and checkpoints stay as they were.
+all k tokens in one forward. vLLM serves it with its ``eagle3`` method and ``parallel_drafting``
+(serving/serving_config.py). A config selects it with ``drafter.algorithm=eagle`` and
+``drafter.parallel_drafting=true`` (conf/drafter/p_eagle.yaml): the keys users have always written, so run hashes
+and checkpoints stay as they were.
 """
 
 from __future__ import annotations
