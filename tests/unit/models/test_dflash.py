@@ -18,6 +18,12 @@ def test_spec_of_a_dflash_drafter():
     assert spec.draft_vocab_size == 300  # the target's whole vocab, whatever draft_vocab_size says
     assert spec.mask_token_id == 0  # the target's pad id by default
     assert DrafterSpec.from_dict(spec.to_dict()) == spec
+    # the flat JSON every spec is written as holds EAGLE's flags at false; one set is refused, not dropped
+    assert {k: spec.to_dict()[k] for k in ("fc_norm", "norm_output", "parallel_drafting")} == dict.fromkeys(
+        ("fc_norm", "norm_output", "parallel_drafting"), False)
+    with pytest.raises(ValueError, match="'fc_norm': True.*dflash does not have"):
+        DrafterSpec.from_dict({**spec.to_dict(), "fc_norm": True})
+    assert not hasattr(spec, "fc_norm")
     assert DrafterSpec.from_target_config(TARGET, dflash_cfg(mask_token_id=7), [2, 4, 5]).mask_token_id == 7
     with pytest.raises(ValueError, match="mask_token_id=300"):
         DrafterSpec.from_target_config(TARGET, dflash_cfg(mask_token_id=300), [2, 4, 5])
