@@ -192,7 +192,7 @@ def test_eval_computes_fp32_on_cpu(force, native, random_tiny_target, tmp_path):
                   serving_config(target_config_dict(target.config), spec, spec["aux_layer_ids"], 256),
                   DrafterCheckpoint(drafter.spec))
     force(native)
-    frozen, loaded = load_eval_models(tiny_cfg(random_tiny_target, "target.dtype=auto"), tmp_path / "drafter",
+    frozen, loaded = load_eval_models(tiny_cfg(random_tiny_target, "target.dtype=auto").target, tmp_path / "drafter",
                                       torch.device("cpu"), drafter.spec)
     runner = TargetRunner(frozen.model, spec["aux_layer_ids"])
     with linear_compute_dtypes() as seen:

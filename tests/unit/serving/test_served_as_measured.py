@@ -53,12 +53,12 @@ def _eval_request(drafter_dir) -> dict:
     """The request the eval stage builds for the engine (evaluation/engine_eval.py), on a GPU."""
     from fledge.evaluation.engine_eval import build_request
 
-    cfg = SimpleNamespace(
+    inputs = SimpleNamespace(  # what build_request reads of the eval stage's inputs (EvalInputs)
         eval=SimpleNamespace(max_new_tokens=16, draft_tokens=K, engine_batch_size=0, temperature=0.0,
                              lookup_max_ngram=3),
         target=SimpleNamespace(name_or_path="org/target", revision=None, trust_remote_code=False, dtype="bfloat16"),
-        run=SimpleNamespace(seed=0))
-    return build_request(cfg, {"default": [[1, 2, 3]]}, drafter_dir, [5], 512, "cuda")
+        seed=0)
+    return build_request(inputs, {"default": [[1, 2, 3]]}, drafter_dir, [5], 512, "cuda")
 
 
 def _card(drafter_dir, request: dict) -> str:
