@@ -96,8 +96,9 @@ class DrafterConfig:
     loss_impl: Annotated[str, OneOf("auto", "torch")] = "auto"
     # torch (F.rms_norm: torch's fused kernel on CUDA) | triton (ours, CUDA only)
     norm_impl: Annotated[str, OneOf("torch", "triton")] = "torch"
-    # a drafter checkpoint to fine-tune (a run's train/best or train/checkpoints/step_<N>/drafter, not its export)
-    init_from: Annotated[Optional[str], Location("a drafter checkpoint directory")] = None
+    # a drafter to fine-tune: a checkpoint (a run's train/best or train/checkpoints/step_<N>/drafter) or an exported
+    # drafter directory (the train stage reads it into train/init_from: pipeline/stages.py)
+    init_from: Annotated[Optional[str], Location("a drafter checkpoint or exported drafter directory")] = None
     # dflash only: tokens per block (the bonus token and block_size - 1 drafts; vLLM then serves k = block_size - 1),
     # drafter layers, block anchors drawn per packed row, and gamma of the loss weight exp(-(k - 1) / gamma) of block
     # offset k (the DFlash paper's Eq. 4: 7 for blocks of 16, 5 for 10, 4 for 8). It drafts over the target's whole

@@ -85,7 +85,33 @@ def train(ctx: StageContext[TrainInputs]) -> dict:
     """Train the drafter with training-time test under DeepSpeed (all ranks)."""
     from fledge.train.trainer import run_training
 
-    return run_training(ctx.inputs, ctx.world, ctx.layout)
+    return run_training(_init_from_checkpoint(ctx), ctx.world, ctx.layout)
+
+
+def _init_from_checkpoint(ctx: StageContext[TrainInputs]) -> TrainInputs:
+    """The train stage's inputs with ``drafter.init_from`` naming a drafter checkpoint. A published or exported
+    drafter (a serving directory: the trainer reads no serving format) is read through serving/export.py once,
+    on rank 0, into ``train/init_from`` and the trainer starts from that; the hash keeps the path the user gave."""
+    from fledge.models.drafter_checkpoint import META, DrafterCheckpoint
+
+    inputs = ctx.inputs
+    src = Path(inputs.drafter.init_from or "")
+    if not inputs.drafter.init_from or (src / META).is_file() or not (src / "config.json").is_file():
+        return inputs  # a checkpoint, or nothing the trainer will not refuse in its own words
+    out = ctx.layout.train.root / "init_from"
+
+    def convert() -> dict:
+        from fledge.serving.export import load_drafter, spec_from_export
+
+        spec = spec_from_export(src)
+        drafter = load_drafter(src, target=inputs.target.name_or_path, spec=spec)
+        DrafterCheckpoint(spec).write(out, drafter.state_dict())
+        log.info("train: drafter.init_from=%s is an export; read into the drafter checkpoint %s", src, out)
+        return {}
+
+    _on_main(ctx, convert)  # every rank waits for it; a refusal reaches all
+    drafter = dataclasses.replace(inputs.drafter, init_from=str(out))
+    return dataclasses.replace(inputs, drafter=drafter)
 
 
 def train_inputs(cfg: Config) -> TrainInputs:
