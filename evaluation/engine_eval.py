@@ -130,6 +130,8 @@ def run_engine_eval(inputs: EvalInputs, sets: dict[str, list[list[int]]], report
              "in_process_lookup_al": inproc["lookup"].get("al_per_draft") if inproc else None,
              "tokens_per_s": {n: r["tokens"] / r["wall_s"] if r["wall_s"] else float("nan")
                               for n, r in (("plain", plain), ("drafter", spec), ("lookup", look))}}
+        for who, run in (("drafter", spec), ("lookup", look)):
+            s[who]["al_per_round"] = al_per_round(run["tokens"], len(sets[name]), s[who]["accepted"])
         if "sampled" in spec:  # reported, not held to the in-process figure: the two draw different samples
             s["drafter_sampled"] = acceptance(spec["sampled"]["counters"], k)
         s["al_gap"] = s["drafter"]["al"] - s["in_process_al"] if inproc else None
@@ -205,6 +207,14 @@ def export_estimate(report: dict) -> float | None:
     return al_estimate(StepAccuracy(h["acc"][:K], h["full_acc"][:K]))
 
 
+def al_per_round(tokens: int, prompts: int, accepted: int) -> float:
+    """Tokens per target forward over the decode rounds, every round counted: a lookup round whose n-gram found no
+    match drafts nothing and counts as 1, where vLLM's counters (AL per draft) leave it out. Each prompt's first
+    token comes from its prefill; every decode round emits one token plus the drafts it accepted."""
+    rounds = tokens - prompts - accepted
+    return (tokens - prompts) / rounds if rounds > 0 else float("nan")
+
+
 def _as_counted(stats: dict) -> float:
     """The in-process AL an engine's counters would give (evaluation/acceptance.py acceptance_stats ``al_uncut``;
     a report written before it existed: its ``al``)."""
@@ -262,6 +272,12 @@ def engine_markdown(report: dict) -> list[str]:
         lines.append(f"| {name} | {_fmt(est)} | {_fmt(s['in_process_al'])} | {_fmt(s['drafter']['al'])} | "
                      f"{_fmt(s['al_gap'])} | {_fmt(vs_est)} | {_fmt(s['in_process_lookup_al'])} | "
                      f"{_fmt(s['lookup']['al'])} | {_fmt(s['drafter']['al'] - s['lookup']['al'])} |")
+    lines += ["", "Tokens per target forward (every decode round counted: a lookup round without a match emits one "
+              "token, the drafter always drafts):", "", "| set | drafter | ngram | drafter - ngram |",
+              "|---|---|---|---|"]
+    for name, s in e["sets"].items():
+        d, g = (s[w].get("al_per_round", float("nan")) for w in ("drafter", "lookup"))
+        lines.append(f"| {name} | {_fmt(d)} | {_fmt(g)} | {_fmt(d - g)} |")
     lines += ["", "Engine acceptance per position (accepted / drafts):", "",
               "| set | drafts | " + " | ".join(f"pos {i + 1}" for i in range(k)) + " |", "|---" * (k + 2) + "|"]
     for name, s in e["sets"].items():

@@ -299,3 +299,28 @@ def test_the_lookup_als_beside_each_other_are_both_per_draft(monkeypatch, tmp_pa
     assert "| in-process lookup AL (per draft) | engine lookup AL (per draft) |" in md
     assert "both lookup ALs count only the rounds that drafted" in md
     assert "| default | 2.50 | 2.00 | 2.00 | 0.00 | -0.50 | 1.50 | 1.50 | 0.50 |" in md
+
+
+def test_tokens_per_forward_count_every_round_and_stand_in_the_report(monkeypatch, tmp_path):
+    """vLLM's ngram AL is per draft: a round whose n-gram found no match is no draft. Per target forward every
+    decode round counts: 3 prompts, 30 tokens (27 from decode rounds), 9 accepted -> 18 rounds, 1.5 a forward,
+    where 4 drafts accepting the 9 read as AL 3.25 per draft."""
+    import fledge.evaluation.engine_eval as E
+    from fledge.evaluation.report import markdown
+
+    assert E.al_per_round(30, 3, 9) == 1.5 and math.isnan(E.al_per_round(3, 3, 0))
+    sets = {"default": [[1], [2], [3]]}
+    res = fake_driver_result(sets, drafter_accepted=18, lookup_accepted=9)
+    for name, tokens in (("drafter", 39), ("lookup", 30)):
+        res["engines"][name]["sets"]["default"]["tokens"] = tokens
+    monkeypatch.setattr(E, "run_driver", lambda *a, **k: res)
+    monkeypatch.setattr(E, "served_lint_errors", lambda *a, **k: [])
+    section = E.run_engine_eval(eval_inputs(_cfg(engine="vllm", draft_tokens=2)), sets, {"sets": {}}, tmp_path / "d",
+                                tmp_path, [5], 64, "cpu", Path("py"))
+    s = section["sets"]["default"]
+    assert s["lookup"]["al"] == 1 + 9 / 4 and s["lookup"]["al_per_round"] == 1.5
+    assert s["drafter"]["al_per_round"] == 36 / 18
+    report = {"k": 2, "flags": {"fc_norm": True, "norm_output": True}, "drafter": "d", "max_new_tokens": 8,
+              "degenerate_threshold": 0.5,
+              "temperature": 0.0, "in_process": False, "sets": {}, "engine": section}
+    assert "| default | 2.00 | 1.50 | 0.50 |" in markdown(report)
