@@ -8,8 +8,8 @@ An algorithm is one module per layer, each registering its part under the algori
   (models/spec.py); importing this file imports every one;
 - conf/schema.py ``ALGORITHMS``: the ``drafter.algorithm`` values the config accepts (the schema cannot import this
   file) and their config rules;
-- train/ttt_model.py ``OBJECTIVES``: the drafter built for training and its objective over the shared feature
-  batch (DFlash's: train/losses/dflash.py);
+- train/objectives/ ``OBJECTIVES``: the drafter built for training and its objective over the shared feature
+  batch, a module per algorithm (train/objectives/eagle.py, train/objectives/dflash.py);
 - serving/layouts.py ``LAYOUTS``: the export layout, its lint, loading, vLLM speculative config and card
   (DFlash's: serving/dflash_layout.py); EAGLE's and P-EAGLE's are the default path through serving/dialects.py;
 - the in-process proposer and held-out accuracy follow ``Algorithm.block`` (evaluation/speculative.py).

@@ -10,7 +10,7 @@ lm_head. The state_dict's names are the export's (``fc.weight``, ``hidden_norm.w
 ``norm.weight``); ``embed_tokens`` and ``lm_head`` are frozen copies of the target's, never exported (vLLM shares the
 target's).
 
-- training (train/losses/dflash.py): ``blocks`` over many anchors of a packed row at once, each block seeing the
+- training (train/objectives/dflash.py): ``blocks`` over many anchors of a packed row at once, each block seeing the
   context of its own document strictly before its anchor (``block_mask``);
 - drafting (evaluation/speculative.py ``BlockProposer``): ``context_kv`` of the verified positions, kept per layer
   and appended to, then ``draft`` of one block.

@@ -309,7 +309,7 @@ def speculative_config(config: Mapping, model: str, k: int) -> dict:
     return {"method": "dflash", "model": str(model), "num_speculative_tokens": k}
 
 
-# Where the DFlash objective's defaults come from (train/losses/dflash.py, conf/drafter/dflash.yaml).
+# Where the DFlash objective's defaults come from (train/objectives/dflash.py, conf/drafter/dflash.yaml).
 SOURCES = ("DFlash: Block Diffusion for Flash Speculative Decoding (arXiv 2602.06036): blocks of 16, one "
            "non-causal forward per block conditioned on the target's aux-layer states, offset k weighted "
            "exp(-(k-1)/gamma) with gamma 7; SpecForge's DFlash trainer: anchors drawn among the trained "

@@ -29,7 +29,8 @@ from fledge.serving.engine import speculative_config
 from fledge.serving.export import export_checkpoint, load_drafter, load_target_config, spec_from_export
 from fledge.serving.layouts import LAYOUTS
 from fledge.train.losses import TTTResult
-from fledge.train.ttt_model import OBJECTIVES, TTTModel, build_ttt_model
+from fledge.train.objectives import OBJECTIVES, Trainable
+from fledge.train.ttt_model import build_ttt_model
 from tests.helpers.models import packed_batch
 from tests.helpers.paths import REPO
 
@@ -66,16 +67,19 @@ TOY = Algorithm("toy", ToySpec, lambda spec, attention="auto", norm_impl="torch"
 
 
 class ToyObjective:
-    """Cross-entropy against the target's argmax at every trained position."""
+    """Cross-entropy against the target's argmax at every trained position (train/objectives/base.py ``Objective``)."""
 
     def __call__(self, drafter, batch, teacher_head, shard=None, denominators=None) -> TTTResult:
         rows = batch.loss_mask & (batch.document_ids >= 0)
         return TTTResult(loss=F.cross_entropy(drafter(batch.aux_hidden)[rows], batch.target_argmax[rows]), metrics={})
 
+    def counted_rows(self, drafter, batch, shard=None) -> torch.Tensor:
+        return (batch.loss_mask & (batch.document_ids >= 0)).sum().reshape(1)
 
-def build_toy(inputs, hf_config, loss, vocab_path, device) -> TTTModel:
+
+def build_toy(inputs, hf_config, loss, vocab_path) -> Trainable:
     spec = DrafterSpec.from_target_config(hf_config, inputs.drafter, list(inputs.aux_layer_ids))
-    return TTTModel(build_drafter(spec), torch.zeros(0), ToyObjective()).to(device)
+    return Trainable(build_drafter(spec), torch.zeros(0), ToyObjective())
 
 
 # ---- its serving module: the layout serving/layouts.py finds for its specs and exports -----------------------------
@@ -117,7 +121,10 @@ def test_a_fourth_algorithm_is_one_module_per_layer(random_tiny_target, tmp_path
         model = build_ttt_model(inputs, RunLayout(tmp_path).prepare.vocab, torch.device("cpu"))  # train's entry
         spec = model.drafter.spec
         assert isinstance(model.drafter, ToyDrafter) and isinstance(spec, ToySpec) and spec.scale == 2.0
-        model(packed_batch(H=Ht)).loss.backward()
+        batch = packed_batch(H=Ht)
+        trained = batch.loss_mask & (batch.document_ids >= 0)
+        assert model.step_denominators([batch], 1.0).tolist() == [float(trained.sum())]  # the trainer's row count
+        model(batch).loss.backward()
         assert model.drafter.proj.weight.grad.abs().sum() > 0
 
         ckpt = DrafterCheckpoint(spec, step=1).write(tmp_path / "ckpt", model.drafter.state_dict())

@@ -119,7 +119,8 @@ class TTTLoss(ABC):
         f64 = lambda x: x.detach().to(torch.float64)  # noqa: E731
         counts = torch.stack([s.counted.sum() for s in rows])
         if denominators is None:  # this batch is the optimizer step: on one rank, or on one group of N
-            denominators = _nonzero(counts if shard is None else shard.sp.group_sum(counts) / shard.sp.size)
+            counts_of_step = counts if shard is None else shard.sp.group_sum(counts) / shard.sp.size
+            denominators = nonzero_denominators(counts_of_step)
         denominators = denominators.to(device, torch.float32)
         for k, (step, (loss_sum, r, pred)) in enumerate(zip(rows, scored)):
             right = torch.zeros_like(step.counted)
@@ -147,10 +148,11 @@ def step_denominators(counts: torch.Tensor, divisor: float) -> torch.Tensor:
     rank) / N_k``: the loss of one batch holding all of the step's rows, each row weighing the same
     however the rows fall into micro-batches and ranks (a micro-batch's own mean would weigh one of 50
     rows as much as one of 5,000). A step with no counted row at k divides by 1 (its S_k is 0)."""
-    return _nonzero(all_reduce_sum(counts.detach().to(torch.float64)) / divisor)
+    return nonzero_denominators(all_reduce_sum(counts.detach().to(torch.float64)) / divisor)
 
 
-def _nonzero(denominators: torch.Tensor) -> torch.Tensor:
+def nonzero_denominators(denominators: torch.Tensor) -> torch.Tensor:
+    """``denominators`` with each 0 made 1: a step (or block offset) with no counted row has a summed loss of 0."""
     return torch.where(denominators > 0, denominators, torch.ones_like(denominators))
 
 

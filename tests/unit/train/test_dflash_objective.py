@@ -1,4 +1,4 @@
-"""The DFlash objective (train/losses/dflash.py): each block offset scored against the right teacher row, equal to a
+"""The DFlash objective (train/objectives/dflash.py): each block offset scored against the right teacher row, equal to a
 per-anchor reference built from the engine-style draft; the row counts the trainer divides by; the anchors; the mask
 token the trainer picks."""
 
@@ -11,8 +11,7 @@ import torch.nn.functional as F
 
 from fledge.data.features.batch import FeatureBatch
 from fledge.train.losses import SoftCrossEntropy
-from fledge.train.losses.dflash import DFlashObjective
-from fledge.train.ttt_model import _dflash_mask_token
+from fledge.train.objectives.dflash import DFlashObjective, mask_token
 from tests.helpers.models import DFLASH_TARGET as TARGET, random_dflash
 
 B = 4  # block size
@@ -89,7 +88,7 @@ def test_mask_token_with_a_zero_embedding():
     emb = torch.randn(300, 64)
     emb[0] = 0  # a padding row
     spec = SimpleNamespace(mask_token_id=0)
-    assert _dflash_mask_token(spec, TARGET, emb, None) == 5  # the eos token instead
+    assert mask_token(spec, TARGET, emb, None) == 5  # the eos token instead
     with pytest.raises(ValueError, match="drafter.mask_token_id=0: the target's embedding of that token is zero"):
-        _dflash_mask_token(spec, TARGET, emb, 0)
-    assert _dflash_mask_token(SimpleNamespace(mask_token_id=9), TARGET, emb, 9) == 9
+        mask_token(spec, TARGET, emb, 0)
+    assert mask_token(SimpleNamespace(mask_token_id=9), TARGET, emb, 9) == 9

@@ -1,4 +1,5 @@
-"""The DFlash training objective over the shared feature batch (arXiv 2602.06036; SpecForge's ``OnlineDFlashModel``).
+"""DFlash's training part (models/dflash.py): the drafter over the target's whole vocab (:func:`build`) and its
+objective over the shared feature batch (arXiv 2602.06036; SpecForge's ``OnlineDFlashModel``).
 
 Per packed row, up to ``num_anchors`` anchors a are drawn among the positions whose next token the target generates
 (``loss_mask[a + 1]``, same document). Block j is ``[x_a, mask, ..., mask]`` (``block_size`` tokens at positions
@@ -18,15 +19,25 @@ row's T context keys and N x B block keys).
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from fledge.data.features.batch import FeatureBatch
+from fledge.models.algorithms import DrafterSpec, build_drafter
 from fledge.models.alignment import step_key
 from fledge.models.dflash import block_mask
-from fledge.train.losses.base import TTTLoss, TTTResult, _nonzero
+from fledge.models.weights import load_input_embeddings, load_lm_head_rows
+from fledge.stage_inputs import TrainInputs
+from fledge.train.losses.base import TTTLoss, TTTResult, nonzero_denominators
+from fledge.train.objectives.base import OBJECTIVES, Trainable
+
+log = logging.getLogger(__name__)
 
 
 class DFlashObjective:
@@ -118,7 +129,7 @@ class DFlashObjective:
         y, th, counted, argmax = torch.cat(ys), torch.cat(ths), torch.cat(counted), torch.cat(argmax)
         counts = counted.sum(0)
         if denominators is None:
-            denominators = _nonzero(counts)
+            denominators = nonzero_denominators(counts)
         denominators = denominators.to(dev, torch.float32)
         right = torch.zeros_like(counted)
         metrics: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -156,3 +167,43 @@ class DFlashObjective:
         with torch.no_grad():
             teacher = tc.float() @ W.T
         return self.loss.loss_sum(yc.float() @ W.T, teacher)
+
+
+def build(inputs: TrainInputs, hf_config: Any, loss: TTTLoss, vocab_path: Path) -> Trainable:
+    """A DFlash drafter (models/dflash.py) over the target's whole vocab (no draft vocab: ``vocab_path`` unread): its
+    frozen embedding and lm_head are the target's, the lm_head also the teacher's head; the objective is
+    :class:`DFlashObjective` over ``loss``."""
+    t, d = inputs.target, inputs.drafter
+    spec = DrafterSpec.from_target_config(hf_config, d, list(inputs.aux_layer_ids))
+    torch.manual_seed(inputs.seed)
+    embedding = load_input_embeddings(t.name_or_path, t.revision)
+    spec = dataclasses.replace(spec, mask_token_id=mask_token(spec, hf_config, embedding, d.mask_token_id))
+    drafter = build_drafter(spec, norm_impl=d.norm_impl)
+    head = load_lm_head_rows(t.name_or_path, t.revision, torch.arange(spec.vocab_size)).float().contiguous()
+    drafter.load_target_head(embedding, head)
+    return Trainable(drafter, head, DFlashObjective.from_config(loss, d))
+
+
+def mask_token(spec: DrafterSpec, hf_config, embedding: torch.Tensor, given: int | None) -> int:
+    """The token a DFlash block is filled with. Its embedding is the target's, frozen (vLLM embeds it with the
+    target's table), and a zero row (a padding token's) makes every mask slot's query zero after the layer's norms:
+    such slots attend uniformly and never learn where they are. So the default (the target's pad id) falls back to
+    its eos id when the pad row is zero, and a given id with a zero row is refused."""
+    norms = embedding.float().norm(dim=-1)
+    zero = lambda i: float(norms[i]) <= 1e-6 * float(norms.median())  # noqa: E731
+    if not zero(spec.mask_token_id):
+        return spec.mask_token_id
+    if given is None:
+        config = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
+        eos = config.get("eos_token_id")
+        eos = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
+        if isinstance(eos, int) and 0 <= eos < len(norms) and not zero(eos):
+            log.info("drafter.mask_token_id: the target's pad token %d has a zero embedding; DFlash blocks are "
+                     "filled with its eos token %d instead", spec.mask_token_id, eos)
+            return eos
+    raise ValueError(f"drafter.mask_token_id={spec.mask_token_id}: the target's embedding of that token is zero (a "
+                     "padding row), so every mask slot of a DFlash block would have a zero query; set "
+                     "drafter.mask_token_id to a token with a trained embedding (a rarely used special token)")
+
+
+OBJECTIVES.register("dflash", build)
