@@ -301,6 +301,7 @@ def test_a_registered_loss_is_what_the_trainer_builds_and_runs(double_ce, random
     and its loss and every gradient are twice those of the default ttt_ce."""
     from fledge.conf import compose
     from fledge.data.prepare.vocab import DraftVocab
+    from fledge.pipeline.stages import train_inputs
     from fledge.train.ttt_model import build_ttt_model
 
     counts = torch.randint(0, 100, (2560,), generator=torch.Generator().manual_seed(0))
@@ -309,8 +310,8 @@ def test_a_registered_loss_is_what_the_trainer_builds_and_runs(double_ce, random
             "drafter.loss_chunk_size=7"]
     out = {}
     for name in ("ttt_ce", "double_ce"):
-        model = build_ttt_model(compose([*base, f"drafter.loss={name}"]), RunLayout(tmp_path).prepare.vocab,
-                                torch.device("cpu"))
+        inputs = train_inputs(compose([*base, f"drafter.loss={name}"]))
+        model = build_ttt_model(inputs, RunLayout(tmp_path).prepare.vocab, torch.device("cpu"))
         assert model.loss.name == name
         res = model(_batch_for(model.drafter.spec))
         res.loss.backward()
