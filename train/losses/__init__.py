@@ -14,7 +14,7 @@ on every rank, :func:`step_denominators`), the metrics, and the execution::
         def loss_sum(self, logits, teacher_logits):
             ...  # a fp32 scalar, differentiable in logits
 
-    # then train with drafter.loss=my_loss (TTTModel receives build_loss(cfg.drafter))
+    # then train with drafter.loss=my_loss (TTTModel receives build_loss(inputs.drafter))
 
 Registered: ``ttt_ce`` (the soft CE, forward KL up to a constant; the default), ``rkl``, ``jsd``
 (``drafter.loss_options.jsd_beta``), ``tv``, ``lk_lambda`` (``drafter.loss_options.lk_eta``), ``lk_alpha``
