@@ -1,25 +1,27 @@
 #!/usr/bin/env python
-"""Fledge against vLLM's speculators 0.9.0 at the same budget (issue 55 item 1): the peer trains an EAGLE-3 drafter
-for the same target on the same rows, target states, tokens, TTT length and draft vocabulary as a Fledge run, with
-its own defaults otherwise, and again with Fledge's optimizer settings (so the recipe and the code are told apart);
-then all three exports are scored on the same held-out rows and served by vLLM beside n-gram lookup.
+"""Fledge against vLLM's speculators 0.9.0 at the same budget: the peer trains an EAGLE-3 drafter for the same target
+on the same rows, target states, tokens, TTT length and draft vocabulary as a Fledge run, with its own defaults
+otherwise, and again with Fledge's optimizer settings (so the recipe and the code are told apart); then the three
+drafters are scored on the same held-out rows and served by vLLM beside n-gram lookup.
 
     python scripts/compare_peer.py outputs/smollm2 --recipe smollm2            # a real target: MT-Bench + HumanEval
     python scripts/compare_peer.py outputs/peer_tiny --recipe tiny --sets heldout -- train.max_steps=100
 
-RUN is a Fledge run directory (``outputs/<run.name>``); its missing stages (prepare, capture, train, export) are run
-with ``fledge run recipe=RECIPE run.name=... OVERRIDES`` (give the overrides the run was made with). The stages, each
-skipped when its output is there (``--out``, default ``<RUN>_peer``):
+RUN is a Fledge run directory (``outputs/<run.name>``); the stages it lacks (prepare, capture, train, export) are run
+by ``fledge run recipe=RECIPE run.name=... OVERRIDES`` (the overrides after ``--``: those the run was made with). Then,
+under ``--out`` (default ``<RUN>_peer``), each stage kept while what it was made from is unchanged:
 
-1. ``data/``: the train and eval capture stores in the peer's offline format (scripts/peer_store.py).
-2. ``fledge_speculators/``: Fledge's export of the same checkpoint in the speculators dialect (a run directory whose
-   prepare, capture and train are links to RUN's; ``run.stages=[export]`` runs nothing else), for the scorer.
-3. ``peer_default/``, ``peer_fledge_optim/``: the peer's trainer (scripts/compare_peer_side.py) on CPU, its step count
-   computed from Fledge's tokens with its own packer.
-4. ``heldout.json``: every step's agreement on the held-out rows, one scorer for all three (compare_peer_side.py).
-5. ``bench.json``: scripts/bench_real_target.py serving the three exports in vLLM beside n-gram lookup (``--sets
-   heldout``: the prompts of RUN's held-out conversations, for a target that speaks its own language).
-6. ``compare.md`` / ``compare.json``: the table (also printed).
+1. ``data/``: RUN's train and eval stores in the peer's offline format (scripts/peer_store.py; kept per capture).
+2. ``fledge_speculators/``: Fledge's export of RUN's checkpoint in the speculators dialect, for the scorer: a run
+   directory whose prepare, capture and train are links to RUN's, where ``run.stages=[export]`` runs only export.
+3. ``peer_default/``, ``peer_fledge_optim/``: the peer's own trainer on CPU (scripts/compare_peer_side.py), its step
+   count computed from Fledge's tokens with its own packer (kept per plan: data, budget, optimizer).
+4. ``heldout.json``: every drafter's agreement per TTT step on the held-out rows, one scorer for all three.
+5. ``bench.json``: scripts/bench_real_target.py serving the three exports in vLLM beside n-gram lookup, on MT-Bench and
+   HumanEval, or (``--sets heldout``) RUN's held-out prompts, for a target that speaks its own language.
+6. ``compare.md`` / ``compare.json``: the tables (also printed), with the machine, the date and the command.
+
+Each stage prints a line every few seconds; bad input is one line and exit code 2.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -37,12 +40,14 @@ import yaml
 from fledge.run_layout import RunLayout
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-import peer_store  # noqa: E402  (scripts/ is not a package)
+if str(REPO / "scripts") not in sys.path:  # imported from elsewhere (its test): scripts/ is not a package
+    sys.path.insert(0, str(REPO / "scripts"))
+import peer_store  # noqa: E402
 
 FLEDGE_STAGES = ("prepare", "capture", "train", "export")
 PEERS = ("peer_default", "peer_fledge_optim")
 ORACLE = REPO / ".oracle" / "site"
+HEARTBEAT_S = 10.0
 
 
 class Refused(Exception):
@@ -64,18 +69,31 @@ def fledge(args: list[str], log: Path) -> None:
     run_logged(cmd, log, lambda line: "INFO fledge" in line or line.startswith(("train:", "capture")))
 
 
-def run_logged(cmd: list[str], log: Path, echo, env: dict | None = None) -> None:
-    """Run ``cmd`` with its output appended to ``log``; lines for which ``echo`` holds are printed as they come."""
+def run_logged(cmd: list[str], log: Path, echo, env: dict | None = None, status=None) -> None:
+    """Run ``cmd`` with its output appended to ``log``; lines for which ``echo`` holds are printed as they come, and
+    after HEARTBEAT_S seconds without one a line with the time so far (and ``status()``, when given)."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    last = ""
-    with open(log, "a") as f, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                               env=env) as p:
-        for line in p.stdout:
-            f.write(line)
-            for part in line.replace("\r", "\n").splitlines():
-                last = part.strip() or last
-                if echo(part):
-                    print(f"  {part.strip()}", flush=True)
+    last, shown, t0, stop = "", [time.time()], time.time(), threading.Event()
+
+    def heartbeat():
+        while not stop.wait(HEARTBEAT_S):
+            if time.time() - shown[0] >= HEARTBEAT_S:
+                shown[0] = time.time()
+                print(f"  ... {time.time() - t0:.0f} s{': ' + status() if status else ''}", flush=True)
+
+    threading.Thread(target=heartbeat, daemon=True).start()
+    try:
+        with open(log, "a") as f, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                                   env=env) as p:
+            for line in p.stdout:
+                f.write(line)
+                for part in line.replace("\r", "\n").splitlines():
+                    last = part.strip() or last
+                    if echo(part):
+                        shown[0] = time.time()
+                        print(f"  {part.strip()}", flush=True)
+    finally:
+        stop.set()
     if p.returncode:
         raise Refused(f"{' '.join(str(c) for c in cmd[1:3])} ... failed (exit {p.returncode}; {log}): {last}")
 
@@ -89,9 +107,7 @@ def ensure_fledge(run: Path, recipe: str | None, overrides: list[str], out: Path
             raise Refused(f"{run}: stages {missing} are not complete; give --recipe (and the overrides the run "
                           "was made with after --) to run them")
         fledge([f"recipe={recipe}", *base, f"run.stages=[{','.join(FLEDGE_STAGES)}]"], out / "fledge.log")
-    spec = out / "fledge_speculators"
-    if stage_manifest(spec, "export"):
-        return
+    spec = out / "fledge_speculators"  # the CLI skips its export while RUN's checkpoint is the one it exported
     for stage in ("prepare", "capture", "train"):
         link = spec / stage
         if not link.is_symlink():
@@ -128,7 +144,8 @@ def peer_env(out: Path) -> dict:
 
 
 def train_peers(out: Path, budget: dict, data: dict, env: dict) -> dict:
-    """Stage 3: each peer run, skipped when its done.json is there. Returns {name: done record}."""
+    """Stage 3: each peer run, skipped when its done.json has the same plan (data, budget, optimizer). Returns
+    {name: done record}."""
     o = budget["optim"]
     optims = {"peer_default": None,
               "peer_fledge_optim": {"lr": o["lr"], "warmup_steps": o["warmup_steps"], "schedule": o["schedule"],
@@ -137,10 +154,10 @@ def train_peers(out: Path, budget: dict, data: dict, env: dict) -> dict:
     done = {}
     for name in PEERS:
         record = out / name / "done.json"
-        if not record.exists():
-            plan = {"name": name, "out": str(out / name), "data": data, "budget_tokens": budget["tokens"],
-                    "total_seq_len": budget["step_tokens"], "ttt_steps": budget["ttt_steps"],
-                    "verifier": str(Path(budget["target"]).resolve()), "optim": optims[name]}
+        plan = {"name": name, "out": str(out / name), "data": data, "budget_tokens": budget["tokens"],
+                "total_seq_len": budget["step_tokens"], "ttt_steps": budget["ttt_steps"],
+                "verifier": str(Path(budget["target"]).resolve()), "optim": optims[name]}
+        if not record.exists() or json.loads(record.read_text()).get("plan") != plan:
             (out / name).mkdir(parents=True, exist_ok=True)
             (out / name / "plan.json").write_text(json.dumps(plan, indent=1))
             print(f"[{name}] training (log: {out / name / 'train.log'})", flush=True)
@@ -155,23 +172,23 @@ def side(args: list[str], log: Path, env: dict) -> None:
     run_logged(cmd, log, lambda line: line.startswith("[peer]"), env)
 
 
-def heldout(out: Path, drafters: dict[str, Path], steps: int, env: dict) -> dict:
-    """Stage 4: the scorer over every drafter (heldout.json, kept while the same drafters are asked)."""
+def heldout(out: Path, drafters: dict[str, Path], steps: int, env: dict, stamp: dict) -> dict:
+    """Stage 4: the scorer over every drafter (heldout.json, kept while it scored these drafters)."""
     path = out / "heldout.json"
-    want = {n: str(d) for n, d in drafters.items()}
-    if path.exists() and json.loads(path.read_text()).get("drafters") == want:
+    if path.exists() and json.loads(path.read_text()).get("stamp") == stamp:
         return json.loads(path.read_text())
     print(f"[heldout] scoring {', '.join(drafters)} on the held-out rows, {steps} steps", flush=True)
     side(["heldout", str(out / "data"), str(path), str(steps), *(f"{n}={d}" for n, d in drafters.items())],
          out / "heldout.log", env)
-    return json.loads(path.read_text())
+    record = {**json.loads(path.read_text()), "stamp": stamp}
+    path.write_text(json.dumps(record, indent=1))
+    return record
 
 
-def bench(out: Path, run: Path, exports: dict[str, Path], args) -> dict:
-    """Stage 5: scripts/bench_real_target.py on the three exports (bench.json, skipped when there)."""
-    path = out / "bench.json"
-    if path.exists():
-        return json.loads(path.read_text())
+def bench(out: Path, run: Path, exports: dict[str, Path], args, stamp: dict) -> dict:
+    """Stage 5: scripts/bench_real_target.py on the three exports (bench.json, kept while it served these
+    drafters with these settings)."""
+    path, key_path = out / "bench.json", out / "bench.key.json"
     cmd = [sys.executable, str(REPO / "scripts" / "bench_real_target.py"), "--out", str(path), "--k", str(args.k),
            "--prompts", str(args.prompts), "--max-new", str(args.max_new),
            "--batch-sizes", *map(str, args.batch_sizes), "--algorithms", *(f"{n}={d}" for n, d in exports.items())]
@@ -180,9 +197,21 @@ def bench(out: Path, run: Path, exports: dict[str, Path], args) -> dict:
     else:
         target = yaml.safe_load((run / "config.yaml").read_text())["target"]["name_or_path"]
         cmd += ["--target", target, "--sets", *args.sets]
+    key = {"stamp": stamp, "cmd": cmd[1:]}
+    if path.exists() and key_path.exists() and json.loads(key_path.read_text()) == key:
+        return json.loads(path.read_text())
     print(f"[bench] vLLM: plain, {', '.join(exports)}, ngram (log: {out / 'bench.log'})", flush=True)
-    run_logged(cmd, out / "bench.log", lambda line: line.startswith("|") or "Error" in line)
+    run_logged(cmd, out / "bench.log", lambda line: line.startswith("|") or "Error" in line,
+               status=lambda: last_engine_line(out))
+    key_path.write_text(json.dumps(key))
     return json.loads(path.read_text())
+
+
+def last_engine_line(out: Path) -> str:
+    """The bench's progress: the last 'engine NAME SET: ...' line of its newest vLLM driver log."""
+    logs = sorted(out.glob("bench_b*/engine.log"), key=lambda p: p.stat().st_mtime)
+    lines = [ln for ln in logs[-1].read_text(errors="replace").splitlines() if ln.startswith("engine ")] if logs else []
+    return lines[-1] if lines else "vLLM starting"
 
 
 def heldout_request(run: Path, path: Path) -> Path:
@@ -229,7 +258,8 @@ def tables(run: Path, budget: dict, data: dict, peers: dict, held: dict, served:
                 at = " ".join(f"{a:.2f}" for a in d["accept_at"])
                 lines.append(f"| {key} | {conf} | {d['al']:.2f} | {at} | {d['tokens_per_s']:.1f} "
                              f"({d['speedup']:.2f}x) | {d['greedy_equal']}/{served['prompts'][key.split('@')[0]]} |")
-    record = {"run": str(run), "machine": peer_store.machine(), "date": time.strftime("%Y-%m-%d"),
+    record = {"command": " ".join(sys.argv), "run": str(run), "machine": peer_store.machine(),
+              "date": time.strftime("%Y-%m-%d"),
               "fledge": budget, "data": data, "peers": peers, "heldout": held, "served": served}
     return "\n".join(lines) + "\n", record
 
@@ -274,10 +304,13 @@ def main(argv: list[str] | None = None) -> int:
         peers = train_peers(args.out, budget, data, env)
         exports = {"fledge": RunLayout(args.run).export.drafter,
                    **{n: Path(d["checkpoint"]) for n, d in peers.items()}}
-        scored = {**exports, "fledge": args.out / "fledge_speculators" / "export" / "drafter"}
-        held = heldout(args.out, scored, args.k, env)
-        served = None if args.skip_bench else bench(args.out, args.run, exports, args)
-    except Refused as e:
+        spec = RunLayout(args.out / "fledge_speculators")
+        scored = {**exports, "fledge": spec.export.drafter}
+        stamp = {"fledge": stage_manifest(spec.root, "export")["output_id"],
+                 **{n: d["finished"] for n, d in peers.items()}}
+        held = heldout(args.out, scored, args.k, env, stamp)
+        served = None if args.skip_bench else bench(args.out, args.run, exports, args, stamp)
+    except (Refused, peer_store.StoreError) as e:
         print(f"compare_peer: {e}", file=sys.stderr)
         return 2
     text, record = tables(args.run, budget, data, peers, held, served)

@@ -163,7 +163,8 @@ def train(plan_path: str) -> None:
     seconds = time.time() - t0
     last = max((p for p in (out / "checkpoints").iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
     done = {"checkpoint": str(last), "steps": steps, "epochs": epochs, "tokens": tokens, "seconds": seconds,
-            "total_seq_len": plan["total_seq_len"], "seed": seed, "argv": argv, "patched": patched}
+            "total_seq_len": plan["total_seq_len"], "seed": seed, "finished": time.time(), "plan": plan,
+            "argv": argv, "patched": patched}
     (out / "done.json").write_text(json.dumps(done, indent=1))
     print(f"[peer] {plan['name']}: done in {seconds:.0f} s -> {last}", flush=True)
 

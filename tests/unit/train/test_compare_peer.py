@@ -22,9 +22,10 @@ from tests.helpers.paths import REPO
 
 ORACLE = REPO / ".oracle" / "site"
 pytestmark = pytest.mark.skipif(not (ORACLE / "hs_connectors").is_dir(), reason="no .oracle (scripts/setup_oracle.sh)")
-spec = importlib.util.spec_from_file_location("peer_store", REPO / "scripts" / "peer_store.py")
-peer_store = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(peer_store)
+spec = importlib.util.spec_from_file_location("compare_peer", REPO / "scripts" / "compare_peer.py")
+compare_peer = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(compare_peer)
+peer_store = compare_peer.peer_store
 
 H, V, VD, N_AUX, EPS = 16, 40, 24, 3, 1e-5
 
@@ -146,3 +147,15 @@ def test_a_capture_without_a_held_out_store_is_refused(tmp_path):
     layout.manifest("capture").write_text(json.dumps(m))
     with pytest.raises(peer_store.StoreError, match="no eval store"):
         peer_store.convert_run(layout.root, tmp_path / "peer")
+
+
+def test_bad_input_is_one_line_with_exit_2(tmp_path, capsys):
+    assert compare_peer.main([str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no such run directory; give --recipe" in err[0], err
+    assert compare_peer.main([str(tmp_path), "--sets", "heldout", "mt_bench"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'heldout' is the run's own prompts" in err[0], err
+    assert compare_peer.main([str(tmp_path)]) == 2  # a directory that is no run: its stages are not there
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "are not complete; give --recipe" in err[0], err
