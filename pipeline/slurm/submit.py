@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from fledge.atomic import write_bytes_atomic
-from fledge.conf.schema import STAGES
+from fledge.conf.schema import STAGES, Config
 from fledge.pipeline.preflight import compose_checked
 from fledge.run_layout import RunLayout
 
@@ -199,48 +199,58 @@ def check_hub(cfg, stages: str, env=os.environ) -> None:
                          f"unset here; export HF_TOKEN (a write token) in the shell that runs sbatch, {fix}")
 
 
-def plan(kind: str, args: argparse.Namespace, overrides: list[str]) -> list[Job]:
-    """The filled scripts for ``kind`` (capture | train | pipeline) in submission order."""
-    check_counts(args)
-    cfg = compose(overrides)
-    res = RESOURCES.get(cfg.recipe)
+# The flags that override a field of Resources of the same name
+RESOURCE_FLAGS = ("nodes", "gpus_per_node", "nproc_per_node", "cpus_per_task", "engine_nodes", "engine_gpus_per_node",
+                  "engine_cpus_per_task")
+
+
+def resources(recipe: str, args: argparse.Namespace) -> Resources:
+    """The recipe's defaults (1 node x 8 GPUs, with a note, for a recipe without any) with the command line's flags
+    applied; the engine nodes' GPUs and CPUs default to the trainer nodes'."""
+    res = RESOURCES.get(recipe)
     if res is None:
-        print(f"submit: no resource defaults for recipe {cfg.recipe!r}; assuming 1 node x 8 GPUs", file=sys.stderr)
+        print(f"submit: no resource defaults for recipe {recipe!r}; assuming 1 node x 8 GPUs", file=sys.stderr)
         res = Resources()
-    res = replace(res, **{k: v for k, v in (("nodes", args.nodes), ("gpus_per_node", args.gpus_per_node),
-                                               ("nproc_per_node", args.nproc_per_node),
-                                               ("cpus_per_task", args.cpus_per_task),
-                                               ("engine_nodes", args.engine_nodes),
-                                               ("engine_gpus_per_node", args.engine_gpus_per_node),
-                                               ("engine_cpus_per_task", args.engine_cpus_per_task)) if v is not None})
-    res = replace(res, engine_gpus_per_node=res.gpus_per_node if res.engine_gpus_per_node is None
-                  else res.engine_gpus_per_node,
-                  engine_cpus_per_task=res.cpus_per_task if res.engine_cpus_per_task is None
-                  else res.engine_cpus_per_task)
-    overrides = list(overrides)
+    res = replace(res, **{k: getattr(args, k) for k in RESOURCE_FLAGS if getattr(args, k) is not None})
+    return replace(res, engine_gpus_per_node=res.gpus_per_node if res.engine_gpus_per_node is None
+                   else res.engine_gpus_per_node,
+                   engine_cpus_per_task=res.cpus_per_task if res.engine_cpus_per_task is None
+                   else res.engine_cpus_per_task)
+
+
+def served_engines(kind: str, args: argparse.Namespace, cfg: Config, res: Resources,
+                   overrides: list[str]) -> tuple[Config, list[str], EngineLayout | None]:
+    """For a served target on engine nodes (one het job): the config and overrides with the recipe's engine shape
+    and the layout's capture.engine_launcher added (unless the command line sets them), and the layout. Any other
+    job: ``(cfg, overrides, None)``. ValueError for a flag or job kind a served target cannot take."""
     served = cfg.capture.mode == "online" and cfg.capture.engine == "vllm"
     if args.engine_nodes is not None and not served:
         raise ValueError("--engine-nodes places the engines of a served target: add capture.mode=online "
                          "capture.engine=vllm (or drop --engine-nodes)")
-    engines = None
-    if served and res.engine_nodes:  # 0 engine nodes: one plain job, the engines beside their ranks
-        if kind == "capture":
-            raise ValueError("capture.mode=online writes no feature store: submit train or pipeline (one "
-                             "heterogeneous job) instead of capture")
-        if args.array:
-            raise ValueError("--array slices an offline capture; a served target streams (no capture array): "
-                             "drop --array")
-        given = {o.lstrip("+").split("=", 1)[0] for o in overrides}
-        overrides += [o for o in res.online if o.split("=", 1)[0] not in given]  # the recipe's engine shape
-        cfg = compose(overrides)
-        ranks = res.nodes * (res.nproc_per_node or res.gpus_per_node or 1)
-        engines = engine_layout(cfg, res, ranks)
-        if cfg.capture.engine_launcher:
-            print(f"submit: keeping capture.engine_launcher={cfg.capture.engine_launcher} from the command line "
-                  f"(the layout would give {engines.launcher()})", file=sys.stderr)
-        else:
-            overrides.append(f"capture.engine_launcher={hydra_list(engines.launcher())}")
-            cfg = compose(overrides)  # the override as train/main.py will parse it
+    if not (served and res.engine_nodes):  # 0 engine nodes: one plain job, the engines beside their ranks
+        return cfg, overrides, None
+    if kind == "capture":
+        raise ValueError("capture.mode=online writes no feature store: submit train or pipeline (one "
+                         "heterogeneous job) instead of capture")
+    if args.array:
+        raise ValueError("--array slices an offline capture; a served target streams (no capture array): "
+                         "drop --array")
+    given = {o.lstrip("+").split("=", 1)[0] for o in overrides}
+    overrides = overrides + [o for o in res.online if o.split("=", 1)[0] not in given]  # the recipe's engine shape
+    cfg = compose(overrides)
+    engines = engine_layout(cfg, res, ranks=res.nodes * (res.nproc_per_node or res.gpus_per_node or 1))
+    if cfg.capture.engine_launcher:
+        print(f"submit: keeping capture.engine_launcher={cfg.capture.engine_launcher} from the command line "
+              f"(the layout would give {engines.launcher()})", file=sys.stderr)
+        return cfg, overrides, engines
+    overrides = [*overrides, f"capture.engine_launcher={hydra_list(engines.launcher())}"]
+    return compose(overrides), overrides, engines  # the override as train/main.py will parse it
+
+
+def check_request(kind: str, args: argparse.Namespace, cfg: Config, overrides: list[str],
+                  engines: EngineLayout | None) -> None:
+    """ValueError for flags and overrides the jobs cannot run with (or would fail on only after the queue wait);
+    a warning for a flag with no effect."""
     if args.regenerate and engines is None:
         raise ValueError("--regenerate serves the target on the engine nodes of a heterogeneous job: add "
                          "capture.mode=online capture.engine=vllm --engine-nodes N")
@@ -253,50 +263,81 @@ def plan(kind: str, args: argparse.Namespace, overrides: list[str]) -> list[Job]
         check_hub(cfg, args.stages or ALL_STAGES)
     if args.array:  # what every array task will compose (train.launch adds the slice overrides)
         compose([*overrides, "run.stages=[capture]", f"capture.num_slices={args.array}", "capture.slice_index=0"])
-    layout = RunLayout.of(cfg.run)
-    layout = RunLayout(Path.cwd() / layout.root)  # the nodes' working directory may be another (an absolute root stays)
-    user = [o for o in overrides if not o.startswith(("recipe=", "run.name=", "run.output_root="))]
-    regenerate = regenerate_args(cfg, args, engines, layout) if args.regenerate else []
 
-    def job(name: str, template: str, stages: str, res: Resources, extra: list[str], launch: list[str],
-            depends_on: str | None = None, array: str | None = None) -> Job:
-        nproc = res.nproc_per_node
-        launch = (["--nproc-per-node", str(nproc)] if nproc else []) + launch
-        slot = "capture" if name == "capture_array" else name
-        sbatch = {
-            "job-name": f"fledge-{name.replace('_', '-')}-{cfg.run.name}",
-            "nodes": str(res.nodes),
-            "gpus-per-node": str(res.gpus_per_node) if res.gpus_per_node else None,
-            "cpus-per-task": str(res.cpus_per_task),
-            "time": args.time or res.time[slot],
-            "output": str(layout.logs / ("%x-%A_%a.out" if array else "%x-%j.out")),
-            "partition": args.partition, "account": args.account, "array": array,
-        }
-        knobs = {"RECIPE": cfg.recipe, "RUN_NAME": cfg.run.name, "OUTPUT_ROOT": cfg.run.output_root,
-                 "STAGES": stages, "OVERRIDES": user + extra, "LAUNCH_ARGS": launch,
-                 "FLEDGE_ROOT": str(Path.cwd()), "PYTHON": args.python}
-        if name == "train" and engines is not None:
-            knobs["REGENERATE"] = regenerate
-        text = render((SLURM_DIR / template).read_text(), sbatch, knobs)
-        if name == "train" and engines is not None:
-            text = add_component(text, engines, sbatch)
-        return Job(name, layout.slurm_script(name), text, depends_on, layout.logs)
 
-    jobs: list[Job] = []
-    slices = [f"capture.num_slices={args.array:d}"] if args.array else []
-    if kind in ("capture", "pipeline") and engines is None:  # served: prepare runs in the het job itself
+@dataclass(frozen=True)
+class Submission:
+    """What every job of one ``fledge submit`` shares, composed and checked once by ``plan`` before any job is
+    filled (so the jobs cannot disagree on the config or the run directory)."""
+
+    cfg: Config  # the composed config: recipe, run name, output root
+    args: argparse.Namespace  # time, partition, account, python
+    layout: RunLayout  # rooted where the nodes run
+    overrides: tuple[str, ...]  # the user's, less those the knobs set (recipe, run name, output root)
+    engines: EngineLayout | None  # a served target's engine component; None: no het job
+    regenerate: tuple[str, ...]  # pipeline/slurm/serve.py's arguments, for --regenerate
+
+
+def render_job(sub: Submission, name: str, template: str, stages: str, res: Resources, extra: tuple[str, ...] = (),
+               launch: tuple[str, ...] = (), depends_on: str | None = None, array: str | None = None) -> Job:
+    """Job ``name``: ``template`` filled with its #SBATCH lines (``array``: a task range) and knobs (``extra``
+    overrides and ``launch`` arguments after the shared ones); the train job of a served target is a het job."""
+    nproc = res.nproc_per_node
+    slot = "capture" if name == "capture_array" else name
+    sbatch = {
+        "job-name": f"fledge-{name.replace('_', '-')}-{sub.cfg.run.name}",
+        "nodes": str(res.nodes),
+        "gpus-per-node": str(res.gpus_per_node) if res.gpus_per_node else None,
+        "cpus-per-task": str(res.cpus_per_task),
+        "time": sub.args.time or res.time[slot],
+        "output": str(sub.layout.logs / ("%x-%A_%a.out" if array else "%x-%j.out")),
+        "partition": sub.args.partition, "account": sub.args.account, "array": array,
+    }
+    knobs = {"RECIPE": sub.cfg.recipe, "RUN_NAME": sub.cfg.run.name, "OUTPUT_ROOT": sub.cfg.run.output_root,
+             "STAGES": stages, "OVERRIDES": [*sub.overrides, *extra],
+             "LAUNCH_ARGS": [*(["--nproc-per-node", str(nproc)] if nproc else []), *launch],
+             "FLEDGE_ROOT": str(Path.cwd()), "PYTHON": sub.args.python}
+    het = name == "train" and sub.engines is not None
+    if het:
+        knobs["REGENERATE"] = list(sub.regenerate)
+    text = render((SLURM_DIR / template).read_text(), sbatch, knobs)
+    if het:
+        text = add_component(text, sub.engines, sbatch)
+    return Job(name, sub.layout.slurm_script(name), text, depends_on, sub.layout.logs)
+
+
+def jobs_of(kind: str, sub: Submission, res: Resources) -> list[Job]:
+    """The jobs of ``kind`` in submission order: capture (or prepare and a capture array), train, or both."""
+    args, out = sub.args, []
+    if kind in ("capture", "pipeline") and sub.engines is None:  # served: prepare runs in the het job itself
         if args.array:
             cpu_only = replace(res, nodes=1, gpus_per_node=0, nproc_per_node=1)
-            jobs.append(job("prepare", "capture.sbatch", "[prepare]", cpu_only, [], []))
-            jobs.append(job("capture_array", "capture_array.sbatch", "[capture]", res, [],
-                            ["--capture-slices", str(args.array)], depends_on="prepare",
-                            array=f"0-{args.array - 1}" + (f"%{args.max_parallel}" if args.max_parallel else "")))
+            limit = f"%{args.max_parallel}" if args.max_parallel else ""
+            out.append(render_job(sub, "prepare", "capture.sbatch", "[prepare]", cpu_only))
+            out.append(render_job(sub, "capture_array", "capture_array.sbatch", "[capture]", res,
+                                  launch=("--capture-slices", str(args.array)), depends_on="prepare",
+                                  array=f"0-{args.array - 1}{limit}"))
         else:
-            jobs.append(job("capture", "capture.sbatch", args.stages or "[prepare,capture]", res, [], []))
+            out.append(render_job(sub, "capture", "capture.sbatch", args.stages or "[prepare,capture]", res))
     if kind in ("train", "pipeline"):
-        jobs.append(job("train", "train.sbatch", args.stages or ALL_STAGES, res, slices, [],
-                        depends_on=jobs[-1].name if jobs else None))
-    return jobs
+        slices = (f"capture.num_slices={args.array:d}",) if args.array else ()
+        out.append(render_job(sub, "train", "train.sbatch", args.stages or ALL_STAGES, res, extra=slices,
+                              depends_on=out[-1].name if out else None))
+    return out
+
+
+def plan(kind: str, args: argparse.Namespace, overrides: list[str]) -> list[Job]:
+    """The filled scripts for ``kind`` (capture | train | pipeline) in submission order."""
+    check_counts(args)
+    cfg = compose(overrides)
+    res = resources(cfg.recipe, args)
+    cfg, overrides, engines = served_engines(kind, args, cfg, res, list(overrides))
+    check_request(kind, args, cfg, overrides, engines)
+    # the nodes' working directory may be another (an absolute root stays)
+    layout = RunLayout(Path.cwd() / RunLayout.of(cfg.run).root)
+    user = tuple(o for o in overrides if not o.startswith(("recipe=", "run.name=", "run.output_root=")))
+    regenerate = tuple(regenerate_args(cfg, args, engines, layout)) if args.regenerate else ()
+    return jobs_of(kind, Submission(cfg, args, layout, user, engines, regenerate), res)
 
 
 def add_component(text: str, engines: EngineLayout, sbatch: dict[str, str | None]) -> str:
