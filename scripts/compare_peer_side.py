@@ -171,12 +171,25 @@ def train(plan_path: str) -> None:
 
 def load_drafter(path: str):
     """A speculators-format drafter, loaded as the peer loads one (sdpa attention: flex has no CPU kernels)."""
+    from safetensors import safe_open
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
     config = Eagle3SpeculatorConfig.from_pretrained(path)
     config.transformer_layer_config._attn_implementation = "sdpa"
     model = Eagle3DraftModel.from_pretrained(path, config=config, dtype=torch.float32)
     model.load_verifier_weights()  # the target's embedding for the input tokens (the checkpoint's tensors stay)
+    # its from_pretrained forgives missing tensors: every one the drafter owns must come from the files, as shaped
+    files = {}
+    for f in Path(path).glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            files.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
+    params = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    verifier = {"embed_tokens.weight", "verifier_norm.weight", "verifier_lm_head.weight"}
+    wrong = sorted((set(params) - set(files) - verifier) | (set(files) - set(params))
+                   | {k for k in set(files) & set(params) if files[k] != params[k]})
+    if wrong:
+        raise SystemExit(f"{path}: tensors missing, unexpected or of another shape for speculators' Eagle3DraftModel: "
+                         f"{wrong}")
     return model.eval()
 
 
