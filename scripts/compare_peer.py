@@ -162,6 +162,8 @@ def train_peers(out: Path, budget: dict, data: dict, env: dict) -> dict:
             (out / name / "plan.json").write_text(json.dumps(plan, indent=1))
             print(f"[{name}] training (log: {out / name / 'train.log'})", flush=True)
             side(["train", str(out / name / "plan.json")], out / name / "side.log", env)
+        else:
+            print(f"[{name}] kept ({record})", flush=True)
         done[name] = json.loads(record.read_text())
     return done
 
@@ -176,6 +178,7 @@ def heldout(out: Path, drafters: dict[str, Path], steps: int, env: dict, stamp: 
     """Stage 4: the scorer over every drafter (heldout.json, kept while it scored these drafters)."""
     path = out / "heldout.json"
     if path.exists() and json.loads(path.read_text()).get("stamp") == stamp:
+        print(f"[heldout] kept ({path})", flush=True)
         return json.loads(path.read_text())
     print(f"[heldout] scoring {', '.join(drafters)} on the held-out rows, {steps} steps", flush=True)
     side(["heldout", str(out / "data"), str(path), str(steps), *(f"{n}={d}" for n, d in drafters.items())],
@@ -199,6 +202,7 @@ def bench(out: Path, run: Path, exports: dict[str, Path], args, stamp: dict) -> 
         cmd += ["--target", target, "--sets", *args.sets]
     key = {"stamp": stamp, "cmd": cmd[1:]}
     if path.exists() and key_path.exists() and json.loads(key_path.read_text()) == key:
+        print(f"[bench] kept ({path})", flush=True)
         return json.loads(path.read_text())
     print(f"[bench] vLLM: plain, {', '.join(exports)}, ngram (log: {out / 'bench.log'})", flush=True)
     run_logged(cmd, out / "bench.log", lambda line: line.startswith("|") or "Error" in line,
@@ -208,10 +212,11 @@ def bench(out: Path, run: Path, exports: dict[str, Path], args, stamp: dict) -> 
 
 
 def last_engine_line(out: Path) -> str:
-    """The bench's progress: the last 'engine NAME SET: ...' line of its newest vLLM driver log."""
+    """The bench's progress: the last 'engine NAME SET: ...' line of its newest vLLM driver log (else its last line)."""
     logs = sorted(out.glob("bench_b*/engine.log"), key=lambda p: p.stat().st_mtime)
-    lines = [ln for ln in logs[-1].read_text(errors="replace").splitlines() if ln.startswith("engine ")] if logs else []
-    return lines[-1] if lines else "vLLM starting"
+    lines = logs[-1].read_text(errors="replace").splitlines() if logs else []
+    done = [ln for ln in lines if ln.startswith("engine ")]
+    return done[-1] if done else (lines[-1][-100:] if lines else "vLLM starting")
 
 
 def heldout_request(run: Path, path: Path) -> Path:

@@ -81,7 +81,7 @@ class Progress(logging.Handler):
 
     def __init__(self, name: str, steps: int, path: Path):
         super().__init__()
-        self.name_, self.steps, self.file = name, steps, open(path, "a")  # noqa: SIM115 (closed at exit)
+        self.name_, self.steps, self.file = name, steps, open(path, "w")  # noqa: SIM115 (closed at exit)
         self.t0 = self.shown = time.time()
 
     def emit(self, record):
@@ -112,7 +112,7 @@ def patch(plan: dict, progress: Progress, log_path: Path) -> list[str]:
 
     def root_logger(level="INFO"):
         logging.basicConfig(level=level, format="%(asctime)s %(name)s %(message)s", force=True,
-                            handlers=[logging.FileHandler(log_path)])
+                            handlers=[logging.FileHandler(log_path, mode="w")])
 
     def metric_logger(*args, **kwargs):
         original_metric_logger(*args, **kwargs)

@@ -125,6 +125,7 @@ def convert_run(run: Path, out: Path) -> dict:
     layout, record = RunLayout(run), out / "conversion.json"
     capture = json.loads(layout.manifest("capture").read_text())
     if record.exists() and json.loads(record.read_text())["capture_output_id"] == capture.get("output_id"):
+        print(f"[convert] kept ({record})", flush=True)
         return json.loads(record.read_text())
     stores = {split: Path(p).parent for split, p in capture["outputs"]["store"].items()}
     if "eval" not in stores:
