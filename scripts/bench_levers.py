@@ -34,7 +34,8 @@ import torch
 # name: its differences from the run's recipe. cfg: config overrides; optim: muon (torch.optim.Muon on the 2-D body
 # matrices, AdamW on the rest); head: frozen (lm_head kept at the target's rows); warmup_pct: warmup steps as a
 # percentage of --steps; norm_init: the drafter's final norm from the target's; nbr: speculators' norm_before_residual
-# (the first layer's residual is hidden_norm(g), not g).
+# (the first layer's residual is hidden_norm(g), not g). The peer's lr is the run's (speculators 0.9.0 defaults to
+# 1e-3 for AdamW and Muon alike: its OptimizerArgs); peer_lr1e-4 is its recipe at 1e-4, the lr SpecForge publishes.
 PEER_OPTIM = ["drafter.step_weight=1.0", "train.optim.grad_clip=1.0", "train.optim.schedule=linear",
               "train.optim.betas=[0.9,0.999]", "train.optim.weight_decay=0.01"]
 NBFC = ["drafter.fc_norm=false", "drafter.norm_before_fc=true"]
@@ -50,6 +51,9 @@ VARIANTS: dict[str, dict] = {
     "nbr": {"nbr": True},
     "nbfc": {"cfg": NBFC},
     "peer": {"optim": "muon", "head": "frozen", "cfg": PEER_OPTIM, "warmup_pct": 1},
+    "peer_lr1e-4": {"optim": "muon", "head": "frozen", "cfg": PEER_OPTIM + ["train.optim.lr=1e-4"], "warmup_pct": 1},
+    "lr3e-4": {"cfg": ["train.optim.lr=3e-4"]},
+    "lr3e-3": {"cfg": ["train.optim.lr=3e-3"]},
     "peer_arch": {"optim": "muon", "head": "frozen", "cfg": PEER_OPTIM + NBFC, "warmup_pct": 1, "nbr": True},
 }
 MUON = {"momentum": 0.95, "weight_decay": 0.1, "adjust_lr_fn": "match_rms_adamw"}  # speculators 0.9.0's defaults
