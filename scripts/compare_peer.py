@@ -27,6 +27,7 @@ Each stage prints a line every few seconds; bad input is one line and exit code 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -40,9 +41,18 @@ import yaml
 from fledge.run_layout import RunLayout
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO / "scripts") not in sys.path:  # imported from elsewhere (its test): scripts/ is not a package
-    sys.path.insert(0, str(REPO / "scripts"))
-import peer_store  # noqa: E402
+
+
+def _sibling(name: str):
+    """scripts/<name>.py, loaded from its file (scripts/ is not a package, and nothing edits sys.path)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+peer_store = _sibling("peer_store")
 
 FLEDGE_STAGES = ("prepare", "capture", "train", "export")
 PEERS = ("peer_default", "peer_fledge_optim")
