@@ -247,14 +247,16 @@ def heldout_request(run: Path, path: Path) -> Path:
 def tables(run: Path, budget: dict, data: dict, peers: dict, held: dict, served: dict | None) -> tuple[str, dict]:
     """The comparison as markdown (printed and written) and as one JSON record."""
     steps = held["steps"]
-    lines = [f"{peer_store.machine()}, {time.strftime('%Y-%m-%d')}; target {budget['target']}; "
+    command = "python scripts/compare_peer.py " + " ".join(sys.argv[1:])
+    lines = [f"`{command}`", "", f"{peer_store.machine()}, {time.strftime('%Y-%m-%d')}; target {budget['target']}; "
              f"{data['train_rows']} train rows ({data['train_tokens']} tokens), {data['eval_rows']} held-out rows "
              f"({data['eval_tokens']} tokens); TTT {budget['ttt_steps']}, draft vocab {data['draft_vocab_size']}",
              "", "| trainer | tokens | steps | batch fill | train wall s | held-out agreement, steps 1.." + str(steps)
              + " | AL estimate |", "|---|---|---|---|---|---|---|"]
     fill = budget["tokens"] / (budget["steps"] * budget["step_tokens"])
     exported = f" (exported step {budget['best_step']})" if budget["best_step"] not in (None, budget["steps"]) else ""
-    rows = {"fledge": (f"{budget['tokens']:,}", f"{budget['steps']}{exported}", fill, budget["seconds"])}
+    approx = "~" if budget["epochs"] % 1 else ""  # a partial epoch counted at the epoch's mean
+    rows = {"fledge": (f"{approx}{budget['tokens']:,}", f"{budget['steps']}{exported}", fill, budget["seconds"])}
     for name, d in peers.items():
         rows[name] = (f"{d['tokens']:,}", str(d["steps"]), d["tokens"] / (d["steps"] * d["total_seq_len"]),
                       d["seconds"])
@@ -268,12 +270,13 @@ def tables(run: Path, budget: dict, data: dict, peers: dict, held: dict, served:
                   "| set @ batch | proposer | AL | accepted per position | tok/s (x plain) | greedy equal |",
                   "|---|---|---|---|---|---|"]
         for key, r in served["runs"].items():
+            lines.append(f"| {key} | plain | 1.00 | | {r['plain']['tokens_per_s']:.1f} (1.00x) | |")
             for conf in (*rows, "ngram"):
                 d = r[conf]
                 at = " ".join(f"{a:.2f}" for a in d["accept_at"])
                 lines.append(f"| {key} | {conf} | {d['al']:.2f} | {at} | {d['tokens_per_s']:.1f} "
                              f"({d['speedup']:.2f}x) | {d['greedy_equal']}/{served['prompts'][key.split('@')[0]]} |")
-    record = {"command": " ".join(sys.argv), "run": str(run), "machine": peer_store.machine(),
+    record = {"command": command, "run": str(run), "machine": peer_store.machine(),
               "date": time.strftime("%Y-%m-%d"),
               "fledge": budget, "data": data, "peers": peers, "heldout": held, "served": served}
     return "\n".join(lines) + "\n", record
