@@ -64,6 +64,11 @@ class Refused(Exception):
     """Bad input: one line, exit code 2."""
 
 
+def run_config(run: Path) -> dict:
+    """The config RUN's last command ran with (its config.yaml)."""
+    return yaml.safe_load(RunLayout(run).config.read_text())
+
+
 def stage_manifest(run: Path, stage: str) -> dict | None:
     """The stage's manifest when it is complete (fledge/run_layout.py: ``<run>/<stage>/manifest.json``)."""
     path = RunLayout(run).manifest(stage)
@@ -119,11 +124,11 @@ def ensure_fledge(run: Path, recipe: str | None, overrides: list[str], out: Path
         fledge([f"recipe={recipe}", *base, f"run.stages=[{','.join(FLEDGE_STAGES)}]"], out / "fledge.log")
     spec = out / "fledge_speculators"  # the CLI skips its export while RUN's checkpoint is the one it exported
     for stage in ("prepare", "capture", "train"):
-        link = spec / stage
+        link = RunLayout(spec).stage(stage)
         if not link.is_symlink():
             link.parent.mkdir(parents=True, exist_ok=True)
-            link.symlink_to(os.path.relpath(run / stage, spec))
-    recipe = recipe or yaml.safe_load((run / "config.yaml").read_text()).get("recipe")
+            link.symlink_to(os.path.relpath(RunLayout(run).stage(stage), spec))
+    recipe = recipe or run_config(run).get("recipe")
     fledge([f"recipe={recipe}", *overrides, f"run.name={spec.name}", f"run.output_root={out}",
             "export.format=speculators", "run.stages=[export]"], out / "fledge.log")
 
@@ -131,7 +136,7 @@ def ensure_fledge(run: Path, recipe: str | None, overrides: list[str], out: Path
 def fledge_budget(run: Path) -> dict:
     """What Fledge's run trained on: tokens (the train store's tokens x epochs consumed; a partial epoch at the
     epoch's mean), optimizer steps, tokens per step, wall clock, the exported step and its optimizer settings."""
-    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    cfg = run_config(run)
     train = stage_manifest(run, "train")
     out, tcfg = train["outputs"], cfg["train"]
     store = json.loads((Path(stage_manifest(run, "capture")["outputs"]["store"]["train"])).read_text())
@@ -208,7 +213,7 @@ def bench(out: Path, run: Path, exports: dict[str, Path], args, stamp: dict) -> 
     if args.sets == ["heldout"]:
         cmd += ["--request", str(heldout_request(run, out / "heldout_request.json"))]
     else:
-        target = yaml.safe_load((run / "config.yaml").read_text())["target"]["name_or_path"]
+        target = run_config(run)["target"]["name_or_path"]
         cmd += ["--target", target, "--sets", *args.sets]
     key = {"stamp": stamp, "cmd": cmd[1:]}
     if path.exists() and key_path.exists() and json.loads(key_path.read_text()) == key:
@@ -237,7 +242,7 @@ def heldout_request(run: Path, path: Path) -> Path:
     prep = RunLayout(run).prepare
     rows = load_from_disk(str(prep.split("eval")))
     prompts = [r["input_ids"][:r["loss_mask"].index(1)] for r in rows if 1 in r["loss_mask"]]
-    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    cfg = run_config(run)
     request = {"target": str(Path(cfg["target"]["name_or_path"]).resolve()), "sets": {"heldout": prompts},
                "stop_token_ids": json.loads(prep.summary.read_text())["eot_ids"]}
     path.write_text(json.dumps(request))
