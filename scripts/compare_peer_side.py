@@ -70,6 +70,8 @@ def train_argv(plan: dict, data: dict, steps: int, epochs: int) -> list[str]:
             "--num-workers", "0"]
     o = plan["optim"]
     if o:
+        # HF's schedules, as the peer has them: warmup from lr 0 (Fledge's from lr/warmup), decay to 0; its "none"
+        # for Fledge's constant has no warmup at all
         schedule = {"cosine": "cosine", "linear": "linear", "constant": "none"}[o["schedule"]]
         argv += ["--optimizer", "adamw", "--lr", repr(o["lr"]), "--weight-decay", repr(o["weight_decay"]),
                  "--scheduler-type", schedule, "--scheduler-warmup-steps", str(o["warmup_steps"])]
