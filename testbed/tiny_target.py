@@ -7,6 +7,7 @@ Under the testbed's root (default: the repo's .cache/tiny_target, gitignored):
     llama/              the tiny recipe's target (recipe=tiny), a LlamaForCausalLM + metrics.json
     moe/, mla/          the Qwen3-MoE- and DeepSeek-V3-shaped targets (recipe=tiny_moe, tiny_mla;
                         testbed/tiny_families.py), same tokenizer, stream and loss
+    mla_mtp/            mla with DeepSeek-V3's MTP module, trained with it (testbed/tiny_mtp.py)
     long/, long_data/, long_eval/
                         the long-context target, its drafters' data and the AL-vs-context prompts
                         (recipe=tiny_long; testbed/tiny_long.py)
@@ -103,12 +104,21 @@ def _lr_lambda(warmup: int, steps: int):
     return f
 
 
+def lm_loss(model, x: torch.Tensor, mask: torch.Tensor, progress: float) -> torch.Tensor:
+    """Next-token cross-entropy of a causal LM on ids ``x`` [B, L + 1], weighted by ``mask`` [B, L]."""
+    logits = model(input_ids=x[:, :-1]).logits
+    w = mask.flatten().float()
+    return (F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten(), reduction="none") * w).sum() / w.sum()
+
+
 def train_target(model, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], steps: int, lr: float, warmup: int,
-                 device: str = "cpu", seed: int = SEED, log_every: int = 50, **_budget):
+                 device: str = "cpu", seed: int = SEED, log_every: int = 50, loss_fn=lm_loss, **_budget):
     """Train the untrained ``model`` for ``steps`` AdamW steps on ``batches`` of (ids ``[B, L + 1]``, loss mask
     ``[B, L]``), the loss weighted by the mask, in fp32 on every CPU (no autocast: see the module docstring).
-    ``device="cuda"`` trains the same steps on a GPU (fp32, TF32 off): same data and initialisation, not bitwise
-    the CPU build. Returns the model on the CPU. ``_budget`` takes a budget's other keys (seq_len, batch_size)."""
+    ``loss_fn(model, ids, mask, progress)`` is the step's loss (default: next-token cross-entropy; progress is the
+    share of steps done before this one). ``device="cuda"`` trains the same steps on a GPU (fp32, TF32 off): same
+    data and initialisation, not bitwise the CPU build. Returns the model on the CPU. ``_budget`` takes a budget's
+    other keys (seq_len, batch_size)."""
     torch.manual_seed(seed)
     model = model.to(device)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -121,9 +131,7 @@ def train_target(model, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], st
     t0, loss_sum, n = time.time(), 0.0, 0
     for step in range(1, steps + 1):
         x, mask = (t.to(device) for t in next(batches))
-        logits = model(input_ids=x[:, :-1]).logits
-        w = mask.flatten().float()
-        loss = (F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten(), reduction="none") * w).sum() / w.sum()
+        loss = loss_fn(model, x, mask, (step - 1) / steps)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

@@ -7,9 +7,10 @@ Under the testbed's root (testbed/tiny_target.py, ``fledge tiny-target``):
                                them in training, a drafter trained on data/train.jsonl did not)
     data/long_eval.jsonl       table questions over 24-40 rows (200-400 tokens: inside the 512-token training windows)
     tokenizer/                 byte-level BPE (2,560 tokens) with the multi-layout chat template
-    llama/, moe/, mla/         the targets (testbed/tiny_families.py has the MoE and MLA shapes) + metrics.json (per
-                               set: greedy distinct-3, the share of non-degenerate prompts, prompt dependence
-                               (distinct outputs, pairs sharing one); held-out loss / top-1)
+    llama/, moe/, mla/,        the targets (testbed/tiny_families.py has the MoE and MLA shapes; mla_mtp is mla with
+    mla_mtp/                   DeepSeek-V3's MTP module, testbed/tiny_mtp.py) + metrics.json (per set: greedy
+                               distinct-3, the share of non-degenerate prompts, prompt dependence (distinct
+                               outputs, pairs sharing one); held-out loss / top-1)
 Each target is trained on answer tokens only (the prompts are random draws), in 512-token windows.
 What they can show: acceptance on output that depends on the prompt and does not loop, and a drafter's drift
 under a template it was not trained on. What they cannot: natural language or code; a 5 ms target forward makes
@@ -27,7 +28,7 @@ import torch
 
 from fledge.atomic import read_json, write_json_atomic
 from fledge.models.precision import describe_cpu
-from fledge.testbed import tiny_families, tiny_target as tt, tiny_tasks
+from fledge.testbed import tiny_families, tiny_mtp, tiny_target as tt, tiny_tasks
 
 VERSION = 3
 MODEL = dict(vocab_size=2560, hidden_size=128, intermediate_size=384, num_hidden_layers=8, num_attention_heads=4,
@@ -45,7 +46,8 @@ DEGENERATE_BELOW = 0.5  # distinct-3 under this marks a prompt's greedy output d
 
 # Per target: what fits beside the suite in CI (built at the lowest priority while it runs; an MLA step of 4 x 512
 # costs ~2.7x a Llama one here, a MoE step ~1.1x; MLA at 300 x 2 x 512 looped: 25-44% of prompts non-degenerate).
-FAMILY_BUDGETS = {"llama": BUDGET, "moe": dict(BUDGET, steps=300), "mla": dict(BUDGET, steps=300)}
+FAMILY_BUDGETS = {"llama": BUDGET, "moe": dict(BUDGET, steps=300), "mla": dict(BUDGET, steps=300),
+                  "mla_mtp": dict(BUDGET, steps=300)}
 
 
 def _dir(root: Path | None) -> Path:
@@ -208,7 +210,8 @@ def save_random_target(out: Path, root: Path | None = None, seed: int = tt.SEED)
 
 def build_target(name: str = "llama", root: Path | None = None, steps: int | None = None,
                  device: str = "cpu") -> Path:
-    """Build (once) the ``name`` target (llama, moe, mla); returns its from_pretrained directory, ``<root>/<name>``."""
+    """Build (once) the ``name`` target (llama, moe, mla, mla_mtp); returns its from_pretrained directory,
+    ``<root>/<name>``."""
     from transformers import AutoTokenizer
 
     settings = dict(FAMILY_BUDGETS[name], **({"steps": steps} if steps else {}))
@@ -216,17 +219,25 @@ def build_target(name: str = "llama", root: Path | None = None, steps: int | Non
     out = _dir(root) / name
     shape = MODEL if name == "llama" else tiny_families.SHAPES[name]
     key = tt._key(kind="target", name=name, version=VERSION, budget=settings, model=shape, seed=tt.SEED,
-                  data=read_json(data_dir / "build.json")["key"], tok=read_json(tok_dir / "build.json")["key"])
+                  data=read_json(data_dir / "build.json")["key"], tok=read_json(tok_dir / "build.json")["key"],
+                  **({"mtp_loss": tiny_mtp.SCHEDULE} if name == "mla_mtp" else {}))
 
     def build(tmp: Path) -> None:
         tok = AutoTokenizer.from_pretrained(tok_dir)
         model = new_model(name, tok)
+        mtp = name == "mla_mtp"  # trained with its MTP module (testbed/tiny_mtp.py)
+        if mtp:
+            model = tiny_mtp.TargetWithMTP(model)
         t0, c0 = time.time(), time.process_time()
         batches = _batches(tok, tiny_tasks.stream(tt.SEED + 1), settings["seq_len"], settings["batch_size"])
-        model = tt.train_target(model, batches, **settings, device=device)
+        model = tt.train_target(model, batches, **settings, device=device,
+                                **({"loss_fn": tiny_mtp.TargetWithMTP.training_loss} if mtp else {}))
         train_s, train_cpu = time.time() - t0, time.process_time() - c0
-        tt._save_model(model, tok, tmp)
+        tt._save_model(model.target if mtp else model, tok, tmp)
+        if mtp:
+            tiny_mtp.add_mtp_tensors(tmp, model.mtp)
         metrics = evaluate(tmp, data_dir)
+        metrics.update(tiny_mtp.mtp_heldout(tmp, data_dir) if mtp else {})
         metrics.update(target=name, **settings, train_seconds=round(train_s, 1),
                        train_cpu_seconds=round(train_cpu, 1), torch_threads=torch.get_num_threads(),
                        compute_dtype="float32", cpu=describe_cpu(),
