@@ -15,7 +15,7 @@ from fledge.conf.domains import ByteSize, DirName, Elsewhere, Free, Location, On
 from fledge.conf.drafter_rules import drafter_problems, raise_problems
 
 STAGES = ("prepare", "capture", "train", "export", "eval", "publish")  # publish: export.push_to_hub
-ALGORITHMS = ("eagle", "dflash")  # models/algorithms.py registers each (the schema cannot import it)
+ALGORITHMS = ("eagle", "dflash", "mtp")  # models/algorithms.py registers each (the schema cannot import it)
 
 
 @dataclass
@@ -60,7 +60,8 @@ class LossOptions:
 class DrafterConfig:
     # The drafter algorithm (models/algorithms.py): eagle (EAGLE-3 / EAGLE-3.1, and P-EAGLE with parallel_drafting)
     # | dflash (a block drafter: one non-causal forward over [bonus token, block_size - 1 mask tokens], the target's
-    # states injected as every layer's context keys and values; vLLM's method "dflash").
+    # states injected as every layer's context keys and values; vLLM's method "dflash") | mtp (the target's own MTP
+    # module fine-tuned as a chain drafter, norm_output its fed-back state; vLLM's method "mtp").
     algorithm: Annotated[str, OneOf(*ALGORITHMS)] = "eagle"
     # boundary convention; None -> (2, L//2, L-3)
     aux_layer_ids: Annotated[Optional[list[int]], Elsewhere("conf/drafter_rules.py", [0, 2, 3], [4, 2, 5])] = None
@@ -351,6 +352,7 @@ class Config:
         _check_loss(self.drafter)
         _check_parallel_drafting(self)
         _check_algorithm(self)
+        _check_mtp(self)
         if self.capture.engine == "vllm" and self.capture.device_map:
             raise ValueError("capture.engine=vllm runs the target with the engine's own parallelism: drop "
                              "capture.device_map (set capture.tensor_parallel_size / expert_parallel instead)")
@@ -429,6 +431,24 @@ def _check_algorithm(cfg: Config) -> None:
     if d.init_from:
         raise ValueError("drafter.init_from with drafter.algorithm=dflash: fine-tuning starts from an EAGLE drafter "
                          "only; drop drafter.init_from")
+
+
+def _check_mtp(cfg: Config) -> None:
+    """drafter=mtp: the target's own MTP module, fine-tuned and served by vLLM's method mtp (models/mtp_drafter.py)."""
+    d = cfg.drafter
+    if d.algorithm != "mtp":
+        return
+    if d.fc_norm or d.norm_before_fc or d.parallel_drafting:
+        raise ValueError("drafter.algorithm=mtp takes none of fc_norm, norm_before_fc, parallel_drafting: the MTP "
+                         "module's hnorm and enorm already normalise every state entering it, and vLLM chains its "
+                         "drafts; use drafter=mtp, which sets them false (drafter.norm_output: the fed-back state)")
+    if cfg.export.format != "hf" or cfg.eval.engine == "sglang":
+        raise ValueError(f"drafter.algorithm=mtp with export.format={cfg.export.format}, eval.engine={cfg.eval.engine}:"
+                         " Fledge exports the module in the layout vLLM's method mtp loads and serves it with vLLM; "
+                         "use export.format=hf and eval.engine=vllm or hf")
+    if cfg.train.sequence_parallel > 1 or d.init_from:
+        raise ValueError("drafter.algorithm=mtp starts from the target's own MTP module and trains on whole rows: set "
+                         "train.sequence_parallel=1 and drop drafter.init_from")
 
 
 def _check_loss(d: DrafterConfig) -> None:

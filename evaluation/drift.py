@@ -14,6 +14,11 @@ context to the drafted rows; post-norm feedback (EAGLE-3.1) keeps the RMS at abo
 The probabilities are recomputed exactly from what the engine path uses: the attention's own ``project``
 (every layer kind of models/layers/ has one) gives the query as the attention sees it, wrapped while the
 probe is open, and the ``DraftCache`` holds the keys after RoPE. Nothing in the drafter changes.
+
+The target's MTP module (``drafter=mtp``, models/mtp_drafter.py) is probed chained as vLLM 0.32 chains it: depth 0
+reads the target's final normed state, depth d >= 1 the step before's ``shared_head.norm(out)`` (``norm_output``;
+``out`` without), so ``state_rms`` is that state's RMS. Its attention is transformers', so it hands each query over
+itself (``watch_queries``).
 """
 
 from __future__ import annotations
@@ -36,24 +41,32 @@ class DriftProbe:
 
     def __init__(self, drafter: nn.Module):
         self.drafter = drafter
-        self.attn = drafter.midlayer.self_attn
         self._q: torch.Tensor | None = None
-        # Every layer kind (models/layers/) makes its q, k, v in ``project``: keep the last query as the
-        # attention sees it (RoPE, q/k norms, MLA's scale and padding applied) while the probe is open.
-        project = self.attn.project
+        self.sums: dict[int, torch.Tensor] = {}  # depth -> [sink, context, drafted, rms, count]
+        self.last_probs: torch.Tensor | None = None  # [Hq, L] of the latest record (tests check it)
+        # Keep the last query as the attention sees it (RoPE, q/k norms, MLA's scale and padding applied) while the
+        # probe is open: a drafter whose attention is transformers' hands it over itself (models/mtp_drafter.py).
+        watch = getattr(drafter, "watch_queries", None)
+        self._stop = watch(self._keep) if watch is not None else self._wrap_project(drafter.midlayer.self_attn)
+
+    def _keep(self, q: torch.Tensor) -> None:
+        self._q = q[:1, :, -1:].detach()  # [1, Hq, 1, D]
+
+    def _wrap_project(self, attn: nn.Module):
+        """Every layer kind (models/layers/) makes its q, k, v in ``project``: shadow it until :meth:`close`."""
+        project = attn.project
 
         def keep_last_query(z: torch.Tensor, cos: torch.Tensor,
                             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             q, k, v = project(z, cos, sin)
-            self._q = q[:1, :, -1:].detach()  # [1, Hq, 1, D]
+            self._keep(q)
             return q, k, v
 
-        self.attn.project = keep_last_query  # an instance attribute: shadows the method until close()
-        self.sums: dict[int, torch.Tensor] = {}  # depth -> [sink, context, drafted, rms, count]
-        self.last_probs: torch.Tensor | None = None  # [Hq, L] of the latest record (tests check it)
+        attn.project = keep_last_query  # an instance attribute: shadows the method until close()
+        return lambda: attn.__dict__.pop("project", None)
 
     def close(self) -> None:
-        self.attn.__dict__.pop("project", None)
+        self._stop()
 
     @torch.no_grad()
     def record(self, depth: int, position: int, fed: torch.Tensor, cache: DraftCache, n_context: int) -> None:

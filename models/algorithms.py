@@ -18,13 +18,16 @@ Registered: ``eagle`` (models/eagle.py: EAGLE-3 and EAGLE-3.1 by their flags), `
 P-EAGLE, ``drafter.parallel_drafting``), both models/drafter.py's ``Eagle3Drafter`` served by vLLM's ``eagle3``
 method, and ``dflash`` (models/dflash.py, vLLM's ``dflash``). :func:`algorithm_of` finds the entry of a spec, a
 config or a spec's JSON; code outside an algorithm's modules asks its entry, never its name.
+
+``mtp`` (models/mtp_drafter.py) is the target's own MTP module (models/mtp.py) as a chain drafter, served by vLLM's
+``mtp`` method.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from fledge.models import dflash, eagle, peagle  # noqa: F401 (each registers its algorithm)
+from fledge.models import dflash, eagle, mtp_drafter, peagle  # noqa: F401 (each registers its algorithm)
 from fledge.models.spec import ALGORITHMS, Algorithm, DrafterSpec, algorithm_of, mask_token_id_for
 
 __all__ = ["ALGORITHMS", "Algorithm", "DrafterSpec", "algorithm_of", "build_drafter", "mask_token_id_for"]

@@ -4,8 +4,9 @@ Boundary convention (docs/architecture.md, Aux layer ids): id ``k`` is the resid
 ``k``, i.e. ``hidden_states[k]`` of an HF forward with ``output_hidden_states=True`` (0 = embeddings). A forward
 pre-hook on ``layers[k]`` sees exactly that tensor, so only the requested states are kept alive, never all
 L+1 of them. The teacher's state is the base model's output (after the final norm: what feeds lm_head),
-and the full-vocab argmax is computed from lm_head in row chunks so a long row's [T, V] logits never exist
-at once.
+which is also id ``L`` here, as ``hidden_states[L]`` is in transformers (what an MTP module reads:
+models/mtp_drafter.py). The full-vocab argmax is computed from lm_head in row chunks so a long row's [T, V]
+logits never exist at once.
 
 The target's config is read through its family (models/families.py); single tensors (the embedding, the
 teacher's draft-vocab lm_head rows) are read without instantiating the target by models/weights.py.
@@ -66,13 +67,14 @@ class FrozenTarget:
         self.decoder = model.get_decoder()
         self.layers = self._find_layers(self.decoder)
         L = len(self.layers)
-        if any(not 0 <= k < L for k in self.aux_layer_ids):
-            raise ValueError(f"aux_layer_ids={self.aux_layer_ids}: boundary ids must lie in [0, {L - 1}]")
+        if any(not 0 <= k <= L for k in self.aux_layer_ids):
+            raise ValueError(f"aux_layer_ids={self.aux_layer_ids}: boundary ids must lie in [0, {L}] ({L}: the final "
+                             "normed state)")
         self.lm_head = model.get_output_embeddings()
         self.hidden_size = self.lm_head.weight.shape[1]
         self.vocab_size = self.lm_head.weight.shape[0]
         self._store: dict[int, torch.Tensor] = {}
-        for k in sorted(set(self.aux_layer_ids)):
+        for k in sorted(set(self.aux_layer_ids) - {L}):
             self.layers[k].register_forward_pre_hook(self._make_hook(k), with_kwargs=True)
 
     @classmethod
@@ -141,7 +143,8 @@ class FrozenTarget:
         out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                            past_key_values=cache, use_cache=cache is not None)
         final = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-        aux = torch.cat([self._store[k].to(final.device) for k in self.aux_layer_ids], dim=-1)
+        L = len(self.layers)
+        aux = torch.cat([final if k == L else self._store[k].to(final.device) for k in self.aux_layer_ids], dim=-1)
         return aux, final
 
     def _forward_chunked(self, input_ids, attention_mask, position_ids, chunk: int):

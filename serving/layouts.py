@@ -18,7 +18,7 @@ from torch import nn
 
 from fledge.models.algorithms import DrafterSpec, algorithm_of
 from fledge.registry import Registry
-from fledge.serving import dflash_layout
+from fledge.serving import dflash_layout, mtp_layout
 
 Finding = tuple[str, str, str, str]  # (level, code, message, fix), as serving/lint.py reports them
 
@@ -55,6 +55,7 @@ class Layout(Protocol):
 # EAGLE's algorithms are reserved: valid names without an entry, served by the dialects
 LAYOUTS: Registry[Layout] = Registry("drafter.algorithm", "serving/layouts.py", reserved=("eagle", "peagle"))
 LAYOUTS.register("dflash", dflash_layout)
+LAYOUTS.register("mtp", mtp_layout)
 
 
 def layout_for(drafter: Any) -> Layout | None:

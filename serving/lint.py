@@ -79,9 +79,11 @@ def lint_drafter(drafter_dir: str | Path, target_config: Any = None) -> list[Fin
     if layout is not None:  # not EAGLE's: its own checks, then the target's and the training record's
         for finding in layout.lint(d, config, t.num_hidden_layers if t is not None else None, record):
             add(*finding)
+        # an MTP export's config.json is its target's own (serving/mtp_layout.py): no drafter layer to check
+        drafter_layer = getattr(layout, "DRAFTER_LAYER", True)
         if t is not None:
-            _check_against_target(config, t, add)
-        if record is not None:
+            _check_against_target(config, t, add, drafter_layer)
+        if record is not None and drafter_layer:
             _check_layer_trained(config, record, add)
         return out
     c = layer_config(config)
@@ -181,7 +183,7 @@ def _check_engine_readings(config: dict, c: dict, t: TargetShape | None, record:
             f"was trained on {list(trained)}: it would run on other states than in training", fix)
 
 
-def _check_against_target(c: dict, t: TargetShape, add) -> None:
+def _check_against_target(c: dict, t: TargetShape, add, drafter_layer: bool = True) -> None:
     theta, scaling = rope_of(c)
     if not math.isclose(theta, t.rope_theta, rel_tol=1e-6):
         add("error", "rope-theta", f"rope_theta={theta} but the target uses {t.rope_theta}",
@@ -202,7 +204,7 @@ def _check_against_target(c: dict, t: TargetShape, add) -> None:
     mine = {"num_attention_heads": heads, "num_key_value_heads": c.get("num_key_value_heads") or heads,
             "head_dim": c.get("head_dim") or (int(c["hidden_size"]) // int(heads) if heads else None),
             "hidden_act": c.get("hidden_act") or "silu"}
-    for key, value in mine.items():  # missing keys read as the engines read them (kv = heads, hidden // heads)
+    for key, value in mine.items() if drafter_layer else ():  # read as engines read missing keys (kv = heads, ...)
         if value != getattr(t, key):
             add("warning", f"{key.replace('_', '-')}", f"{key}={value} differs from the target's {getattr(t, key)}",
                 f"the drafter normally copies {key} from the target")

@@ -56,8 +56,10 @@ def serving_config(
     Ht, V, L = shape.hidden_size, shape.vocab_size, shape.num_hidden_layers
     ids = [int(i) for i in aux_layer_ids]
     fc_norm, norm_output, nbf = (_flag(drafter, k) for k in ("fc_norm", "norm_output", "norm_before_fc"))
-    raise_problems(drafter_problems(ids, L, fc_norm=fc_norm, norm_before_fc=nbf, draft_vocab_size=draft_vocab_size,
-                                    vocab_size=V, prefix=""))
+    layout = layout_for(drafter)
+    if layout is None:  # a layout's spec holds its own ids' rules (an MTP module reads id L, past EAGLE's range)
+        raise_problems(drafter_problems(ids, L, fc_norm=fc_norm, norm_before_fc=nbf,
+                                        draft_vocab_size=draft_vocab_size, vocab_size=V, prefix=""))
     kind = resolve_layer_kind(_opt(drafter, "layer"), family.layer_kind)
     layer = family.drafter_layer(shape)
     for key in ("hidden_size", "intermediate_size"):  # a drafter narrower than its target keeps its own widths
@@ -68,7 +70,6 @@ def serving_config(
         if _opt(drafter, key) is not None and _opt(drafter, key) != 0:
             layer[key] = _opt(drafter, key)
     H = layer["hidden_size"]
-    layout = layout_for(drafter)
     if layout is not None:  # not EAGLE's: its own layout (serving/layouts.py)
         return layout.build_config(layer, drafter, ids, Ht, L)
     flags = {"fc_norm": fc_norm, "norm_output": norm_output, **({"norm_before_fc": True} if nbf else {})}

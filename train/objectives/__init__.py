@@ -6,12 +6,13 @@ DeepSpeed trains.
 - eagle.py: EAGLE-3/3.1 and P-EAGLE: the drafter over the draft vocab, the registered loss unrolled over the TTT
   steps, and ``drafter.init_from``;
 - dflash.py: DFlash: the drafter over the target's whole vocab and the block objective;
+- mtp.py: the target's own MTP module (models/mtp_drafter.py), TTT over its chained drafts as vLLM chains them;
 - base.py: the registry and what a builder returns (:class:`Trainable`, its :class:`Objective`).
 
 A new algorithm adds one module here registering its builder (tests/unit/test_algorithms.py registers a toy one).
 """
 
-from fledge.train.objectives import dflash, eagle  # noqa: F401 (each registers its algorithm)
+from fledge.train.objectives import dflash, eagle, mtp  # noqa: F401 (each registers its algorithm)
 from fledge.train.objectives.base import OBJECTIVES, Builder, Objective, Trainable
 
 __all__ = ["OBJECTIVES", "Builder", "Objective", "Trainable"]

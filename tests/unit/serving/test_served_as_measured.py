@@ -17,6 +17,7 @@ from fledge.serving.card import Measured, build_model_card
 from fledge.serving.export import export_checkpoint, write_drafter
 from fledge.serving.serving_config import serving_config
 from tests.helpers.models import DFLASH_TARGET as TARGET, random_dflash, random_state_dict
+from tests.helpers.mtp import mtp_export
 
 REPO = "org/drafter"
 K = 3
@@ -42,7 +43,7 @@ def _dflash(tmp_path):
 # Every algorithm, each EAGLE drafter in every dialect: (algorithm, build(tmp_path) -> export dir, parallel or block)
 CASES = {**{f"eagle-{fmt}": ("eagle", lambda p, fmt=fmt: _eagle(p, fmt, False), False) for fmt in dialects.names()},
          **{f"p_eagle-{fmt}": ("peagle", lambda p, fmt=fmt: _eagle(p, fmt, True), True) for fmt in dialects.names()},
-         "dflash": ("dflash", _dflash, True)}
+         "dflash": ("dflash", _dflash, True), "mtp": ("mtp", mtp_export, False)}
 
 
 def test_every_algorithm_has_a_case():
