@@ -229,6 +229,14 @@ class OptimConfig:
     schedule: Annotated[str, OneOf("cosine", "linear", "constant")] = "cosine"
     # the lr decays to min_lr_ratio x lr
     min_lr_ratio: Annotated[float, Range(ge=0, le=1, why="the final lr as a fraction of train.optim.lr")] = 0.0
+    # adamw: AdamW on every parameter. muon: Muon on the drafter's hidden 2-D matrices (its Linear weights but the
+    # lm_head), AdamW (the keys above) on the rest (train/optimizers.py); needs deepspeed.zero_stage <= 2 and no
+    # deepspeed.offload_optimizer. Muon's update is scaled to AdamW's RMS (match_rms_adamw), so its lr is in
+    # AdamW's units; both follow the lr schedule.
+    name: Annotated[str, OneOf("adamw", "muon")] = "adamw"
+    muon_lr: Annotated[Optional[float], Range(gt=0, why="Muon's peak lr; null: train.optim.lr")] = None
+    muon_momentum: Annotated[float, Range(ge=0, lt=1, why="Muon's (Nesterov) momentum")] = 0.95
+    muon_weight_decay: Annotated[float, Range(ge=0, why="Muon's decoupled weight decay")] = 0.1
 
 
 @dataclass
@@ -364,6 +372,7 @@ class Config:
             raise ValueError("capture.engine_launcher / capture.ranks_per_engine place the engines of capture.mode="
                              "online with capture.engine=vllm; set those two, or drop these keys")
         _check_capture_slices(self)
+        _check_optim(self)
         unknown = [s for s in self.eval.engine_sets if s not in self.eval.sets]
         if unknown:
             raise ValueError(f"eval.engine_sets={self.eval.engine_sets}: {unknown} not in eval.sets={self.eval.sets}")
@@ -465,6 +474,21 @@ def _check_loss(d: DrafterConfig) -> None:
     if not sum(d.loss_mix.values()) > 0 or "mix" in d.loss_mix:
         raise ValueError(f"drafter.loss_mix={dict(d.loss_mix)}: the weights must be >= 0 and not all 0, and 'mix' "
                          f"cannot be a part ({example})")
+
+
+def _check_optim(cfg: Config) -> None:
+    """Muon orthogonalizes whole matrices from ZeRO-1/2's flat partitions (train/optimizers.py); ZeRO-3 partitions
+    each parameter on its own and an offloaded optimizer steps on the host, where neither mapping is kept."""
+    if cfg.train.optim.name != "muon":
+        return
+    ds = cfg.deepspeed
+    if ds.zero_stage == 3:
+        raise ValueError("train.optim.name=muon runs under deepspeed.zero_stage 0, 1 or 2, not 3 (ZeRO-3 "
+                         "partitions each matrix Muon orthogonalizes whole): use deepspeed=zero2, or "
+                         "train.optim.name=adamw with ZeRO-3")
+    if ds.offload_optimizer:
+        raise ValueError("train.optim.name=muon steps on the device: drop deepspeed.offload_optimizer (e.g. "
+                         "deepspeed=zero2), or use train.optim.name=adamw with it")
 
 
 def _check_capture_slices(cfg: Config) -> None:
