@@ -69,6 +69,10 @@ ENGINE_KEYS = ("engine", "tensor_parallel_size", "expert_parallel", "data_parall
 # capture runs, not what it stores (the array's tasks and its merge share one hash).
 CAPTURE_RUNTIME = ("engine_python", "engine_timeout_s", "engine_launcher", "ranks_per_engine", "num_slices",
                    "slice_index")
+# Config keys added since the manifests of earlier Fledges were recorded (tests/fixtures/stage_inputs/), under a
+# hashed_as section: each stays out of the hash while it stands at its default, the behaviour those runs had, so
+# their run directories keep their hashes; set to anything else, it is hashed like any key.
+ADDED_KEYS = ("train.optim.name", "train.optim.muon_lr", "train.optim.muon_momentum", "train.optim.muon_weight_decay")
 
 
 def capture_runtime(capture: CaptureConfig) -> tuple[str, ...]:
@@ -169,9 +173,22 @@ def hashed(inputs: StageInputs) -> dict[str, Any]:
             out.update({f"{meta[_KEY]}.{name}": _plain(getattr(value, name)) for name in meta[_EACH]})
             continue
         skip = meta[_RUNTIME](value) if callable(meta[_RUNTIME]) else meta[_RUNTIME]
-        plain = _plain(value)
+        plain = _without_added_defaults(meta[_KEY], value, _plain(value))
         out[meta[_KEY]] = {k: v for k, v in plain.items() if k not in skip} if skip else plain
     return out
+
+
+def _without_added_defaults(key: str, value: Any, plain: Any) -> Any:
+    """``plain`` (section ``key``'s value) less the ADDED_KEYS under it that stand at their defaults."""
+    paths = [k[len(key) + 1:].split(".") for k in ADDED_KEYS if k.startswith(key + ".")]
+    default = _plain(type(value)()) if paths else None
+    for *parents, name in paths:
+        node, ref = plain, default
+        for part in parents:
+            node, ref = node[part], ref[part]
+        if name in node and node[name] == ref[name]:
+            del node[name]
+    return plain
 
 
 def _plain(value: Any) -> Any:

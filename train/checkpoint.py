@@ -214,8 +214,16 @@ def best_follows_state(ckpt_dir: Path, state: dict, best_dir: Path) -> None:
         promote_best(src, best_dir)
 
 
-def to_universal(ckpt_dir: Path, tag: str, world: World) -> str:
-    """Convert a checkpoint to DeepSpeed's universal format (once; rank 0) and return its tag."""
+def to_universal(ckpt_dir: Path, tag: str, world: World, optim: OptimConfig) -> str:
+    """Convert a checkpoint to DeepSpeed's universal format (once; rank 0) and return its tag. ``optim``: the
+    run's ``train.optim``; Muon's momentum is no state the conversion knows (it carries Adam's), so a Muon run's
+    checkpoint is refused, naming the world size that resumes it."""
+    if optim.name == "muon":
+        saved = trainer_state(ckpt_dir, tag).get("world_size")
+        raise ValueError(f"train: checkpoint {ckpt_dir / tag} was saved on {saved} ranks and this world has "
+                         f"{world.world_size}; a train.optim.name=muon checkpoint loads on the world size that saved "
+                         "it only (DeepSpeed's universal checkpoint carries Adam's states, not Muon's momentum): "
+                         f"resume on {saved} ranks, or start training over with run.force=[train]")
     utag = f"{tag}_universal"
     if world.is_main and not (ckpt_dir / utag / "done").exists():
         log.info("world size changed: converting %s to a universal checkpoint", tag)

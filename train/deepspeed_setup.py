@@ -1,4 +1,5 @@
-"""DeepSpeed engine from the train stage's inputs: ZeRO stage, offload, precision, AdamW, lr schedule.
+"""DeepSpeed engine from the train stage's inputs: ZeRO stage, offload, precision, the optimizer
+(train/optimizers.py), lr schedule.
 
 Batch sizes come from ``inputs.train`` only (each value lives once; no "auto", which only the
 Hugging Face integration resolves). bf16 on CUDA, fp32 on CPU unless ``deepspeed.bf16=true`` asks for it
@@ -17,6 +18,7 @@ from fledge.conf.schema import DeepSpeedConfig, OptimConfig
 from fledge.distributed import World
 from fledge.models.precision import compute_dtype
 from fledge.stage_inputs import TrainInputs
+from fledge.train.optimizers import build_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +74,8 @@ def deepspeed_config(inputs: TrainInputs, world: World, load_universal: bool = F
         "steps_per_print": 10**9,  # we log ourselves
         "wall_clock_breakdown": False,
     }
+    if t.optim.name == "muon":  # a client optimizer DeepSpeed does not list (train/optimizers.py MuonAdamW)
+        conf["zero_allow_untested_optimizer"] = True
     if load_universal:
         conf["checkpoint"] = {"load_universal": True}
     return _merge(conf, dict(ds.extra))
@@ -128,16 +132,7 @@ def build_engine(model: torch.nn.Module, inputs: TrainInputs, world: World, tota
     import deepspeed
 
     o = inputs.train.optim
-    if len(o.betas) != 2:
-        raise ValueError(f"train.optim.betas={o.betas}: expected two values, e.g. [0.9, 0.95]")
-    params = [p for p in model.parameters() if p.requires_grad]
-    if inputs.deepspeed.offload_optimizer:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-        optimizer = DeepSpeedCPUAdam(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay,
-                                     adamw_mode=True)
-    else:
-        optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+    optimizer = build_optimizer(model, o, offload=inputs.deepspeed.offload_optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(o, total_steps, decay_from))
     engine, optimizer, _, scheduler = deepspeed.initialize(
         model=model,

@@ -138,7 +138,7 @@ class Trainer:
         self.last_drafter_dir = checkpoint.drafter_dir(ckpt_dir, tag) if tag else None
         universal = bool(tag) and self.state["world_size"] != world.world_size
         if universal:
-            tag = checkpoint.to_universal(ckpt_dir, tag, world)
+            tag = checkpoint.to_universal(ckpt_dir, tag, world, self.inputs.train.optim)
         self.engine, _, self.scheduler = build_engine(self.model, self.inputs, world, plan.total, plan.decay_from,
                                                       load_universal=universal)
         self.model.cast_teacher(self.dtype)
