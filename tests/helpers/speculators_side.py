@@ -1,13 +1,16 @@
 """The speculators side of the parity check (tests/oracle/test_speculators_parity.py); run it only with the
 oracle environment first on the path: PYTHONPATH=.oracle/site (speculators 0.9.0, transformers 5.19).
 
-    python tests/helpers/speculators_side.py DRAFTER_DIR INPUTS.safetensors OUT.safetensors STEPS [DECAY]
+    python tests/helpers/speculators_side.py JOBS.json
 
-Loads a Fledge export in the speculators dialect with speculators' own loader (strict about keys), runs
-its TTT forward on the inputs (CPU: sdpa attention) and saves the logits of every step, plus what its
-loader reported, for the test to compare with Fledge's forward. When the inputs also hold
-``verifier_hidden`` and ``loss_mask`` it runs the training forward instead (eager KL loss, step decay
-DECAY), backpropagates, and saves the loss and every parameter's gradient. Imports nothing from Fledge.
+JOBS.json is a list of jobs, {"drafter": DIR, "inputs": IN.safetensors, "out": OUT.safetensors, "steps": N,
+"decay": D or null}, run one after another in this one process: speculators' imports (~10 CPU-seconds) are
+paid once for all the parity cases. For each job it loads a Fledge export in the speculators dialect with
+speculators' own loader (strict about keys), runs its TTT forward on the inputs (CPU: sdpa attention) and
+saves the logits of every step, plus what its loader reported, for the test to compare with Fledge's
+forward. When the inputs also hold ``verifier_hidden`` and ``loss_mask`` it runs the training forward
+instead (eager KL loss, step decay D), backpropagates, and saves the loss and every parameter's gradient.
+Imports nothing from Fledge.
 """
 
 import json
@@ -63,4 +66,6 @@ def main(drafter_dir, inputs_path, out_path, steps, decay=1.0):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), *(float(a) for a in sys.argv[5:6]))
+    for job in json.loads(Path(sys.argv[1]).read_text()):
+        main(job["drafter"], job["inputs"], job["out"], job["steps"],
+             *([] if job["decay"] is None else [job["decay"]]))

@@ -7,8 +7,9 @@ every step (the fused features, fc_norm, the 2H attention input, the step-k mask
 norm_output feedback). EAGLE-3 (flags off), EAGLE-3.1 (flags on) and the older norm_before_fc.
 
 speculators pins transformers <= 5.19, so it lives apart from the project's environment: install it with
-`bash scripts/setup_oracle.sh` (into .oracle/site; scripts/test.sh does this) and the speculators side runs
-in a subprocess with that directory first on its path. Without it these tests skip.
+`bash scripts/setup_oracle.sh` (into .oracle/site; scripts/test.sh does this) and the speculators side of every
+case runs in one subprocess (the module's fixture) with that directory first on its path. Without it these tests
+skip.
 """
 
 from __future__ import annotations
@@ -65,21 +66,31 @@ def _fledge_logits(drafter_dir: Path, x: dict) -> list[torch.Tensor]:
         return [d.lm_head(y) for y in ttt_states(d, batch, STEPS)]
 
 
-def _run_speculators(drafter_dir: Path, x: dict, tmp: Path, decay: float | None = None) -> tuple[dict, dict]:
-    """speculators' forward on Fledge's inputs; with ``decay`` (and verifier states, loss mask in x) its
-    training forward + backward. Returns (its tensors: logits_k, and grad/<name>, loss), its load report."""
+def _job(drafter_dir: Path, x: dict, tmp: Path, decay: float | None = None) -> dict:
+    """One speculators-side job (tests/helpers/speculators_side.py) on Fledge's inputs, written under ``tmp``:
+    its forward, or with ``decay`` (and verifier states, loss mask in x) its training forward + backward."""
     # speculators takes rows pre-shifted: row t holds x_{t+1} with A_t (Fledge's step-0 token).
     ids = torch.zeros_like(x["input_ids"])
     ids[:, :-1] = x["input_ids"][:, 1:]
+    tmp.mkdir(parents=True, exist_ok=True)
     save_file({**x, "input_ids": ids, "document_ids": x["document_ids"].long()}, tmp / "inputs.safetensors")
+    return {"drafter": str(drafter_dir), "inputs": str(tmp / "inputs.safetensors"),
+            "out": str(tmp / "out.safetensors"), "steps": STEPS, "decay": decay}
+
+
+def _run_speculators(jobs: list[dict], tmp: Path) -> list[tuple[dict, dict]]:
+    """Every job in one speculators process (its imports cost ~10 CPU-seconds, paid once). Returns per job
+    (its tensors: logits_k, and grad/<name>, loss), its load report."""
+    (tmp / "jobs.json").write_text(json.dumps(jobs))
     env = dict(os.environ, PYTHONPATH=str(SITE), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    proc = subprocess.run([sys.executable, str(REPO / "tests/helpers/speculators_side.py"), str(drafter_dir),
-                           str(tmp / "inputs.safetensors"), str(tmp / "out.safetensors"), str(STEPS),
-                           *([] if decay is None else [str(decay)])],
-                          env=env, cwd=tmp, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, str(REPO / "tests/helpers/speculators_side.py"), str(tmp / "jobs.json")],
+                          env=env, cwd=tmp, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    with safe_open(tmp / "out.safetensors", "pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}, json.loads(f.metadata()["report"])
+    out = []
+    for job in jobs:
+        with safe_open(job["out"], "pt") as f:
+            out.append(({k: f.get_tensor(k) for k in f.keys()}, json.loads(f.metadata()["report"])))
+    return out
 
 
 def _export(target: Path, flags: dict, draft_vocab: int, out: Path, seed: int = 3) -> tuple[Path, dict, list[int]]:
@@ -100,15 +111,61 @@ def _export(target: Path, flags: dict, draft_vocab: int, out: Path, seed: int = 
     return write_drafter(out, sd, config, include_embed=True), tcfg, ids
 
 
-@pytest.mark.parametrize("flags", [dict(fc_norm=True, norm_output=True), dict(fc_norm=False, norm_output=False),
-                                   dict(fc_norm=False, norm_output=False, norm_before_fc=True),
-                                   dict(fc_norm=True, norm_output=True, layer="qwen3")],
-                         ids=["eagle3.1", "eagle3", "eagle3+norm_before_fc", "eagle3.1-qwen3-layer"])
-def test_speculators_loads_the_export_and_computes_the_same_logits(flags, random_tiny_target, tmp_path):
-    out, tcfg, ids = _export(Path(random_tiny_target), flags, 512, tmp_path / "drafter")
-    x = _inputs(tcfg, len(ids))
+FLAGS = {"eagle3.1": dict(fc_norm=True, norm_output=True), "eagle3": dict(fc_norm=False, norm_output=False),
+         "eagle3+norm_before_fc": dict(fc_norm=False, norm_output=False, norm_before_fc=True),
+         "eagle3.1-qwen3-layer": dict(fc_norm=True, norm_output=True, layer="qwen3")}
+
+
+def _gradient_case(target: Path, out: Path) -> dict:
+    """The gradient test's case: chosen where the two conventions coincide: one document, the full vocab as
+    draft vocab (no out-of-vocab rows), speculators' step decay = Fledge's step weight (w)."""
+    import torch.nn.functional as F
+    from safetensors.torch import load_file
+
+    from fledge.models.weights import load_lm_head_rows
+
+    tcfg = json.loads((target / "config.json").read_text())
+    V, T = tcfg["vocab_size"], 40
+    drafter, tcfg, ids = _export(target, dict(fc_norm=True, norm_output=True), V, out, seed=5)
+    g = torch.Generator().manual_seed(7)
+    x = _inputs(tcfg, len(ids), T=T)
+    x["document_ids"] = torch.zeros(1, T, dtype=torch.int32)
+    x["position_ids"] = torch.arange(T)[None]
+    pre = torch.randn(1, T, tcfg["hidden_size"], generator=g) * 2  # the target's last state before its norm
+    weights = load_file(next(target.glob("*.safetensors")))
+    norm_w = next(t for k, t in weights.items() if k.endswith("model.norm.weight"))
+    final = F.rms_norm(pre, (pre.shape[-1],), norm_w.float(), tcfg["rms_norm_eps"])
+    head = load_lm_head_rows(str(target), None, torch.arange(V)).float()
+    return dict(drafter=drafter, x=x, pre=pre, final=final, head=head, loss_mask=torch.rand(1, T, generator=g) > 0.25,
+                w=0.8, T=T)
+
+
+@pytest.fixture(scope="module")
+def speculators(random_tiny_target, tmp_path_factory) -> dict[str, tuple]:
+    """speculators' side of every case below, run in one process: {case: (the case, its tensors, its load
+    report)}; the cases of FLAGS are (export dir, aux ids, inputs), "gradient" _gradient_case's."""
+    from fledge.models.alignment import shift as _shift
+
+    tmp, target = tmp_path_factory.mktemp("speculators"), Path(random_tiny_target)
+    cases, jobs = {}, []
+    for name, flags in FLAGS.items():
+        out, tcfg, ids = _export(target, flags, 512, tmp / name / "drafter")
+        cases[name] = (out, ids, _inputs(tcfg, len(ids)))
+        jobs.append(_job(out, cases[name][2], tmp / name))
+    case = cases["gradient"] = _gradient_case(target, tmp / "gradient" / "drafter")
+    # speculators' layout: row t is the target's state at t+1 and the mask of the token it predicts, x_{t+2}.
+    ver = torch.zeros_like(case["pre"])
+    ver[:, :-1] = case["pre"][:, 1:]
+    jobs.append(_job(case["drafter"], {**case["x"], "verifier_hidden": ver,
+                                       "loss_mask": _shift(case["loss_mask"], 2, False)}, tmp / "gradient",
+                     decay=case["w"]))
+    return {name: (cases[name], *got) for name, got in zip(cases, _run_speculators(jobs, tmp))}
+
+
+@pytest.mark.parametrize("case", list(FLAGS))
+def test_speculators_loads_the_export_and_computes_the_same_logits(case, speculators):
+    flags, ((out, ids, x), got, report) = FLAGS[case], speculators[case]
     ours = _fledge_logits(out, x)
-    got, report = _run_speculators(out, x, tmp_path)
     theirs = [got[f"logits_{k}"] for k in range(STEPS)]
 
     assert report["unexpected"] == [] and report["mismatched"] == [], report
@@ -126,39 +183,19 @@ def test_speculators_loads_the_export_and_computes_the_same_logits(flags, random
         assert err < 1e-4 * max(1.0, b.abs().max().item()), f"step {k}: max |logit difference| {err:.3g}"
 
 
-def test_speculators_training_loss_has_fledges_gradients(random_tiny_target, tmp_path):
+def test_speculators_training_loss_has_fledges_gradients(speculators):
     """The TTT loss (docs/architecture.md, Training-time test) against speculators' training forward: the same
-    gradient for every parameter both train. The case is chosen where the two conventions coincide: one document, the
-    full vocab as draft vocab (no out-of-vocab rows), speculators' step decay = Fledge's step weight.
-    speculators' KL and Fledge's soft cross-entropy differ by the teacher's entropy, which has no
-    gradient: the losses must differ by exactly sum_k w^k mean_rows H(p)."""
-    import torch.nn.functional as F
-    from safetensors.torch import load_file
-
+    gradient for every parameter both train (the case: _gradient_case). speculators' KL and Fledge's soft
+    cross-entropy differ by the teacher's entropy, which has no gradient: the losses must differ by exactly
+    sum_k w^k mean_rows H(p)."""
     from fledge.data.features.batch import FeatureBatch
     from fledge.models.alignment import shift as _shift
-    from fledge.models.weights import load_lm_head_rows
     from fledge.serving.export import load_drafter
     from fledge.train.losses import ttt_loss
 
-    target = Path(random_tiny_target)
-    flags, w = dict(fc_norm=True, norm_output=True), 0.8
-    tcfg = json.loads((target / "config.json").read_text())
-    V, T = tcfg["vocab_size"], 40
-    out, tcfg, ids = _export(target, flags, V, tmp_path / "drafter", seed=5)
-
-    g = torch.Generator().manual_seed(7)
-    x = _inputs(tcfg, len(ids), T=T)
-    x["document_ids"] = torch.zeros(1, T, dtype=torch.int32)
-    x["position_ids"] = torch.arange(T)[None]
-    pre = torch.randn(1, T, tcfg["hidden_size"], generator=g) * 2  # the target's last state before its norm
-    weights = load_file(next(target.glob("*.safetensors")))
-    norm_w = next(t for k, t in weights.items() if k.endswith("model.norm.weight"))
-    final = F.rms_norm(pre, (pre.shape[-1],), norm_w.float(), tcfg["rms_norm_eps"])
-    head = load_lm_head_rows(str(target), None, torch.arange(V)).float()
-    loss_mask = torch.rand(1, T, generator=g) > 0.25
-
-    d = load_drafter(out)
+    case, got, _ = speculators["gradient"]
+    x, final, head, loss_mask, w, T = (case[k] for k in ("x", "final", "head", "loss_mask", "w", "T"))
+    d = load_drafter(case["drafter"])
     batch = FeatureBatch(input_ids=x["input_ids"], loss_mask=loss_mask, aux_hidden=x["aux_hidden"],
                          target_hidden=final, target_argmax=(final @ head.T).argmax(-1),
                          position_ids=x["position_ids"], document_ids=x["document_ids"])
@@ -166,11 +203,6 @@ def test_speculators_training_loss_has_fledges_gradients(random_tiny_target, tmp
     res.loss.backward()
     ours = {n: p.grad for n, p in d.named_parameters() if p.grad is not None}
 
-    # speculators' layout: row t is the target's state at t+1 and the mask of the token it predicts, x_{t+2}.
-    ver = torch.zeros_like(pre)
-    ver[:, :-1] = pre[:, 1:]
-    got, _ = _run_speculators(out, {**x, "verifier_hidden": ver, "loss_mask": _shift(loss_mask, 2, False)},
-                              tmp_path, decay=w)
     theirs = {k.removeprefix("grad/").replace("layers.0.", "midlayer."): v for k, v in got.items()
               if k.startswith("grad/")}
     assert set(theirs) and set(theirs) <= set(ours), (sorted(theirs), sorted(ours))
