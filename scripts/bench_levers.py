@@ -2,7 +2,8 @@
 from the same batches in one process, with Fledge's own model, loss and feature loader (train/ttt_model.py,
 data/features/reader.py), the run's lr schedule (train/deepspeed_setup.py ``lr_lambda``) and the trainer's held-out
 evaluation (train/held_out.py ``held_out_metrics``); only the optimizer, the lm_head, the clip, the schedule and the
-architecture flags named in VARIANTS differ. A hand-written loop, not DeepSpeed: so Muon and a frozen head fit in.
+architecture flags named in VARIANTS differ; the optimizer is the trainer's (train/optimizers.py, Muon with
+``train.optim.name=muon``). A hand-written loop, not DeepSpeed: so a frozen head and the patched layers fit in.
 
     fledge run recipe=tiny run.stages=[prepare,capture]            # the store (any recipe; SmolLM2: recipe=smollm2)
     python scripts/bench_levers.py outputs/tiny --steps 400 --tokens 2048 --seeds 0 --device cpu \\
@@ -31,32 +32,33 @@ from types import MethodType
 
 import torch
 
-# name: its differences from the run's recipe. cfg: config overrides; optim: muon (torch.optim.Muon on the 2-D body
-# matrices, AdamW on the rest); head: frozen (lm_head kept at the target's rows); warmup_pct: warmup steps as a
-# percentage of --steps; norm_init: the drafter's final norm from the target's; nbr: speculators' norm_before_residual
-# (the first layer's residual is hidden_norm(g), not g). The peer's lr is the run's (speculators 0.9.0 defaults to
-# 1e-3 for AdamW and Muon alike: its OptimizerArgs); peer_lr1e-4 is its recipe at 1e-4, the lr SpecForge publishes.
-PEER_OPTIM = ["drafter.step_weight=1.0", "train.optim.grad_clip=1.0", "train.optim.schedule=linear",
+# name: its differences from the run's recipe. cfg: config overrides (MUON: the trainer's Muon on the hidden matrices,
+# AdamW on the rest, at speculators 0.9.0's momentum 0.95 and weight decay 0.1, the schema's defaults); head: frozen
+# (lm_head kept at the target's rows); warmup_pct: warmup steps as a percentage of --steps; norm_init: the drafter's
+# final norm from the target's; nbr: speculators' norm_before_residual (the first layer's residual is hidden_norm(g),
+# not g). The peer's lr is the run's (speculators 0.9.0 defaults to 1e-3 for AdamW and Muon alike: its OptimizerArgs);
+# peer_lr1e-4 is its recipe at 1e-4, the lr SpecForge publishes.
+MUON = ["train.optim.name=muon"]
+PEER_OPTIM = [*MUON, "drafter.step_weight=1.0", "train.optim.grad_clip=1.0", "train.optim.schedule=linear",
               "train.optim.betas=[0.9,0.999]", "train.optim.weight_decay=0.01"]
 NBFC = ["drafter.fc_norm=false", "drafter.norm_before_fc=true"]
 VARIANTS: dict[str, dict] = {
     "fledge": {},
     "frozen_head": {"head": "frozen"},
-    "muon": {"optim": "muon"},
-    "muon_frozen": {"optim": "muon", "head": "frozen"},
+    "muon": {"cfg": MUON},
+    "muon_frozen": {"cfg": MUON, "head": "frozen"},
     "w1": {"cfg": ["drafter.step_weight=1.0"]},
     "clip1": {"cfg": ["train.optim.grad_clip=1.0"]},
     "linear_1pct": {"cfg": ["train.optim.schedule=linear"], "warmup_pct": 1},
     "norm_init": {"norm_init": True},
     "nbr": {"nbr": True},
     "nbfc": {"cfg": NBFC},
-    "peer": {"optim": "muon", "head": "frozen", "cfg": PEER_OPTIM, "warmup_pct": 1},
-    "peer_lr1e-4": {"optim": "muon", "head": "frozen", "cfg": PEER_OPTIM + ["train.optim.lr=1e-4"], "warmup_pct": 1},
+    "peer": {"head": "frozen", "cfg": PEER_OPTIM, "warmup_pct": 1},
+    "peer_lr1e-4": {"head": "frozen", "cfg": PEER_OPTIM + ["train.optim.lr=1e-4"], "warmup_pct": 1},
     "lr3e-4": {"cfg": ["train.optim.lr=3e-4"]},
     "lr3e-3": {"cfg": ["train.optim.lr=3e-3"]},
-    "peer_arch": {"optim": "muon", "head": "frozen", "cfg": PEER_OPTIM + NBFC, "warmup_pct": 1, "nbr": True},
+    "peer_arch": {"head": "frozen", "cfg": PEER_OPTIM + NBFC, "warmup_pct": 1, "nbr": True},
 }
-MUON = {"momentum": 0.95, "weight_decay": 0.1, "adjust_lr_fn": "match_rms_adamw"}  # speculators 0.9.0's defaults
 
 
 class Refused(Exception):
@@ -112,18 +114,6 @@ def peer_full_acc(model, batch, K: int) -> list[tuple[float, float]]:
     return out
 
 
-def optimizers(model, cfg, lever: dict) -> list[torch.optim.Optimizer]:
-    o = cfg.train.optim
-    params = [p for p in model.parameters() if p.requires_grad]
-    adamw = {"lr": o.lr, "betas": tuple(o.betas), "weight_decay": o.weight_decay}
-    if lever.get("optim") != "muon":
-        return [torch.optim.AdamW(params, **adamw)]
-    head = model.drafter.lm_head.weight
-    body = [p for p in params if p.ndim == 2 and min(p.shape) > 1 and p is not head]
-    rest = [p for p in params if not any(p is b for b in body)]
-    return [torch.optim.Muon(body, lr=o.lr, **MUON), torch.optim.AdamW(rest, **adamw)]
-
-
 def train_variant(run: Path, name: str, seed: int, steps: int, tokens: int, device: torch.device) -> dict:
     from fledge.data.features.reader import FeatureLoader
     from fledge.distributed import World
@@ -134,6 +124,7 @@ def train_variant(run: Path, name: str, seed: int, steps: int, tokens: int, devi
     from fledge.run_layout import RunLayout
     from fledge.train.deepspeed_setup import lr_lambda
     from fledge.train.held_out import held_out_metrics
+    from fledge.train.optimizers import build_optimizer
     from fledge.train.ttt_model import build_ttt_model
 
     lever, layout = VARIANTS[name], RunLayout(run)
@@ -156,8 +147,8 @@ def train_variant(run: Path, name: str, seed: int, steps: int, tokens: int, devi
     if lever.get("head") == "frozen":
         d.lm_head.weight.requires_grad_(False)
     params = [p for p in model.parameters() if p.requires_grad]
-    opts = optimizers(model, cfg, lever)
-    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(cfg.train.optim, steps)) for o in opts]
+    optimizer = build_optimizer(model, cfg.train.optim)  # after the head is frozen: a frozen head has no optimizer
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.train.optim, steps))
     clip = cfg.train.optim.grad_clip or math.inf
     train = FeatureLoader(layout.capture.store("train"), 0, 1, tokens, 1, seed, dtype=torch.float32)
     bar = progress(total=steps, desc=f"{name} seed {seed}", unit="step") if is_terminal() else \
@@ -166,14 +157,11 @@ def train_variant(run: Path, name: str, seed: int, steps: int, tokens: int, devi
     for _ in range(steps):
         _, batch = train.next_batch()
         loss = model(batch.to(device)).loss
-        for o in opts:
-            o.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(params, clip)))
-        for o in opts:
-            o.step()
-        for s in scheds:
-            s.step()
+        optimizer.step()
+        schedule.step()
         bar.update(1)
         bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
     bar.close()

@@ -16,7 +16,7 @@ from tests.helpers.paths import REPO
 spec = importlib.util.spec_from_file_location("bench_levers", REPO / "scripts" / "bench_levers.py")
 bench = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bench)
-LEVER_KEYS = {"cfg", "optim", "head", "warmup_pct", "norm_init", "nbr"}
+LEVER_KEYS = {"cfg", "head", "warmup_pct", "norm_init", "nbr"}
 
 
 def test_variant_table_names_only_known_levers():
@@ -25,7 +25,9 @@ def test_variant_table_names_only_known_levers():
     assert bench.VARIANTS["fledge"] == {}
     for name, lever in bench.VARIANTS.items():
         assert set(lever) <= LEVER_KEYS, name
-        assert lever.get("optim", "muon") == "muon" and lever.get("head", "frozen") == "frozen", name
+        assert lever.get("head", "frozen") == "frozen", name
+    for name in ("muon", "muon_frozen", "peer", "peer_arch"):  # the trainer's Muon (train/optimizers.py)
+        assert "train.optim.name=muon" in bench.VARIANTS[name]["cfg"], name
 
 
 def test_refusals_are_one_line_with_exit_2(tmp_path, capsys):
