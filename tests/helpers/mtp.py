@@ -50,7 +50,8 @@ def mtp_target_config(layers: int = 4) -> dict:
     from transformers import DeepseekV3Config
 
     shape = {k: v for k, v in tiny_families.SHAPES["mla"].items() if k != "model_type"}
-    return DeepseekV3Config(**{**shape, "num_hidden_layers": layers, "num_nextn_predict_layers": 1}).to_dict()
+    return DeepseekV3Config(**{**shape, "num_hidden_layers": layers, "num_nextn_predict_layers": 1},
+                            architectures=["DeepseekV3ForCausalLM"]).to_dict()
 
 
 def random_mtp_drafter(target: Path | dict, norm_output: bool = True, attention: str = "sdpa") -> MtpDrafter:
