@@ -25,6 +25,7 @@ DeepSeek-V3's does. On disk the module is decoder layer ``num_hidden_layers`` of
 
 from __future__ import annotations
 
+import copy
 import importlib
 import re
 from pathlib import Path
@@ -64,11 +65,16 @@ class SharedHead(nn.Module):
 
 class MTPModule(nn.Module):
     """One MTP layer over a target (see the module docstring). ``config``: the target's transformers config
-    (its text part); ``embed_tokens`` and ``lm_head``: the target's modules, shared, not copied."""
+    (its text part; one without an attention implementation, as read from disk, gets transformers' sdpa and
+    grouped_mm experts, what a model of it would run); ``embed_tokens`` and ``lm_head``: the target's modules,
+    shared, not copied."""
 
     def __init__(self, config, embed_tokens: nn.Module, lm_head: nn.Module) -> None:
         super().__init__()
         layer_cls, rotary_cls = _decoder_classes(config)
+        if getattr(config, "_attn_implementation", None) is None:  # read from disk, not a model's: pick as one does
+            config = copy.deepcopy(config)
+            config._attn_implementation, config._experts_implementation = "sdpa", "grouped_mm"
         H, eps = config.hidden_size, config.rms_norm_eps
         self.config = config
         self.layer_index = config.num_hidden_layers  # the MTP layer follows the decoder layers on disk

@@ -42,8 +42,13 @@ SHAPES: dict[str, dict] = {
                                  "mscale": 1.0, "mscale_all_dim": 1.0},
                 tie_word_embeddings=False),
 }
-# mla with DeepSeek-V3's MTP module (testbed/tiny_mtp.py): the same shape, its config saying so.
-SHAPES["mla_mtp"] = dict(SHAPES["mla"], num_nextn_predict_layers=1)
+# Variants of a family's shape: mla with DeepSeek-V3's MTP module (testbed/tiny_mtp.py), its config saying so.
+VARIANTS: dict[str, dict] = {"mla_mtp": dict(SHAPES["mla"], num_nextn_predict_layers=1)}
+
+
+def shape(name: str) -> dict:
+    """The config of the tiny ``name`` (a family of SHAPES or one of its VARIANTS)."""
+    return {**SHAPES, **VARIANTS}[name]
 
 
 def new_model(family: str, tok):
@@ -51,8 +56,8 @@ def new_model(family: str, tok):
     mla_mtp the target alone (testbed/tiny_mtp.py adds its module)."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    shape = {k: v for k, v in SHAPES[family].items() if k != "model_type"}
+    config = {k: v for k, v in shape(family).items() if k != "model_type"}
     ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     if family == "moe":
-        return Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape, **ids))
-    return DeepseekV3ForCausalLM(DeepseekV3Config(**shape, **ids))
+        return Qwen3MoeForCausalLM(Qwen3MoeConfig(**config, **ids))
+    return DeepseekV3ForCausalLM(DeepseekV3Config(**config, **ids))

@@ -217,7 +217,7 @@ def build_target(name: str = "llama", root: Path | None = None, steps: int | Non
     settings = dict(FAMILY_BUDGETS[name], **({"steps": steps} if steps else {}))
     data_dir, tok_dir = build_data(root), build_tokenizer(root)
     out = _dir(root) / name
-    shape = MODEL if name == "llama" else tiny_families.SHAPES[name]
+    shape = MODEL if name == "llama" else tiny_families.shape(name)
     key = tt._key(kind="target", name=name, version=VERSION, budget=settings, model=shape, seed=tt.SEED,
                   data=read_json(data_dir / "build.json")["key"], tok=read_json(tok_dir / "build.json")["key"],
                   **({"mtp_loss": tiny_mtp.SCHEDULE} if name == "mla_mtp" else {}))
