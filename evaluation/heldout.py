@@ -64,15 +64,15 @@ BLOCK_ANCHORS = 128  # anchors per held-out block forward
 @torch.inference_mode()
 def block_heldout_accuracy(drafter: nn.Module, frozen: FrozenTarget, samples: Samples, steps: int,
                            chunk_tokens: int = 0) -> dict:
-    """``heldout_accuracy`` of a block drafter (models/dflash.py): a block of ``steps`` masks after every anchor a
-    whose next token the target generates, each slot k scored where x_{a+k} is in the loss mask, against the target's
-    argmax at a + k - 1; ``full_acc[j]`` over anchors whose slots 1..j+1 are all scored, right when all are."""
+    """``heldout_accuracy`` of a block drafter (models/dflash.py): a block drafting ``steps`` tokens after every
+    anchor a whose next token the target generates (its ``block_inputs``), drafted slot k scored where x_{a+k} is in
+    the loss mask, against the target's argmax at a + k - 1 (its logits reading x_{a+k-1} as the token before);
+    ``full_acc[j]`` over anchors whose slots 1..j+1 are all scored, right when all are."""
     from fledge.models.dflash import block_mask
 
     hit, full, rows = torch.zeros(steps), torch.zeros(steps), torch.zeros(steps)
     full_rows = torch.zeros(steps)
     dev = drafter.lm_head.weight.device
-    B = steps + 1
     for ids, mask in progress(samples, desc="held-out accuracy", leave=False):
         x = torch.tensor([ids], device=frozen.device)
         a_all, _, am = frozen.capture(x, chunk_tokens=chunk_tokens)
@@ -85,14 +85,14 @@ def block_heldout_accuracy(drafter: nn.Module, frozen: FrozenTarget, samples: Sa
         anchors = (m[1:]).nonzero().flatten()
         for s in range(0, len(anchors), BLOCK_ANCHORS):
             a = anchors[s:s + BLOCK_ANCHORS]
-            bids = torch.full((len(a), B), drafter.spec.mask_token_id, dtype=torch.long, device=dev)
-            bids[:, 0] = x[a]
-            pos = a[:, None] + torch.arange(B, device=dev)
+            bids, pos = drafter.block_inputs(x[a], a, steps)
+            B = bids.shape[1]
             y = drafter.blocks(bids.reshape(1, -1), pos.reshape(1, -1), kv, block_mask(a, doc, B)[None, None])
-            pred = drafter.lm_head(y.view(len(a), B, -1)[:, 1:]).argmax(-1)  # [N, steps]
-            p = a[:, None] + torch.arange(1, B, device=dev)
-            scored = (p < T) & m[p.clamp(max=T - 1)]
-            ok = (pred == am[p.clamp(max=T - 1) - 1]) & scored
+            p = a[:, None] + torch.arange(1, steps + 1, device=dev)
+            pc = p.clamp(max=T - 1)
+            pred = drafter.logits(y.view(len(a), B, -1)[:, -steps:], x[pc - 1]).argmax(-1)  # [N, steps]
+            scored = (p < T) & m[pc]
+            ok = (pred == am[pc - 1]) & scored
             hit += ok.sum(0).float().cpu()
             rows += scored.sum(0).float().cpu()
             full += ok.cumprod(1).sum(0).float().cpu()

@@ -185,10 +185,11 @@ class DrafterProposer:
 
 
 class BlockProposer:
-    """Block drafting with a ``DFlashDrafter`` (models/dflash.py), as vLLM's DFlash proposer runs it: the context
-    keys and values of every verified position, kept per layer and appended to as rows are committed (they never
-    hold a draft), and one forward over [bonus token, k masks] per round. ``propose`` returns target ids and, when
-    sampling, q ``[k, V]``: each slot sampled from its own tempered distribution."""
+    """Block drafting with a ``DFlashDrafter`` (models/dflash.py; DSpark's too, models/dspark.py), as vLLM's DFlash
+    and DSpark proposers run it: the context keys and values of every verified position, kept per layer and appended
+    to as rows are committed (they never hold a draft), and one forward over [bonus token, masks] per round, whose
+    slots the drafter's ``propose`` picks (DSpark's in order, each biased by the token picked before it). ``propose``
+    returns target ids and, when sampling, q ``[k, V]``: each slot sampled from its own tempered distribution."""
 
     needs_aux = True
 
@@ -216,12 +217,18 @@ class BlockProposer:
     @torch.inference_mode()
     def propose(self, history: Sequence[int], k: int, temperature: float = 0.0,
                 generator: torch.Generator | None = None) -> tuple[list[int], torch.Tensor | None]:
-        logits = self.drafter.draft(torch.tensor([self.bonus], device=self.device),
-                                    torch.tensor([self.n], device=self.device), self.kv, k)[0].float()
+        bonus, position = torch.tensor([self.bonus], device=self.device), torch.tensor([self.n], device=self.device)
         if temperature <= 0:
-            return [int(i) for i in logits.argmax(-1)], None
-        q = torch.softmax(logits / temperature, -1).cpu()
-        return [int(torch.multinomial(row, 1, generator=generator)) for row in q], q
+            ids, _ = self.drafter.propose(bonus, position, self.kv, k)
+            return [int(i) for i in ids[0]], None
+
+        def sample(logits: torch.Tensor) -> torch.Tensor:  # each row from its tempered distribution, in order
+            q = torch.softmax(logits.float() / temperature, -1).cpu()
+            rows = [torch.multinomial(row, 1, generator=generator) for row in q.reshape(-1, q.shape[-1])]
+            return torch.cat(rows).view(q.shape[:-1]).to(logits.device)
+
+        ids, logits = self.drafter.propose(bonus, position, self.kv, k, sample)
+        return [int(i) for i in ids[0]], torch.softmax(logits[0].float() / temperature, -1).cpu()
 
 
 def proposer_for(drafter: nn.Module, probe: Probe | None = None) -> Proposer:

@@ -13,7 +13,13 @@ target's).
 - training (train/objectives/dflash.py): ``blocks`` over many anchors of a packed row at once, each block seeing the
   context of its own document strictly before its anchor (``block_mask``);
 - drafting (evaluation/speculative.py ``BlockProposer``): ``context_kv`` of the verified positions, kept per layer
-  and appended to, then ``draft`` of one block.
+  and appended to, then ``propose`` of one block.
+
+What a block drafter built on this one may change (models/dspark.py's DSpark does): whether the anchor's own slot drafts
+(``anchor_drafts``: then a block of B tokens drafts B, else B - 1), and the logits of the drafting slots (``logits``,
+and its factored form ``head_input`` / ``head_weight`` the training loss scores in chunks), with ``propose`` picking
+the block's tokens. Training, the held-out accuracy and the proposer build blocks through ``block_inputs`` and read
+the last ``drafts`` slots, so they serve both.
 
 The aux states are the boundary convention's (docs/architecture.md, Aux layer ids): boundary id b is the output of
 0-based layer b - 1, which is what DFlash's ``target_layer_ids`` name (``serving_layer_ids``).
@@ -194,14 +200,48 @@ class DFlashDrafter(DrafterModule):
             h = layer(h, cos, sin, k, v, mask)
         return self.norm(h)
 
+    # ---- what a block drafter built on this one changes (module docstring) -----------------------------------
+    anchor_drafts: ClassVar[bool] = False  # DFlash: the anchor (bonus) slot drafts nothing; its masks draft
+
+    @property
+    def drafts(self) -> int:
+        """Tokens one trained block drafts: ``block_size - 1`` (DFlash), ``block_size`` when the anchor drafts."""
+        return self.spec.block_size - 1 + int(self.anchor_drafts)
+
+    def block_inputs(self, tokens: torch.Tensor, positions: torch.Tensor, drafts: int) -> tuple[torch.Tensor,
+                                                                                                  torch.Tensor]:
+        """Blocks drafting ``drafts`` tokens after anchor ``tokens [N]`` at ``positions [N]``: ids and positions
+        ``[N, L]``, the anchor then ``L - 1`` masks (L = ``drafts`` + 1, or ``drafts`` when the anchor drafts). The
+        drafting slots are the last ``drafts``; slot j of them predicts the token at anchor position + 1 + j."""
+        L = drafts + 1 - int(self.anchor_drafts)
+        ids = torch.full((tokens.shape[0], L), self.spec.mask_token_id, dtype=torch.long, device=tokens.device)
+        ids[:, 0] = tokens
+        return ids, positions[:, None] + torch.arange(L, device=tokens.device)
+
+    def logits(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """Logits of drafting slots' states ``h [..., H]`` whose previous tokens are ``prev [...]`` (the token just
+        before each predicted one; DFlash does not read it)."""
+        return self.lm_head(h)
+
+    def head_input(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """``logits`` factored for the training loss: ``head_input(h, prev) @ head_weight(lm_head).T``."""
+        return h
+
+    def head_weight(self, lm_head: torch.Tensor) -> torch.Tensor:
+        return lm_head
+
+    def propose(self, bonus: torch.Tensor, position: torch.Tensor, ctx_kv, k: int,
+                pick=lambda logits: logits.argmax(-1)) -> tuple[torch.Tensor, torch.Tensor]:
+        """One block as vLLM drafts it: ``bonus [B]`` at ``position [B]`` then masks, over the verified context
+        ``ctx_kv`` (every position before ``position``) -> (tokens ``[B, k]``, logits ``[B, k, V]``) for positions
+        +1..+k; ``pick`` (logits ``[..., V]`` -> ids) chooses the tokens: every slot at once, none feeds another."""
+        ids, pos = self.block_inputs(bonus, position, k)
+        logits = self.logits(self.blocks(ids, pos, ctx_kv, None)[:, -k:], None)
+        return pick(logits), logits
+
     def draft(self, bonus: torch.Tensor, position: torch.Tensor, ctx_kv, k: int) -> torch.Tensor:
-        """One block as vLLM drafts it: ``bonus [B]`` at ``position [B]`` then ``k`` masks, over the verified
-        context ``ctx_kv`` (every position before ``position``) -> logits ``[B, k, V]`` for positions +1..+k."""
-        B = bonus.shape[0]
-        ids = torch.full((B, k + 1), self.spec.mask_token_id, dtype=torch.long, device=bonus.device)
-        ids[:, 0] = bonus
-        pos = position[:, None] + torch.arange(k + 1, device=bonus.device)
-        return self.lm_head(self.blocks(ids, pos, ctx_kv, None)[:, 1:])
+        """The logits ``[B, k, V]`` of the greedy block ``propose`` drafts."""
+        return self.propose(bonus, position, ctx_kv, k)[1]
 
 
 def block_mask(anchors: torch.Tensor, document_ids: torch.Tensor, block_size: int) -> torch.Tensor:

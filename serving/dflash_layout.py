@@ -32,6 +32,7 @@ import dataclasses
 import json
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -127,6 +128,23 @@ def lint(d, config: Mapping, target_layers: int | None, record: dict | None) -> 
     """The DFlash-specific findings on the export in ``d`` (serving/lint.py adds the checks against the target and
     the training record that every layout gets): its header, layer ids, mask token, block and tensors, and the
     CPU build's k_norm sharing."""
+    headers, trained, out = read_export(d, record)
+    out += findings(config, headers, target_layers, trained)
+    n = int(config.get("num_hidden_layers") or 0)
+    names = [f"layers.{i}.self_attn.k_norm.weight" for i in range(n)]
+    if n > 1 and headers is not None and all(name in headers for name in names):
+        k_norms = read_tensors(d, names)
+        if any(not torch.equal(k_norms[names[0]], k_norms[name]) for name in names[1:]):
+            out.append(("warning", "dflash-cpu-k-norm", f"{n} layers with different k_norm weights: vLLM 0.32's CPU "
+                        "build normalises every layer's context keys with layer 0's k_norm (its GPU kernel takes each "
+                        "layer's), so on a CPU this drafter is served with other keys than trained", "serve it on a "
+                        "GPU, or train drafter.num_draft_layers=1 for CPU serving"))
+    return out + no_record(record)
+
+
+def read_export(d, record: dict | None) -> tuple[dict | None, DrafterSpec | None, list[Finding]]:
+    """A block drafter export's {tensor: (shape, dtype)} and training spec (None where unreadable), and the findings
+    of what could not be read."""
     out: list[Finding] = []
     try:
         headers = {name: (list(shape), dtype) for name, (shape, dtype) in tensor_headers(d).items()}
@@ -139,20 +157,34 @@ def lint(d, config: Mapping, target_layers: int | None, record: dict | None) -> 
         out.append(("error", "training-record", f"{RECORD} does not hold a readable spec: {e}",
                     "re-export the drafter"))
         trained = None
-    out += findings(config, headers, target_layers, trained)
-    n = int(config.get("num_hidden_layers") or 0)
-    names = [f"layers.{i}.self_attn.k_norm.weight" for i in range(n)]
-    if n > 1 and headers is not None and all(name in headers for name in names):
-        k_norms = read_tensors(d, names)
-        if any(not torch.equal(k_norms[names[0]], k_norms[name]) for name in names[1:]):
-            out.append(("warning", "dflash-cpu-k-norm", f"{n} layers with different k_norm weights: vLLM 0.32's CPU "
-                        "build normalises every layer's context keys with layer 0's k_norm (its GPU kernel takes each "
-                        "layer's), so on a CPU this drafter is served with other keys than trained", "serve it on a "
-                        "GPU, or train drafter.num_draft_layers=1 for CPU serving"))
-    if record is None:
-        out.append(("warning", "no-training-record", f"no {RECORD}: the mask token, block size and layer ids cannot be "
-                    "checked against training", "export with Fledge, or confirm how the checkpoint was trained"))
-    return out
+    return headers, trained, out
+
+
+def no_record(record: dict | None) -> list[Finding]:
+    return [] if record is not None else [(
+        "warning", "no-training-record", f"no {RECORD}: the mask token, block size and layer ids cannot be checked "
+        "against training", "export with Fledge, or confirm how the checkpoint was trained")]
+
+
+@dataclass(frozen=True)
+class Reading:
+    """What vLLM reads from a block drafter's config.json, each with the key it came from: the id the masks are fed,
+    the 0-based target layers (None: none written) and the block."""
+
+    mask_token_id: Any
+    mask_key: str
+    layer_ids: Any
+    layers_key: str
+    block_size: Any
+    block_key: str
+
+
+def reading(config: Mapping) -> Reading:
+    """DFlash's: ``dflash_config`` (the top level's ``mask_token_id`` and ``block_size`` under it)."""
+    dflash = config.get("dflash_config") if isinstance(config.get("dflash_config"), Mapping) else {}
+    return Reading(dflash.get("mask_token_id", config.get("mask_token_id")), "dflash_config.mask_token_id",
+                   dflash.get("target_layer_ids"), "dflash_config.target_layer_ids",
+                   dflash.get("block_size", config.get("block_size")), "block_size")
 
 
 def findings(config: Mapping, headers: Mapping[str, tuple[list[int], str]] | None, target_layers: int | None,
@@ -160,73 +192,58 @@ def findings(config: Mapping, headers: Mapping[str, tuple[list[int], str]] | Non
     """What would make vLLM serve this DFlash export otherwise than it was trained (``trained``: the training
     record's spec), or refuse it; ``headers``: {tensor: (shape, dtype)} of its safetensors."""
     out: list[Finding] = []
-    add = lambda *f: out.append(f)  # noqa: E731
     archs = config.get("architectures") or []
     if ARCHITECTURE not in archs and not any(a.startswith("DFlash") for a in archs):
-        add("error", "architecture", f"architectures={archs}: vLLM builds its DFlash drafter from an architecture "
-            "starting with DFlash", f'set "architectures": ["{ARCHITECTURE}"]')
+        out.append(("error", "architecture", f"architectures={archs}: vLLM builds its DFlash drafter from an "
+                    "architecture starting with DFlash", f'set "architectures": ["{ARCHITECTURE}"]'))
+    if not isinstance(config.get("dflash_config"), Mapping):
+        out.append(("error", "dflash-config", "no dflash_config: vLLM reads mask_token_id and target_layer_ids from "
+                    "it", "re-export the drafter with Fledge (drafter.algorithm=dflash)"))
+    out += block_findings(config, reading(config), target_layers, trained, "DFlash")
+    if headers is not None:
+        out += tensor_findings(expected_tensors, config, headers)
+    return out
+
+
+def block_findings(config: Mapping, read: Reading, target_layers: int | None, trained: DrafterSpec | None,
+                   name: str, anchor_drafts: bool = False) -> list[Finding]:
+    """The findings every block drafter built on DFlash shares (``name``: DFlash or DSpark, whose lowercase prefixes
+    the codes; ``anchor_drafts``: a block of B drafts B tokens, else B - 1): a Qwen3 header, the mask token, the layer
+    ids, the block, bidirectional attention, and the layer settings training fixed, read as ``read`` says vLLM reads
+    them."""
+    out: list[Finding] = []
+    add = lambda *f: out.append(f)  # noqa: E731
+    code = name.lower()
     if config.get("model_type") != "qwen3":
-        add("error", "model-type", f"model_type={config.get('model_type')!r}: vLLM's DFlash drafter is built from a "
+        add("error", "model-type", f"model_type={config.get('model_type')!r}: vLLM's {name} drafter is built from a "
             "Qwen3 config", 'set "model_type": "qwen3"')
     if not config.get("head_dim"):
         add("error", "head-dim", "no head_dim: the q/k norms' width would be read as hidden_size / heads",
             "set head_dim from the training record's spec")
-    dflash = config.get("dflash_config")
-    if not isinstance(dflash, Mapping):
-        add("error", "dflash-config", "no dflash_config: vLLM reads mask_token_id and target_layer_ids from it",
-            "re-export the drafter with Fledge (drafter.algorithm=dflash)")
-        dflash = {}
     eagle_ids = config.get("eagle_aux_hidden_state_layer_ids") or (config.get("eagle_config") or {}).get(
         "eagle_aux_hidden_state_layer_ids")
     if eagle_ids:
-        add("error", "dflash-eagle-ids", f"eagle_aux_hidden_state_layer_ids={list(eagle_ids)} is set: vLLM takes it "
-            "over dflash_config.target_layer_ids, as boundary ids", "remove it; dflash_config.target_layer_ids "
-            "names the layers")
-    mask = dflash.get("mask_token_id", config.get("mask_token_id"))
-    V = int(config.get("vocab_size") or 0)
-    if not isinstance(mask, int) or isinstance(mask, bool) or not 0 <= mask < V:
-        add("error", "dflash-mask-token", f"dflash_config.mask_token_id={mask!r}: the slots after the bonus token "
-            f"are fed this id, which must be a token of the vocab [0, {V})", "write the id the drafter was trained "
-            "with (its training record's spec.mask_token_id)")
-    elif trained is not None and trained.mask_token_id is not None and mask != trained.mask_token_id:
-        add("error", "dflash-mask-token", f"dflash_config.mask_token_id={mask} but the drafter was trained with "
-            f"{trained.mask_token_id}: every slot would see an embedding it never saw", f"set it to "
-            f"{trained.mask_token_id}")
-    ids = dflash.get("target_layer_ids")
-    if not ids:
-        add("error", "dflash-layer-ids", "no dflash_config.target_layer_ids: vLLM would not know which target "
-            "layers to capture", "write the 0-based layers (boundary aux ids - 1)")
-    else:
-        ids = [int(i) for i in ids]
-        if ids != sorted(set(ids)):
-            add("error", "dflash-layer-ids", f"target_layer_ids={ids} are not ascending: vLLM concatenates the "
-                "states in layer order", "write them ascending, in the order training concatenated them")
-        if target_layers is not None and (min(ids) < 0 or max(ids) > target_layers - 1):
-            add("error", "dflash-layer-ids", f"target_layer_ids={ids} fall outside the target's layers 0.."
-                f"{target_layers - 1}", "write 0-based layer indices (boundary aux ids - 1)")
-        if trained is not None:
-            want = serving_layer_ids(trained.aux_layer_ids)
-            if ids == list(trained.aux_layer_ids):
-                add("error", "dflash-layer-ids", f"target_layer_ids={ids} are the boundary ids the drafter was "
-                    f"trained on, written as they are: vLLM adds 1 and would capture one layer deeper than training",
-                    f"write {want} (0-based: the output of layer b - 1)")
-            elif ids != want:
-                add("error", "dflash-layer-ids", f"target_layer_ids={ids} but the drafter was trained on the "
-                    f"outputs of layers {want}", f"write {want}")
-    block = dflash.get("block_size", config.get("block_size"))
-    if block is None:
-        add("warning", "dflash-block-size", "no block_size: the block training used cannot be checked, and serving "
-            "with more draft tokens than block_size - 1 runs untrained offsets", "write the training block_size")
-    elif trained is not None and int(block) != trained.block_size:
-        add("error", "dflash-block-size", f"block_size={block} but the drafter was trained on blocks of "
-            f"{trained.block_size}", f"write block_size={trained.block_size} and serve at most "
-            f"{trained.block_size - 1} speculative tokens")
+        add("error", f"{code}-eagle-ids", f"eagle_aux_hidden_state_layer_ids={list(eagle_ids)} is set: vLLM takes it "
+            f"over {read.layers_key}, as boundary ids", f"remove it; {read.layers_key} names the layers")
+    out += _mask_findings(read, int(config.get("vocab_size") or 0), trained, code)
+    out += _layer_findings(read, target_layers, trained, code)
+    drafts = "exactly B" if anchor_drafts else "at most B - 1"
+    if read.block_size is None:
+        add("warning", f"{code}-block-size", f"no block_size: the block training used cannot be checked, and serving "
+            f"a block of another length runs one it was not trained on ({name} drafts {drafts} tokens of a block of "
+            "B)", "write the training block_size")
+    elif trained is not None and int(read.block_size) != trained.block_size:
+        served = trained.block_size - 1 + int(anchor_drafts)
+        add("error", f"{code}-block-size", f"{read.block_key}={read.block_size} but the drafter was trained on blocks "
+            f"of {trained.block_size}", f"write block_size={trained.block_size} and serve "
+            f"{'exactly' if anchor_drafts else 'at most'} {served} speculative tokens")
+    dflash = config.get("dflash_config") if isinstance(config.get("dflash_config"), Mapping) else {}
     causal = [why for why, on in (("is_causal", config.get("is_causal")),
                                   ("dflash_config.causal", dflash.get("causal")),
                                   ("use_sliding_window", config.get("use_sliding_window")),
                                   ("layer_types", "sliding_attention" in (config.get("layer_types") or []))) if on]
     if causal:
-        add("error", "dflash-causal", f"{', '.join(causal)} make vLLM run causal or windowed attention inside the "
+        add("error", f"{code}-causal", f"{', '.join(causal)} make vLLM run causal or windowed attention inside the "
             "block, which the drafter was trained without", 'remove them; write "use_sliding_window": false and '
             'every layer "full_attention"')
     n = int(config.get("num_hidden_layers") or 0)
@@ -237,17 +254,62 @@ def findings(config: Mapping, headers: Mapping[str, tuple[list[int], str]] | Non
             float(config["rms_norm_eps"]), trained.rms_norm_eps, rel_tol=1e-6):
         add("error", "rms-eps-trained", f"rms_norm_eps={config['rms_norm_eps']} but training used "
             f"{trained.rms_norm_eps}", f"set rms_norm_eps={trained.rms_norm_eps}")
-    if headers is not None:
-        out += _tensor_findings(config, headers)
+    if trained is not None and config.get("max_position_embeddings") != trained.max_position_embeddings:
+        add("error", "max-positions-trained", f"max_position_embeddings={config.get('max_position_embeddings')} but "
+            f"the drafter was trained with {trained.max_position_embeddings} (the target's): vLLM sizes the block's "
+            "RoPE cache from it", f"set max_position_embeddings={trained.max_position_embeddings}")
     return out
 
 
-def _tensor_findings(config: Mapping, headers: Mapping[str, tuple[list[int], str]]) -> list[Finding]:
+def _mask_findings(read: Reading, V: int, trained: DrafterSpec | None, code: str) -> list[Finding]:
+    mask = read.mask_token_id
+    if not isinstance(mask, int) or isinstance(mask, bool) or not 0 <= mask < V:
+        return [("error", f"{code}-mask-token", f"{read.mask_key}={mask!r}: the slots after the bonus token are fed "
+                 f"this id, which must be a token of the vocab [0, {V})", "write the id the drafter was trained with "
+                 "(its training record's spec.mask_token_id)")]
+    if trained is not None and trained.mask_token_id is not None and mask != trained.mask_token_id:
+        return [("error", f"{code}-mask-token", f"{read.mask_key}={mask} but the drafter was trained with "
+                 f"{trained.mask_token_id}: every slot would see an embedding it never saw",
+                 f"set it to {trained.mask_token_id}")]
+    return []
+
+
+def _layer_findings(read: Reading, target_layers: int | None, trained: DrafterSpec | None,
+                    code: str) -> list[Finding]:
     out: list[Finding] = []
+    add = lambda *f: out.append(f)  # noqa: E731
+    key = read.layers_key
+    if not read.layer_ids:
+        add("error", f"{code}-layer-ids", f"no {key}: vLLM would not know which target layers to capture",
+            "write the 0-based layers (boundary aux ids - 1)")
+        return out
+    ids = [int(i) for i in read.layer_ids]
+    if ids != sorted(set(ids)):
+        add("error", f"{code}-layer-ids", f"target_layer_ids={ids} are not ascending: vLLM concatenates the states in "
+            "layer order", "write them ascending, in the order training concatenated them")
+    if target_layers is not None and (min(ids) < 0 or max(ids) > target_layers - 1):
+        add("error", f"{code}-layer-ids", f"target_layer_ids={ids} fall outside the target's layers 0.."
+            f"{target_layers - 1}", "write 0-based layer indices (boundary aux ids - 1)")
+    if trained is not None:
+        want = serving_layer_ids(trained.aux_layer_ids)
+        if ids == list(trained.aux_layer_ids):
+            add("error", f"{code}-layer-ids", f"target_layer_ids={ids} are the boundary ids the drafter was trained "
+                "on, written as they are: vLLM adds 1 and would capture one layer deeper than training",
+                f"write {want} (0-based: the output of layer b - 1)")
+        elif ids != want:
+            add("error", f"{code}-layer-ids", f"target_layer_ids={ids} but the drafter was trained on the outputs of "
+                f"layers {want}", f"write {want}")
+    return out
+
+
+def tensor_findings(expected_of, config: Mapping, headers: Mapping[str, tuple[list[int], str]]) -> list[Finding]:
+    """The export's tensors against those ``expected_of(config)`` implies ({name: shape}, ``optional:`` names may be
+    absent; all bf16)."""
     try:
-        expected = expected_tensors(config)
+        expected = expected_of(config)
     except (KeyError, TypeError, ValueError) as e:
         return [("error", "shape", f"cannot compute the tensors config.json implies: missing {e}", "re-export")]
+    out: list[Finding] = []
     for name, (shape, dtype) in headers.items():
         if name == "mask_hidden":
             out.append(("error", "unexpected-tensor", "mask_hidden is present: vLLM's DFlash loader asserts on it "

@@ -15,6 +15,11 @@ its rows of the whole optimizer step (train/losses/base.py ``step_denominators``
 Anchors are drawn by a generator seeded from the row's content, so that the trainer's row count before a step and
 the forward agree; ``drafter.num_anchors`` bounds the block queries per row (N x B of them, each attending to the
 row's T context keys and N x B block keys).
+
+The block's layout and logits are the drafter's (models/dflash.py): a drafter whose anchor drafts (DSpark,
+train/objectives/dspark.py) scores K = B slots, slot j against the target's distribution at a + j, and its logits
+may read the token before the predicted one (the data's: teacher forcing). Every count and weight below is per
+drafted slot j = offset j + 1.
 """
 
 from __future__ import annotations
@@ -42,8 +47,9 @@ log = logging.getLogger(__name__)
 
 class DFlashObjective:
     """``objective(drafter, batch, teacher_head)`` -> ``TTTResult`` with metrics ``loss_k``, ``acc_k``, ``full_acc_k``
-    for block offsets k + 1 (k = 0..B-2), as the trainer reads the EAGLE steps'. ``loss``: the registered loss whose
-    ``loss_sum`` scores each offset; ``teacher_head``: the target's whole lm_head ``[V, Ht]``."""
+    for the drafted slots k (block offsets k + 1, k = 0..K-1: K = B - 1 for DFlash, B when the anchor drafts), as
+    the trainer reads the EAGLE steps'. ``loss``: the registered loss whose ``loss_sum`` scores each slot;
+    ``teacher_head``: the target's whole lm_head ``[V, Ht]``."""
 
     def __init__(self, loss: TTTLoss, *, block_size: int, num_anchors: int, position_decay: float,
                  chunk_size: int) -> None:
@@ -51,7 +57,7 @@ class DFlashObjective:
             raise ValueError(f"DFlash objective: block_size={block_size} (>= 2), num_anchors={num_anchors} (>= 1), "
                              f"position_decay={position_decay} (> 0), chunk_size={chunk_size} (>= 1)")
         self.loss, self.B, self.N, self.chunk = loss, block_size, num_anchors, chunk_size
-        self.weights = [math.exp(-k / position_decay) for k in range(block_size - 1)]  # offset k + 1
+        self.weights = [math.exp(-k / position_decay) for k in range(block_size)]  # drafted slot k (offset k + 1)
 
     @classmethod
     def from_config(cls, loss: TTTLoss, drafter_cfg) -> DFlashObjective:
@@ -71,12 +77,12 @@ class DFlashObjective:
             out.append(cand[torch.randperm(len(cand), generator=g)[:self.N]].sort().values)
         return out
 
-    def _labels(self, batch: FeatureBatch, b: int, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(label positions ``[N, B-1]``, counted ``[N, B-1]``) of row b's anchors ``a`` (on the batch's device)."""
+    def _labels(self, batch: FeatureBatch, b: int, a: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(label positions ``[N, K]``, counted ``[N, K]``) of row b's anchors ``a`` (on the batch's device)."""
         T = batch.input_ids.shape[1]
         dev = batch.loss_mask.device
         a = a.to(dev)
-        p = a[:, None] + torch.arange(1, self.B, device=dev)
+        p = a[:, None] + torch.arange(1, K + 1, device=dev)
         inside = p < T
         pc = p.clamp(max=T - 1)
         doc = batch.document_ids[b]
@@ -86,9 +92,9 @@ class DFlashObjective:
     def counted_rows(self, drafter, batch: FeatureBatch, shard=None) -> torch.Tensor:
         if shard is not None:
             raise ValueError("the DFlash objective runs without sequence parallelism (train.sequence_parallel=1)")
-        counts = torch.zeros(self.B - 1, dtype=torch.int64, device=batch.loss_mask.device)
+        counts = torch.zeros(drafter.drafts, dtype=torch.int64, device=batch.loss_mask.device)
         for b, a in enumerate(self.anchors(batch)):
-            counts += self._labels(batch, b, a)[1].sum(0)
+            counts += self._labels(batch, b, a, drafter.drafts)[1].sum(0)
         return counts
 
     # ---- the forward -------------------------------------------------------------------------------------
@@ -99,7 +105,7 @@ class DFlashObjective:
         if teacher_head.shape[0] != drafter.spec.vocab_size:
             raise ValueError(f"teacher_head has {teacher_head.shape[0]} rows; a DFlash drafter drafts over the "
                              f"target's {drafter.spec.vocab_size}")
-        B, K = self.B, self.B - 1
+        K = drafter.drafts
         ys, ths, counted, argmax = [], [], [], []
         for b, a in enumerate(self.anchors(batch)):
             if not len(a):
@@ -108,13 +114,12 @@ class DFlashObjective:
             a = a.to(dev)
             ctx = drafter.context(batch.aux_hidden[b:b + 1])
             kv = drafter.context_kv(ctx, batch.position_ids[b:b + 1])
-            ids = torch.full((len(a), B), drafter.spec.mask_token_id, dtype=torch.long, device=dev)
-            ids[:, 0] = batch.input_ids[b, a]
-            pos = batch.position_ids[b, a][:, None] + torch.arange(B, device=dev)
-            mask = block_mask(a, batch.document_ids[b], B)[None, None]
-            y = drafter.blocks(ids.reshape(1, -1), pos.reshape(1, -1), kv, mask).view(len(a), B, -1)[:, 1:]
-            p, c = self._labels(batch, b, a)
-            ys.append(y)
+            ids, pos = drafter.block_inputs(batch.input_ids[b, a], batch.position_ids[b, a], K)
+            L = ids.shape[1]
+            mask = block_mask(a, batch.document_ids[b], L)[None, None]
+            y = drafter.blocks(ids.reshape(1, -1), pos.reshape(1, -1), kv, mask).view(len(a), L, -1)[:, -K:]
+            p, c = self._labels(batch, b, a, K)
+            ys.append(drafter.head_input(y, batch.input_ids[b][p - 1]))  # the token before each predicted one
             ths.append(batch.target_hidden[b][p - 1])
             counted.append(c)
             argmax.append(batch.target_argmax[b][p - 1])
@@ -122,7 +127,8 @@ class DFlashObjective:
         total = torch.zeros((), dtype=torch.float32, device=dev)
         if not ys:  # no anchor in this micro-batch: a zero loss that still reaches every parameter
             total = total + 0.0 * sum(p.sum() for p in drafter.parameters() if p.requires_grad)
-            ys = [torch.zeros(0, K, drafter.spec.hidden_size, device=dev)]
+            ys = [drafter.head_input(torch.zeros(0, K, drafter.spec.hidden_size, device=dev),
+                                     torch.zeros(0, K, dtype=torch.long, device=dev))]
             ths = [torch.zeros(0, K, teacher_head.shape[1], device=dev)]
             counted = [torch.zeros(0, K, dtype=torch.bool, device=dev)]
             argmax = [torch.zeros(0, K, dtype=torch.long, device=dev)]
@@ -136,9 +142,10 @@ class DFlashObjective:
         f64 = lambda x: x.detach().to(torch.float64)  # noqa: E731
         chain = torch.ones(counted.shape[0], dtype=torch.bool, device=dev)
         chain_scored = chain.clone()
+        head = drafter.head_weight(teacher_head.float())  # the drafter's scoring head (DSpark's adds its Markov w2)
         for k in range(K):
             rows = counted[:, k].nonzero().flatten()
-            s, pred = self._offset_sum(y[rows, k], th[rows, k], teacher_head)
+            s, pred = self._offset_sum(y[rows, k], th[rows, k], head, teacher_head)
             right[rows, k] = pred == argmax[rows, k]
             total = total + self.weights[k] * s / denominators[k]
             chain, chain_scored = chain & right[:, k], chain_scored & counted[:, k]
@@ -147,25 +154,27 @@ class DFlashObjective:
             metrics[step_key("full_acc", k)] = (f64((chain & chain_scored).sum()), f64(chain_scored.sum()))
         return TTTResult(loss=total, metrics=metrics)
 
-    def _offset_sum(self, y: torch.Tensor, th: torch.Tensor, head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The summed loss of rows ``y [R, H]`` against teacher states ``th [R, Ht]`` and the drafter's argmax, in
-        chunks of ``chunk`` rows whose [rows, V] logits are recomputed in backward rather than kept."""
-        W = head.float()
+    def _offset_sum(self, y: torch.Tensor, th: torch.Tensor, head: torch.Tensor,
+                    teacher_head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The summed loss of the drafter's rows ``y [R, H']`` (its ``head_input``) scored by ``head [V, H']`` against
+        teacher states ``th [R, Ht]`` through ``teacher_head [V, Ht]``, and the drafter's argmax, in chunks of
+        ``chunk`` rows whose [rows, V] logits are recomputed in backward rather than kept."""
+        W, Wt = head.float(), teacher_head.float()
         total = y.new_zeros((), dtype=torch.float32)
         preds = []
         for s in range(0, y.shape[0], self.chunk):
             yc, tc = y[s:s + self.chunk], th[s:s + self.chunk]
-            part = checkpoint(self._chunk_sum, yc, tc, W, use_reentrant=False) if yc.requires_grad \
-                else self._chunk_sum(yc, tc, W)
+            part = checkpoint(self._chunk_sum, yc, tc, W, Wt, use_reentrant=False) \
+                if yc.requires_grad or W.requires_grad else self._chunk_sum(yc, tc, W, Wt)
             total = total + part
             with torch.no_grad():
                 preds.append((yc.float() @ W.T).argmax(-1))
         pred = torch.cat(preds) if preds else torch.zeros(0, dtype=torch.long, device=y.device)
         return total, pred
 
-    def _chunk_sum(self, yc, tc, W):
+    def _chunk_sum(self, yc, tc, W, Wt):
         with torch.no_grad():
-            teacher = tc.float() @ W.T
+            teacher = tc.float() @ Wt.T
         return self.loss.loss_sum(yc.float() @ W.T, teacher)
 
 
