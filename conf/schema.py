@@ -15,7 +15,8 @@ from fledge.conf.domains import ByteSize, DirName, Elsewhere, Free, Location, On
 from fledge.conf.drafter_rules import drafter_problems, raise_problems
 
 STAGES = ("prepare", "capture", "train", "export", "eval", "publish")  # publish: export.push_to_hub
-ALGORITHMS = ("eagle", "dflash", "mtp")  # models/algorithms.py registers each (the schema cannot import it)
+ALGORITHMS = ("eagle", "dflash", "dspark", "mtp")  # models/algorithms.py registers each (the schema cannot import it)
+BLOCK_DRAFTERS = {"dflash": "DFlash", "dspark": "DSpark"}  # the block drafters, by their display names
 
 
 @dataclass
@@ -60,8 +61,9 @@ class LossOptions:
 class DrafterConfig:
     # The drafter algorithm (models/algorithms.py): eagle (EAGLE-3 / EAGLE-3.1, and P-EAGLE with parallel_drafting)
     # | dflash (a block drafter: one non-causal forward over [bonus token, block_size - 1 mask tokens], the target's
-    # states injected as every layer's context keys and values; vLLM's method "dflash") | mtp (the target's own MTP
-    # module fine-tuned as a chain drafter, norm_output its fed-back state; vLLM's method "mtp").
+    # states injected as every layer's context keys and values; vLLM's method "dflash") | dspark (DFlash whose anchor
+    # slot drafts too, so a block drafts block_size tokens, plus a Markov bias head; vLLM's method "dspark") | mtp (the
+    # target's own MTP module fine-tuned as a chain drafter, norm_output its fed-back state; vLLM's method "mtp").
     algorithm: Annotated[str, OneOf(*ALGORITHMS)] = "eagle"
     # boundary convention; None -> (2, L//2, L-3)
     aux_layer_ids: Annotated[Optional[list[int]], Elsewhere("conf/drafter_rules.py", [0, 2, 3], [4, 2, 5])] = None
@@ -104,7 +106,8 @@ class DrafterConfig:
     # drafter layers, block anchors drawn per packed row, and gamma of the loss weight exp(-(k - 1) / gamma) of block
     # offset k (the DFlash paper's Eq. 4: 7 for blocks of 16, 5 for 10, 4 for 8). It drafts over the target's whole
     # vocab with the target's lm_head (draft_vocab_size is unused) and fills its block with mask_token_id (None:
-    # the target's pad id, else its eos id).
+    # the target's pad id, else its eos id). dspark: the same keys, its block of block_size tokens drafting them all
+    # (vLLM serves k = block_size: eval.draft_tokens), weighed exp(-k / gamma) from the first (speculators' gamma 4).
     block_size: Annotated[int, Range(ge=2, why="a DFlash block holds the bonus token and at least one draft; 16 "
                                                "in the paper")] = 16
     num_draft_layers: Annotated[int, Range(ge=1, why="DFlash drafter layers")] = 1
@@ -117,8 +120,9 @@ class DrafterConfig:
 
 def draft_steps(drafter) -> int:
     """Draft positions one round of ``drafter`` (a DrafterConfig, or a stage's view of it) trains and scores:
-    ttt_steps (eagle), block_size - 1 (dflash). A function, so that a stage's declared reads see the three keys."""
-    return drafter.block_size - 1 if drafter.algorithm == "dflash" else drafter.ttt_steps
+    ttt_steps (eagle), block_size - 1 (dflash), block_size (dspark: its anchor drafts too). A function, so that a
+    stage's declared reads see the three keys."""
+    return {"dflash": drafter.block_size - 1, "dspark": drafter.block_size}.get(drafter.algorithm, drafter.ttt_steps)
 
 
 @dataclass
@@ -402,7 +406,7 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
 def _check_parallel_drafting(cfg: Config) -> None:
     """P-EAGLE's keys: a mask token only for a parallel drafter, and an export only vLLM's HF layout serves so."""
     d = cfg.drafter
-    if d.mask_token_id is not None and not d.parallel_drafting and d.algorithm != "dflash":
+    if d.mask_token_id is not None and not d.parallel_drafting and d.algorithm not in BLOCK_DRAFTERS:
         raise ValueError(f"drafter.mask_token_id={d.mask_token_id} is set but drafter.parallel_drafting=false: it "
                          "names the token P-EAGLE's parallel slots (or a DFlash block) are fed; use drafter=p_eagle or "
                          "drafter=dflash, or drop the key")
@@ -418,27 +422,34 @@ def _check_parallel_drafting(cfg: Config) -> None:
 def _check_algorithm(cfg: Config) -> None:
     """drafter.algorithm and the block drafter's keys."""
     d = cfg.drafter
-    if d.algorithm != "dflash":
+    if d.algorithm not in BLOCK_DRAFTERS:
         return
+    a, name = d.algorithm, BLOCK_DRAFTERS[d.algorithm]
     if d.parallel_drafting or d.fc_norm or d.norm_output or d.norm_before_fc:
-        raise ValueError("drafter.algorithm=dflash has none of EAGLE's flags (vLLM's DFlash drafter applies fc alone, "
-                         "drafts in one forward and feeds nothing back): use drafter=dflash, which sets "
+        raise ValueError(f"drafter.algorithm={a} has none of EAGLE's flags (vLLM's {name} drafter applies fc alone, "
+                         f"drafts in one forward and feeds nothing back): use drafter={a}, which sets "
                          "parallel_drafting, fc_norm, norm_output and norm_before_fc false")
     if cfg.export.format != "hf":
-        raise ValueError(f"drafter.algorithm=dflash with export.format={cfg.export.format}: vLLM loads DFlash drafters "
-                         "from the hf layout only (DFlashDraftModel); use export.format=hf")
-    if cfg.eval.draft_tokens > d.block_size - 1:
+        raise ValueError(f"drafter.algorithm={a} with export.format={cfg.export.format}: vLLM loads {name} drafters "
+                         f"from the hf layout only ({'DFlashDraftModel' if a == 'dflash' else 'Qwen3DSparkModel'}); "
+                         "use export.format=hf")
+    if a == "dspark" and cfg.eval.draft_tokens != d.block_size:
+        raise ValueError(f"eval.draft_tokens={cfg.eval.draft_tokens} with drafter.block_size={d.block_size}: a DSpark "
+                         "block drafts exactly block_size tokens (vLLM drafts num_speculative_tokens slots, and a "
+                         "block of another length is not the one trained); set drafter.block_size="
+                         f"{cfg.eval.draft_tokens} or eval.draft_tokens={d.block_size}")
+    if a == "dflash" and cfg.eval.draft_tokens > d.block_size - 1:
         raise ValueError(f"eval.draft_tokens={cfg.eval.draft_tokens} with drafter.block_size={d.block_size}: a block "
                          f"drafts at most block_size - 1 = {d.block_size - 1} tokens (offsets past it were never "
                          f"trained); set drafter.block_size={cfg.eval.draft_tokens + 1} or lower eval.draft_tokens")
     if cfg.eval.engine == "sglang":
-        raise ValueError("drafter.algorithm=dflash with eval.engine=sglang: Fledge serves DFlash drafters with vLLM's "
-                         "method dflash; use eval.engine=vllm or hf")
+        raise ValueError(f"drafter.algorithm={a} with eval.engine=sglang: Fledge serves {name} drafters with vLLM's "
+                         f"method {a}; use eval.engine=vllm or hf")
     if cfg.train.sequence_parallel > 1:
-        raise ValueError(f"drafter.algorithm=dflash with train.sequence_parallel={cfg.train.sequence_parallel}: block "
+        raise ValueError(f"drafter.algorithm={a} with train.sequence_parallel={cfg.train.sequence_parallel}: block "
                          "anchors see the whole row; set train.sequence_parallel=1")
     if d.init_from:
-        raise ValueError("drafter.init_from with drafter.algorithm=dflash: fine-tuning starts from an EAGLE drafter "
+        raise ValueError(f"drafter.init_from with drafter.algorithm={a}: fine-tuning starts from an EAGLE drafter "
                          "only; drop drafter.init_from")
 
 

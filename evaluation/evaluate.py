@@ -80,7 +80,7 @@ class Evaluator:
                  device: torch.device):
         self.inputs, self.ev, self.K = inputs, inputs.eval, draft_steps(inputs)
         self.prepared, self.out, self.drafter_dir, self.device = prepared, out, drafter_dir, device
-        self.engine_python = check_engine(self.ev.engine, device.type, self.ev.engine_python)
+        self.engine_python = check_engine(self.ev.engine, device.type, self.ev.engine_python, algorithm_of(inputs))
         target = inputs.target
         self.renderer = ChatRenderer(load_tokenizer(target, inputs.chat_template),
                                      extra_eot_ids=eot_ids_from_target(target.name_or_path, target.revision))

@@ -16,7 +16,8 @@ An algorithm is one module per layer, each registering its part under the algori
 
 Registered: ``eagle`` (models/eagle.py: EAGLE-3 and EAGLE-3.1 by their flags), ``peagle`` (models/peagle.py:
 P-EAGLE, ``drafter.parallel_drafting``), both models/drafter.py's ``Eagle3Drafter`` served by vLLM's ``eagle3``
-method, and ``dflash`` (models/dflash.py, vLLM's ``dflash``). :func:`algorithm_of` finds the entry of a spec, a
+method, ``dflash`` (models/dflash.py, vLLM's ``dflash``) and ``dspark`` (models/dspark.py: DFlash whose anchor
+drafts, plus a Markov head; vLLM's ``dspark``). :func:`algorithm_of` finds the entry of a spec, a
 config or a spec's JSON; code outside an algorithm's modules asks its entry, never its name.
 
 ``mtp`` (models/mtp_drafter.py) is the target's own MTP module (models/mtp.py) as a chain drafter, served by vLLM's
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from fledge.models import dflash, eagle, mtp_drafter, peagle  # noqa: F401 (each registers its algorithm)
+from fledge.models import dflash, dspark, eagle, mtp_drafter, peagle  # noqa: F401 (each registers its algorithm)
 from fledge.models.spec import ALGORITHMS, Algorithm, DrafterSpec, algorithm_of, mask_token_id_for
 
 __all__ = ["ALGORITHMS", "Algorithm", "DrafterSpec", "algorithm_of", "build_drafter", "mask_token_id_for"]

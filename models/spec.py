@@ -49,6 +49,7 @@ class Algorithm:
     vllm_method: str  # vLLM's speculative_config "method"
     block: bool  # drafts all k tokens in one forward without feeding a draft back (the proposer's loop)
     target_head: bool = False  # scores with the target's lm_head (loaded from the target, not the export)
+    vllm_cpu: bool = True  # vLLM's CPU build serves its method (vLLM 0.32 runs dspark in its V2 GPU runner only)
 
 
 ALGORITHMS: Registry[Algorithm] = Registry("drafter.algorithm", "models/algorithms.py (a module per algorithm)")

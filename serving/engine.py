@@ -27,13 +27,19 @@ class EngineError(ValueError):
     """The engine could not run the request (not installed, refused the export, crashed)."""
 
 
-def check_engine(engine: str, device_type: str, python: str | None = None) -> Path | None:
-    """Validate ``eval.engine`` for this machine before any work starts; returns the engine's python
-    (None for ``hf``). Raises ValueError naming the key and the fix."""
+def check_engine(engine: str, device_type: str, python: str | None = None, algorithm=None) -> Path | None:
+    """Validate ``eval.engine`` for this machine (and the drafter ``algorithm``, models/algorithms.py's entry, when
+    given) before any work starts; returns the engine's python (None for ``hf``). Raises ValueError naming the key and
+    the fix."""
     if engine not in ENGINES:
         raise ValueError(f"eval.engine={engine!r}: expected one of {list(ENGINES)}")
     if engine == "hf":
         return None
+    if engine == "vllm" and device_type != "cuda" and algorithm is not None and not algorithm.vllm_cpu:
+        raise ValueError(f"eval.engine=vllm with drafter.algorithm={algorithm.name} on {device_type}: vLLM 0.32 runs "
+                         f"its {algorithm.vllm_method} method only in its V2 model runner, which needs Triton on a GPU "
+                         f"(the CPU build refuses it: 'Model Runner V1 does not support: {algorithm.vllm_method} "
+                         "speculative decoding'); use eval.engine=hf here and serve it with vLLM on a GPU")
     if engine == "sglang":
         if device_type != "cuda":
             raise ValueError("eval.engine=sglang: SGLang's EAGLE-3 speculative decoding runs only on CUDA GPUs and "

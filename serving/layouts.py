@@ -4,7 +4,8 @@ EAGLE's drafters (``eagle``: EAGLE-3, EAGLE-3.1; ``peagle``: P-EAGLE) are the de
 from an export dialect (serving/dialects.py) and export.py, lint.py, engine.py and card.py handle them directly. Any
 other algorithm is one entry here: a module with the functions of :class:`Layout` (serving/dflash_layout.py is
 ``dflash``'s), which those files call through :func:`layout_for` (by the algorithm of a spec or config) and
-:func:`layout_of` (by what an exported config.json is). A new algorithm's serving is its module plus its line below.
+:func:`layout_of` (by what an exported config.json is). A new algorithm's serving is its module plus its line below
+(serving/dspark_layout.py, DSpark's, is DFlash's with vLLM's DSpark keys).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch import nn
 
 from fledge.models.algorithms import DrafterSpec, algorithm_of
 from fledge.registry import Registry
-from fledge.serving import dflash_layout, mtp_layout
+from fledge.serving import dflash_layout, dspark_layout, mtp_layout
 
 Finding = tuple[str, str, str, str]  # (level, code, message, fix), as serving/lint.py reports them
 
@@ -54,6 +55,8 @@ class Layout(Protocol):
 
 # EAGLE's algorithms are reserved: valid names without an entry, served by the dialects
 LAYOUTS: Registry[Layout] = Registry("drafter.algorithm", "serving/layouts.py", reserved=("eagle", "peagle"))
+# dspark first: layout_of takes the first owner, and a DSpark config may carry the dflash_config dflash_layout owns
+LAYOUTS.register("dspark", dspark_layout)
 LAYOUTS.register("dflash", dflash_layout)
 LAYOUTS.register("mtp", mtp_layout)
 

@@ -53,10 +53,12 @@ def has_errors(findings: list[Finding]) -> bool:
     return any(f.level == "error" for f in findings)
 
 
-def lint_drafter(drafter_dir: str | Path, target_config: Any = None) -> list[Finding]:
+def lint_drafter(drafter_dir: str | Path, target_config: Any = None,
+                 num_speculative_tokens: int | None = None) -> list[Finding]:
     """Every finding for the drafter in ``drafter_dir``; ``target_config`` (dict / PretrainedConfig) enables
     the checks against the target (RoPE, max positions, eps, vocab, aux-id range), read through the
-    target's family (models/families.py)."""
+    target's family (models/families.py); ``num_speculative_tokens``, the k of a serving command, is checked against
+    what a block drafter was trained to draft (serving/layouts.py's ``speculative_config`` serves it with)."""
     d = Path(drafter_dir)
     out: list[Finding] = []
 
@@ -85,6 +87,13 @@ def lint_drafter(drafter_dir: str | Path, target_config: Any = None) -> list[Fin
             _check_against_target(config, t, add, drafter_layer)
         if record is not None and drafter_layer:
             _check_layer_trained(config, record, add)
+        k = num_speculative_tokens
+        served = k if k is None else layout.speculative_config(config, str(d), k)["num_speculative_tokens"]
+        if served != k:
+            add("error", "num-speculative-tokens", f"num_speculative_tokens={k}, but this drafter was trained to draft "
+                f"{served} (vLLM drafts the k it is asked for: a DSpark block of another length, or DFlash slots past "
+                "block_size - 1, were never trained)", f"serve it with num_speculative_tokens={served}, as the model "
+                "card's command does")
         return out
     c = layer_config(config)
     missing = [key for key in SIZE_KEYS if not isinstance(c.get(key), int) or isinstance(c.get(key), bool)]
@@ -393,11 +402,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("drafter_dir")
     ap.add_argument("--target", help="target: local dir, config.json, or hub id (default: from the export)")
     ap.add_argument("--recipe", help="take the target's config from conf/recipe/<name>.yaml")
+    ap.add_argument("--num-speculative-tokens", type=int, metavar="K",
+                    help="the k a serving command asks for: checked against what a block drafter was trained to draft")
     args = ap.parse_args(argv)
     target = resolve_target_config(args.target, args.recipe, args.drafter_dir)
     if target is None:
         print("note: no target config given or recorded; skipping the checks against the target")
-    findings = lint_drafter(args.drafter_dir, target)
+    findings = lint_drafter(args.drafter_dir, target, args.num_speculative_tokens)
     for line in format_findings(findings):
         print(line)
     errors, warnings = (sum(f.level == level for f in findings) for level in ("error", "warning"))

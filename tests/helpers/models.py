@@ -141,3 +141,12 @@ def random_dflash(seed=0, **kw) -> DFlashDrafter:
             p.data.normal_(1.0, 0.1)  # random norms too
     d.load_target_head(torch.randn(300, 64), torch.randn(300, 64) * 0.2)
     return d.eval()
+
+
+def random_dspark(seed=0, **kw) -> DFlashDrafter:
+    """``random_dflash``'s drafter as DSpark (models/dspark.py: blocks of 3 drafting 3, Markov rank 8), its Markov
+    head scaled up to change the drafts."""
+    d = random_dflash(seed, **{"algorithm": "dspark", "block_size": 3, "markov_rank": 8, **kw})
+    with torch.no_grad():
+        d.markov_head.markov_w1.weight.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(seed + 1))
+    return d

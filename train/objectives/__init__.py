@@ -7,12 +7,13 @@ DeepSpeed trains.
   steps, and ``drafter.init_from``;
 - dflash.py: DFlash: the drafter over the target's whole vocab and the block objective;
 - mtp.py: the target's own MTP module (models/mtp_drafter.py), TTT over its chained drafts as vLLM chains them;
+- dspark.py: DSpark: DFlash's builder and objective over a drafter whose anchor drafts, with a Markov head;
 - base.py: the registry and what a builder returns (:class:`Trainable`, its :class:`Objective`).
 
 A new algorithm adds one module here registering its builder (tests/unit/test_algorithms.py registers a toy one).
 """
 
-from fledge.train.objectives import dflash, eagle, mtp  # noqa: F401 (each registers its algorithm)
+from fledge.train.objectives import dflash, dspark, eagle, mtp  # noqa: F401 (each registers its algorithm)
 from fledge.train.objectives.base import OBJECTIVES, Builder, Objective, Trainable
 
 __all__ = ["OBJECTIVES", "Builder", "Objective", "Trainable"]

@@ -30,7 +30,7 @@ def test_spec_of_a_dflash_drafter():
     assert isinstance(build_drafter(DrafterSpec.from_target_config(
         TARGET, SimpleNamespace(fc_norm=True, norm_output=True, norm_before_fc=False, draft_vocab_size=32), [2, 4, 5])),
         Eagle3Drafter)
-    assert {a.vllm_method for a in ALGORITHMS.values()} == {"eagle3", "dflash"}
+    assert {a.vllm_method for a in ALGORITHMS.values()} == {"eagle3", "dflash", "dspark", "mtp"}
 
 
 def test_state_dict_is_the_served_layout():

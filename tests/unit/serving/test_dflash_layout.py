@@ -131,7 +131,7 @@ def test_every_algorithm_has_its_entry_in_each_layer():
     from fledge.serving.layouts import LAYOUTS, Layout
     from fledge.train.ttt_model import OBJECTIVES
 
-    assert ALGORITHMS.names() == ["dflash", "eagle", "mtp", "peagle"]
+    assert ALGORITHMS.names() == ["dflash", "dspark", "eagle", "mtp", "peagle"]
     assert ALGORITHMS.names() == OBJECTIVES.names() == sorted([*LAYOUTS.names(), *LAYOUTS.reserved])
     assert set(SCHEMA_NAMES) == {a.spec.algorithm for a in ALGORITHMS.values()}
     for name, algorithm in ALGORITHMS.items():

@@ -16,7 +16,7 @@ from fledge.serving import dialects
 from fledge.serving.card import Measured, build_model_card
 from fledge.serving.export import export_checkpoint, write_drafter
 from fledge.serving.serving_config import serving_config
-from tests.helpers.models import DFLASH_TARGET as TARGET, random_dflash, random_state_dict
+from tests.helpers.models import DFLASH_TARGET as TARGET, random_dflash, random_dspark, random_state_dict
 from tests.helpers.mtp import mtp_export
 
 REPO = "org/drafter"
@@ -33,8 +33,8 @@ def _eagle(tmp_path, fmt: str, parallel: bool):
     return out
 
 
-def _dflash(tmp_path):
-    d = random_dflash(mask_token_id=5)  # blocks of 4: k = 3 drafts
+def _dflash(tmp_path, random=random_dflash):
+    d = random(mask_token_id=5)  # DFlash: blocks of 4, DSpark: of 3; k = 3 drafts
     ckpt = DrafterCheckpoint(d.spec, target={"name_or_path": "org/target"}).write(tmp_path / "ckpt", d.state_dict())
     export_checkpoint(ckpt, tmp_path / "out", TARGET)
     return tmp_path / "out"
@@ -43,7 +43,8 @@ def _dflash(tmp_path):
 # Every algorithm, each EAGLE drafter in every dialect: (algorithm, build(tmp_path) -> export dir, parallel or block)
 CASES = {**{f"eagle-{fmt}": ("eagle", lambda p, fmt=fmt: _eagle(p, fmt, False), False) for fmt in dialects.names()},
          **{f"p_eagle-{fmt}": ("peagle", lambda p, fmt=fmt: _eagle(p, fmt, True), True) for fmt in dialects.names()},
-         "dflash": ("dflash", _dflash, True), "mtp": ("mtp", mtp_export, False)}
+         "dflash": ("dflash", _dflash, True), "dspark": ("dspark", lambda p: _dflash(p, random_dspark), True),
+         "mtp": ("mtp", mtp_export, False)}
 
 
 def test_every_algorithm_has_a_case():

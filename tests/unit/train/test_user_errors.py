@@ -33,7 +33,8 @@ def test_bad_override_is_one_line_naming_the_key(tmp_path):
     assert_one_line(fledge_run(tmp_path, "drafter.bogus=1"), "drafter.bogus")
     assert_one_line(fledge_run(tmp_path, "train.eval_every=0"), "train.eval_every=0: must be >= 1")
     res = fledge_run(tmp_path, "drafter=nope")  # Hydra's report of a missing option spans 14 lines
-    assert_one_line(res, "Could not find 'drafter/nope'; the options in 'drafter': dflash, eagle3, eagle31, p_eagle")
+    assert_one_line(res, "Could not find 'drafter/nope'; the options in 'drafter': dflash, dspark, eagle3, eagle31, "
+                    "mtp, p_eagle")
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
 
 
