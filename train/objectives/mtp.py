@@ -65,6 +65,9 @@ def load_target_module(drafter: MtpDrafter, source: str | Path, revision: str | 
                          f"{prefix}* tensors (its config's num_nextn_predict_layers="
                          f"{drafter.spec.target_config.get('num_nextn_predict_layers')}); use a target that ships "
                          "its MTP layer, or drafter=eagle31")
+    if any(n.endswith("_scale_inv") for n in names):
+        raise ValueError(f"{source}: its MTP layer is quantized ({prefix}*weight_scale_inv: DeepSeek's FP8 release); "
+                         "fine-tune from the bf16 checkpoint (dequantized, as capture loads it)")
     state = module_state_dict(read_tensors(source, names, revision), L)
     dtype = drafter.module.eh_proj.weight.dtype
     missing, unexpected = drafter.module.load_state_dict({n: t.to(dtype) for n, t in state.items()}, strict=False)

@@ -24,7 +24,7 @@ from fledge.serving.serving_config import serving_config, vllm_speculative_confi
 from tests.helpers.mtp import random_mtp_drafter, save_random_mtp_target, target_config
 from tests.helpers.paths import REPO
 
-L, V = 8, 2560
+L, V = 4, 2560
 
 
 @pytest.fixture(scope="module")
