@@ -7,6 +7,7 @@ and ``resumed.``-prefixed after the resume) and OUT/losses.json (the uninterrupt
 
 import json
 import sys
+from contextlib import contextmanager
 from dataclasses import fields
 from pathlib import Path
 
@@ -32,6 +33,19 @@ def inputs(layout: str):
     """The train stage's inputs: recipe=tiny with Muon under the layout's ZeRO stage, a row per rank and step."""
     return train_inputs(compose(["recipe=tiny", *OPTIM, "train.micro_batch_size=1",
                                  f"deepspeed.zero_stage={LAYOUTS[layout]}"]))
+
+
+@contextmanager
+def one_thread():
+    """Torch on one CPU thread while it lasts: Muon's bf16 Newton-Schulz matmuls of these small matrices, on a CPU
+    without native bf16, take milliseconds on one thread and up to a third of a second each on two of a busy 2-core
+    machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def whole_batch() -> FeatureBatch:
