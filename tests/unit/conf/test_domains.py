@@ -12,7 +12,7 @@ from fledge import cli
 from fledge.conf import compose
 from fledge.conf.domains import ByteSize, Elsewhere, Free, Location, OneOf, Range, leaves
 from fledge.conf.schema import Config
-from tests.helpers.cli import ENV, assert_one_line, fledge_run
+from tests.helpers.cli import assert_one_line, fledge_run
 
 
 def undomained(cls) -> list[str]:
@@ -168,10 +168,10 @@ def test_a_run_name_leaving_its_root_deletes_nothing(tmp_path):
     assert (theirs / "notes.txt").read_text() == "not Fledge's"
 
 
-def test_fledge_config_refuses_a_late_failing_value_with_exit_code_2(tmp_path):
-    import subprocess
-    import sys
-
-    res = subprocess.run([sys.executable, "-m", "fledge", "config", "recipe=tiny", "export.max_shard_size=banana"],
-                         cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
-    assert_one_line(res, "export.max_shard_size='banana': must be a size")
+def test_fledge_config_refuses_a_late_failing_value_with_exit_code_2(capsys):
+    """In process, as the walk above (tests/unit/train/test_user_errors.py runs `fledge config` as a process)."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["config", "recipe=tiny", "export.max_shard_size=banana"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert "export.max_shard_size='banana': must be a size" in err, err
