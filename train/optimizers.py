@@ -65,10 +65,18 @@ def build_optimizer(model: nn.Module, o: OptimConfig, offload: bool = False) -> 
     return torch.optim.AdamW(params, **adamw)
 
 
-def orthogonalize(g: torch.Tensor) -> torch.Tensor:
-    """The Newton-Schulz approximation of U V^T for g = U S V^T, in bf16 (torch.optim.Muon's, op for op)."""
+def ns_dtype(device: torch.device) -> torch.dtype:
+    """The dtype of the Newton-Schulz iteration on ``device``: bf16 on an accelerator (torch.optim.Muon's), fp32 on
+    a CPU, where a SmolLM2 drafter's Muon step measured 4.6x slower in bf16 than in fp32 (2-core Xeon without native
+    bf16, one thread: scripts/bench_muon.py, docs/performance.md), and fp32 is the more exact of the two."""
+    return torch.float32 if device.type == "cpu" else torch.bfloat16
+
+
+def orthogonalize(g: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The Newton-Schulz approximation of U V^T for g = U S V^T, in ``dtype`` (default :func:`ns_dtype`), op for op
+    torch.optim.Muon's (which runs it in bf16 everywhere)."""
     a, b, c = NS_COEFFICIENTS
-    x = g.bfloat16()
+    x = g.to(dtype or ns_dtype(g.device), copy=True)
     tall = g.size(0) > g.size(1)
     if tall:
         x = x.T
