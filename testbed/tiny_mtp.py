@@ -96,8 +96,9 @@ def mtp_heldout(path: Path, data_dir: Path) -> dict:
 def chain_acceptance(target: nn.Module, mtp: MTPModule, prompts: list[list[int]], k: int, max_new: int,
                      stop_ids: list[int]) -> dict:
     """Greedy speculative decoding in process as vLLM runs ``method: mtp`` (models/mtp.py draft_chain), counted as
-    vLLM counts: ``drafts`` (rounds), ``accepted`` and ``accepted_per_pos`` (rounds whose first i drafts were all
-    accepted; a round's every accepted draft counts, past a stop or the token budget too), and the ``outputs``."""
+    vLLM counts: ``drafts`` (rounds), ``draft_tokens``, ``accepted`` and ``accepted_per_pos`` (rounds whose first i
+    drafts were all accepted; a round's every accepted draft counts, past a stop or the token budget too), and
+    the ``outputs``."""
     drafts, per_pos, outputs = 0, [0] * k, []
     for prompt in prompts:
         ids = list(prompt)
@@ -112,4 +113,5 @@ def chain_acceptance(target: nn.Module, mtp: MTPModule, prompts: list[list[int]]
             ids += best[: a + 1]
         out = ids[len(prompt):][:max_new]
         outputs.append(out[: next((i + 1 for i, t in enumerate(out) if t in stop_ids), len(out))])
-    return {"drafts": drafts, "accepted": sum(per_pos), "accepted_per_pos": per_pos, "outputs": outputs}
+    return {"drafts": drafts, "draft_tokens": drafts * k, "accepted": sum(per_pos), "accepted_per_pos": per_pos,
+            "outputs": outputs}
