@@ -342,3 +342,91 @@ def test_a_dflash_drafter_is_served_by_vllms_dflash_method_at_its_in_process_acc
     inproc = evaluate_set("default", req["sets"]["default"], frozen.model, drafter, cfg.eval, req["stop_token_ids"],
                           0)["drafter"]["al_uncut"]
     assert served_al > 1.2 and abs(served_al - inproc) <= cfg.eval.engine_al_tolerance, (served_al, inproc)
+
+
+DSPARK_STEPS = 150
+# Runs in the engine's python on a request {target, speculative_config, prev}: vLLM resolves the speculative_config
+# Fledge serves a DSpark export with, builds its Qwen3DSparkForCausalLM from the export beside an engine (its CPU build
+# will not start one with method dspark: its V1 model runner has none, and its V2 runner needs Triton, absent on a CPU)
+# and loads every tensor with its own loader; prints what it read and its Markov bias for the ``prev`` tokens.
+DSPARK_READ = """
+import json, os, socket, sys
+import torch
+from safetensors.torch import load_file
+from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig, set_current_vllm_config
+from vllm.distributed import init_distributed_environment, initialize_model_parallel
+from vllm.model_executor.model_loader.utils import process_weights_after_loading
+from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
+from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
+from vllm.v1.worker.gpu.spec_decode.utils import get_parallel_drafting_token_id
+req = json.load(sys.stdin)
+target = ModelConfig(model=req["target"], dtype="float32", max_model_len=256)
+spec = SpeculativeConfig(**req["speculative_config"], target_model_config=target,
+                         target_parallel_config=ParallelConfig())
+hf = spec.draft_model_config.hf_config
+config = VllmConfig(model_config=target)
+config.speculative_config = spec
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+with set_current_vllm_config(config):
+    init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, "gloo")
+    initialize_model_parallel(1, 1)
+    model = Qwen3DSparkForCausalLM(vllm_config=config)
+    model.load_weights(load_file(os.path.join(spec.draft_model_config.model, "model.safetensors")).items())
+    process_weights_after_loading(model, spec.draft_model_config, torch.device("cpu"))
+    bias = model.markov_bias(model.markov_embed(torch.tensor(req["prev"])))
+print(json.dumps({"method": spec.method, "architectures": spec.draft_model_config.architectures,
+                  "k": spec.num_speculative_tokens, "aux_layers": list(get_eagle3_aux_layers_from_config(spec)),
+                  "mask_token_id": get_parallel_drafting_token_id(hf), "sample_from_anchor": hf.sample_from_anchor,
+                  "lookahead": config.num_lookahead_tokens, "bias": bias.tolist()}))
+"""
+
+
+def test_a_dspark_drafter_is_read_by_vllms_dspark_model_as_trained(served, tiny_target, tmp_path):
+    """DSpark (drafter=dspark: blocks of k = 5, each drafting 5) trained on the shared run's features, exported in the
+    layout vLLM's Qwen3DSparkForCausalLM loads and linted clean at k, drafts losslessly in process; vLLM resolves the
+    speculative_config Fledge serves it with to its dspark method with the layers, mask token, block and anchor
+    drafting trained, and its own loader and Markov head give the drafter's bias. vLLM 0.32's CPU build does not serve
+    the dspark method at all (its V2 GPU model runner only: docs/serving.md, DSpark), so nothing here is served."""
+    import torch
+
+    from fledge.conf.compose import compose
+    from fledge.evaluation.acceptance import evaluate_set
+    from fledge.evaluation.evaluate import load_eval_models
+    from fledge.serving.export import load_target_config, spec_from_export
+    from fledge.serving.lint import format_findings, has_errors, lint_drafter
+
+    base = served.parent / "dspark"
+    base.mkdir()
+    for stage in ("prepare", "capture"):
+        (base / stage).symlink_to(served / stage, target_is_directory=True)
+    cfg = compose(_overrides(served, tiny_target))
+    k = cfg.eval.draft_tokens
+    _torchrun(*_overrides(served, tiny_target), "run.name=dspark", "drafter=dspark", "drafter.num_anchors=64",
+              "run.stages=[train,export]", f"train.max_steps={DSPARK_STEPS}", f"train.eval_every={DSPARK_STEPS}",
+              f"train.save_every={DSPARK_STEPS}")
+    export = base / "export" / "drafter"
+    findings = lint_drafter(export, load_target_config(cfg.target), k)
+    assert not has_errors(findings), format_findings(findings)
+    spec_cfg = speculative_config("eagle3", k, export)
+    assert spec_cfg == {"method": "dspark", "model": str(export.resolve()), "num_speculative_tokens": k}
+    frozen, drafter = load_eval_models(cfg.target, export, torch.device("cpu"), spec_from_export(export, serving=True))
+    assert drafter.spec.algorithm == "dspark" and drafter.drafts == k
+    req = _engine_file(served, "request.json")
+    inproc = evaluate_set("default", req["sets"]["default"], frozen.model, drafter, cfg.eval, req["stop_token_ids"],
+                          0)["drafter"]["al_uncut"]  # greedy output checked equal to plain decoding
+    print(f"DSpark in-process AL on the default set: {inproc:.3f}")
+    prev = [drafter.spec.mask_token_id, 300]
+    res = subprocess.run([str(ENGINE), "-c", DSPARK_READ], input=json.dumps({
+        "target": str(tiny_target), "speculative_config": spec_cfg, "prev": prev}), capture_output=True, text=True,
+        env=ENV, timeout=900)
+    assert res.returncode == 0, res.stderr[-4000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["method"] == "dspark" and got["architectures"] == ["Qwen3DSparkModel"] and got["k"] == k, got["k"]
+    assert got["aux_layers"] == list(drafter.spec.aux_layer_ids) and got["mask_token_id"] == drafter.spec.mask_token_id
+    assert got["sample_from_anchor"] is True and got["lookahead"] == k  # a block of k queries, the anchor drafting
+    with torch.no_grad():
+        want = drafter.markov_head(torch.tensor(prev))
+    torch.testing.assert_close(torch.tensor(got["bias"]), want, rtol=1e-4, atol=1e-5)
+    assert inproc > 1.2, inproc
