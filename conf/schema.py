@@ -113,6 +113,8 @@ class DrafterConfig:
     num_draft_layers: Annotated[int, Range(ge=1, why="DFlash drafter layers")] = 1
     num_anchors: Annotated[int, Range(ge=1, why="DFlash block anchors per packed row")] = 512
     position_decay: Annotated[float, Range(gt=0, why="gamma of the DFlash loss weight exp(-(k - 1) / gamma)")] = 7.0
+    # dspark only: the rank r of its Markov head (markov_w1 and markov_w2, both [V, r]; speculators' default 256)
+    markov_rank: Annotated[int, Range(ge=1, why="the DSpark Markov head's rank")] = 256
 
     def draft_steps(self) -> int:
         return draft_steps(self)

@@ -72,7 +72,8 @@ CAPTURE_RUNTIME = ("engine_python", "engine_timeout_s", "engine_launcher", "rank
 # Config keys added since the manifests of earlier Fledges were recorded (tests/fixtures/stage_inputs/), under a
 # hashed_as section: each stays out of the hash while it stands at its default, the behaviour those runs had, so
 # their run directories keep their hashes; set to anything else, it is hashed like any key.
-ADDED_KEYS = ("train.optim.name", "train.optim.muon_lr", "train.optim.muon_momentum", "train.optim.muon_weight_decay")
+ADDED_KEYS = ("train.optim.name", "train.optim.muon_lr", "train.optim.muon_momentum", "train.optim.muon_weight_decay",
+              "drafter.markov_rank")
 
 
 def capture_runtime(capture: CaptureConfig) -> tuple[str, ...]:

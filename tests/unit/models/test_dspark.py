@@ -137,3 +137,18 @@ def test_dspark_composes_over_a_recipe_with_the_eval_draft_length_as_its_block()
     d = compose(["recipe=tiny", "drafter=dspark", "drafter.mask_token_id=5"]).drafter
     assert (d.algorithm, d.block_size, d.draft_steps(), d.mask_token_id, d.position_decay) == ("dspark", 5, 5, 5, 4.0)
     assert compose(["recipe=tiny", "drafter=dspark", "eval.draft_tokens=7"]).drafter.block_size == 7
+    rank = compose(["recipe=tiny", "drafter=dspark", "drafter.markov_rank=64"]).drafter
+    assert DrafterSpec.from_target_config(TARGET, rank, [2, 4, 5]).markov_rank == 64
+
+
+def test_the_markov_rank_moves_the_train_hash_only_off_its_default():
+    """drafter.markov_rank came after the recorded runs (tests/unit/pipeline/test_recorded_inputs.py): at its
+    default it stays out of the train stage's hash, as those runs' manifests have it."""
+    from fledge.conf.compose import compose
+    from fledge.pipeline.stages import train_inputs
+    from fledge.stage_inputs import hashed
+
+    def drafter_hash(*ov):
+        return hashed(train_inputs(compose(["recipe=tiny", "drafter=dspark", *ov])))["drafter"]
+
+    assert "markov_rank" not in drafter_hash() and drafter_hash("drafter.markov_rank=64")["markov_rank"] == 64
