@@ -24,6 +24,12 @@ from tests.helpers.recipe_runs import run_named  # noqa: E402
 from tests.helpers.slurm_cluster import LocalSlurm  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
+# The suite's own process computes on one thread (the commands it runs set their own: OMP_NUM_THREADS=1 for the
+# runs). Its tensors are tiny: an intra-op parallel region costs more than it saves, and while the session's
+# background work holds the other core (the tiny target's build, the shared recipe runs) every region waits for a
+# thread that is not running: tests/unit/evaluation/test_speculative.py took 222 s on torch's default two threads
+# and 15 s on one, back to back on a loaded 2-core Xeon (2026-12-06; docs/testing.md).
+torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
