@@ -12,7 +12,8 @@ token t+2 (the DeepSeek-V3 report, section 2.2; ``fledge tiny-target mla_mtp`` t
 ``h_t`` is the target's hidden state *after* its final norm (what its decoder returns and its lm_head reads:
 vLLM hands the MTP the target model's output). Drafting k > 1 tokens, vLLM runs the same module again one
 slot on, on the token it just drafted and on ``shared_head.norm(out)`` of the step before
-(:meth:`MTPModule.feedback`; v1/spec_decode/llm_base_proposer.py, ``model_returns_tuple``), at the next position.
+(:meth:`MTPModule.feedback`; v1/spec_decode/llm_base_proposer.py, ``model_returns_tuple``), at the next position;
+:func:`draft_chain` runs that chain.
 
 The embedding and the output head are the target's own, shared (vLLM replaces the module's with the target's
 at load, and DeepSeek trains them shared); the checkpoint still holds copies of both in the MTP layer, as
