@@ -150,3 +150,19 @@ def random_dspark(seed=0, **kw) -> DFlashDrafter:
     with torch.no_grad():
         d.markov_head.markov_w1.weight.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(seed + 1))
     return d
+
+
+def block_batch(seed=0, T=30) -> FeatureBatch:
+    """A one-row feature batch of two documents and 3 padding slots (hidden 64, vocab 300): the block drafters'
+    objective tests' input (DFlash, DSpark)."""
+    g = torch.Generator().manual_seed(seed)
+    doc = torch.tensor([[0] * 12 + [1] * 15 + [-1] * 3])
+    pos = torch.zeros_like(doc)
+    for t in range(1, T):
+        pos[0, t] = pos[0, t - 1] + 1 if doc[0, t] == doc[0, t - 1] else 0
+    return FeatureBatch(input_ids=torch.randint(0, 300, (1, T), generator=g),
+                        loss_mask=(torch.rand(1, T, generator=g) > 0.3) & (doc >= 0),
+                        aux_hidden=torch.randn(1, T, 3 * 64, generator=g),
+                        target_hidden=torch.randn(1, T, 64, generator=g),
+                        target_argmax=torch.randint(0, 300, (1, T), generator=g),
+                        position_ids=pos, document_ids=doc.int())

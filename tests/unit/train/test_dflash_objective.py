@@ -9,26 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fledge.data.features.batch import FeatureBatch
 from fledge.train.losses import SoftCrossEntropy
 from fledge.train.objectives.dflash import DFlashObjective, mask_token
-from tests.helpers.models import DFLASH_TARGET as TARGET, random_dflash
+from tests.helpers.models import DFLASH_TARGET as TARGET, block_batch as batch, random_dflash
 
 B = 4  # block size
-
-
-def batch(seed=0, T=30) -> FeatureBatch:
-    g = torch.Generator().manual_seed(seed)
-    doc = torch.tensor([[0] * 12 + [1] * 15 + [-1] * 3])
-    pos = torch.zeros_like(doc)
-    for t in range(1, T):
-        pos[0, t] = pos[0, t - 1] + 1 if doc[0, t] == doc[0, t - 1] else 0
-    return FeatureBatch(input_ids=torch.randint(0, 300, (1, T), generator=g),
-                        loss_mask=(torch.rand(1, T, generator=g) > 0.3) & (doc >= 0),
-                        aux_hidden=torch.randn(1, T, 3 * 64, generator=g),
-                        target_hidden=torch.randn(1, T, 64, generator=g),
-                        target_argmax=torch.randint(0, 300, (1, T), generator=g),
-                        position_ids=pos, document_ids=doc.int())
 
 
 def objective(anchors=64, decay=7.0):

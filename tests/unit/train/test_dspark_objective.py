@@ -12,8 +12,7 @@ import torch.nn.functional as F
 from fledge.train.losses import SoftCrossEntropy
 from fledge.train.objectives import OBJECTIVES
 from fledge.train.objectives.dflash import DFlashObjective, build
-from tests.helpers.models import random_dspark
-from tests.unit.train.test_dflash_objective import batch
+from tests.helpers.models import block_batch as batch, random_dspark
 
 B = 3  # random_dspark's block: 3 tokens drafting 3
 
