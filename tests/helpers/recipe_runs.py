@@ -95,10 +95,10 @@ def session_nice(nice: int) -> None:
     (active where tasks sit in the root CPU cgroup, as on the machines docs/testing.md measured) shares the CPU
     between sessions first, whatever their processes' nice: these runs, in a session of their own (tests/conftest.py
     starts them so), took a whole core from the suite's session, where pytest (nice 10) shared the other with the
-    tiny target's build (nice 0) and got ~10% of it: CI's first tests, vLLM's aux-id reading and the speculators
-    oracle (~18 and ~25 s alone), took ~100 s each until the build ended (2026-12-06). The ranks torchrun starts
-    and the vLLM engines start sessions of their own again: this covers the runs' own processes. Without
-    autogroups (no /proc/self/autogroup, or switched off) the processes' nice is all there is."""
+    tiny target's build (nice 0) and got ~10% of it: CI's first tests, vLLM's aux-id reading (18 s alone) and the
+    speculators oracle's cases (~15 s each alone), took ~100 s each until the build ended (2026-12-06). The ranks
+    torchrun starts and the vLLM engines start sessions of their own again: this covers the runs' own processes.
+    Without autogroups (no /proc/self/autogroup, or switched off) the processes' nice is all there is."""
     try:
         Path("/proc/self/autogroup").write_text(str(nice))
     except OSError:
