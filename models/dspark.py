@@ -30,7 +30,7 @@ from torch import nn
 from fledge.models.dflash import DFlashDrafter, DFlashSpec
 from fledge.models.spec import ALGORITHMS, Algorithm, check_mask_token, option
 
-MARKOV_RANK = 256  # speculators' DSpark default (models/dspark/config.py)
+MARKOV_RANK = 256  # speculators 0.9.0's DSpark default (its DSpark config module)
 
 
 @dataclass
