@@ -41,12 +41,12 @@ from torch import nn
 
 from fledge.models.algorithms import DrafterSpec, build_drafter
 from fledge.models.dflash import aux_layer_ids_of, serving_layer_ids
-from fledge.models.drafter_checkpoint import RECORD, DrafterCheckpoint
-from fledge.models.weights import load_input_embeddings, load_lm_head_rows, read_tensors, tensor_headers
+from fledge.models.drafter_checkpoint import RECORD
+from fledge.models.weights import load_input_embeddings, load_lm_head_rows, read_tensors
+from fledge.serving.export_reading import Finding, read_export
 
 ARCHITECTURE = "DFlashDraftModel"
 _FROZEN = ("embed_tokens.weight", "lm_head.weight")  # the target's: vLLM shares them
-Finding = tuple[str, str, str, str]  # (level, code, message, fix), as serving/lint.py reports them
 
 
 def owns(config: Mapping) -> bool:
@@ -140,24 +140,6 @@ def lint(d, config: Mapping, target_layers: int | None, record: dict | None) -> 
                         "layer's), so on a CPU this drafter is served with other keys than trained", "serve it on a "
                         "GPU, or train drafter.num_draft_layers=1 for CPU serving"))
     return out + no_record(record)
-
-
-def read_export(d, record: dict | None) -> tuple[dict | None, DrafterSpec | None, list[Finding]]:
-    """A block drafter export's {tensor: (shape, dtype)} and training spec (None where unreadable), and the findings
-    of what could not be read."""
-    out: list[Finding] = []
-    try:
-        headers = {name: (list(shape), dtype) for name, (shape, dtype) in tensor_headers(d).items()}
-    except (OSError, ValueError, KeyError) as e:
-        out.append(("error", "no-weights", f"cannot read the safetensors in {d}: {e}", "re-export the drafter"))
-        headers = None
-    try:
-        trained = DrafterCheckpoint.record_spec(record)
-    except (TypeError, ValueError) as e:
-        out.append(("error", "training-record", f"{RECORD} does not hold a readable spec: {e}",
-                    "re-export the drafter"))
-        trained = None
-    return headers, trained, out
 
 
 def no_record(record: dict | None) -> list[Finding]:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from fledge.conf.schema import default_aux_layer_ids
 from fledge.models.layers.kind import DEFAULT_KIND, get_layer_kind, kind_of_architecture, kind_of_config
 from fledge.registry import Registry
+from fledge.serving.export_reading import Finding
 
 TRAINING_PREFIX = "midlayer."  # the decoder layer's prefix in the drafter's own state_dict
 # Keys read back under the HF dialect's names, whatever the dialect (layer keys come along unnamed).
@@ -53,9 +54,6 @@ class ServingFields:
     target_architectures: list[str]
     speculative_tokens: int
     target_num_hidden_layers: int | None = None  # the target's L (MTP layers excluded)
-
-
-Finding = tuple[str, str, str, str]  # (level, code, message, fix), as serving/lint.py reports them
 
 
 @dataclass(frozen=True)

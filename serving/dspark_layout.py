@@ -34,7 +34,8 @@ from typing import Any
 
 from fledge.models.dspark import DSparkSpec
 from fledge.serving import dflash_layout
-from fledge.serving.dflash_layout import Finding, Reading, load, serving_tensors  # noqa: F401 (DSpark's are DFlash's)
+from fledge.serving.dflash_layout import Reading, load, serving_tensors  # noqa: F401 (DSpark's are DFlash's)
+from fledge.serving.export_reading import Finding, read_export
 
 ARCHITECTURE = "Qwen3DSparkModel"
 NAME = "DSpark"
@@ -103,7 +104,7 @@ def lint(d, config: Mapping, target_layers: int | None, record: dict | None) -> 
     """The DSpark-specific findings on the export in ``d`` (serving/lint.py adds the checks against the target and
     the training record that every layout gets): DFlash's block findings as vLLM reads a DSpark config, DSpark's own
     keys, and the tensors."""
-    headers, trained, out = dflash_layout.read_export(d, record)
+    headers, trained, out = read_export(d, record)
     out += findings(config, headers, target_layers, trained)
     return out + dflash_layout.no_record(record)
 

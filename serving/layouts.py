@@ -20,8 +20,7 @@ from torch import nn
 from fledge.models.algorithms import DrafterSpec, algorithm_of
 from fledge.registry import Registry
 from fledge.serving import dflash_layout, dspark_layout, mtp_layout
-
-Finding = tuple[str, str, str, str]  # (level, code, message, fix), as serving/lint.py reports them
+from fledge.serving.export_reading import Finding
 
 
 class Layout(Protocol):

@@ -33,12 +33,12 @@ import torch
 from torch import nn
 
 from fledge.models.algorithms import DrafterSpec
-from fledge.models.drafter_checkpoint import RECORD, DrafterCheckpoint
+from fledge.models.drafter_checkpoint import RECORD
 from fledge.models.mtp import DECODERS, MTPModule, checkpoint_tensors, module_state_dict
 from fledge.models.mtp_drafter import MtpDrafter, MtpSpec
 from fledge.models.weights import load_input_embeddings, load_lm_head_rows, read_tensors, tensor_headers
+from fledge.serving.export_reading import Finding, read_export
 
-Finding = tuple[str, str, str, str]  # (level, code, message, fix), as serving/lint.py reports them
 _DROPPED = ("quantization_config", "auto_map", "_name_or_path", "transformers_version")  # not the bf16 export's
 _SHARED = ("embed_tokens.weight", "shared_head.head.weight")  # the target's: vLLM shares them
 # Fields of config.json that do not shape the module (the rest must be the ones it was trained as)
@@ -92,17 +92,7 @@ def expected_tensors(config: Mapping) -> dict[str, tuple[int, ...]]:
 def lint(d, config: Mapping, target_layers: int | None, record: dict | None) -> list[Finding]:
     """The MTP export's own findings (serving/lint.py adds the checks against the target): its config, layer index,
     tensors, shared tables and how it was trained."""
-    out: list[Finding] = []
-    try:
-        headers = {name: (list(shape), dtype) for name, (shape, dtype) in tensor_headers(d).items()}
-    except (OSError, ValueError, KeyError) as e:
-        out.append(("error", "no-weights", f"cannot read the safetensors in {d}: {e}", "re-export the drafter"))
-        headers = None
-    try:
-        trained = DrafterCheckpoint.record_spec(record)
-    except (TypeError, ValueError) as e:
-        out.append(("error", "training-record", f"{RECORD} does not hold a readable spec: {e}", "re-export"))
-        trained = None
+    headers, trained, out = read_export(d, record)
     if record is None:
         out.append(("warning", "no-training-record", f"no {RECORD}: how the module was chained in training cannot "
                     "be checked (vLLM 0.32 feeds shared_head.norm(out) back)", "export with Fledge, or confirm it"))
