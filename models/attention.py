@@ -62,6 +62,18 @@ def ttt_attention(q, k0, v0, kd, vd, mask, impl: str = "sdpa"):
     return _FlashTTTAttention.apply(q, k0, v0, kd, vd, mask.segments)
 
 
+def ttt_attention_over(q, kv: list, mask, impl: str = "sdpa"):
+    """TTT attention of step J = len(kv) - 1 over a step's key/value list: ``kv[0]`` the context's keys and values,
+    ``kv[1:]`` each later step's own (its diagonal), as the drafters append them step by step."""
+    k0, v0 = kv[0]
+    diag = kv[1:]
+    if diag:
+        kd, vd = torch.stack([d[0] for d in diag], 2), torch.stack([d[1] for d in diag], 2)
+    else:
+        kd, vd = k0[:, :, None][:, :, :0], v0[:, :, None][:, :, :0]  # J = 0
+    return ttt_attention(q, k0, v0, kd, vd, mask, impl)
+
+
 class TTTMask:
     """One batch's TTT attention mask for steps 0..``steps``-1, built once and shared by every step.
 

@@ -27,7 +27,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP
 
-from fledge.models.attention import cached_attention, resolve_attention, ttt_attention
+from fledge.models.attention import cached_attention, resolve_attention, ttt_attention_over
 from fledge.models.drafter_module import DrafterModule
 from fledge.models.kernels.rmsnorm import RMSNorm
 from fledge.models.layers.kind import get_layer_kind
@@ -192,13 +192,7 @@ class Eagle3Drafter(DrafterModule):
 
         def attend(q, k, v):
             kv.append((k, v))
-            k0, v0 = kv[0]
-            diag = kv[1:]
-            if diag:
-                kd, vd = torch.stack([d[0] for d in diag], 2), torch.stack([d[1] for d in diag], 2)
-            else:
-                kd, vd = k0[:, :, None][:, :, :0], v0[:, :, None][:, :, :0]  # J = 0
-            return ttt_attention(q, k0, v0, kd, vd, mask, impl)
+            return ttt_attention_over(q, kv, mask, impl)
 
         return self._layer(input_ids, hidden, position_ids, attend if distribute is None else distribute(attend))
 

@@ -37,7 +37,7 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from fledge.models.attention import cached_attention, resolve_attention, ttt_attention
+from fledge.models.attention import cached_attention, resolve_attention, ttt_attention_over
 from fledge.models.drafter_module import DrafterModule
 from fledge.models.families import read_target, text_config_dict
 from fledge.models.mtp import DECODERS, MTPModule
@@ -196,13 +196,7 @@ class MtpDrafter(DrafterModule):
         def attend(q, k, v, scaling):
             width = q.shape[-1]  # v padded to the qk width for the TTT paths, cut back after
             kv.append((k, F.pad(v, (0, width - v.shape[-1]))))
-            k0, v0 = kv[0]
-            diag = kv[1:]
-            if diag:
-                kd, vd = torch.stack([d[0] for d in diag], 2), torch.stack([d[1] for d in diag], 2)
-            else:
-                kd, vd = k0[:, :, None][:, :, :0], v0[:, :, None][:, :, :0]  # J = 0
-            return ttt_attention(_scaled(q, scaling), k0, v0, kd, vd, mask, impl)[..., : v.shape[-1]]
+            return ttt_attention_over(_scaled(q, scaling), kv, mask, impl)[..., : v.shape[-1]]
 
         out, _ = self._layer(input_ids, hidden, position_ids, attend)
         y = self.module.feedback(out)
