@@ -113,6 +113,15 @@ class MTPModule(nn.Module):
         ``attention_mask``: None for causal attention over the T slots, else a mask transformers' attention
         takes as it is. Returns (``out`` [B, T, H], the layer's output before ``shared_head.norm``; ``logits``
         [B, T, V] for token t+2)."""
+        out = self.layer_out(hidden_states, input_ids, position_ids, inputs_embeds, attention_mask)
+        return out, self.shared_head.head(self.shared_head.norm(out))
+
+    def layer_out(self, hidden_states: torch.Tensor, input_ids: torch.Tensor | None = None,
+                  position_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
+                  attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`forward`'s ``out`` alone, without the logits over the whole vocab (training takes its loss in
+        chunks from ``shared_head.norm(out)``: at DeepSeek-V3's 129K vocab the logits of a 4K-token row are 1 GiB
+        in bf16)."""
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         B, T, _ = inputs_embeds.shape
@@ -125,9 +134,8 @@ class MTPModule(nn.Module):
 
             attention_mask = create_causal_mask(config=self.config, inputs_embeds=x, attention_mask=None,
                                                 past_key_values=None, position_ids=position_ids)
-        out = self.mtp_block(x, attention_mask=attention_mask, position_ids=position_ids,
-                             position_embeddings=self.rotary_emb(x, position_ids))
-        return out, self.shared_head.head(self.shared_head.norm(out))
+        return self.mtp_block(x, attention_mask=attention_mask, position_ids=position_ids,
+                              position_embeddings=self.rotary_emb(x, position_ids))
 
     def feedback(self, out: torch.Tensor) -> torch.Tensor:
         """The hidden state the next draft step reads in place of the target's: ``shared_head.norm(out)``."""

@@ -179,8 +179,11 @@ class MtpDrafter(DrafterModule):
                              f"{self.spec.target_hidden_size}; got {final_hidden.shape[-1]}")
         return final_hidden
 
-    def _layer(self, input_ids, hidden, position_ids, attend):
-        """One draft step of the module with ``attend`` as its attention: (out before shared_head.norm, logits)."""
+    def _layer(self, input_ids, hidden, position_ids, attend, logits: bool = True):
+        """One draft step of the module with ``attend`` as its attention: (out before shared_head.norm, logits, or
+        None without ``logits``: training takes its loss in chunks, never the whole vocab's logits at once)."""
+        if not logits:
+            return self.module.layer_out(hidden, input_ids, position_ids, attention_mask=_Attend(attend)), None
         return self.module(hidden, input_ids=input_ids, position_ids=position_ids, attention_mask=_Attend(attend))
 
     def _fed(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -198,7 +201,7 @@ class MtpDrafter(DrafterModule):
             kv.append((k, F.pad(v, (0, width - v.shape[-1]))))
             return ttt_attention_over(_scaled(q, scaling), kv, mask, impl)[..., : v.shape[-1]]
 
-        out, _ = self._layer(input_ids, hidden, position_ids, attend)
+        out, _ = self._layer(input_ids, hidden, position_ids, attend, logits=False)
         y = self.module.feedback(out)
         return y, self._fed(out, y)
 
