@@ -144,7 +144,8 @@ def test_a_fourth_algorithm_is_one_module_per_layer(random_tiny_target, tmp_path
 # An algorithm's name compared (==, !=, in) outside its own modules: modules whose file name carries the name are its.
 _LIBRARY = ("fledge", "conf", "data", "models", "train", "evaluation", "serving", "pipeline", "testbed")
 _EXCEPT = {
-    "conf/config_rules.py": "the config's own rules for the drafter.algorithm values it accepts (it cannot import models)",
+    "conf/config_rules.py": "the config's own rules for the drafter.algorithm values it accepts "
+                            "(it cannot import models)",
     "serving/dialects.py": "speculators' own model type peagle, a value of its format",
 }
 
