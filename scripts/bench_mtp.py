@@ -106,23 +106,24 @@ def module_of(target: Path, export: Path | None, pre_norm: bool = False):
     mtp = load_mtp(target)
     if export is not None:
         layers = AutoConfig.from_pretrained(target).num_hidden_layers
-        mtp.load_state_dict(module_state_dict(read_tensors(export), layers), strict=False)
+        missing, unexpected = mtp.load_state_dict(module_state_dict(read_tensors(export), layers), strict=False)
+        missing = [n for n in missing if not n.startswith(("embed_tokens.", "shared_head.head."))]
+        if missing or unexpected:  # else the target's own tensors would stand in, without a word
+            raise SystemExit(f"bench_mtp: {export}: its model.layers.{layers}.* do not make the target's MTP module "
+                             f"(missing {missing[:5]}, unexpected {unexpected[:5]}); run `fledge lint {export}`")
     if pre_norm:
         mtp.feedback = lambda out: out  # the pre-norm chain (docs/mtp.md), what norm_output=false trains
     return mtp
 
 
-def in_process(target: Path, mtp, sets: dict[str, list[list[int]]], stop_ids: list[int], ks: list[int],
+def in_process(model, mtp, sets: dict[str, list[list[int]]], stop_ids: list[int], ks: list[int],
                max_new: int) -> dict:
-    """The same decoding in process (testbed/tiny_mtp.py chain_acceptance: the module chained as vLLM chains
-    it, fp32 from the saved weights): per k and set, AL and acceptance per position as vLLM counts them."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
+    """The same decoding in process with the target ``model`` (testbed/tiny_mtp.py chain_acceptance: the module
+    chained as vLLM chains it, fp32 from the saved weights): per k and set, AL and acceptance per position as vLLM
+    counts them."""
     from fledge.serving.engine import acceptance
     from fledge.testbed.tiny_mtp import chain_acceptance
 
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     return {k: {name: acceptance(chain_acceptance(model, mtp, prompts, k, max_new, stop_ids), k)
                 for name, prompts in sets.items()} for k in ks}
 
@@ -174,7 +175,8 @@ def main() -> None:
     if any(len(n) != 2 or not (Path(n[1]) / "config.json").exists() for n in named):
         ap.error("--drafter takes NAME=DIR, DIR an export with a config.json")
 
-    from transformers import AutoTokenizer
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from fledge.engine_process import engine_python
     from fledge.evaluation.acceptance import distinct_ngram_ratio
@@ -196,7 +198,8 @@ def main() -> None:
         lookup |= summarise(run_driver("vllm", engine_python(), req, args.out.parent / f"bench_ngram_k{k}", 900),
                             [k], "ngram")
     figures = {OWN: [summarise(result, args.k)], "ngram lookup": [lookup]}
-    inproc = {OWN: {"": [in_process(target, module_of(target, None), sets, stop, args.k, args.max_new)]}}
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()  # once, for every module
+    inproc = {OWN: {"": [in_process(model, module_of(target, None), sets, stop, args.k, args.max_new)]}}
     for label, d in drafters:
         name = label.split("#")[0]
         figures.setdefault(name, []).append(summarise(result, args.k, label))
@@ -205,7 +208,7 @@ def main() -> None:
             chains = {"": False} if record["spec"].get("norm_output", True) else {"": False, "pre-norm": True}
             for chain, pre in chains.items():
                 inproc.setdefault(name, {}).setdefault(chain, []).append(
-                    in_process(target, module_of(target, d, pre), sets, stop, args.k, args.max_new))
+                    in_process(model, module_of(target, d, pre), sets, stop, args.k, args.max_new))
     plain = result["engines"]["plain"]["sets"]
     distinct = {s: sum(distinct_ngram_ratio(o) for o in plain[s]["outputs"]) / len(plain[s]["outputs"]) for s in sets}
     when = datetime.date.today().isoformat()
