@@ -81,6 +81,8 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=6)
     ap.add_argument("--out", type=Path, default=Path("outputs/mtp_drift"))
     args = ap.parse_args()
+    if any("=" not in d or not (Path(d.split("=", 1)[1]) / "config.json").exists() for d in args.drafter):
+        ap.error("--drafter takes NAME=DIR, DIR an export with a config.json")
 
     import torch
     from transformers import AutoModelForCausalLM
