@@ -61,6 +61,7 @@ def machine() -> str:
 def main() -> None:
     from fledge.engine_process import engine_python
     from fledge.evaluation.acceptance import distinct_ngram_ratio
+    from fledge.evaluation.engine_eval import al_per_round
     from fledge.serving.engine import acceptance, greedy_differences, run_driver, speculative_config
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -114,6 +115,8 @@ def main() -> None:
                 if conf == "plain":
                     continue
                 row[conf].update(acceptance(r["counters"], args.k))
+                # every round counted (a lookup round without a match emits one token): vLLM's AL is per draft
+                row[conf]["per_forward"] = al_per_round(r["tokens"], len(sets[name]), row[conf]["accepted"])
                 row[conf]["speedup"] = row[conf]["tokens_per_s"] / row["plain"]["tokens_per_s"]
                 diffs = greedy_differences(r["outputs"], plain["outputs"], [], 0.0)
                 row[conf]["greedy_equal"] = len(r["outputs"]) - len(diffs)
@@ -127,17 +130,19 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
     print(f"{report['machine']}, {report['date']}; vLLM {args.dtype}, k={args.k}, {args.max_new} new tokens\n")
-    print("| set @ batch | proposer | AL | accepted per position | tok/s (x plain) | greedy equal | "
+    print("| set @ batch | proposer | AL | tokens / forward | accepted per position | tok/s (x plain) | greedy equal | "
           "round / plain step | distinct-3 |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for key, r in report["runs"].items():
         n = report["prompts"][key.split("@")[0]]
-        print(f"| {key} | plain | 1.00 | | {r['plain']['tokens_per_s']:.1f} (1.00x) | | | {r['distinct3']:.2f} |")
+        print(f"| {key} | plain | 1.00 | 1.00 | | {r['plain']['tokens_per_s']:.1f} (1.00x) | | | "
+              f"{r['distinct3']:.2f} |")
         for conf in (*drafters, "ngram"):
             d = r[conf]
             at = " ".join(f"{a:.2f}" for a in d["accept_at"])
             cost = f"{d['round_cost_x_plain']:.2f}x" if "round_cost_x_plain" in d else ""
-            print(f"| {key} | {conf} | {d['al']:.2f} | {at} | {d['tokens_per_s']:.1f} ({d['speedup']:.2f}x) | "
+            print(f"| {key} | {conf} | {d['al']:.2f} | {d['per_forward']:.2f} | {at} | {d['tokens_per_s']:.1f} "
+                  f"({d['speedup']:.2f}x) | "
                   f"{d['greedy_equal']}/{n} | {cost} | |")
 
 

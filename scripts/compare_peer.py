@@ -15,7 +15,8 @@ under ``--out`` (default ``<RUN>_peer``), each stage kept while what it was made
 2. ``fledge_speculators/``: Fledge's export of RUN's checkpoint in the speculators dialect, for the scorer: a run
    directory whose prepare, capture and train are links to RUN's, where ``run.stages=[export]`` runs only export.
 3. ``peer_default/``, ``peer_fledge_optim/``: the peer's own trainer on CPU (scripts/compare_peer_side.py), its step
-   count computed from Fledge's tokens with its own packer (kept per plan: data, budget, optimizer).
+   count computed from Fledge's tokens with its own packer (kept per plan: data, budget, optimizer). ``--peers``
+   picks one of them (each takes ~2.4x Fledge's time per step on 2 CPU cores).
 4. ``heldout.json``: every drafter's agreement per TTT step on the held-out rows, one scorer for all three.
 5. ``bench.json``: scripts/bench_real_target.py serving the three exports in vLLM beside n-gram lookup, on MT-Bench and
    HumanEval, or (``--sets heldout``) RUN's held-out prompts, for a target that speaks its own language.
@@ -158,16 +159,16 @@ def peer_env(out: Path) -> dict:
             "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def train_peers(out: Path, budget: dict, data: dict, env: dict) -> dict:
-    """Stage 3: each peer run, skipped when its done.json has the same plan (data, budget, optimizer). Returns
-    {name: done record}."""
+def train_peers(out: Path, budget: dict, data: dict, env: dict, names: tuple[str, ...] = PEERS) -> dict:
+    """Stage 3: each peer run of ``names``, skipped when its done.json has the same plan (data, budget, optimizer).
+    Returns {name: done record}."""
     o = budget["optim"]
     optims = {"peer_default": None,
               "peer_fledge_optim": {"lr": o["lr"], "warmup_steps": o["warmup_steps"], "schedule": o["schedule"],
                                     "grad_clip": o["grad_clip"], "betas": o["betas"],
                                     "weight_decay": o["weight_decay"], "min_lr_ratio": o["min_lr_ratio"]}}
     done = {}
-    for name in PEERS:
+    for name in names:
         record = out / name / "done.json"
         plan = {"name": name, "out": str(out / name), "data": data, "budget_tokens": budget["tokens"],
                 "total_seq_len": budget["step_tokens"], "ttt_steps": budget["ttt_steps"],
@@ -272,14 +273,15 @@ def tables(run: Path, budget: dict, data: dict, peers: dict, held: dict, served:
     if served:
         lines += ["", f"vLLM {served['dtype']}, k={served['k']}, {served['max_new_tokens']} new tokens, "
                   f"{', '.join(f'{n}: {c} prompts' for n, c in served['prompts'].items())}", "",
-                  "| set @ batch | proposer | AL | accepted per position | tok/s (x plain) | greedy equal |",
-                  "|---|---|---|---|---|---|"]
+                  "| set @ batch | proposer | AL | tokens / forward | accepted per position | tok/s (x plain) | "
+                  "greedy equal |", "|---|---|---|---|---|---|---|"]
         for key, r in served["runs"].items():
-            lines.append(f"| {key} | plain | 1.00 | | {r['plain']['tokens_per_s']:.1f} (1.00x) | |")
+            lines.append(f"| {key} | plain | 1.00 | 1.00 | | {r['plain']['tokens_per_s']:.1f} (1.00x) | |")
             for conf in (*rows, "ngram"):
                 d = r[conf]
                 at = " ".join(f"{a:.2f}" for a in d["accept_at"])
-                lines.append(f"| {key} | {conf} | {d['al']:.2f} | {at} | {d['tokens_per_s']:.1f} "
+                per_forward = f"{d['per_forward']:.2f}" if "per_forward" in d else ""  # bench.json before it
+                lines.append(f"| {key} | {conf} | {d['al']:.2f} | {per_forward} | {at} | {d['tokens_per_s']:.1f} "
                              f"({d['speedup']:.2f}x) | {d['greedy_equal']}/{served['prompts'][key.split('@')[0]]} |")
     record = {"command": command, "run": str(run), "machine": peer_store.machine(),
               "date": time.strftime("%Y-%m-%d"),
@@ -302,6 +304,8 @@ def parse(argv: list[str] | None):
     ap.add_argument("--k", type=int, default=5, help="draft tokens served, and the steps the scorer unrolls")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
     ap.add_argument("--skip-bench", action="store_true", help="stop before serving (no vLLM)")
+    ap.add_argument("--peers", nargs="+", choices=PEERS, default=list(PEERS),
+                    help="the peer runs to train and compare (default: both; each ~2.4x Fledge's step time on CPU)")
     args = ap.parse_args(argv)
     args.overrides, args.run = overrides, args.run.resolve()
     args.out = (args.out or args.run.with_name(args.run.name + "_peer")).resolve()
@@ -324,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         budget = fledge_budget(args.run)
         data = peer_store.convert_run(args.run, args.out / "data")
         env = peer_env(args.out)
-        peers = train_peers(args.out, budget, data, env)
+        peers = train_peers(args.out, budget, data, env, tuple(dict.fromkeys(args.peers)))
         exports = {"fledge": RunLayout(args.run).export.drafter,
                    **{n: Path(d["checkpoint"]) for n, d in peers.items()}}
         spec = RunLayout(args.out / "fledge_speculators")
