@@ -179,12 +179,18 @@ def load_drafter(path: str):
     config = Eagle3SpeculatorConfig.from_pretrained(path)
     config.transformer_layer_config._attn_implementation = "sdpa"
     model = Eagle3DraftModel.from_pretrained(path, config=config, dtype=torch.float32)
-    model.load_verifier_weights()  # the target's embedding for the input tokens (the checkpoint's tensors stay)
-    # its from_pretrained forgives missing tensors: every one the drafter owns must come from the files, as shaped
     files = {}
     for f in Path(path).glob("*.safetensors"):
         with safe_open(str(f), "pt") as st:
             files.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
+    # The target's embedding for the input tokens (the checkpoint's other tensors stay). 0.9.0 loads it only where
+    # from_pretrained left NaN, and transformers 5 leaves a tensor missing from the files at zeros: a checkpoint
+    # without embed_tokens.weight (Fledge's exports, vLLM's layout) would be scored with zero input embeddings.
+    model._load_verifier_weights(overwrite_embed_tokens="embed_tokens.weight" not in files)  # noqa: SLF001
+    if not model.embed_tokens.weight.any():
+        raise SystemExit(f"{path}: the drafter's input embedding is all zeros after loading the target's "
+                         f"({config.speculators_config.verifier.name_or_path})")
+    # its from_pretrained forgives missing tensors: every one the drafter owns must come from the files, as shaped
     params = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     verifier = {"embed_tokens.weight", "verifier_norm.weight", "verifier_lm_head.weight"}
     wrong = sorted((set(params) - set(files) - verifier) | (set(files) - set(params))

@@ -93,7 +93,8 @@ def _run_speculators(jobs: list[dict], tmp: Path) -> list[tuple[dict, dict]]:
     return out
 
 
-def _export(target: Path, flags: dict, draft_vocab: int, out: Path, seed: int = 3) -> tuple[Path, dict, list[int]]:
+def _export(target: Path, flags: dict, draft_vocab: int, out: Path, seed: int = 3,
+            include_embed: bool = True) -> tuple[Path, dict, list[int]]:
     """A random drafter (norm weights near 1) for the target, exported in the speculators dialect."""
     from fledge.serving.export import write_drafter
     from fledge.serving.serving_config import serving_config
@@ -108,7 +109,7 @@ def _export(target: Path, flags: dict, draft_vocab: int, out: Path, seed: int = 
         for name, t in sd.items():
             if name.endswith("norm.weight") or ".fc_norm." in f".{name}":
                 t.uniform_(0.5, 1.5)
-    return write_drafter(out, sd, config, include_embed=True), tcfg, ids
+    return write_drafter(out, sd, config, include_embed=include_embed), tcfg, ids
 
 
 FLAGS = {"eagle3.1": dict(fc_norm=True, norm_output=True), "eagle3": dict(fc_norm=False, norm_output=False),
@@ -217,3 +218,39 @@ def test_speculators_training_loss_has_fledges_gradients(speculators):
         p = torch.softmax(_shift(final, 1 + k, 0.0)[0, counted] @ head.T, -1)
         entropy += w**k * -(p * p.clamp_min(1e-30).log()).sum(-1).mean().item()
     assert abs(res.loss.item() - got["loss"].item() - entropy) < 1e-4 * res.loss.item()
+
+
+_SCORER_LOAD = """
+import importlib.util, sys, torch
+from safetensors.torch import save_file
+from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+spec = importlib.util.spec_from_file_location("side", sys.argv[1])
+side = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(side)
+naive = Eagle3DraftModel.from_pretrained(sys.argv[2], config=Eagle3SpeculatorConfig.from_pretrained(sys.argv[2]),
+                                         dtype=torch.float32)
+naive.load_verifier_weights()
+save_file({"scorer": side.load_drafter(sys.argv[2]).embed_tokens.weight.contiguous(),
+           "naive": naive.embed_tokens.weight.contiguous()}, sys.argv[3])
+"""
+
+
+def test_the_peer_scorer_gives_an_export_without_embedding_the_targets(random_tiny_target, tmp_path):
+    """scripts/compare_peer_side.py scores Fledge's exports, which carry no embed_tokens.weight (engines take the
+    target's), in speculators' model. 0.9.0's load_verifier_weights fills the embedding only where it is NaN, and
+    from_pretrained leaves a tensor missing from the files at zeros: scored that way, Fledge's SmolLM2 drafter read
+    0.156 first-draft agreement where its own scorer reads 0.444. The scorer must load the target's embedding."""
+    from safetensors.torch import load_file
+
+    target = Path(random_tiny_target)
+    out, _, _ = _export(target, FLAGS["eagle3.1"], 512, tmp_path / "drafter", include_embed=False)
+    env = dict(os.environ, PYTHONPATH=str(SITE), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-c", _SCORER_LOAD, str(REPO / "scripts" / "compare_peer_side.py"),
+                           str(out), str(tmp_path / "embed.safetensors")],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = load_file(str(tmp_path / "embed.safetensors"))
+    want = next(t for k, t in load_file(str(next(target.glob("*.safetensors")))).items()
+                if k.endswith("embed_tokens.weight"))
+    assert not got["naive"].any()  # the negative control: speculators' own loading leaves it at zeros
+    assert torch.equal(got["scorer"], want.float())
