@@ -159,14 +159,22 @@ def peer_env(out: Path) -> dict:
             "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
+def fledges_optim(o: dict) -> dict:
+    """The run's ``train.optim`` as the peer_fledge_optim plan carries it: AdamW's settings, and Muon's group when the
+    run trained with Muon (train/optimizers.py: its lr is train.optim.lr when null)."""
+    plan = {"name": o.get("name", "adamw"), "lr": o["lr"], "warmup_steps": o["warmup_steps"],
+            "schedule": o["schedule"], "grad_clip": o["grad_clip"], "betas": o["betas"],
+            "weight_decay": o["weight_decay"], "min_lr_ratio": o["min_lr_ratio"]}
+    if plan["name"] == "muon":
+        plan |= {"muon_lr": o["muon_lr"] or o["lr"], "muon_momentum": o["muon_momentum"],
+                 "muon_weight_decay": o["muon_weight_decay"]}
+    return plan
+
+
 def train_peers(out: Path, budget: dict, data: dict, env: dict, names: tuple[str, ...] = PEERS) -> dict:
     """Stage 3: each peer run of ``names``, skipped when its done.json has the same plan (data, budget, optimizer).
     Returns {name: done record}."""
-    o = budget["optim"]
-    optims = {"peer_default": None,
-              "peer_fledge_optim": {"lr": o["lr"], "warmup_steps": o["warmup_steps"], "schedule": o["schedule"],
-                                    "grad_clip": o["grad_clip"], "betas": o["betas"],
-                                    "weight_decay": o["weight_decay"], "min_lr_ratio": o["min_lr_ratio"]}}
+    optims = {"peer_default": None, "peer_fledge_optim": fledges_optim(budget["optim"])}
     done = {}
     for name in names:
         record = out / name / "done.json"

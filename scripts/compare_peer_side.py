@@ -14,8 +14,8 @@ mid-epoch, 0.9.0 goes on to the next epoch and trains one step in each. Patched 
 
 - the trainer's device: ``get_local_rank`` -> "cpu" (it moves the model and batches to device index 0, a GPU);
 - ``torch.accelerator.synchronize`` -> no-op (its step timer calls it on every logged step; no accelerator here);
-- with Fledge's optimizer only: ``clip_grad_norm_``'s max norm (hard-coded 1.0 in its trainer) and AdamW's betas
-  (torch's defaults there) set to Fledge's;
+- with Fledge's optimizer only (AdamW, or Muon when the run trained with it): ``clip_grad_norm_``'s max norm
+  (hard-coded 1.0 in its trainer) and AdamW's betas (torch's defaults there) set to Fledge's;
 - its console logging (rich, a line per step) goes to ``train.log``; a metrics handler writes ``metrics.jsonl`` and
   prints a progress line every few seconds.
 
@@ -73,8 +73,12 @@ def train_argv(plan: dict, data: dict, steps: int, epochs: int) -> list[str]:
         # HF's schedules, as the peer has them: warmup from lr 0 (Fledge's from lr/warmup), decay to 0; its "none"
         # for Fledge's constant has no warmup at all
         schedule = {"cosine": "cosine", "linear": "linear", "constant": "none"}[o["schedule"]]
-        argv += ["--optimizer", "adamw", "--lr", repr(o["lr"]), "--weight-decay", repr(o["weight_decay"]),
-                 "--scheduler-type", schedule, "--scheduler-warmup-steps", str(o["warmup_steps"])]
+        argv += ["--optimizer", o.get("name", "adamw"), "--lr", repr(o["lr"]),
+                 "--weight-decay", repr(o["weight_decay"]), "--scheduler-type", schedule,
+                 "--scheduler-warmup-steps", str(o["warmup_steps"])]
+        if o.get("name") == "muon":  # the peer's own Muon (its split of the matrices) at Fledge's settings
+            argv += ["--muon-lr", repr(o["muon_lr"]), "--muon-momentum", repr(o["muon_momentum"]),
+                     "--muon-weight-decay", repr(o["muon_weight_decay"])]
     return argv
 
 
@@ -131,7 +135,7 @@ def patch(plan: dict, progress: Progress, log_path: Path) -> list[str]:
 
         def with_fledges_betas(model, config):
             optimizers = build(model, config)
-            for group in (g for opt in optimizers for g in opt.param_groups):
+            for group in (g for opt in optimizers for g in opt.param_groups if "betas" in g):  # AdamW's groups
                 group["betas"] = tuple(o["betas"])
             return optimizers
 

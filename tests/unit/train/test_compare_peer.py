@@ -159,3 +159,27 @@ def test_bad_input_is_one_line_with_exit_2(tmp_path, capsys):
     assert compare_peer.main([str(tmp_path)]) == 2  # a directory that is no run: its stages are not there
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "are not complete; give --recipe" in err[0], err
+
+
+def test_the_peer_with_fledges_optimizer_takes_the_runs_optimizer():
+    """peer_fledge_optim trains the peer with the run's optimizer: Muon at the run's settings for a Muon run (not AdamW
+    under Fledge's name), AdamW for an AdamW run."""
+    spec_ = importlib.util.spec_from_file_location("compare_peer_side", REPO / "scripts" / "compare_peer_side.py")
+    side = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(side)
+    optim = {"name": "muon", "lr": 1e-3, "muon_lr": None, "muon_momentum": 0.9, "muon_weight_decay": 0.05,
+             "warmup_steps": 30, "schedule": "cosine", "grad_clip": 0.5, "betas": [0.9, 0.95], "weight_decay": 0.0,
+             "min_lr_ratio": 0.0}
+    data = {k: "x" for k in ("rows", "hidden_states", "d2t", "t2d")} | {
+        "draft_vocab_size": VD, "target_layer_ids": [1, 2, 3], "train_data_ratio": 0.9}
+    plan = {"out": "/tmp/p", "verifier": "t", "ttt_steps": 3, "total_seq_len": 64}
+
+    def flags(o):
+        argv = side.train_argv({**plan, "optim": compare_peer.fledges_optim(o)}, data, 10, 1)
+        return {a: argv[i + 1] for i, a in enumerate(argv) if a.startswith("--") and i + 1 < len(argv)}
+
+    muon = flags(optim)
+    assert muon["--optimizer"] == "muon" and float(muon["--muon-lr"]) == 1e-3  # null: train.optim.lr
+    assert float(muon["--muon-momentum"]) == 0.9 and float(muon["--muon-weight-decay"]) == 0.05
+    adamw = flags({**optim, "name": "adamw"})
+    assert adamw["--optimizer"] == "adamw" and "--muon-lr" not in adamw
