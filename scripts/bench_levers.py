@@ -25,6 +25,7 @@ import json
 import math
 import platform
 import sys
+import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -37,7 +38,11 @@ import torch
 # (lm_head kept at the target's rows); warmup_pct: warmup steps as a percentage of --steps; norm_init: the drafter's
 # final norm from the target's; nbr: speculators' norm_before_residual (the first layer's residual is hidden_norm(g),
 # not g). The peer's lr is the run's (speculators 0.9.0 defaults to 1e-3 for AdamW and Muon alike: its OptimizerArgs);
-# peer_lr1e-4 is its recipe at 1e-4, the lr SpecForge publishes.
+# peer_lr1e-4 is its recipe at 1e-4, the lr SpecForge publishes. vocab: the draft vocab's size as a multiple of
+# the run's (at most the target's vocab; the top ids of the prepare stage's own counts, data/prepare/vocab.py);
+# layer_init: the drafter's layer from the target's last decoder layer (its MLP, o_proj and norms as they are, the
+# state half of q/k/v from the target's q/k/v, the embedding half left at its random init). The muon_* variants are
+# the Muon recipe (recipe=smollm2's) with one lever changed; every variant is scored at the run's own K.
 MUON = ["train.optim.name=muon"]
 PEER_OPTIM = [*MUON, "drafter.step_weight=1.0", "train.optim.grad_clip=1.0", "train.optim.schedule=linear",
               "train.optim.betas=[0.9,0.999]", "train.optim.weight_decay=0.01"]
@@ -58,6 +63,14 @@ VARIANTS: dict[str, dict] = {
     "lr3e-4": {"cfg": ["train.optim.lr=3e-4"]},
     "lr3e-3": {"cfg": ["train.optim.lr=3e-3"]},
     "peer_arch": {"head": "frozen", "cfg": PEER_OPTIM + NBFC, "warmup_pct": 1, "nbr": True},
+    "muon_w1": {"cfg": [*MUON, "drafter.step_weight=1.0"]},
+    "muon_ttt5": {"cfg": [*MUON, "drafter.ttt_steps=5"]},
+    "muon_norm_init": {"cfg": MUON, "norm_init": True},
+    "muon_layer_init": {"cfg": MUON, "layer_init": True},
+    "muon_lk": {"cfg": [*MUON, "drafter.loss=lk_lambda"]},
+    "muon_tv": {"cfg": [*MUON, "drafter.loss=tv"]},
+    "muon_vocab_x0.5": {"cfg": MUON, "vocab": 0.5},
+    "muon_vocab_x2": {"cfg": MUON, "vocab": 2},
 }
 
 
@@ -114,8 +127,29 @@ def peer_full_acc(model, batch, K: int) -> list[tuple[float, float]]:
     return out
 
 
+def init_from_last_layer(d, target: str, revision) -> None:
+    """``layer_init``: the drafter's layer ``d.midlayer`` from the target's last decoder layer. The layer reads
+    [embedding half, state half]; the target's layer reads one state, so its q/k/v go to the state half (and its
+    input norm to ``hidden_norm``), the embedding half keeps its random init."""
+    from fledge.models.weights import read_tensors, weight_map
+
+    keys = sorted(weight_map(target, revision))
+    last = max(int(k.split(".layers.")[1].split(".")[0]) for k in keys if ".layers." in k)
+    prefix = next(k for k in keys if f".layers.{last}." in k).split(f".layers.{last}.")[0] + f".layers.{last}."
+    w = {k[len(prefix):]: v.float() for k, v in read_tensors(target, [k for k in keys if k.startswith(prefix)],
+                                                                revision).items()}
+    m, H = d.midlayer, d.midlayer.hidden_norm.weight.shape[0]
+    with torch.no_grad():
+        for name in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "self_attn.o_proj", "post_attention_layernorm"):
+            m.get_submodule(name).weight.copy_(w[f"{name}.weight"])
+        m.hidden_norm.weight.copy_(w["input_layernorm.weight"])
+        for name in ("q_proj", "k_proj", "v_proj"):
+            m.self_attn.get_submodule(name).weight[:, H:].copy_(w[f"self_attn.{name}.weight"])
+
+
 def train_variant(run: Path, name: str, seed: int, steps: int, tokens: int, device: torch.device) -> dict:
     from fledge.data.features.reader import FeatureLoader
+    from fledge.data.prepare.vocab import DraftVocab
     from fledge.distributed import World
     from fledge.models.drafter import _MidLayer
     from fledge.models.weights import final_norm_name, read_tensors, weight_map
@@ -131,10 +165,19 @@ def train_variant(run: Path, name: str, seed: int, steps: int, tokens: int, devi
     ov = [*lever.get("cfg", []), f"run.seed={seed}"]
     if "warmup_pct" in lever:
         ov.append(f"train.optim.warmup_steps={steps * lever['warmup_pct'] // 100}")
-    cfg = load_config(run, ov)
+    base, counts = load_config(run, []), DraftVocab.load(layout.prepare.vocab).counts
+    size = min(len(counts), round(base.drafter.draft_vocab_size * lever.get("vocab", 1)))
+    cfg = load_config(run, [*ov, f"drafter.draft_vocab_size={size}"])
     torch.manual_seed(seed)
-    model = build_ttt_model(train_inputs(cfg), layout.prepare.vocab, device)
+    with tempfile.TemporaryDirectory() as tmp:
+        vocab = layout.prepare.vocab
+        if "vocab" in lever:  # the prepare stage's counts, another size
+            vocab = Path(tmp) / "vocab.safetensors"
+            DraftVocab.build(counts, size).save(vocab)
+        model = build_ttt_model(train_inputs(cfg), vocab, device)
     d = model.drafter
+    if lever.get("layer_init"):
+        init_from_last_layer(d, cfg.target.name_or_path, cfg.target.revision)
     if lever.get("nbr"):
         for m in d.modules():
             if isinstance(m, _MidLayer):
@@ -169,7 +212,7 @@ def train_variant(run: Path, name: str, seed: int, steps: int, tokens: int, devi
         torch.cuda.synchronize()
     train_s = time.perf_counter() - t0
     heldout = FeatureLoader(layout.capture.store("eval"), 0, 1, tokens, 1, seed, dtype=torch.float32)
-    K = cfg.drafter.draft_steps()
+    K = base.drafter.draft_steps()  # the run's K for every variant, so their columns compare
     ev = held_out_metrics(model, heldout, cfg.train.eval_batches, K, World(0, 1, 0, device), torch.float32)
     peer = [[0.0, 0.0] for _ in range(K)]
     for batch, counts in heldout.eval_batches(cfg.train.eval_batches):
@@ -180,6 +223,7 @@ def train_variant(run: Path, name: str, seed: int, steps: int, tokens: int, devi
         drift = float((d.lm_head.weight - model.teacher_head).norm() / model.teacher_head.norm())
     r4 = lambda xs: [round(float(x), 4) for x in xs]  # noqa: E731
     return {"variant": name, "seed": seed, "steps": steps, "tokens_per_step": tokens, "train_s": round(train_s, 1),
+            "draft_vocab_size": size,
             "heldout_acc": r4(ev[f"eval/acc_{k}"] for k in range(K)),
             "heldout_full_acc": r4(ev[f"eval/full_acc_{k}"] for k in range(K)),
             "heldout_al_estimate": round(float(ev["eval/al_estimate"]), 4),

@@ -16,7 +16,7 @@ from tests.helpers.paths import REPO
 spec = importlib.util.spec_from_file_location("bench_levers", REPO / "scripts" / "bench_levers.py")
 bench = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bench)
-LEVER_KEYS = {"cfg", "head", "warmup_pct", "norm_init", "nbr"}
+LEVER_KEYS = {"cfg", "head", "warmup_pct", "norm_init", "nbr", "vocab", "layer_init"}
 
 
 def test_variant_table_names_only_known_levers():
@@ -26,7 +26,7 @@ def test_variant_table_names_only_known_levers():
     for name, lever in bench.VARIANTS.items():
         assert set(lever) <= LEVER_KEYS, name
         assert lever.get("head", "frozen") == "frozen", name
-    for name in ("muon", "muon_frozen", "peer", "peer_arch"):  # the trainer's Muon (train/optimizers.py)
+    for name in ("muon", "muon_frozen", "peer", "peer_arch", *(v for v in bench.VARIANTS if v.startswith("muon_"))):
         assert "train.optim.name=muon" in bench.VARIANTS[name]["cfg"], name
 
 
@@ -60,11 +60,12 @@ def test_two_variants_train_and_a_rerun_skips_them(captured, tmp_path, capsys):
     for name, lever in bench.VARIANTS.items():  # every variant's overrides are keys and values the schema takes
         assert bench.load_config(run, lever.get("cfg", [])).run.name == "tiny", name
     args = [str(run), "--steps", "2", "--tokens", "256", "--threads", "1", "--out", str(tmp_path / "o"),
-            "--variants", "fledge", "peer_arch"]
+            "--variants", "fledge", "peer_arch", "muon_vocab_x0.5", "muon_ttt5", "muon_layer_init"]
     assert bench.main(args) == 0
     recs = [json.loads(line) for line in (tmp_path / "o" / "levers.jsonl").read_text().splitlines()]
-    assert [r["variant"] for r in recs] == ["fledge", "peer_arch"]
-    for r in recs:
+    assert [r["variant"] for r in recs] == ["fledge", "peer_arch", "muon_vocab_x0.5", "muon_ttt5", "muon_layer_init"]
+    assert recs[2]["draft_vocab_size"] == recs[0]["draft_vocab_size"] // 2
+    for r in recs:  # scored at the run's K, whatever K a variant trains with
         assert len(r["heldout_acc"]) == len(r["heldout_peer_style_full_acc"]) == 3 and r["steps"] == 2
         assert r["heldout_al_estimate"] >= 1 and r["train_s"] >= 0 and r["machine"] and r["date"]
     assert recs[0]["head_drift"] > 0 == recs[1]["head_drift"]  # peer_arch freezes the lm_head
@@ -72,4 +73,29 @@ def test_two_variants_train_and_a_rerun_skips_them(captured, tmp_path, capsys):
     assert "| fledge | 0 | 2 x 256 |" in md and "| peer_arch | 0 | 2 x 256 |" in md and "peer-style" in md
     capsys.readouterr()
     assert bench.main(args) == 0
-    assert capsys.readouterr().out.count("already in") == 2
+    assert capsys.readouterr().out.count("already in") == 5
+
+
+def test_layer_init_copies_the_targets_last_layer_into_the_state_half(captured):
+    """layer_init: the MLP, o_proj and norms as the target's last layer has them, its q/k/v in the columns that read
+    the state (the second half of [embedding, state]), the embedding half as the drafter drew it."""
+    import torch
+
+    from fledge.models.weights import read_tensors
+    from fledge.pipeline.stages import train_inputs
+    from fledge.run_layout import RunLayout
+    from fledge.train.ttt_model import build_ttt_model
+
+    cfg = bench.load_config(captured, [])
+    d = build_ttt_model(train_inputs(cfg), RunLayout(captured).prepare.vocab, torch.device("cpu")).drafter
+    m, H = d.midlayer, d.midlayer.hidden_norm.weight.shape[0]
+    drawn = m.self_attn.q_proj.weight[:, :H].clone()
+    bench.init_from_last_layer(d, cfg.target.name_or_path, None)
+    t = read_tensors(cfg.target.name_or_path)
+    last = max(int(k.split(".layers.")[1].split(".")[0]) for k in t if ".layers." in k)
+    w = {k.split(f".layers.{last}.")[1]: v for k, v in t.items() if f".layers.{last}." in k}
+    assert torch.equal(m.mlp.down_proj.weight, w["mlp.down_proj.weight"].float())
+    assert torch.equal(m.self_attn.o_proj.weight, w["self_attn.o_proj.weight"].float())
+    assert torch.equal(m.hidden_norm.weight, w["input_layernorm.weight"].float())
+    assert torch.equal(m.self_attn.k_proj.weight[:, H:], w["self_attn.k_proj.weight"].float())
+    assert torch.equal(m.self_attn.q_proj.weight[:, :H], drawn)
