@@ -139,6 +139,15 @@ def init_from_last_layer(d, target: str, revision) -> None:
     w = {k[len(prefix):]: v.float() for k, v in read_tensors(target, [k for k in keys if k.startswith(prefix)],
                                                                 revision).items()}
     m, H = d.midlayer, d.midlayer.hidden_norm.weight.shape[0]
+    want = {n: p.shape for n, p in m.named_parameters()}
+    want |= {f"self_attn.{n}.weight": want[f"self_attn.{n}.weight"][:1] + (H,) for n in ("q_proj", "k_proj", "v_proj")}
+    want["input_layernorm.weight"] = want.pop("hidden_norm.weight")
+    bad = sorted(k for k, shape in want.items() if tuple(w[k].shape) != tuple(shape)) if want.keys() <= w.keys() \
+        else sorted(want.keys() - w.keys())
+    if bad:
+        raise Refused(f"--variants muon_layer_init: {target}'s layer {last} does not fit the drafter's layer "
+                      f"({', '.join(bad)} missing or of another shape); it takes a Llama-like target whose hidden "
+                      "size is the drafter's")
     with torch.no_grad():
         for name in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "self_attn.o_proj", "post_attention_layernorm"):
             m.get_submodule(name).weight.copy_(w[f"{name}.weight"])
@@ -296,7 +305,11 @@ def main(argv: list[str] | None = None) -> int:
                    for r in records):
                 print(f"{name} seed {seed}: already in {jsonl}, skipped", flush=True)
                 continue
-            rec = train_variant(args.run, name, seed, args.steps, args.tokens, device)
+            try:
+                rec = train_variant(args.run, name, seed, args.steps, args.tokens, device)
+            except Refused as e:
+                print(f"bench_levers: {e}", file=sys.stderr)
+                return 2
             rec.update(device=str(device), machine=machine(device), command=command,
                        date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
             records.append(rec)

@@ -99,3 +99,29 @@ def test_layer_init_copies_the_targets_last_layer_into_the_state_half(captured):
     assert torch.equal(m.hidden_norm.weight, w["input_layernorm.weight"].float())
     assert torch.equal(m.self_attn.k_proj.weight[:, H:], w["self_attn.k_proj.weight"].float())
     assert torch.equal(m.self_attn.q_proj.weight[:, :H], drawn)
+
+
+def test_layer_init_refuses_a_target_whose_layer_does_not_fit(captured, tmp_path):
+    """A target whose last layer is not the drafter's shape (another hidden size, another layer kind) is refused in
+    one message naming the variant and the tensors, not a shape error from copy_."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from fledge.pipeline.stages import train_inputs
+    from fledge.run_layout import RunLayout
+    from fledge.train.ttt_model import build_ttt_model
+
+    cfg = bench.load_config(captured, [])
+    d = build_ttt_model(train_inputs(cfg), RunLayout(captured).prepare.vocab, torch.device("cpu")).drafter
+    target = tmp_path / "target"
+    shutil.copytree(cfg.target.name_or_path, target)
+    f = next(target.glob("*.safetensors"))
+    t = load_file(str(f))
+    key = max((k for k in t if k.endswith("mlp.down_proj.weight")),
+              key=lambda k: int(k.split(".layers.")[1].split(".")[0]))
+    t[key] = t[key][:, :-1].contiguous()
+    save_file(t, str(f), metadata={"format": "pt"})
+    with pytest.raises(bench.Refused, match=r"muon_layer_init: .*mlp\.down_proj\.weight"):
+        bench.init_from_last_layer(d, str(target), None)
