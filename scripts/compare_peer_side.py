@@ -188,9 +188,9 @@ def load_drafter(path: str):
         with safe_open(str(f), "pt") as st:
             files.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
     # The target's embedding for the input tokens (the checkpoint's other tensors stay). 0.9.0 loads it only where
-    # from_pretrained left NaN, and transformers 5 leaves a tensor missing from the files uninitialised (zeros, or
-    # whatever the memory held): a checkpoint without embed_tokens.weight (Fledge's exports, vLLM's layout) would be
-    # scored with no input embeddings.
+    # from_pretrained left NaN, and transformers 5 leaves a tensor missing from the files uninitialised (zeros,
+    # leftover values or NaN, whatever the memory held): a checkpoint without embed_tokens.weight (Fledge's
+    # exports, vLLM's layout) would be scored with no input embeddings.
     model._load_verifier_weights(overwrite_embed_tokens="embed_tokens.weight" not in files)  # noqa: SLF001
     if not model.embed_tokens.weight.any():
         raise SystemExit(f"{path}: the drafter's input embedding is all zeros after loading the target's "

@@ -240,8 +240,8 @@ save_file({"scorer": side.load_drafter(sys.argv[2]).embed_tokens.weight.contiguo
 def test_the_peer_scorer_gives_an_export_without_embedding_the_targets(random_tiny_target, tmp_path):
     """scripts/compare_peer_side.py scores Fledge's exports, which carry no embed_tokens.weight (engines take the
     target's), in speculators' model. 0.9.0's load_verifier_weights fills the embedding only where it is NaN, and
-    from_pretrained leaves a tensor missing from the files uninitialised (zeros on one machine, leftover memory on
-    another): scored that way, Fledge's SmolLM2 drafter read
+    from_pretrained leaves a tensor missing from the files uninitialised (zeros on one machine, leftover memory or
+    NaN on another): scored that way, Fledge's SmolLM2 drafter read
     0.156 first-draft agreement where its own scorer reads 0.444. The scorer must load the target's embedding."""
     from safetensors.torch import load_file
 
