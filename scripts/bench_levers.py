@@ -21,6 +21,7 @@ estimate, seconds of training per variant, machine, date and the command.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import platform
@@ -42,7 +43,10 @@ import torch
 # the run's (at most the target's vocab; the top ids of the prepare stage's own counts, data/prepare/vocab.py);
 # layer_init: the drafter's layer from the target's last decoder layer (its MLP, o_proj and norms as they are, the
 # state half of q/k/v from the target's q/k/v, the embedding half left at its random init). The muon_* variants are
-# the Muon recipe (recipe=smollm2's) with one lever changed; every variant is scored at the run's own K.
+# the Muon recipe (recipe=smollm2's) with one lever changed; every variant is scored at the run's own K. bf16: what
+# the trainer's deepspeed.bf16=true does (the module and its inputs in bf16, the optimizer stepping fp32 master weights
+# copied back after each step), refused where the CPU has no native bf16 (models/precision.py: there it would run
+# ~80x slower); scored in fp32 from the bf16 weights, as an export is served on CPU.
 MUON = ["train.optim.name=muon"]
 PEER_OPTIM = [*MUON, "drafter.step_weight=1.0", "train.optim.grad_clip=1.0", "train.optim.schedule=linear",
               "train.optim.betas=[0.9,0.999]", "train.optim.weight_decay=0.01"]
@@ -71,6 +75,7 @@ VARIANTS: dict[str, dict] = {
     "muon_tv": {"cfg": [*MUON, "drafter.loss=tv"]},
     "muon_vocab_x0.5": {"cfg": MUON, "vocab": 0.5},
     "muon_vocab_x2": {"cfg": MUON, "vocab": 2},
+    "muon_bf16": {"cfg": MUON, "bf16": True},
 }
 
 
@@ -171,6 +176,8 @@ def train_variant(run: Path, name: str, seed: int, steps: int, tokens: int, devi
     from fledge.train.ttt_model import build_ttt_model
 
     lever, layout = VARIANTS[name], RunLayout(run)
+    if lever.get("bf16"):
+        require_native_bf16(name, device)
     ov = [*lever.get("cfg", []), f"run.seed={seed}"]
     if "warmup_pct" in lever:
         ov.append(f"train.optim.warmup_steps={steps * lever['warmup_pct'] // 100}")
@@ -198,11 +205,16 @@ def train_variant(run: Path, name: str, seed: int, steps: int, tokens: int, devi
             d.norm.weight.copy_(read_tensors(src, [key], rev)[key].float())
     if lever.get("head") == "frozen":
         d.lm_head.weight.requires_grad_(False)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = build_optimizer(model, cfg.train.optim)  # after the head is frozen: a frozen head has no optimizer
+    master = model  # the weights the optimizer steps: an fp32 copy when the module computes in bf16
+    if lever.get("bf16"):
+        master = copy.deepcopy(model)
+        model.to(torch.bfloat16)
+    params = [p for p in master.parameters() if p.requires_grad]
+    optimizer = build_optimizer(master, cfg.train.optim)  # after the head is frozen: a frozen head has no optimizer
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.train.optim, steps))
     clip = cfg.train.optim.grad_clip or math.inf
-    train = FeatureLoader(layout.capture.store("train"), 0, 1, tokens, 1, seed, dtype=torch.float32)
+    compute = torch.bfloat16 if lever.get("bf16") else torch.float32
+    train = FeatureLoader(layout.capture.store("train"), 0, 1, tokens, 1, seed, dtype=compute)
     bar = progress(total=steps, desc=f"{name} seed {seed}", unit="step") if is_terminal() else \
         LineProgress(total=steps, desc=f"{name} seed {seed}", unit="step", every_s=5, file=sys.stdout)
     t0, norms = time.perf_counter(), []
@@ -211,8 +223,15 @@ def train_variant(run: Path, name: str, seed: int, steps: int, tokens: int, devi
         loss = model(batch.to(device)).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        if master is not model:  # bf16 gradients to the fp32 master weights
+            for pm, pb in zip(master.parameters(), model.parameters(), strict=True):
+                pm.grad, pb.grad = (None if pb.grad is None else pb.grad.float()), None
         norms.append(float(torch.nn.utils.clip_grad_norm_(params, clip)))
         optimizer.step()
+        if master is not model:
+            with torch.no_grad():
+                for pm, pb in zip(master.parameters(), model.parameters(), strict=True):
+                    pb.copy_(pm)
         schedule.step()
         bar.update(1)
         bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
@@ -220,6 +239,7 @@ def train_variant(run: Path, name: str, seed: int, steps: int, tokens: int, devi
     if device.type == "cuda":
         torch.cuda.synchronize()
     train_s = time.perf_counter() - t0
+    model.float()  # scored in fp32 (from the bf16 weights after a bf16 run), as served on CPU
     heldout = FeatureLoader(layout.capture.store("eval"), 0, 1, tokens, 1, seed, dtype=torch.float32)
     K = base.drafter.draft_steps()  # the run's K for every variant, so their columns compare
     ev = held_out_metrics(model, heldout, cfg.train.eval_batches, K, World(0, 1, 0, device), torch.float32)
@@ -239,6 +259,17 @@ def train_variant(run: Path, name: str, seed: int, steps: int, tokens: int, devi
             "heldout_peer_style_full_acc": r4(h / max(n, 1) for h, n in peer),
             "first_grad_norms": r4(norms[:3]),
             "head_drift": round(drift, 4)}
+
+
+def require_native_bf16(name: str, device: torch.device) -> None:
+    """Refused where the CPU would emulate bf16: the lever is native bf16's."""
+    from fledge.models.precision import cpu_bf16_native
+
+    if device.type == "cpu":
+        native, why = cpu_bf16_native()
+        if not native:
+            raise Refused(f"--variants {name}: {why}; bf16 compute is measured only where it is native "
+                          f"(FLEDGE_CPU_BF16=1 forces it)")
 
 
 def machine(device: torch.device) -> str:

@@ -16,7 +16,7 @@ from tests.helpers.paths import REPO
 spec = importlib.util.spec_from_file_location("bench_levers", REPO / "scripts" / "bench_levers.py")
 bench = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bench)
-LEVER_KEYS = {"cfg", "head", "warmup_pct", "norm_init", "nbr", "vocab", "layer_init"}
+LEVER_KEYS = {"cfg", "head", "warmup_pct", "norm_init", "nbr", "vocab", "layer_init", "bf16"}
 
 
 def test_variant_table_names_only_known_levers():
@@ -125,3 +125,26 @@ def test_layer_init_refuses_a_target_whose_layer_does_not_fit(captured, tmp_path
     save_file(t, str(f), metadata={"format": "pt"})
     with pytest.raises(bench.Refused, match=r"muon_layer_init: .*mlp\.down_proj\.weight"):
         bench.init_from_last_layer(d, str(target), None)
+
+
+def test_bf16_trains_under_autocast_where_native_and_is_refused_where_emulated(captured, tmp_path, monkeypatch,
+                                                                              capsys):
+    """muon_bf16 trains the drafter's module in bf16 (fp32 master weights, as deepspeed.bf16) and scores it in fp32;
+    on a CPU without native bf16 it is one line naming why, exit 2, not a run ~80x slower."""
+    import torch
+
+    seen = []
+    real = torch.nn.Linear.forward
+    monkeypatch.setattr(torch.nn.Linear, "forward", lambda self, x: seen.append(x.dtype) or real(self, x))
+    args = [str(captured), "--steps", "1", "--tokens", "256", "--threads", "1", "--variants", "muon_bf16"]
+    monkeypatch.setenv("FLEDGE_CPU_BF16", "0")
+    assert bench.main([*args, "--out", str(tmp_path / "no")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--variants muon_bf16" in err[0] and "FLEDGE_CPU_BF16=0" in err[0], err
+    assert not (tmp_path / "no" / "levers.jsonl").exists()
+    monkeypatch.setenv("FLEDGE_CPU_BF16", "1")
+    assert bench.main([*args, "--out", str(tmp_path / "yes")]) == 0
+    rec = json.loads((tmp_path / "yes" / "levers.jsonl").read_text())
+    assert rec["variant"] == "muon_bf16" and rec["heldout_al_estimate"] >= 1
+    assert rec["head_drift"] > 0  # the master weights' step reached the bf16 module that was scored
+    assert torch.bfloat16 in seen and torch.float32 in seen  # trained in bf16, scored in fp32
