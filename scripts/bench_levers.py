@@ -319,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.steps < 1 or args.tokens < 1:
             raise Refused(f"--steps {args.steps} --tokens {args.tokens}: both must be >= 1")
         check_run(args.run)
+        for name in args.variants:  # before any variant trains, not after the ones listed first
+            if VARIANTS[name].get("bf16"):
+                require_native_bf16(name, torch.device(args.device))
     except Refused as e:
         print(f"bench_levers: {e}", file=sys.stderr)
         return 2

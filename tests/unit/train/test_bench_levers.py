@@ -138,10 +138,10 @@ def test_bf16_trains_under_autocast_where_native_and_is_refused_where_emulated(c
     monkeypatch.setattr(torch.nn.Linear, "forward", lambda self, x: seen.append(x.dtype) or real(self, x))
     args = [str(captured), "--steps", "1", "--tokens", "256", "--threads", "1", "--variants", "muon_bf16"]
     monkeypatch.setenv("FLEDGE_CPU_BF16", "0")
-    assert bench.main([*args, "--out", str(tmp_path / "no")]) == 2
+    assert bench.main([*args[:-1], "fledge", "muon_bf16", "--out", str(tmp_path / "no")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--variants muon_bf16" in err[0] and "FLEDGE_CPU_BF16=0" in err[0], err
-    assert not (tmp_path / "no" / "levers.jsonl").exists()
+    assert not (tmp_path / "no" / "levers.jsonl").exists()  # refused before the variant listed first trained
     monkeypatch.setenv("FLEDGE_CPU_BF16", "1")
     assert bench.main([*args, "--out", str(tmp_path / "yes")]) == 0
     rec = json.loads((tmp_path / "yes" / "levers.jsonl").read_text())
