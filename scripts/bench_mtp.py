@@ -52,8 +52,10 @@ def served(name: str, k: int, drafter: Path | None = None) -> dict:
         config = {**speculative_config("eagle3", k, drafter), **draft_options(drafter, "cpu")}
     elif name == "ngram":
         config = speculative_config("ngram", k)
-    else:
-        config = {"method": "mtp", "num_speculative_tokens": k}
+    else:  # the target's own module: MLA attention like the target's (AMX_MLA, vLLM's pick on AMX, is bf16 only)
+        from fledge.models.layers.mla import CPU_BACKEND
+
+        config = {"method": "mtp", "num_speculative_tokens": k, "attention_backend": CPU_BACKEND}
     return {"name": f"{name}@k{k}", "speculative_config": config}
 
 

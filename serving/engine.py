@@ -16,7 +16,7 @@ from pathlib import Path
 
 from fledge.engine_process import SETUP_HINT, DriverProcess, engine_python
 from fledge.models.algorithms import ALGORITHMS
-from fledge.models.layers.kind import kind_of_config
+from fledge.models.layers.kind import get_layer_kind, kind_of_config
 from fledge.serving.serving_config import vllm_speculative_config
 
 ENGINES = ("hf", "vllm", "sglang")  # hf = Fledge's in-process transformers harness only
@@ -72,14 +72,16 @@ def speculative_config(method: str, k: int, drafter_dir: Path | None = None, loo
 def draft_options(drafter_dir: Path, device_type: str) -> dict:
     """Keys a drafter needs in vLLM's speculative_config on this device beyond :func:`speculative_config`'s: on a
     CPU, the draft's own ``attention_backend`` when its layer kind names one (``LayerKind.cpu_attention_backend``:
-    an MLA drafter gets vLLM's reference CPU_MLA, models/layers/mla.py says why)."""
+    an MLA drafter gets vLLM's reference CPU_MLA, models/layers/mla.py says why). An MTP module of an MLA target
+    (a DeepSeek config, ``kv_lora_rank`` set, no drafter layer kind) is MLA attention too: without it vLLM builds
+    the module with AMX_MLA on an AMX CPU, which refuses float32 weights."""
 
     path = Path(drafter_dir) / "config.json"
     if not path.exists():  # nothing to read: vLLM reports the missing drafter itself
         return {}
     config = json.loads(path.read_text())
     layer = config.get("transformer_layer_config") or config
-    kind = kind_of_config(layer)
+    kind = kind_of_config(layer) or (get_layer_kind("mla") if layer.get("kv_lora_rank") else None)
     if device_type != "cuda" and kind is not None and kind.cpu_attention_backend:
         return {"attention_backend": kind.cpu_attention_backend}
     return {}

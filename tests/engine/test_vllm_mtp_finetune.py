@@ -50,8 +50,9 @@ def test_a_fine_tuned_mtp_module_is_served_by_vllm_at_its_in_process_acceptance(
     assert abs(s["drafter"]["al"] - inproc["al_uncut"]) <= e["tolerance"], (s["drafter"], inproc)
     request = json.loads((run / "eval" / "engine" / "request.json").read_text())
     served = next(x["speculative_config"] for x in request["engines"] if x["name"] == "drafter")
+    # CPU_MLA: the module's MLA attention in float32 (vLLM picks bf16-only AMX_MLA on an AMX CPU otherwise)
     assert served == {"method": "mtp", "model": str((run / "export" / "drafter").resolve()),
-                      "num_speculative_tokens": K}
+                      "num_speculative_tokens": K, "attention_backend": "CPU_MLA"}
     assert "Resolved architecture: DeepSeekMTPModel" in (run / "eval" / "engine" / "engine.log").read_text()
     print(f"fine-tuned MTP module, k={K}: in-process AL {inproc['al_uncut']:.3f}, vLLM AL {s['drafter']['al']:.3f}, "
           f"accepted per position {s['drafter']['accept_at']}")

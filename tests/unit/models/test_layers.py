@@ -282,6 +282,23 @@ def test_mla_asks_vllm_for_its_cpu_mla_attention_on_cpu_only(tmp_path):
     assert draft_options(_export(drafter("qwen3"), tmp_path)[0], "cpu") == {}
 
 
+def test_an_mtp_module_of_an_mla_target_asks_for_cpu_mla_too(tmp_path):
+    """A fine-tuned MTP export is a DeepSeek config (model_type deepseek_v3, no drafter layer kind): its attention
+    is MLA, and on an AMX CPU vLLM would build it with AMX_MLA, which refuses float32 weights (CI saw that)."""
+    import json
+
+    from fledge.serving.engine import draft_options
+
+    mtp = tmp_path / "mtp"
+    mtp.mkdir()
+    (mtp / "config.json").write_text(json.dumps({"architectures": ["DeepseekV3ForCausalLM"],
+                                                 "model_type": "deepseek_v3", "kv_lora_rank": 512}))
+    assert draft_options(mtp, "cpu") == {"attention_backend": "CPU_MLA"}
+    assert draft_options(mtp, "cuda") == {}
+    (mtp / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}))
+    assert draft_options(mtp, "cpu") == {}
+
+
 def test_no_layer_kind_is_special_cased_by_name_outside_its_own_file():
     """A kind's differences are fields of its LayerKind (models/layers/<kind>.py): code elsewhere that compares
     a kind or layer setting with a kind's name (``kind.name == "mla"``) would have to change with every new
