@@ -46,6 +46,7 @@ def machine() -> str:
 def served(name: str, k: int, drafter: Path | None = None) -> dict:
     """The driver's engine entry for one drafter at k: the target's own module without ``drafter``, ngram
     for NAME ``ngram``, else the export as serving_config.py serves it (with the CPU draft options)."""
+    from fledge.models.layers.mla import CPU_BACKEND
     from fledge.serving.engine import draft_options, speculative_config
 
     if drafter is not None:
@@ -53,8 +54,6 @@ def served(name: str, k: int, drafter: Path | None = None) -> dict:
     elif name == "ngram":
         config = speculative_config("ngram", k)
     else:  # the target's own module: MLA attention like the target's (AMX_MLA, vLLM's pick on AMX, is bf16 only)
-        from fledge.models.layers.mla import CPU_BACKEND
-
         config = {"method": "mtp", "num_speculative_tokens": k, "attention_backend": CPU_BACKEND}
     return {"name": f"{name}@k{k}", "speculative_config": config}
 

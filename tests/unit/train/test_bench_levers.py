@@ -127,8 +127,7 @@ def test_layer_init_refuses_a_target_whose_layer_does_not_fit(captured, tmp_path
         bench.init_from_last_layer(d, str(target), None)
 
 
-def test_bf16_trains_under_autocast_where_native_and_is_refused_where_emulated(captured, tmp_path, monkeypatch,
-                                                                              capsys):
+def test_bf16_trains_in_bf16_where_native_and_is_refused_where_emulated(captured, tmp_path, monkeypatch, capsys):
     """muon_bf16 trains the drafter's module in bf16 (fp32 master weights, as deepspeed.bf16) and scores it in fp32;
     on a CPU without native bf16 it is one line naming why, exit 2, not a run ~80x slower."""
     import torch
