@@ -32,6 +32,7 @@ import math
 from pathlib import Path
 
 from fledge.conf.schema import TargetConfig
+from fledge.evaluation.acceptance import distinct_ngram_ratio
 from fledge.models.alignment import StepAccuracy, al_estimate
 from fledge.models.families import read_target
 from fledge.models.layers.kind import get_layer_kind
@@ -132,6 +133,10 @@ def run_engine_eval(inputs: EvalInputs, sets: dict[str, list[list[int]]], report
                               for n, r in (("plain", plain), ("drafter", spec), ("lookup", look))}}
         for who, run in (("drafter", spec), ("lookup", look)):
             s[who]["al_per_round"] = al_per_round(run["tokens"], len(sets[name]), s[who]["accepted"])
+        # the target's own greedy output (every engine's, when the greedy check holds): near 0, it loops and lookup
+        # wins by copying the loop; the in-process harness's distinct3_mean, from the engine's outputs
+        s["distinct3_mean"] = (sum(map(distinct_ngram_ratio, plain["outputs"])) / len(plain["outputs"])
+                               if plain["outputs"] else float("nan"))
         if "sampled" in spec:  # reported, not held to the in-process figure: the two draw different samples
             s["drafter_sampled"] = acceptance(spec["sampled"]["counters"], k)
         s["al_gap"] = s["drafter"]["al"] - s["in_process_al"] if inproc else None
@@ -273,11 +278,12 @@ def engine_markdown(report: dict) -> list[str]:
                      f"{_fmt(s['al_gap'])} | {_fmt(vs_est)} | {_fmt(s['in_process_lookup_al'])} | "
                      f"{_fmt(s['lookup']['al'])} | {_fmt(s['drafter']['al'] - s['lookup']['al'])} |")
     lines += ["", "Tokens per target forward (every decode round counted: a lookup round without a match emits one "
-              "token, the drafter always drafts):", "", "| set | drafter | ngram | drafter - ngram |",
-              "|---|---|---|---|"]
+              "token, the drafter always drafts), beside the distinct-3-gram ratio of the target's plain greedy output "
+              "(near 0: it loops, and lookup copies the loop):", "",
+              "| set | drafter | ngram | drafter - ngram | distinct-3 |", "|---|---|---|---|---|"]
     for name, s in e["sets"].items():
         d, g = (s[w].get("al_per_round", float("nan")) for w in ("drafter", "lookup"))
-        lines.append(f"| {name} | {_fmt(d)} | {_fmt(g)} | {_fmt(d - g)} |")
+        lines.append(f"| {name} | {_fmt(d)} | {_fmt(g)} | {_fmt(d - g)} | {_fmt(s.get('distinct3_mean'))} |")
     lines += ["", "Engine acceptance per position (accepted / drafts):", "",
               "| set | drafts | " + " | ".join(f"pos {i + 1}" for i in range(k)) + " |", "|---" * (k + 2) + "|"]
     for name, s in e["sets"].items():

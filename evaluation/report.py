@@ -59,8 +59,9 @@ def markdown(report: dict) -> str:
     lines = [f"# Acceptance report ({kind})", ""]
     if report.get("in_process") is False:  # eval.in_process=false: the engine section below holds every AL
         lines += [_opening(report) + "The prompt sets were measured by the engine alone (eval.in_process=false): "
-                  "their ALs, vLLM's n-gram lookup and the greedy check are in the engine section below; no "
-                  "in-process harness ran, so there is no in-process AL, distinct-3-gram ratio, attention drift or "
+                  "their ALs, vLLM's n-gram lookup, the distinct-3-gram ratio of the target's output and the greedy "
+                  "check are in the engine section below; no in-process harness ran, so there is no in-process AL, "
+                  "attention drift or "
                   "offline-vs-measured comparison here. The teacher-forced held-out accuracy is still measured."]
     else:
         lines += in_process_markdown(report)

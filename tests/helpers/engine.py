@@ -24,10 +24,11 @@ def engine_marks() -> list:
 
 
 def fake_driver_result(sets: dict[str, list[list[int]]], drafter_accepted: int = 4, lookup_accepted: int = 1,
-                       sampled_accepted: int | None = None, diverge: tuple[tuple[str, int], ...] = ()) -> dict:
+                       sampled_accepted: int | None = None, diverge: tuple[tuple[str, int], ...] = (),
+                       answer: tuple[int, ...] = (1, 2)) -> dict:
     """What serving/vllm_side/eval_driver.py returns for ``sets``, made up: every configuration drafts 4 rounds
     of k=2 per set (the drafter accepting ``drafter_accepted`` tokens, vLLM's ngram ``lookup_accepted``, the
-    drafter's sampled pass ``sampled_accepted`` when given) and answers every prompt [1, 2], except that the
+    drafter's sampled pass ``sampled_accepted`` when given) and answers every prompt ``answer``, except that the
     drafter answers [1, 3] on each (set, prompt index) of ``diverge``, where the plain run's top-2 log-prob gap is
     1.0 (no tie: a lossless-ness failure)."""
 
@@ -36,7 +37,7 @@ def fake_driver_result(sets: dict[str, list[list[int]]], drafter_accepted: int =
                                                                                          max(0, accepted - 4)]}
 
     def engine_set(name, accepted, drafter=False, sampled=None):
-        outs = [[1, 3] if drafter and (name, i) in diverge else [1, 2] for i in range(len(sets[name]))]
+        outs = [[1, 3] if drafter and (name, i) in diverge else list(answer) for i in range(len(sets[name]))]
         s = {"outputs": outs, "wall_s": 1.0, "tokens": 2 * len(outs), "counters": counters(accepted),
              "top2_gaps": [[1.0, 1.0] for _ in outs]}
         return {**s, "sampled": {"counters": counters(sampled), "tokens": 2, "temperature": 1.0}} if sampled else s

@@ -43,7 +43,7 @@ def _engine_only_eval(run, out_dir, monkeypatch, train_al_estimate=None, **resul
 
 
 def test_an_engine_only_eval_runs_no_harness_and_reports_the_engines_figures(run, tmp_path, monkeypatch):
-    summary, sent = _engine_only_eval(run, tmp_path, monkeypatch)
+    summary, sent = _engine_only_eval(run, tmp_path, monkeypatch, answer=(1, 2, 3, 1, 2, 3))
     assert set(sent["sets"]) == {"default", "perturbed", "long"}  # the prompt sets, built as with the harness
     assert min(map(len, sent["sets"]["long"])) >= 120 > max(map(len, sent["sets"]["default"]))
     report = json.loads((tmp_path / "report.json").read_text())
@@ -55,6 +55,7 @@ def test_an_engine_only_eval_runs_no_harness_and_reports_the_engines_figures(run
     for name, s in e["sets"].items():
         assert s["in_process_al"] is None and s["al_gap"] is None and s["in_process_lookup_al"] is None, name
         assert s["drafter"]["al"] == 2.0 and s["lookup"]["al"] == 1.25 and s["greedy_differences"] == []
+        assert s["distinct3_mean"] == 0.75, name  # the plain output's 3-grams: (1, 2, 3) twice among 4
     # al_<set> stays the in-process AL wherever it is read (goldens, cards): absent here, never the engine's
     assert {k for k in summary if k.startswith("al_")} == {f"al_{kind}_{n}" for kind in ("engine", "lookup_engine")
                                                           for n in ("default", "perturbed", "long")}
@@ -63,6 +64,8 @@ def test_an_engine_only_eval_runs_no_harness_and_reports_the_engines_figures(run
     assert "measured by the engine alone (eval.in_process=false)" in md
     assert "engine-vs-in-process AL tolerance: not checked" in md
     assert "| default | n/a | n/a | 2.00 | n/a | n/a | n/a | 1.25 | 0.75 |" in md
+    assert "| set | drafter | ngram | drafter - ngram | distinct-3 |" in md
+    assert "| default | n/a | 1.50 | n/a | 0.75 |" in md  # tokens per forward beside the plain output's distinct-3
     assert "Attention drift" not in md and "Offline estimate vs measured" not in md and "drift.png" not in md
     assert set(report["plots"]) >= {"acceptance.png", "heldout.png"} and "drift.png" not in report["plots"]
     assert (tmp_path / "acceptance.png").read_bytes()[:4] == b"\x89PNG"
