@@ -103,10 +103,11 @@ class DrafterConfig:
     init_from: Annotated[Optional[str], Location("a drafter checkpoint or exported drafter directory")] = None
     # dflash only: tokens per block (the bonus token and block_size - 1 drafts; vLLM then serves k = block_size - 1),
     # drafter layers, block anchors drawn per packed row, and gamma of the loss weight exp(-(k - 1) / gamma) of block
-    # offset k (the DFlash paper's Eq. 4: 7 for blocks of 16, 5 for 10, 4 for 8). It drafts over the target's whole
-    # vocab with the target's lm_head (draft_vocab_size is unused) and fills its block with mask_token_id (None:
-    # the target's pad id, else its eos id). dspark: the same keys, its block of block_size tokens drafting them all
-    # (vLLM serves k = block_size: eval.draft_tokens), weighed exp(-k / gamma) from the first (speculators' gamma 4).
+    # offset k (the DFlash paper's Eq. 4: 7 for blocks of 16, 5 for 10, 4 for 8). It drafts over draft_vocab_size
+    # ids with the target's lm_head rows, frozen (the target's whole vocab when draft_vocab_size is its size) and
+    # fills its block with mask_token_id (None: the target's pad id, else its eos id). dspark: the same keys, its
+    # block of block_size tokens drafting them all (vLLM serves k = block_size: eval.draft_tokens), weighed
+    # exp(-k / gamma) from the first (speculators' gamma 4).
     block_size: Annotated[int, Range(ge=2, why="a DFlash block holds the bonus token and at least one draft; 16 "
                                                "in the paper")] = 16
     num_draft_layers: Annotated[int, Range(ge=1, why="DFlash drafter layers")] = 1

@@ -90,7 +90,7 @@ def block_heldout_accuracy(drafter: nn.Module, frozen: FrozenTarget, samples: Sa
             y = drafter.blocks(bids.reshape(1, -1), pos.reshape(1, -1), kv, block_mask(a, doc, B)[None, None])
             p = a[:, None] + torch.arange(1, steps + 1, device=dev)
             pc = p.clamp(max=T - 1)
-            pred = drafter.logits(y.view(len(a), B, -1)[:, -steps:], x[pc - 1]).argmax(-1)  # [N, steps]
+            pred = drafter.draft_to_target(drafter.logits(y.view(len(a), B, -1)[:, -steps:], x[pc - 1]).argmax(-1))
             scored = (p < T) & m[pc]
             ok = (pred == am[pc - 1]) & scored
             hit += ok.sum(0).float().cpu()

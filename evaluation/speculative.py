@@ -189,7 +189,8 @@ class BlockProposer:
     and DSpark proposers run it: the context keys and values of every verified position, kept per layer and appended
     to as rows are committed (they never hold a draft), and one forward over [bonus token, masks] per round, whose
     slots the drafter's ``propose`` picks (DSpark's in order, each biased by the token picked before it). ``propose``
-    returns target ids and, when sampling, q ``[k, V]``: each slot sampled from its own tempered distribution."""
+    returns target ids and, when sampling, q ``[k, V]``: each slot sampled from its own tempered distribution over the
+    draft vocab, scattered onto the target vocab through ``d2t``."""
 
     needs_aux = True
 
@@ -197,6 +198,7 @@ class BlockProposer:
         self.drafter = drafter.eval()
         self.device = drafter.lm_head.weight.device
         self.dtype = drafter.lm_head.weight.dtype
+        self.targets = drafter.draft_to_target(torch.arange(drafter.spec.draft_vocab_size, device=self.device))
         self.reset()
 
     def reset(self) -> None:
@@ -228,7 +230,9 @@ class BlockProposer:
             return torch.cat(rows).view(q.shape[:-1]).to(logits.device)
 
         ids, logits = self.drafter.propose(bonus, position, self.kv, k, sample)
-        return [int(i) for i in ids[0]], torch.softmax(logits[0].float() / temperature, -1).cpu()
+        q = torch.zeros(k, self.drafter.spec.vocab_size)  # each slot's draft-vocab distribution on the target vocab
+        q[:, self.targets.cpu()] = torch.softmax(logits[0].float() / temperature, -1).cpu()
+        return [int(i) for i in ids[0]], q
 
 
 def proposer_for(drafter: nn.Module, probe: Probe | None = None) -> Proposer:

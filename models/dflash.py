@@ -5,10 +5,12 @@ absolute positions P..P+B-1, the masks ``spec.mask_token_id`` embedded with the 
 k >= 1 predicts the token *at its own position* P+k. The target's states at the aux layers, concatenated, make the
 context: ``ctx = hidden_norm(fc(aux))``, projected by every drafter layer's own ``k_proj``/``v_proj`` (k through
 ``k_norm`` and RoPE at the context positions) into keys and values the block attends to, with no causal mask inside
-the block. Each layer is a pre-norm Qwen3 layer (q/k norms); the output goes through ``norm`` and the target's
-lm_head. The state_dict's names are the export's (``fc.weight``, ``hidden_norm.weight``, ``layers.{i}.*``,
-``norm.weight``); ``embed_tokens`` and ``lm_head`` are frozen copies of the target's, never exported (vLLM shares the
-target's).
+the block. Each layer is a pre-norm Qwen3 layer (q/k norms); the output goes through ``norm`` and ``lm_head``, the
+target's rows of the draft vocab (``spec.draft_vocab_size`` ids, mapped to target ids by ``d2t`` as an EAGLE
+drafter's are; the whole vocab when it equals the target's), frozen. The state_dict's names are the export's
+(``fc.weight``, ``hidden_norm.weight``, ``layers.{i}.*``, ``norm.weight``); ``embed_tokens`` is a frozen copy of the
+target's, never exported (vLLM shares the target's), and so is a whole-vocab ``lm_head``; a draft vocab's
+``lm_head`` rows and ``d2t`` / ``t2d`` are exported (vLLM 0.32 reads ``draft_vocab_size``, the rows and ``d2t``).
 
 - training (train/objectives/dflash.py): ``blocks`` over many anchors of a packed row at once, each block seeing the
   context of its own document strictly before its anchor (``block_mask``);
@@ -48,7 +50,8 @@ from fledge.models.spec import ALGORITHMS, Algorithm, DrafterSpec, check_mask_to
 @dataclass
 class DFlashSpec(DrafterSpec):
     """A DFlash drafter: ``num_draft_layers`` Qwen3 layers over blocks of ``block_size`` tokens, the slots after the
-    bonus token filled with ``mask_token_id``, over the target's whole vocab (``draft_vocab_size`` = its size)."""
+    bonus token filled with ``mask_token_id``, drafting over ``draft_vocab_size`` of the target's ids (all of them
+    when it equals ``vocab_size``)."""
 
     algorithm: ClassVar[str] = "dflash"
 
@@ -62,16 +65,17 @@ class DFlashSpec(DrafterSpec):
 
     @classmethod
     def config_fields(cls, drafter: Any, hf_config: Any, vocab_size: int) -> dict[str, Any]:
-        return {"draft_vocab_size": vocab_size, "mask_token_id": mask_token_id_for(drafter, hf_config, vocab_size),
+        return {"draft_vocab_size": int(option(drafter, "draft_vocab_size", vocab_size)),
+                "mask_token_id": mask_token_id_for(drafter, hf_config, vocab_size),
                 "num_draft_layers": int(option(drafter, "num_draft_layers", 1)),
                 "block_size": int(option(drafter, "block_size", 16))}
 
     def _validate_own(self) -> None:
         check_mask_token(self, "a DFlash block is filled with")
-        if self.block_size < 2 or self.num_draft_layers < 1 or self.draft_vocab_size != self.vocab_size:
+        if self.block_size < 2 or self.num_draft_layers < 1 or not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"a DFlash spec needs block_size >= 2 (has {self.block_size}), num_draft_layers >= 1 "
-                             f"(has {self.num_draft_layers}) and the whole vocab (draft_vocab_size="
-                             f"{self.draft_vocab_size}, vocab_size={self.vocab_size})")
+                             f"(has {self.num_draft_layers}) and 1 <= draft_vocab_size <= vocab_size (has "
+                             f"{self.draft_vocab_size}, {self.vocab_size})")
 
 
 def serving_layer_ids(aux_layer_ids) -> list[int]:
@@ -146,7 +150,7 @@ class DFlashDrafter(DrafterModule):
         if not isinstance(spec, DFlashSpec):
             raise ValueError(f"DFlashDrafter needs a dflash spec, got algorithm={spec.algorithm!r}")
         self.spec = spec
-        H, V, eps = spec.hidden_size, spec.vocab_size, spec.rms_norm_eps
+        H, V, Vd, eps = spec.hidden_size, spec.vocab_size, spec.draft_vocab_size, spec.rms_norm_eps
         config = spec.layer_config()
         self.embed_tokens = nn.Embedding(V, H)
         self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen
@@ -154,27 +158,27 @@ class DFlashDrafter(DrafterModule):
         self.hidden_norm = RMSNorm(H, eps=eps)
         self.layers = nn.ModuleList(_Layer(spec, config) for _ in range(spec.num_draft_layers))
         self.norm = RMSNorm(H, eps=eps)
-        self.lm_head = nn.Linear(H, V, bias=False)
-        self.lm_head.weight.requires_grad_(False)  # the target's, frozen
+        self.lm_head = nn.Linear(H, Vd, bias=False)
+        self.lm_head.weight.requires_grad_(False)  # the target's rows, frozen
         self.init_rope(config)
-        # the draft vocab is the target's: the maps every harness reads are the identity
-        self.register_buffer("d2t", torch.zeros(V, dtype=torch.int64), persistent=False)
-        self.register_buffer("t2d", torch.ones(V, dtype=torch.bool), persistent=False)
+        # a draft vocab's map is the drafter's (checkpointed, exported); the whole vocab's is the identity
+        self.init_vocab(Vd, V, persistent=Vd < V)
         self.norm_impl = norm_impl
 
-    EXPORTED_FROZEN = ("embed_tokens.weight", "lm_head.weight")  # the target's: never written to an export
+    @property
+    def whole_vocab(self) -> bool:
+        """Whether it drafts over the target's whole vocab (then its lm_head is the target's and never exported)."""
+        return self.spec.draft_vocab_size == self.spec.vocab_size
 
     @torch.no_grad()
     def load_target_head(self, embedding: torch.Tensor, lm_head: torch.Tensor) -> None:
-        """Copy in the target's input embedding and lm_head (both ``[V, H]``, kept frozen)."""
+        """Copy in the target's input embedding ``[V, H]`` and its lm_head rows of the draft vocab ``[Vd, H]`` (the
+        rows at ``draft_to_target(arange(Vd))``, in that order), both kept frozen."""
         for name, have, w in (("embedding", self.embed_tokens.weight, embedding), ("lm_head", self.lm_head.weight,
                                                                                   lm_head)):
             if w.shape != have.shape:
                 raise ValueError(f"target {name} {tuple(w.shape)} != the drafter's {tuple(have.shape)}")
             have.copy_(w)
-
-    def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
-        return ids
 
     # ---- the forward, shared by training and drafting ------------------------------------------------------
     def context(self, aux_hidden: torch.Tensor) -> torch.Tensor:
@@ -234,13 +238,14 @@ class DFlashDrafter(DrafterModule):
                 pick=lambda logits: logits.argmax(-1)) -> tuple[torch.Tensor, torch.Tensor]:
         """One block as vLLM drafts it: ``bonus [B]`` at ``position [B]`` then masks, over the verified context
         ``ctx_kv`` (every position before ``position``) -> (tokens ``[B, k]``, logits ``[B, k, V]``) for positions
-        +1..+k; ``pick`` (logits ``[..., V]`` -> ids) chooses the tokens: every slot at once, none feeds another."""
+        +1..+k, target ids, and their logits over the draft vocab ``[B, k, Vd]``; ``pick`` (logits ``[..., Vd]`` ->
+        draft ids) chooses the tokens: every slot at once, none feeds another."""
         ids, pos = self.block_inputs(bonus, position, k)
         logits = self.logits(self.blocks(ids, pos, ctx_kv, None)[:, -k:], None)
-        return pick(logits), logits
+        return self.draft_to_target(pick(logits)), logits
 
     def draft(self, bonus: torch.Tensor, position: torch.Tensor, ctx_kv, k: int) -> torch.Tensor:
-        """The logits ``[B, k, V]`` of the greedy block ``propose`` drafts."""
+        """The logits ``[B, k, Vd]`` of the greedy block ``propose`` drafts."""
         return self.propose(bonus, position, ctx_kv, k)[1]
 
 

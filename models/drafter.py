@@ -103,27 +103,11 @@ class Eagle3Drafter(DrafterModule):
         if spec.parallel_drafting:  # P-EAGLE's slot state, in the aux states' space (vLLM's mask_hidden [1, n*Ht])
             self.mask_hidden = nn.Parameter(torch.randn(1, spec.fc_in_features))
         self.init_rope(config)
-        Vd, V = spec.draft_vocab_size, spec.vocab_size
-        self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.int64))  # identity map until set_vocab
-        self.register_buffer("t2d", torch.arange(V) < Vd)
+        self.init_vocab(spec.draft_vocab_size, spec.vocab_size)  # the first ids until set_vocab
         self.register_load_state_dict_pre_hook(self._check_fc_width)
         self.norm_impl = norm_impl
 
     # ---- setup -------------------------------------------------------------------------------
-    @torch.no_grad()
-    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        """Install the draft vocab map (docs/architecture.md, The draft vocabulary): target id = i + d2t[i]; t2d
-        true at those ids."""
-        Vd, V = self.spec.draft_vocab_size, self.spec.vocab_size
-        if d2t.shape != (Vd,) or t2d.shape != (V,):
-            raise ValueError(f"vocab map shapes d2t {tuple(d2t.shape)}, t2d {tuple(t2d.shape)}: "
-                             f"expected ({Vd},), ({V},)")
-        sel = torch.arange(Vd) + d2t.cpu()
-        if int(t2d.sum()) != Vd or not bool(t2d.cpu()[sel].all()):
-            raise ValueError("vocab map: t2d must be true exactly at the target ids i + d2t[i]")
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
-
     @torch.no_grad()
     def load_target_embedding(self, weight: torch.Tensor) -> None:
         """Copy in the target's input embedding ``[V, H]`` (kept frozen)."""
@@ -139,10 +123,6 @@ class Eagle3Drafter(DrafterModule):
                 f"{self.spec.aux_layer_ids} x target_hidden_size={self.spec.target_hidden_size} "
                 f"needs {self.spec.fc_in_features}"
             )
-
-    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        """Draft-vocab ids -> target-vocab ids via ``d2t`` (an offset table)."""
-        return draft_ids + self.d2t[draft_ids]
 
     # ---- the forward, shared by both paths ---------------------------------------------------
     def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:

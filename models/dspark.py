@@ -10,8 +10,9 @@
   Drafting is therefore sequential over the block's slots after one parallel forward (``propose``); training feeds the
   data's tokens as ``prev`` (teacher forcing), as speculators' DSpark trainer does.
 
-Both tensors are exported under vLLM's names (``markov_head.markov_w1.weight [V, r]``, ``markov_head.markov_w2.weight
-[V, r]``); the drafter drafts over the target's whole vocab with the target's frozen lm_head, as DFlash does.
+Both tensors are exported under vLLM's names (``markov_head.markov_w1.weight [V, r]``: the previous token is a target
+id; ``markov_head.markov_w2.weight [Vd, r]``: a bias over the draft vocab); the drafter drafts over DFlash's draft
+vocab with the target's frozen lm_head rows, as DFlash does.
 speculators' confidence head (a per-slot acceptance estimate vLLM reads only for adaptive verification) is not
 trained: vLLM drafts the same tokens without it.
 
@@ -50,22 +51,22 @@ class DSparkSpec(DFlashSpec):
     def _validate_own(self) -> None:
         check_mask_token(self, "a DSpark block is filled with")
         if self.block_size < 2 or self.num_draft_layers < 1 or self.markov_rank < 1 \
-                or self.draft_vocab_size != self.vocab_size:
+                or not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"a DSpark spec needs block_size >= 2 (has {self.block_size}), num_draft_layers >= 1 "
-                             f"(has {self.num_draft_layers}), markov_rank >= 1 (has {self.markov_rank}) and the whole "
-                             f"vocab (draft_vocab_size={self.draft_vocab_size}, vocab_size={self.vocab_size})")
+                             f"(has {self.num_draft_layers}), markov_rank >= 1 (has {self.markov_rank}) and 1 <= "
+                             f"draft_vocab_size <= vocab_size (has {self.draft_vocab_size}, {self.vocab_size})")
 
 
 class MarkovHead(nn.Module):
-    """The sequential bias ``markov_w2(markov_w1[prev])`` ``[..., V]``: a rank-r factorisation of a V x V transition
-    table (speculators' vanilla ``MarkovHead``; vLLM's ``DSparkMarkovHead``). Initialised as speculators does: w1
-    N(0, 0.01), w2 nn.Linear's default."""
+    """The sequential bias ``markov_w2(markov_w1[prev])`` ``[..., Vd]`` of a previous target id: a rank-r
+    factorisation of a V x Vd transition table (speculators' vanilla ``MarkovHead``; vLLM's ``DSparkMarkovHead``).
+    Initialised as speculators does: w1 N(0, 0.01), w2 nn.Linear's default."""
 
-    def __init__(self, vocab_size: int, rank: int) -> None:
+    def __init__(self, vocab_size: int, rank: int, draft_vocab_size: int | None = None) -> None:
         super().__init__()
         self.markov_w1 = nn.Embedding(vocab_size, rank)
         nn.init.normal_(self.markov_w1.weight, std=0.01)
-        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+        self.markov_w2 = nn.Linear(rank, draft_vocab_size or vocab_size, bias=False)
 
     def forward(self, prev: torch.Tensor) -> torch.Tensor:
         return self.markov_w2(self.markov_w1(prev))
@@ -80,7 +81,7 @@ class DSparkDrafter(DFlashDrafter):
         if not isinstance(spec, DSparkSpec):
             raise ValueError(f"DSparkDrafter needs a dspark spec, got algorithm={spec.algorithm!r}")
         super().__init__(spec, norm_impl=norm_impl)
-        self.markov_head = MarkovHead(spec.vocab_size, spec.markov_rank)
+        self.markov_head = MarkovHead(spec.vocab_size, spec.markov_rank, spec.draft_vocab_size)
 
     def logits(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         return self.lm_head(h) + self.markov_head(prev).to(h.dtype)
@@ -94,13 +95,14 @@ class DSparkDrafter(DFlashDrafter):
     def propose(self, bonus: torch.Tensor, position: torch.Tensor, ctx_kv, k: int,
                 pick=lambda logits: logits.argmax(-1)) -> tuple[torch.Tensor, torch.Tensor]:
         """One block as vLLM's ``DSparkSpeculator`` drafts it: one forward over ``bonus`` and k - 1 masks, then the
-        slots in order, each slot's logits biased by the token ``pick`` chose before it (the anchor for the first)."""
+        slots in order, each slot's logits biased by the target id ``pick`` chose before it (the anchor for the
+        first)."""
         ids, pos = self.block_inputs(bonus, position, k)
         base = self.lm_head(self.blocks(ids, pos, ctx_kv, None))
         prev, tokens, logits = bonus, [], []
         for j in range(k):
             logits.append(base[:, j] + self.markov_head(prev).to(base.dtype))
-            prev = pick(logits[-1])
+            prev = self.draft_to_target(pick(logits[-1]))
             tokens.append(prev)
         return torch.stack(tokens, 1), torch.stack(logits, 1)
 

@@ -21,9 +21,12 @@ v1/worker/gpu/spec_decode/eagle/eagle3_utils.py), and so what the export writes 
 - ``block_size`` (top level and in ``dflash_config``, as the peers' checkpoints carry it) is the block training
   used: vLLM drafts ``num_speculative_tokens`` slots whatever it says, and offsets past ``block_size - 1`` were
   never trained.
-- tensors: ``fc.weight [H, n*Ht]``, ``hidden_norm``, ``layers.{i}.*`` (Qwen3), ``norm``; no ``embed_tokens`` or
-  ``lm_head`` (vLLM shares the target's when absent: the drafter was trained on them, frozen), no ``mask_hidden``
-  (vLLM asserts), no ``d2t``/``t2d`` (the draft vocab is the target's).
+- tensors: ``fc.weight [H, n*Ht]``, ``hidden_norm``, ``layers.{i}.*`` (Qwen3), ``norm``; no ``embed_tokens`` (vLLM
+  shares the target's when absent: the drafter was trained on it, frozen), no ``mask_hidden`` (vLLM asserts).
+- a draft vocab smaller than the target's: ``draft_vocab_size`` at the top level, the target's ``lm_head.weight`` rows
+  ``[Vd, H]`` the drafter scored with (vLLM keeps an ``lm_head`` it loads as the drafter's own) and ``d2t [Vd]`` (int64
+  offsets, target id = i + d2t[i]: vLLM scatters the draft logits onto the target vocab with it; ``t2d`` rides along
+  for fine-tuning, vLLM skips it). Over the whole vocab none of the three is written (vLLM shares the target's head).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from fledge.models.algorithms import DrafterSpec, build_drafter
 from fledge.models.dflash import aux_layer_ids_of, serving_layer_ids
 from fledge.models.drafter_checkpoint import RECORD
 from fledge.models.weights import load_input_embeddings, load_lm_head_rows, read_tensors
-from fledge.serving.export_reading import Finding, read_export
+from fledge.serving.export_reading import Finding, read_export, vocab_findings
 
 ARCHITECTURE = "DFlashDraftModel"
 _FROZEN = ("embed_tokens.weight", "lm_head.weight")  # the target's: vLLM shares them
@@ -66,15 +69,20 @@ def build_config(layer: dict, spec: Any, aux_layer_ids: list[int], target_hidden
            "dflash_config": {"mask_token_id": int(spec.mask_token_id),
                              "target_layer_ids": serving_layer_ids(aux_layer_ids), "block_size": block}}
     cfg.pop("mlp_bias", None)
+    if int(spec.draft_vocab_size) != int(layer["vocab_size"]):
+        cfg["draft_vocab_size"] = int(spec.draft_vocab_size)
     if int(layer["hidden_size"]) != int(target_hidden_size):
         cfg["target_hidden_size"] = int(target_hidden_size)
     return cfg
 
 
 def serving_tensors(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The drafter's state_dict -> the tensors the export writes: bf16, the target's frozen tables left out."""
-    return {name: t.detach().to(torch.bfloat16).cpu().contiguous() for name, t in state_dict.items()
-            if name not in _FROZEN}
+    """The drafter's state_dict -> the tensors the export writes: floats in bf16, the vocab maps as they are; the
+    target's embedding left out, and its lm_head too unless a draft vocab's rows (the maps are in the state_dict then:
+    models/dflash.py)."""
+    whole = "d2t" not in state_dict
+    return {name: (t.to(torch.bfloat16) if t.is_floating_point() else t).detach().cpu().contiguous()
+            for name, t in state_dict.items() if name != "embed_tokens.weight" and not (whole and name in _FROZEN)}
 
 
 def spec_from_config(config: Mapping, target_num_hidden_layers: int | None = None) -> DrafterSpec:
@@ -93,7 +101,8 @@ def spec_from_config(config: Mapping, target_num_hidden_layers: int | None = Non
     hf["num_hidden_layers"] = int(target_num_hidden_layers or config.get("num_target_layers") or max(aux) + 1)
     block = int(dflash.get("block_size") or config.get("block_size") or 16)
     flags = SimpleNamespace(algorithm="dflash", fc_norm=False, norm_output=False, norm_before_fc=False,
-                            draft_vocab_size=int(config["vocab_size"]), mask_token_id=int(mask), block_size=block,
+                            draft_vocab_size=int(config.get("draft_vocab_size") or config["vocab_size"]),
+                            mask_token_id=int(mask), block_size=block,
                             num_draft_layers=int(config.get("num_hidden_layers") or 1), layer="qwen3")
     spec = DrafterSpec.from_target_config(hf, flags, aux)
     if int(config["hidden_size"]) != Ht:
@@ -105,6 +114,7 @@ def spec_from_config(config: Mapping, target_num_hidden_layers: int | None = Non
 def expected_tensors(config: Mapping) -> dict[str, tuple[int, ...]]:
     """{name: shape} a DFlash config.json implies (all bf16)."""
     H, I, V = int(config["hidden_size"]), int(config["intermediate_size"]), int(config["vocab_size"])
+    Vd = int(config.get("draft_vocab_size") or V)
     Ht = int(config.get("target_hidden_size") or H)
     heads = int(config["num_attention_heads"])
     kv = int(config.get("num_key_value_heads") or heads)
@@ -120,7 +130,10 @@ def expected_tensors(config: Mapping) -> dict[str, tuple[int, ...]]:
                     p + "mlp.gate_proj.weight": (I, H), p + "mlp.up_proj.weight": (I, H),
                     p + "mlp.down_proj.weight": (H, I)})
     out["optional:embed_tokens.weight"] = (V, H)
-    out["optional:lm_head.weight"] = (V, H)
+    if Vd == V:
+        out["optional:lm_head.weight"] = (V, H)
+    else:  # a draft vocab: its head rows and map are the drafter's (vLLM refuses a reduced DSpark without them)
+        out.update({"lm_head.weight": (Vd, H), "d2t": (Vd,), "optional:t2d": (V,)})
     return out
 
 
@@ -130,6 +143,7 @@ def lint(d, config: Mapping, target_layers: int | None, record: dict | None) -> 
     CPU build's k_norm sharing."""
     headers, trained, out = read_export(d, record)
     out += findings(config, headers, target_layers, trained)
+    out += vocab_findings(d, config, headers)
     n = int(config.get("num_hidden_layers") or 0)
     names = [f"layers.{i}.self_attn.k_norm.weight" for i in range(n)]
     if n > 1 and headers is not None and all(name in headers for name in names):
@@ -296,8 +310,16 @@ def tensor_findings(expected_of, config: Mapping, headers: Mapping[str, tuple[li
         if name == "mask_hidden":
             out.append(("error", "unexpected-tensor", "mask_hidden is present: vLLM's DFlash loader asserts on it "
                         "(slots are the mask token's embedding)", "remove it (it is P-EAGLE's, not DFlash's)"))
+        elif name in ("d2t", "t2d") and f"optional:{name}" not in expected and name not in expected:
+            continue  # vLLM drops t2d, and d2t over the whole vocab
         elif name in ("d2t", "t2d"):
-            continue  # vLLM drops t2d and reads d2t only for a reduced draft vocab (a DFlash export has none)
+            want = expected.get(name) or expected[f"optional:{name}"]
+            if tuple(shape) != tuple(want):
+                out.append(("error", "shape", f"{name} has shape {list(shape)}, the config implies {list(want)}",
+                            "re-export the drafter (its draft vocab and draft_vocab_size disagree)"))
+            elif dtype != {"d2t": "I64", "t2d": "BOOL"}[name]:
+                out.append(("error", "dtype", f"{name} is {dtype}: vLLM adds d2t to draft ids as int64 offsets",
+                            "re-export the drafter (d2t int64, t2d bool)"))
         elif name not in expected and f"optional:{name}" not in expected:
             out.append(("error", "unexpected-tensor", f"unexpected tensor {name} {list(shape)}",
                         "remove it: vLLM's loader fails on names it does not know"))
@@ -319,7 +341,15 @@ def tensor_findings(expected_of, config: Mapping, headers: Mapping[str, tuple[li
 def load(d, spec: DrafterSpec, embed_weight, head_weight, target, dtype) -> nn.Module:
     """The DFlash drafter of the export in ``d`` for the in-process harness, with the target's embedding and lm_head
     (given, or read from ``target``) where the export left them out."""
-    sd = {name: t.to(dtype) for name, t in read_tensors(d).items() if name not in ("d2t", "t2d")}
+    sd = {name: t.to(dtype) if t.is_floating_point() else t for name, t in read_tensors(d).items()}
+    if spec.draft_vocab_size == spec.vocab_size:  # the identity map is the module's own (not in its state_dict)
+        sd.pop("d2t", None), sd.pop("t2d", None)
+    elif "d2t" not in sd:
+        raise ValueError(f"{d}: draft_vocab_size={spec.draft_vocab_size} < vocab_size={spec.vocab_size} but no d2t "
+                         "tensor; re-export the drafter")
+    elif "t2d" not in sd:  # vLLM does not need it; rebuild it from d2t
+        sd["t2d"] = torch.zeros(spec.vocab_size, dtype=torch.bool)
+        sd["t2d"][torch.arange(spec.draft_vocab_size) + sd["d2t"].to(torch.int64)] = True
     load_head = lambda source: load_lm_head_rows(source, None, torch.arange(spec.vocab_size))  # noqa: E731
     for name, given, read in (("embed_tokens.weight", embed_weight, load_input_embeddings),
                               ("lm_head.weight", head_weight, load_head)):
@@ -377,7 +407,10 @@ def card(config: Mapping, record: dict, repo_id: str, served: dict) -> tuple[lis
         f"{config.get('num_hidden_layers')} Qwen3 layer(s))",
         f"- block size: {block} (serve at most {block - 1} speculative tokens)",
         f"- target layers (0-based, `dflash_config.target_layer_ids`): `{dflash.get('target_layer_ids')}`",
-        f"- mask token id: {dflash.get('mask_token_id')}; the target's embedding and lm_head are shared, not shipped",
+        f"- mask token id: {dflash.get('mask_token_id')}; " + (
+            f"draft vocab: {config['draft_vocab_size']:,} of the target's {config['vocab_size']:,} ids (the target's "
+            "lm_head rows and `d2t` shipped); the target's embedding is shared, not shipped"
+            if config.get("draft_vocab_size") else "the target's embedding and lm_head are shared, not shipped"),
         f"- trained steps: {record.get('step')}",
         f"- objective: {SOURCES}\n",
         "## Serving\n",

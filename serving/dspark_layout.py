@@ -35,7 +35,7 @@ from typing import Any
 from fledge.models.dspark import DSparkSpec
 from fledge.serving import dflash_layout
 from fledge.serving.dflash_layout import Reading, load, serving_tensors  # noqa: F401 (DSpark's are DFlash's)
-from fledge.serving.export_reading import Finding, read_export
+from fledge.serving.export_reading import Finding, read_export, vocab_findings
 
 ARCHITECTURE = "Qwen3DSparkModel"
 NAME = "DSpark"
@@ -94,7 +94,8 @@ def expected_tensors(config: Mapping) -> dict[str, tuple[int, ...]]:
     read = reading(config)
     out = dflash_layout.expected_tensors({**config, "dflash_config": {"target_layer_ids": read.layer_ids}})
     V, H, r = int(config["vocab_size"]), int(config["hidden_size"]), int(config["markov_rank"])
-    out.update({"markov_head.markov_w1.weight": (V, r), "markov_head.markov_w2.weight": (V, r),
+    Vd = int(config.get("draft_vocab_size") or V)
+    out.update({"markov_head.markov_w1.weight": (V, r), "markov_head.markov_w2.weight": (Vd, r),
                 "optional:confidence_head.proj.weight": (1, H + r * bool(config.get("confidence_head_with_markov"))),
                 "optional:confidence_head.proj.bias": (1,)})
     return out
@@ -106,6 +107,7 @@ def lint(d, config: Mapping, target_layers: int | None, record: dict | None) -> 
     keys, and the tensors."""
     headers, trained, out = read_export(d, record)
     out += findings(config, headers, target_layers, trained)
+    out += vocab_findings(d, config, headers)
     return out + dflash_layout.no_record(record)
 
 

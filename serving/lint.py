@@ -26,10 +26,11 @@ from fledge.conf.schema import default_aux_layer_ids
 from fledge.models.drafter_checkpoint import RECORD, DrafterCheckpoint
 from fledge.models.families import TargetShape, read_target, rope_of, text_config_dict
 from fledge.models.layers.kind import kind_of_config
-from fledge.models.weights import read_tensors, tensor_headers
+from fledge.models.weights import tensor_headers
 from fledge.serving.dialects import dialect_of
 from fledge.serving.engine_aux import ENGINES, captured_layers
 from fledge.serving.export import load_target_config
+from fledge.serving.export_reading import vocab_map_findings
 from fledge.serving.layouts import layout_of
 from fledge.serving.serving_config import expected_tensors, layer_config, parallel_drafting
 
@@ -333,31 +334,8 @@ def _check_tensors(d: Path, config: dict, c: dict, add) -> None:
             add(level, "dtype", f"{name} is {got_dtype}, expected {_ST_DTYPE[dtype]}",
                 f"cast {name} to {dtype} (d2t int64 offsets, t2d bool; weights bf16)")
     if "d2t" in headers:
-        _check_vocab_maps(d, V, Vd, headers, add)
-
-
-def _check_vocab_maps(d: Path, V: int, Vd: int, headers: dict, add) -> None:
-    """d2t are offsets: target_id = i + d2t[i], strictly ascending, inside [0, V); t2d marks the same ids."""
-    tensors = read_tensors(d, [n for n in ("d2t", "t2d") if n in headers])
-    d2t = tensors["d2t"].to(torch.int64)
-    if d2t.numel() != Vd:
-        return  # reported as a shape error
-    ids = torch.arange(Vd) + d2t
-    if bool((ids < 0).any() or (ids >= V).any()):
-        add("error", "d2t-range", f"d2t maps draft ids to target ids outside [0, {V})",
-            "rebuild the draft vocab (d2t = sel - arange(Vd), sel sorted target ids)")
-        return
-    if Vd > 1 and not bool((ids[1:] > ids[:-1]).all()):
-        add("error", "d2t-order", "i + d2t[i] is not strictly ascending: d2t holds absolute ids or a "
-            "non-sorted selection (lm_head rows must be in ascending target-id order)",
-            "rebuild the draft vocab: sel = sorted target ids, d2t = sel - arange(Vd)")
-    if "t2d" in tensors and tensors["t2d"].numel() == V:
-        t2d = tensors["t2d"].to(torch.bool)
-        marked = torch.zeros(V, dtype=torch.bool)
-        marked[ids.clamp(0, V - 1)] = True
-        if not torch.equal(marked, t2d):
-            add("error", "t2d-mismatch", f"t2d marks {int(t2d.sum())} ids that differ from d2t's {Vd} target ids "
-                "(a stale or mixed vocab map)", "rebuild t2d from d2t (t2d[i + d2t[i]] = true), or re-export")
+        for finding in vocab_map_findings(d, V, Vd, headers):
+            add(*finding)
 
 
 def compose_recipe(recipe: str, overrides: list[str] | None = None):

@@ -306,9 +306,10 @@ DFLASH_STEPS = 150
 
 
 def test_a_dflash_drafter_is_served_by_vllms_dflash_method_at_its_in_process_acceptance(served, tiny_target, tmp_path):
-    """DFlash (drafter=dflash, blocks of k + 1 = 6) trained on the shared run's features, exported in the layout vLLM's
-    DFlashQwen3ForCausalLM loads, linted clean and served with method dflash (one forward per block): lossless, and its
-    AL within the eval stage's tolerance of the harness's block proposer (~1 min beyond the shared run)."""
+    """DFlash (drafter=dflash, blocks of k + 1 = 6, the recipe's draft vocab of 1,024 of 2,560 ids) trained on the
+    shared run's features, exported in the layout vLLM's DFlashQwen3ForCausalLM loads, linted clean and served with
+    method dflash (one forward per block): lossless, and its AL within the eval stage's tolerance of the harness's
+    block proposer (~1 min beyond the shared run)."""
     import torch
 
     from fledge.conf.compose import compose
@@ -329,6 +330,8 @@ def test_a_dflash_drafter_is_served_by_vllms_dflash_method_at_its_in_process_acc
     export = base / "export" / "drafter"
     findings = lint_drafter(export, load_target_config(cfg.target))
     assert not has_errors(findings), format_findings(findings)
+    written = json.loads((export / "config.json").read_text())  # the recipe's draft vocab: vLLM's d2t path
+    assert written["draft_vocab_size"] == cfg.drafter.draft_vocab_size < written["vocab_size"]
     spec_cfg = speculative_config("eagle3", k, export)
     assert spec_cfg["method"] == "dflash"
     req = _engine_file(served, "request.json")

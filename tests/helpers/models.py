@@ -127,20 +127,35 @@ DFLASH_TARGET = {
 
 
 def dflash_cfg(**kw):
-    base = dict(algorithm="dflash", block_size=4, num_draft_layers=2, draft_vocab_size=32, fc_norm=False,
+    base = dict(algorithm="dflash", block_size=4, num_draft_layers=2, draft_vocab_size=300, fc_norm=False,
                 norm_output=False, norm_before_fc=False, parallel_drafting=False, mask_token_id=None, layer="auto")
     return SimpleNamespace(**{**base, **kw})
 
 
 def random_dflash(seed=0, **kw) -> DFlashDrafter:
+    """A random DFlash drafter of DFLASH_TARGET (vocab 300, hidden 64); with ``draft_vocab_size`` < 300 its draft vocab
+    is a random sorted selection of the target's ids, its lm_head those rows of the random target head."""
     spec = DrafterSpec.from_target_config(DFLASH_TARGET, dflash_cfg(**kw), [2, 4, 5])
     torch.manual_seed(seed)
     d = build_drafter(spec)
     for p in d.parameters():
         if p.requires_grad and p.dim() == 1:
             p.data.normal_(1.0, 0.1)  # random norms too
-    d.load_target_head(torch.randn(300, 64), torch.randn(300, 64) * 0.2)
+    load_block_head(d, torch.randn(300, 64), torch.randn(300, 64) * 0.2, seed)
     return d.eval()
+
+
+def load_block_head(d, embedding: torch.Tensor, head: torch.Tensor, seed: int = 0) -> None:
+    """Give block drafter ``d`` the target's ``embedding`` and ``head`` (both ``[V, H]``): over a draft vocab smaller
+    than V, a random sorted selection of the target's ids installed as its vocab map and those rows as its lm_head."""
+    V, Vd = d.spec.vocab_size, d.spec.draft_vocab_size
+    sel = torch.arange(V)
+    if Vd < V:
+        sel = torch.randperm(V, generator=torch.Generator().manual_seed(seed + 7))[:Vd].sort().values
+        t2d = torch.zeros(V, dtype=torch.bool)
+        t2d[sel] = True
+        d.set_vocab(sel - torch.arange(Vd), t2d)
+    d.load_target_head(embedding, head[sel])
 
 
 def random_dspark(seed=0, **kw) -> DFlashDrafter:

@@ -1,16 +1,19 @@
-"""DFlash's training part (models/dflash.py): the drafter over the target's whole vocab (:func:`build`) and its
-objective over the shared feature batch (arXiv 2602.06036; SpecForge's ``OnlineDFlashModel``).
+"""DFlash's training part (models/dflash.py): the drafter over the prepare stage's draft vocab, or the target's whole
+vocab when ``drafter.draft_vocab_size`` is its size (:func:`build`), and its objective over the shared feature batch
+(arXiv 2602.06036; SpecForge's ``OnlineDFlashModel``; speculators' DFlash drafts over 32,000 ids by default).
 
 Per packed row, up to ``num_anchors`` anchors a are drawn among the positions whose next token the target generates
 (``loss_mask[a + 1]``, same document). Block j is ``[x_a, mask, ..., mask]`` (``block_size`` tokens at positions
 pos_a .. pos_a + B - 1) and sees the context states of its document strictly before a (the anchor's own state does
 not exist yet when the engine drafts) and its own block, bidirectionally (models/dflash.py ``block_mask``). Block
 offset k (1..B-1) predicts the token at a + k: it is scored where that token is in the loss mask and the anchor's
-document, against the target's distribution at a + k - 1 (the state that predicted it: ``target_hidden`` through
-the target's lm_head, over its whole vocab). The formula is the registered ``drafter.loss``'s ``loss_sum`` (the soft
-CE by default: distillation from the frozen target, where the paper's CE reads the data's tokens), and offset k
-weighs ``exp(-(k - 1) / gamma)`` (the paper's Eq. 4, ``drafter.position_decay``), each offset's loss the mean over
-its rows of the whole optimizer step (train/losses/base.py ``step_denominators``), as the EAGLE steps are.
+document and the target's argmax there is in the draft vocab (as an EAGLE step's rows: the drafter cannot draft the
+others), against the target's distribution at a + k - 1 (the state that predicted it: ``target_hidden`` through the
+target's lm_head rows of the draft vocab, renormalised there). The formula is the registered ``drafter.loss``'s
+``loss_sum`` (the soft CE by default: distillation from the frozen target, where the paper's CE reads the data's
+tokens), and offset k weighs ``exp(-(k - 1) / gamma)`` (the paper's Eq. 4, ``drafter.position_decay``), each offset's
+loss the mean over its rows of the whole optimizer step (train/losses/base.py ``step_denominators``), as the EAGLE steps
+are.
 
 Anchors are drawn by a generator seeded from the row's content, so that the trainer's row count before a step and
 the forward agree; ``drafter.num_anchors`` bounds the block queries per row (N x B of them, each attending to the
@@ -34,6 +37,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from fledge.data.features.batch import FeatureBatch
+from fledge.data.prepare.vocab import DraftVocab
 from fledge.models.algorithms import DrafterSpec, build_drafter
 from fledge.models.alignment import step_key
 from fledge.models.dflash import block_mask
@@ -49,7 +53,7 @@ class DFlashObjective:
     """``objective(drafter, batch, teacher_head)`` -> ``TTTResult`` with metrics ``loss_k``, ``acc_k``, ``full_acc_k``
     for the drafted slots k (block offsets k + 1, k = 0..K-1: K = B - 1 for DFlash, B when the anchor drafts), as
     the trainer reads the EAGLE steps'. ``loss``: the registered loss whose ``loss_sum`` scores each slot;
-    ``teacher_head``: the target's whole lm_head ``[V, Ht]``."""
+    ``teacher_head``: the target's lm_head rows of the draft vocab ``[Vd, Ht]``."""
 
     def __init__(self, loss: TTTLoss, *, block_size: int, num_anchors: int, position_decay: float,
                  chunk_size: int) -> None:
@@ -77,8 +81,10 @@ class DFlashObjective:
             out.append(cand[torch.randperm(len(cand), generator=g)[:self.N]].sort().values)
         return out
 
-    def _labels(self, batch: FeatureBatch, b: int, a: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(label positions ``[N, K]``, counted ``[N, K]``) of row b's anchors ``a`` (on the batch's device)."""
+    def _labels(self, drafter, batch: FeatureBatch, b: int, a: torch.Tensor, K: int) -> tuple[torch.Tensor,
+                                                                                             torch.Tensor]:
+        """(label positions ``[N, K]``, counted ``[N, K]``) of row b's anchors ``a`` (on the batch's device): a label
+        counts inside the anchor's document, in the loss mask, and where the target's argmax is a draft-vocab id."""
         T = batch.input_ids.shape[1]
         dev = batch.loss_mask.device
         a = a.to(dev)
@@ -87,6 +93,8 @@ class DFlashObjective:
         pc = p.clamp(max=T - 1)
         doc = batch.document_ids[b]
         counted = inside & (doc[pc] == doc[a][:, None]) & batch.loss_mask[b][pc]
+        if not drafter.whole_vocab:
+            counted &= drafter.t2d.to(dev)[batch.target_argmax[b][pc - 1]]
         return pc, counted
 
     def counted_rows(self, drafter, batch: FeatureBatch, shard=None) -> torch.Tensor:
@@ -94,7 +102,7 @@ class DFlashObjective:
             raise ValueError("the DFlash objective runs without sequence parallelism (train.sequence_parallel=1)")
         counts = torch.zeros(drafter.drafts, dtype=torch.int64, device=batch.loss_mask.device)
         for b, a in enumerate(self.anchors(batch)):
-            counts += self._labels(batch, b, a, drafter.drafts)[1].sum(0)
+            counts += self._labels(drafter, batch, b, a, drafter.drafts)[1].sum(0)
         return counts
 
     # ---- the forward -------------------------------------------------------------------------------------
@@ -102,9 +110,9 @@ class DFlashObjective:
                  denominators: torch.Tensor | None = None) -> TTTResult:
         if shard is not None:
             raise ValueError("the DFlash objective runs without sequence parallelism (train.sequence_parallel=1)")
-        if teacher_head.shape[0] != drafter.spec.vocab_size:
-            raise ValueError(f"teacher_head has {teacher_head.shape[0]} rows; a DFlash drafter drafts over the "
-                             f"target's {drafter.spec.vocab_size}")
+        if teacher_head.shape[0] != drafter.spec.draft_vocab_size:
+            raise ValueError(f"teacher_head has {teacher_head.shape[0]} rows; the DFlash drafter drafts over "
+                             f"{drafter.spec.draft_vocab_size} ids")
         K = drafter.drafts
         ys, ths, counted, argmax = [], [], [], []
         for b, a in enumerate(self.anchors(batch)):
@@ -118,7 +126,7 @@ class DFlashObjective:
             L = ids.shape[1]
             mask = block_mask(a, batch.document_ids[b], L)[None, None]
             y = drafter.blocks(ids.reshape(1, -1), pos.reshape(1, -1), kv, mask).view(len(a), L, -1)[:, -K:]
-            p, c = self._labels(batch, b, a, K)
+            p, c = self._labels(drafter, batch, b, a, K)
             ys.append(drafter.head_input(y, batch.input_ids[b][p - 1]))  # the token before each predicted one
             ths.append(batch.target_hidden[b][p - 1])
             counted.append(c)
@@ -146,7 +154,7 @@ class DFlashObjective:
         for k in range(K):
             rows = counted[:, k].nonzero().flatten()
             s, pred = self._offset_sum(y[rows, k], th[rows, k], head, teacher_head)
-            right[rows, k] = pred == argmax[rows, k]
+            right[rows, k] = drafter.draft_to_target(pred) == argmax[rows, k]
             total = total + self.weights[k] * s / denominators[k]
             chain, chain_scored = chain & right[:, k], chain_scored & counted[:, k]
             metrics[step_key("loss", k)] = (f64(s), f64(counts[k]))
@@ -179,16 +187,24 @@ class DFlashObjective:
 
 
 def build(inputs: TrainInputs, hf_config: Any, loss: TTTLoss, vocab_path: Path) -> Trainable:
-    """A DFlash drafter (models/dflash.py) over the target's whole vocab (no draft vocab: ``vocab_path`` unread): its
-    frozen embedding and lm_head are the target's, the lm_head also the teacher's head; the objective is
-    :class:`DFlashObjective` over ``loss``."""
+    """A DFlash drafter (models/dflash.py) over the draft vocab at ``vocab_path`` (the prepare stage's; unread when
+    ``drafter.draft_vocab_size`` is the target's whole vocab): its frozen embedding and lm_head rows are the target's,
+    the rows also the teacher's head; the objective is :class:`DFlashObjective` over ``loss``."""
     t, d = inputs.target, inputs.drafter
     spec = DrafterSpec.from_target_config(hf_config, d, list(inputs.aux_layer_ids))
     torch.manual_seed(inputs.seed)
     embedding = load_input_embeddings(t.name_or_path, t.revision)
     spec = dataclasses.replace(spec, mask_token_id=mask_token(spec, hf_config, embedding, d.mask_token_id))
     drafter = build_drafter(spec, norm_impl=d.norm_impl)
-    head = load_lm_head_rows(t.name_or_path, t.revision, torch.arange(spec.vocab_size)).float().contiguous()
+    rows = torch.arange(spec.vocab_size)
+    if spec.draft_vocab_size < spec.vocab_size:
+        vocab = DraftVocab.load(vocab_path)
+        if len(vocab.d2t) != spec.draft_vocab_size:
+            raise ValueError(f"{vocab_path}: draft vocab has {len(vocab.d2t)} ids but drafter.draft_vocab_size="
+                             f"{spec.draft_vocab_size}; re-run prepare")
+        drafter.set_vocab(vocab.d2t, vocab.t2d)
+        rows = vocab.selected
+    head = load_lm_head_rows(t.name_or_path, t.revision, rows).float().contiguous()
     drafter.load_target_head(embedding, head)
     return Trainable(drafter, head, DFlashObjective.from_config(loss, d))
 

@@ -223,10 +223,11 @@ def test_speculative_sampling_is_lossless_over_three_tokens(monkeypatch):
 
 
 def _random_block_drafter(target, block_size=4, seed=2):
-    """A DFlash drafter of ``target`` with random weights (norms too)."""
+    """A DFlash drafter of ``target`` with random weights (norms too), over a random draft vocab of VD ids."""
     from types import SimpleNamespace
 
     from fledge.models.algorithms import DrafterSpec, build_drafter
+    from tests.helpers.models import load_block_head
 
     cfg = SimpleNamespace(algorithm="dflash", block_size=block_size, num_draft_layers=2, draft_vocab_size=VD,
                           fc_norm=False, norm_output=False, norm_before_fc=False, parallel_drafting=False,
@@ -237,7 +238,7 @@ def _random_block_drafter(target, block_size=4, seed=2):
     for p in d.parameters():
         if p.requires_grad:
             p.data.normal_(0, 0.3 if p.dim() > 1 else 0.1).add_(1.0 if p.dim() == 1 else 0.0)
-    d.load_target_head(target.get_input_embeddings().weight.detach(), target.get_output_embeddings().weight.detach())
+    load_block_head(d, target.get_input_embeddings().weight.detach(), target.get_output_embeddings().weight.detach())
     return d.eval()
 
 
@@ -272,7 +273,8 @@ def test_block_proposer_drafts_what_one_fresh_block_drafts(target):
     _, aux = full.prefill(seq[:-1])
     with torch.no_grad():
         kv = drafter.context_kv(drafter.context(aux[None]), torch.arange(len(seq) - 1)[None])
-        fresh = drafter.draft(torch.tensor([seq[-1]]), torch.tensor([len(seq) - 1]), kv, 3)[0].argmax(-1).tolist()
+        logits = drafter.draft(torch.tensor([seq[-1]]), torch.tensor([len(seq) - 1]), kv, 3)[0]  # [3, VD]
+        fresh = drafter.draft_to_target(logits.argmax(-1)).tolist()  # draft ids -> the target ids proposed
     assert drafts == fresh
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fledge.models.algorithms import ALGORITHMS, DrafterSpec, build_drafter
-from fledge.models.dflash import DFlashDrafter, aux_layer_ids_of, block_mask, serving_layer_ids
+from fledge.models.dflash import aux_layer_ids_of, block_mask, serving_layer_ids
 from fledge.models.drafter import Eagle3Drafter
 from tests.helpers.models import DFLASH_TARGET as TARGET, dflash_cfg, random_dflash
 
@@ -15,7 +15,10 @@ from tests.helpers.models import DFLASH_TARGET as TARGET, dflash_cfg, random_dfl
 def test_spec_of_a_dflash_drafter():
     spec = DrafterSpec.from_target_config(TARGET, dflash_cfg(), [2, 4, 5])
     assert (spec.algorithm, spec.layer, spec.block_size, spec.num_draft_layers) == ("dflash", "qwen3", 4, 2)
-    assert spec.draft_vocab_size == 300  # the target's whole vocab, whatever draft_vocab_size says
+    assert spec.draft_vocab_size == 300  # dflash_cfg's: the target's whole vocab
+    assert DrafterSpec.from_target_config(TARGET, dflash_cfg(draft_vocab_size=32), [2, 4, 5]).draft_vocab_size == 32
+    with pytest.raises(ValueError, match="draft_vocab_size=301: must be in"):
+        DrafterSpec.from_target_config(TARGET, dflash_cfg(draft_vocab_size=301), [2, 4, 5])
     assert spec.mask_token_id == 0  # the target's pad id by default
     assert DrafterSpec.from_dict(spec.to_dict()) == spec
     # the flat JSON every spec is written as holds EAGLE's flags at false; one set is refused, not dropped
@@ -38,7 +41,11 @@ def test_state_dict_is_the_served_layout():
     assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.k_norm.weight",
             "layers.0.self_attn.q_norm.weight", "layers.0.mlp.gate_proj.weight"} <= names
     assert not any(n.startswith(("midlayer.", "model.")) or n in ("d2t", "t2d", "mask_hidden") for n in names)
-    assert set(DFlashDrafter.EXPORTED_FROZEN) <= names
+    assert {"embed_tokens.weight", "lm_head.weight"} <= names  # the target's, frozen: the export leaves them out
+    small = random_dflash(draft_vocab_size=32)  # a draft vocab: its rows and map are the drafter's own
+    sd = small.state_dict()
+    assert sd["lm_head.weight"].shape == (32, 64) and sd["d2t"].shape == (32,) and sd["t2d"].shape == (300,)
+    assert not small.lm_head.weight.requires_grad and int(sd["t2d"].sum()) == 32
 
 
 def test_layer_id_conventions():

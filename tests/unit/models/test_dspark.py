@@ -8,7 +8,7 @@ import torch
 from fledge.models.algorithms import ALGORITHMS, DrafterSpec, algorithm_of, build_drafter
 from fledge.models.dflash import DFlashSpec, block_mask
 from fledge.models.dspark import DSparkDrafter, DSparkSpec
-from tests.helpers.models import DFLASH_TARGET as TARGET, dflash_cfg, random_dspark
+from tests.helpers.models import DFLASH_TARGET as TARGET, dflash_cfg, load_block_head, random_dspark
 
 B = 3  # random_dspark's block: 3 tokens drafting 3
 
@@ -88,7 +88,8 @@ def test_each_slot_is_biased_by_the_token_picked_before_it():
     torch.testing.assert_close(d.draft(bonus, at, kv, B), base)
 
 
-def test_the_in_process_proposer_drafts_a_whole_block_losslessly():
+@pytest.mark.parametrize("draft_vocab", [96, 40])  # the random target's whole vocab, and a draft vocab of 40 ids
+def test_the_in_process_proposer_drafts_a_whole_block_losslessly(draft_vocab):
     from fledge.evaluation.speculative import (
         BlockProposer,
         TargetRunner,
@@ -99,11 +100,12 @@ def test_the_in_process_proposer_drafts_a_whole_block_losslessly():
     from tests.helpers.models import random_llama
 
     target = random_llama()
-    cfg = dflash_cfg(algorithm="dspark", block_size=B, markov_rank=8, mask_token_id=3, num_draft_layers=1)
+    cfg = dflash_cfg(algorithm="dspark", block_size=B, markov_rank=8, mask_token_id=3, num_draft_layers=1,
+                     draft_vocab_size=draft_vocab)
     spec = DrafterSpec.from_target_config(target.config, cfg, [2, 3, 4])
     torch.manual_seed(0)
     d = build_drafter(spec)
-    d.load_target_head(target.get_input_embeddings().weight.detach(), target.get_output_embeddings().weight.detach())
+    load_block_head(d, target.get_input_embeddings().weight.detach(), target.get_output_embeddings().weight.detach())
     prop = proposer_for(d.eval())
     assert isinstance(prop, BlockProposer)
     runner, plain = TargetRunner(target, spec.aux_layer_ids), TargetRunner(target)
@@ -115,6 +117,7 @@ def test_the_in_process_proposer_drafts_a_whole_block_losslessly():
     drafts, q = prop.propose(None, B, 1.0, g)
     assert len(drafts) == B and q.shape == (B, target.config.vocab_size)
     assert torch.allclose(q.sum(-1), torch.ones(B)) and all(q[j, t] > 0 for j, t in enumerate(drafts))
+    assert all(d.t2d[t] for t in drafts) and int((q > 0).sum(-1).max()) <= draft_vocab  # target ids of the vocab
 
 
 @pytest.mark.parametrize("overrides, key", [
@@ -137,7 +140,7 @@ def test_dspark_composes_over_a_recipe_with_the_eval_draft_length_as_its_block()
     d = compose(["recipe=tiny", "drafter=dspark", "drafter.mask_token_id=5"]).drafter
     assert (d.algorithm, d.block_size, d.draft_steps(), d.mask_token_id, d.position_decay) == ("dspark", 5, 5, 5, 4.0)
     assert compose(["recipe=tiny", "drafter=dspark", "eval.draft_tokens=7"]).drafter.block_size == 7
-    rank = compose(["recipe=tiny", "drafter=dspark", "drafter.markov_rank=64"]).drafter
+    rank = compose(["recipe=tiny", "drafter=dspark", "drafter.markov_rank=64", "drafter.draft_vocab_size=300"]).drafter
     assert DrafterSpec.from_target_config(TARGET, rank, [2, 4, 5]).markov_rank == 64
 
 

@@ -76,6 +76,52 @@ def test_read_back_as_served(export):
         load_drafter(out, embed_weight=d.embed_tokens.weight.detach())
 
 
+@pytest.fixture
+def small_vocab(tmp_path):
+    """A DFlash drafter over 32 of the target's 300 ids, exported."""
+    d = random_dflash(mask_token_id=5, draft_vocab_size=32)
+    ckpt = DrafterCheckpoint(d.spec, target={"name_or_path": "t"}, step=3).write(tmp_path / "ckpt", d.state_dict())
+    config = export_checkpoint(ckpt, tmp_path / "out", TARGET)
+    return d, config, tmp_path / "out"
+
+
+def test_a_draft_vocab_ships_its_head_rows_and_map_as_vllm_reads_them(small_vocab):
+    """vLLM 0.32's DFlashQwen3ForCausalLM sizes its lm_head by draft_vocab_size, loads the export's rows as its own
+    head and scatters the draft logits onto the target vocab through d2t (target id = i + d2t[i])."""
+    d, c, out = small_vocab
+    assert c["draft_vocab_size"] == 32 and c["vocab_size"] == 300
+    tensors = load_file(out / "model.safetensors")
+    assert "embed_tokens.weight" not in tensors  # still the target's
+    assert tensors["lm_head.weight"].shape == (32, 64) and tensors["lm_head.weight"].dtype == torch.bfloat16
+    assert tensors["d2t"].dtype == torch.int64 and torch.equal(tensors["d2t"], d.d2t)
+    assert tensors["t2d"].dtype == torch.bool and torch.equal(tensors["t2d"], d.t2d)
+    findings = lint_drafter(out, TARGET)
+    assert not has_errors(findings), format_findings(findings)
+    assert spec_from_export(out, serving=True) == d.spec
+    loaded = load_drafter(out, embed_weight=d.embed_tokens.weight.detach(), serving=True)  # its own head rows
+    torch.manual_seed(0)
+    aux, pos = torch.randn(1, 6, 3 * 64), torch.arange(6)[None]
+    want, _ = d.propose(torch.tensor([7]), torch.tensor([6]), d.context_kv(d.context(aux), pos), 3)
+    got, logits = loaded.propose(torch.tensor([7]), torch.tensor([6]), loaded.context_kv(loaded.context(aux), pos), 3)
+    assert logits.shape == (1, 3, 32) and torch.equal(want, got) and bool(d.t2d[got].all())  # target ids
+    served = {"method": "dflash", "num_speculative_tokens": 3}
+    parts, _ = dflash_layout.card(c, {"target": {"name_or_path": "t"}, "step": 3}, "me/x", served)
+    assert "draft vocab: 32 of the target's 300 ids" in "\n".join(parts)
+
+
+def test_lint_catches_a_broken_draft_vocab(small_vocab):
+    _, _, out = small_vocab
+    tensors = load_file(out / "model.safetensors")
+    tensors["d2t"] = tensors["d2t"].flip(0).contiguous()  # not ascending, and t2d no longer marks its ids
+    save_file(tensors, out / "model.safetensors")
+    assert {"d2t-order", "t2d-mismatch"} <= _codes(out)
+    del tensors["d2t"], tensors["lm_head.weight"]
+    save_file(tensors, out / "model.safetensors")
+    assert "missing-tensor" in _codes(out)
+    with pytest.raises(ValueError, match="no d2t"):
+        load_drafter(out, embed_weight=torch.zeros(300, 64), head_weight=torch.zeros(300, 64), serving=True)
+
+
 @pytest.mark.parametrize("change,code", [
     ({"dflash_config": {"mask_token_id": 0, "target_layer_ids": [1, 3, 4], "block_size": 4}}, "dflash-mask-token"),
     ({"dflash_config": {"target_layer_ids": [1, 3, 4], "block_size": 4}}, "dflash-mask-token"),

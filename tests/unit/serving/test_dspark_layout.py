@@ -42,6 +42,27 @@ def _edit(out, **changes):
     return c
 
 
+def test_a_draft_vocab_ships_what_vllms_reduced_dspark_requires(tmp_path):
+    """vLLM 0.32's Qwen3DSparkForCausalLM refuses a reduced vocab without lm_head rows and d2t; its Markov w2 is a
+    bias over the draft vocab while w1 reads the previous target id."""
+    d = random_dspark(mask_token_id=5, draft_vocab_size=40)
+    ckpt = DrafterCheckpoint(d.spec, target={"name_or_path": "t"}, step=3).write(tmp_path / "ckpt", d.state_dict())
+    c = export_checkpoint(ckpt, tmp_path / "out", TARGET)
+    tensors = load_file(tmp_path / "out" / "model.safetensors")
+    assert c["draft_vocab_size"] == 40 and tensors["lm_head.weight"].shape == (40, 64)
+    assert torch.equal(tensors["d2t"], d.d2t)
+    assert tensors["markov_head.markov_w1.weight"].shape == (300, 8)
+    assert tensors["markov_head.markov_w2.weight"].shape == (40, 8)
+    findings = lint_drafter(tmp_path / "out", TARGET, 3)
+    assert not [f for f in findings if f.level == "error"], format_findings(findings)
+    loaded = load_drafter(tmp_path / "out", embed_weight=d.embed_tokens.weight.detach(), serving=True)
+    torch.manual_seed(0)
+    aux, pos = torch.randn(1, 6, 3 * 64), torch.arange(6)[None]
+    want, _ = d.propose(torch.tensor([7]), torch.tensor([6]), d.context_kv(d.context(aux), pos), 3)
+    got, _ = loaded.propose(torch.tensor([7]), torch.tensor([6]), loaded.context_kv(loaded.context(aux), pos), 3)
+    assert torch.equal(want, got) and bool(d.t2d[got].all())
+
+
 def test_config_is_what_vllm_reads(export):
     d, c, out = export
     assert c["architectures"] == ["Qwen3DSparkModel"] and c["model_type"] == "qwen3"

@@ -59,6 +59,39 @@ def test_loss_equals_a_per_anchor_reference():
         assert [float(x) for x in res.metrics[f"acc_{k}"]] == [right[k], counts[k]]
 
 
+def test_a_draft_vocab_scores_only_the_labels_it_can_draft():
+    """Over a draft vocab a label counts only where the target's argmax is one of its ids (as an EAGLE step's rows),
+    the teacher is the target's distribution restricted to those ids, and a right draft is its target id."""
+    d = random_dflash(block_size=B, num_draft_layers=1, draft_vocab_size=150)
+    b = batch()
+    b.target_argmax[0] = torch.where(torch.arange(b.target_argmax.shape[1]) % 2 == 0,
+                                     (d.d2t + torch.arange(150))[b.target_argmax[0] % 150],  # ids of the vocab
+                                     (~d.t2d).nonzero().flatten()[b.target_argmax[0] % 150])  # ids outside it
+    obj, whole = objective(), random_dflash(block_size=B, num_draft_layers=1)
+    counts, all_counts = obj.counted_rows(d, b), obj.counted_rows(whole, b)
+    assert 0 < int(counts.sum()) < int(all_counts.sum())
+    head = d.lm_head.weight.detach()  # the target's rows of the vocab: the teacher's head
+    res = obj(d, b, head)
+    sums, right = [0.0] * (B - 1), [0] * (B - 1)
+    doc, m = b.document_ids[0], b.loss_mask[0]
+    with torch.no_grad():
+        for a in obj.anchors(b)[0].tolist():
+            start = int((doc[:a] != doc[a]).nonzero().max()) + 1 if (doc[:a] != doc[a]).any() else 0
+            kv = d.context_kv(d.context(b.aux_hidden[:, start:a]), b.position_ids[:, start:a])
+            logits = d.draft(b.input_ids[0, a:a + 1], b.position_ids[0, a:a + 1], kv, B - 1)[0]
+            for k in range(1, B):
+                p = a + k
+                if p < len(doc) and doc[p] == doc[a] and m[p] and d.t2d[b.target_argmax[0, p - 1]]:
+                    teacher = b.target_hidden[0, p - 1] @ head.T
+                    sums[k - 1] += float(-(F.softmax(teacher, -1) * F.log_softmax(logits[k - 1], -1)).sum())
+                    right[k - 1] += int(d.draft_to_target(logits[k - 1].argmax()) == b.target_argmax[0, p - 1])
+    for k in range(B - 1):
+        assert float(res.metrics[f"loss_{k}"][0]) == pytest.approx(sums[k], rel=1e-4)
+        assert [float(x) for x in res.metrics[f"acc_{k}"]] == [right[k], int(counts[k])]
+    with pytest.raises(ValueError, match="drafts over 150 ids"):
+        obj(d, b, whole.lm_head.weight.detach())
+
+
 def test_gradients_reach_every_trained_weight():
     d = random_dflash(block_size=B, num_draft_layers=2)
     d.train()
