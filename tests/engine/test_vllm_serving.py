@@ -382,16 +382,19 @@ with set_current_vllm_config(config):
 print(json.dumps({"method": spec.method, "architectures": spec.draft_model_config.architectures,
                   "k": spec.num_speculative_tokens, "aux_layers": list(get_eagle3_aux_layers_from_config(spec)),
                   "mask_token_id": get_parallel_drafting_token_id(hf), "sample_from_anchor": hf.sample_from_anchor,
-                  "lookahead": config.num_lookahead_tokens, "bias": bias.tolist()}))
+                  "lookahead": config.num_lookahead_tokens, "bias": bias.tolist(),
+                  "draft_vocab_size": hf.draft_vocab_size, "lm_head_rows": model.lm_head.weight.shape[0],
+                  "d2t": None if model.draft_id_to_target_id is None else model.draft_id_to_target_id.tolist()}))
 """
 
 
 def test_a_dspark_drafter_is_read_by_vllms_dspark_model_as_trained(served, tiny_target, tmp_path):
-    """DSpark (drafter=dspark: blocks of k = 5, each drafting 5) trained on the shared run's features, exported in the
-    layout vLLM's Qwen3DSparkForCausalLM loads and linted clean at k, drafts losslessly in process; vLLM resolves the
-    speculative_config Fledge serves it with to its dspark method with the layers, mask token, block and anchor
-    drafting trained, and its own loader and Markov head give the drafter's bias. vLLM 0.32's CPU build does not serve
-    the dspark method at all (its V2 GPU model runner only: docs/serving.md, DSpark), so nothing here is served."""
+    """DSpark (drafter=dspark: blocks of k = 5, each drafting 5, over the recipe's draft vocab) trained on the shared
+    run's features, exported in the layout vLLM's Qwen3DSparkForCausalLM loads and linted clean at k, drafts
+    losslessly in process; vLLM resolves the speculative_config Fledge serves it with to its dspark method with the
+    layers, mask token, block and anchor drafting trained, and its own loader gives the drafter's Markov bias, draft
+    vocab and d2t. vLLM 0.32's CPU build does not serve the dspark method at all (its V2 GPU model runner only:
+    docs/serving.md, DSpark), so nothing here is served."""
     import torch
 
     from fledge.conf.compose import compose
@@ -432,4 +435,7 @@ def test_a_dspark_drafter_is_read_by_vllms_dspark_model_as_trained(served, tiny_
     with torch.no_grad():
         want = drafter.markov_head(torch.tensor(prev))
     torch.testing.assert_close(torch.tensor(got["bias"]), want, rtol=1e-4, atol=1e-5)
+    vd = drafter.spec.draft_vocab_size  # the recipe's draft vocab (1,024 of 2,560): vLLM's reduced-vocab path
+    assert (got["draft_vocab_size"], got["lm_head_rows"]) == (vd, vd) < (drafter.spec.vocab_size,) * 2
+    assert got["d2t"] == drafter.d2t.tolist()
     assert inproc > 1.2, inproc
