@@ -52,9 +52,11 @@ def pack_heldout(lengths: Sequence[int], row_len: int) -> list[list[int]]:
 def heldout_accuracy(drafter: nn.Module, frozen: FrozenTarget, samples: Samples, steps: int,
                      chunk_tokens: int = 0) -> dict:
     """{"steps", "acc", "full_acc", "rows"}: per-step accuracy of ``drafter`` on ``samples`` over ``steps`` draft
-    steps, read by its algorithm's kind (below); ``chunk_tokens``: the capture's chunking of the target's forward."""
+    steps, read by its algorithm's kind (below); ``chunk_tokens``: the capture's chunking of the target's forward.
+    A block drafter is scored on its trained block, ``steps`` or fewer: a longer block changes what every slot
+    attends to (the block is bidirectional), and an engine never serves one (vLLM caps k at the block)."""
     if algorithm_of(drafter.spec).block:
-        return block_heldout_accuracy(drafter, frozen, samples, steps, chunk_tokens)
+        return block_heldout_accuracy(drafter, frozen, samples, min(steps, drafter.drafts), chunk_tokens)
     return chain_heldout_accuracy(drafter, frozen, samples, steps, chunk_tokens)
 
 

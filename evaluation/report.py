@@ -53,10 +53,7 @@ def read_metrics(path: Path) -> list[dict]:
 
 def markdown(report: dict) -> str:
     """The human summary of a report dict (see evaluation/evaluate.py for its keys)."""
-    flags = report["flags"]
-    kind = "EAGLE-3.1" if flags["fc_norm"] and flags["norm_output"] else "EAGLE-3" if not any(flags.values()) \
-        else f"fc_norm={flags['fc_norm']}, norm_output={flags['norm_output']}"
-    lines = [f"# Acceptance report ({kind})", ""]
+    lines = [f"# Acceptance report ({drafter_kind(report)})", ""]
     if report.get("in_process") is False:  # eval.in_process=false: the engine section below holds every AL
         lines += [_opening(report) + "The prompt sets were measured by the engine alone (eval.in_process=false): "
                   "their ALs, vLLM's n-gram lookup, the distinct-3-gram ratio of the target's output and the greedy "
@@ -146,9 +143,26 @@ def in_process_markdown(report: dict) -> list[str]:
                     + (f" ({ties} divergence(s) at numerical ties of the target's top-2 logits)." if ties else ".")]
 
 
+ALGORITHM_NAMES = {"p_eagle": "P-EAGLE", "dflash": "DFlash", "dspark": "DSpark", "mtp": "MTP"}
+ROUNDS = {"p_eagle": "k={k} parallel drafts in one drafter forward", "dflash": "a block of k={k} drafts in one "
+          "drafter forward", "dspark": "a block of k={k} drafts in one drafter forward"}
+
+
+def drafter_kind(report: dict) -> str:
+    """The drafter's algorithm as the report names it: EAGLE-3.1 / EAGLE-3 by its flags (a report written before
+    ``algorithm`` was recorded is EAGLE's), else P-EAGLE, DFlash, DSpark or MTP."""
+    algorithm = report.get("algorithm", "eagle")
+    if algorithm != "eagle":
+        return ALGORITHM_NAMES.get(algorithm, algorithm)
+    flags = report["flags"]
+    return "EAGLE-3.1" if flags["fc_norm"] and flags["norm_output"] else "EAGLE-3" if not any(flags.values()) \
+        else f"fc_norm={flags['fc_norm']}, norm_output={flags['norm_output']}"
+
+
 def _opening(report: dict) -> str:
     k = report["k"]
-    return (f"Drafter `{report['drafter']}`, chain of k={k} drafts (max AL {k + 1}), greedy unless noted, "
+    rounds = ROUNDS.get(report.get("algorithm"), "chain of k={k} drafts").format(k=k)
+    return (f"Drafter `{report['drafter']}`, {rounds} (max AL {k + 1}), greedy unless noted, "
             f"{report['max_new_tokens']} new tokens per prompt. AL counts the bonus token. ")
 
 

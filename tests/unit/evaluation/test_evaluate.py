@@ -407,3 +407,19 @@ def test_the_report_says_how_much_of_the_target_output_the_draft_vocab_covers():
               "sets": {"default": out, "long": {**out, "draft_vocab_coverage": 0.5}}}
     md = markdown(report)
     assert "draft vocab" in md and f"default {want:.1%}" in md and "long 50.0%" in md
+
+
+def test_the_report_names_the_drafters_algorithm_and_its_round():
+    """A DFlash, DSpark, P-EAGLE or MTP drafter's report is not headed EAGLE-3 (its flags alone say so), nor its
+    one-forward round called a chain; a report written before the algorithm was recorded reads as EAGLE's."""
+    from fledge.evaluation.report import _opening, drafter_kind
+
+    base = {"drafter": "d", "k": 5, "max_new_tokens": 96, "flags": {"fc_norm": False, "norm_output": False}}
+    assert drafter_kind(base) == "EAGLE-3" and "chain of k=5 drafts" in _opening(base)
+    assert drafter_kind({**base, "flags": {"fc_norm": True, "norm_output": True}, "algorithm": "eagle"}) == "EAGLE-3.1"
+    for algorithm, name, round_ in (("dflash", "DFlash", "a block of k=5 drafts in one drafter forward"),
+                                    ("dspark", "DSpark", "a block of k=5 drafts"),
+                                    ("p_eagle", "P-EAGLE", "k=5 parallel drafts in one drafter forward"),
+                                    ("mtp", "MTP", "chain of k=5 drafts")):
+        report = {**base, "algorithm": algorithm}
+        assert drafter_kind(report) == name and round_ in _opening(report), algorithm

@@ -133,3 +133,20 @@ def test_step_rows_from_spec_section_4():
     assert s1.scored[0].nonzero().squeeze(1).tolist() == [0, 2]
     tokens, positions = alignment.step_inputs(argmax, torch.arange(10)[None], 2)
     assert tokens.tolist() == [[3, 4, 5, 6, 7, 8, 9, 0, 0, 0]] and positions[0, :3].tolist() == [2, 3, 4]
+
+
+def test_a_block_drafter_is_held_out_scored_on_its_trained_block():
+    """A block drafter's held-out accuracy unrolls no further than its block: asked for 2K steps (the eval stage's
+    default) it scores the K slots of the trained block, as the engine serves it, and a longer block (whose extra
+    masks every slot would attend to) is never built."""
+    from tests.helpers.models import block_batch, random_dflash
+
+    d = random_dflash(block_size=4, num_draft_layers=1, draft_vocab_size=150)
+    b = block_batch()
+    b = FeatureBatch(**{**{f.name: getattr(b, f.name) for f in fields(b)},
+                        "document_ids": torch.zeros_like(b.document_ids)})  # one conversation, as held out
+    sample = [(b.input_ids[0].tolist(), b.loss_mask[0].tolist())]
+    held = heldout_accuracy(d, _Target(b), sample, 2 * d.drafts)
+    assert held["steps"] == d.drafts == 3 and len(held["acc"]) == len(held["full_acc"]) == 3
+    assert held == heldout_accuracy(d, _Target(b), sample, d.drafts)
+    assert heldout_accuracy(d, _Target(b), sample, 1)["steps"] == 1
