@@ -299,7 +299,7 @@ class EvalConfig:
     sets: Annotated[list[str], Elsewhere("evaluation/eval_sets.py (pipeline/preflight.py CONFIG_REGISTRIES)",
                                          ["no_such_set"])] = \
         field(default_factory=lambda: ["default", "perturbed", "long"])
-    # held-out per-step accuracy up to this many steps (0 -> 2K)
+    # held-out per-step accuracy up to this many steps (0 -> 2K; a block drafter: its trained block at most)
     heldout_steps: Annotated[int, Range(ge=0, why="held-out draft steps scored; 0: 2 x drafter.ttt_steps")] = 0
     # the "long" set: prompts grown to about this many tokens with held-out context
     long_prompt_tokens: Annotated[int, Range(ge=1, why="tokens of a long-set prompt")] = 1024

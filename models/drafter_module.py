@@ -14,7 +14,8 @@ from fledge.models.kernels.rmsnorm import RMSNorm
 
 class DrafterModule(nn.Module):
     """A drafter's ``nn.Module`` base. ``norm_impl`` selects every RMSNorm's implementation (torch | triton; see
-    models/kernels/rmsnorm.py) and may be changed on the instance; :meth:`init_rope` installs ``rotary_emb``."""
+    models/kernels/rmsnorm.py) and may be changed on the instance; :meth:`init_rope` installs ``rotary_emb``,
+    :meth:`init_vocab` the draft vocab map ``d2t`` / ``t2d`` that :meth:`draft_to_target` reads."""
 
     def init_vocab(self, draft_vocab_size: int, vocab_size: int, persistent: bool = True) -> None:
         """The ``d2t`` / ``t2d`` buffers of a draft vocab of ``draft_vocab_size`` ids out of ``vocab_size``: the first
