@@ -135,15 +135,14 @@ class Evaluator:
 
     def report_head(self, named: dict) -> dict:
         """The report's settings, before any measurement: k, the depth trained, the decoding, the drafter's
-        algorithm (``p_eagle`` for EAGLE with parallel drafting) and flags (``fledge compare`` tells EAGLE-3.1 from
+        algorithm (its registry name, models/algorithms.py) and flags (``fledge compare`` tells EAGLE-3.1 from
         EAGLE-3 by them)."""
         ev = self.ev
         report: dict = {"drafter": str(self.drafter_dir), "k": ev.draft_tokens, "ttt_steps": self.K,
                         "max_new_tokens": ev.max_new_tokens, "temperature": ev.temperature,
                         "degenerate_threshold": ev.degenerate_threshold, "in_process": ev.in_process,
                         "flags": {f: bool(self.drafter.spec.to_dict()[f]) for f in ("fc_norm", "norm_output")},
-                        "algorithm": "p_eagle" if getattr(self.drafter.spec, "parallel_drafting", False)
-                        else self.drafter.spec.algorithm,
+                        "algorithm": algorithm_of(self.drafter.spec).name,
                         "sets": {}}
         if named:
             report["named_sets"] = named

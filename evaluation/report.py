@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from fledge.atomic import write_bytes_atomic, write_json_atomic
 from fledge.evaluation.engine_eval import engine_markdown
+from fledge.models.algorithms import ALGORITHMS, DEFAULT_ALGORITHM
 from fledge.run_layout import EvalDir
 
 if TYPE_CHECKING:
@@ -143,17 +144,17 @@ def in_process_markdown(report: dict) -> list[str]:
                     + (f" ({ties} divergence(s) at numerical ties of the target's top-2 logits)." if ties else ".")]
 
 
-ALGORITHM_NAMES = {"p_eagle": "P-EAGLE", "dflash": "DFlash", "dspark": "DSpark", "mtp": "MTP"}
-ROUNDS = {"p_eagle": "k={k} parallel drafts in one drafter forward", "dflash": "a block of k={k} drafts in one "
-          "drafter forward", "dspark": "a block of k={k} drafts in one drafter forward"}
+def _algorithm(report: dict):
+    """The registry entry of the report's drafter (models/algorithms.py); a report written before ``algorithm`` was
+    recorded is EAGLE's."""
+    return ALGORITHMS.get(report.get("algorithm") or DEFAULT_ALGORITHM)
 
 
 def drafter_kind(report: dict) -> str:
-    """The drafter's algorithm as the report names it: EAGLE-3.1 / EAGLE-3 by its flags (a report written before
-    ``algorithm`` was recorded is EAGLE's), else P-EAGLE, DFlash, DSpark or MTP."""
-    algorithm = report.get("algorithm", "eagle")
-    if algorithm != "eagle":
-        return ALGORITHM_NAMES.get(algorithm, algorithm)
+    """The drafter's algorithm as the report names it: its registry title (P-EAGLE, DFlash, DSpark, MTP), else
+    EAGLE-3.1 / EAGLE-3 by its flags."""
+    if _algorithm(report).title:
+        return _algorithm(report).title
     flags = report["flags"]
     return "EAGLE-3.1" if flags["fc_norm"] and flags["norm_output"] else "EAGLE-3" if not any(flags.values()) \
         else f"fc_norm={flags['fc_norm']}, norm_output={flags['norm_output']}"
@@ -161,7 +162,7 @@ def drafter_kind(report: dict) -> str:
 
 def _opening(report: dict) -> str:
     k = report["k"]
-    rounds = ROUNDS.get(report.get("algorithm"), "chain of k={k} drafts").format(k=k)
+    rounds = _algorithm(report).rounds.format(k=k)
     return (f"Drafter `{report['drafter']}`, {rounds} (max AL {k + 1}), greedy unless noted, "
             f"{report['max_new_tokens']} new tokens per prompt. AL counts the bonus token. ")
 

@@ -29,9 +29,10 @@ from __future__ import annotations
 from torch import nn
 
 from fledge.models import dflash, dspark, eagle, mtp_drafter, peagle  # noqa: F401 (each registers its algorithm)
-from fledge.models.spec import ALGORITHMS, Algorithm, DrafterSpec, algorithm_of, mask_token_id_for
+from fledge.models.spec import ALGORITHMS, DEFAULT_ALGORITHM, Algorithm, DrafterSpec, algorithm_of, mask_token_id_for
 
-__all__ = ["ALGORITHMS", "Algorithm", "DrafterSpec", "algorithm_of", "build_drafter", "mask_token_id_for"]
+__all__ = ["ALGORITHMS", "DEFAULT_ALGORITHM", "Algorithm", "DrafterSpec", "algorithm_of", "build_drafter",
+           "mask_token_id_for"]
 
 
 def build_drafter(spec: DrafterSpec, attention: str = "auto", norm_impl: str = "torch") -> nn.Module:

@@ -267,4 +267,5 @@ def _build(spec: DFlashSpec, attention: str = "auto", norm_impl: str = "torch") 
 
 
 ALGORITHMS.register("dflash", Algorithm("dflash", DFlashSpec, _build, vllm_method="dflash", block=True,
-                                        target_head=True))
+                                        target_head=True, title="DFlash",
+                                        rounds="a block of k={k} drafts in one drafter forward"))

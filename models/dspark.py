@@ -112,4 +112,5 @@ def _build(spec: DSparkSpec, attention: str = "auto", norm_impl: str = "torch") 
 
 
 ALGORITHMS.register("dspark", Algorithm("dspark", DSparkSpec, _build, vllm_method="dspark", block=True,
-                                        target_head=True, vllm_cpu=False))
+                                        target_head=True, vllm_cpu=False, title="DSpark",
+                                        rounds="a block of k={k} drafts in one drafter forward"))

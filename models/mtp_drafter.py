@@ -224,4 +224,5 @@ def _build(spec: MtpSpec, attention: str = "auto", norm_impl: str = "torch") -> 
     return MtpDrafter(spec, attention=attention, norm_impl=norm_impl)
 
 
-ALGORITHMS.register("mtp", Algorithm("mtp", MtpSpec, _build, vllm_method="mtp", block=False, target_head=True))
+ALGORITHMS.register("mtp", Algorithm("mtp", MtpSpec, _build, vllm_method="mtp", block=False, target_head=True,
+                                     title="MTP"))

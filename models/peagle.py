@@ -35,4 +35,5 @@ class PEagleSpec(EagleSpec):
         check_mask_token(self, "parallel drafting feeds its slots")
 
 
-ALGORITHMS.register("peagle", Algorithm("peagle", PEagleSpec, Eagle3Drafter, vllm_method="eagle3", block=False))
+ALGORITHMS.register("peagle", Algorithm("peagle", PEagleSpec, Eagle3Drafter, vllm_method="eagle3", block=False,
+                                        title="P-EAGLE", rounds="k={k} parallel drafts in one drafter forward"))

@@ -50,6 +50,8 @@ class Algorithm:
     block: bool  # drafts all k tokens in one forward without feeding a draft back (the proposer's loop)
     target_head: bool = False  # scores with the target's lm_head (loaded from the target, not the export)
     vllm_cpu: bool = True  # vLLM's CPU build serves its method (vLLM 0.32 runs dspark in its V2 GPU runner only)
+    title: str = ""  # how a report names it ("": EAGLE's, named EAGLE-3 / EAGLE-3.1 by the spec's flags)
+    rounds: str = "a chain of k={k} drafts"  # what one drafting round is, as a report says it
 
 
 ALGORITHMS: Registry[Algorithm] = Registry("drafter.algorithm", "models/algorithms.py (a module per algorithm)")

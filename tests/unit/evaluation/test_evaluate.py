@@ -419,7 +419,7 @@ def test_the_report_names_the_drafters_algorithm_and_its_round():
     assert drafter_kind({**base, "flags": {"fc_norm": True, "norm_output": True}, "algorithm": "eagle"}) == "EAGLE-3.1"
     for algorithm, name, round_ in (("dflash", "DFlash", "a block of k=5 drafts in one drafter forward"),
                                     ("dspark", "DSpark", "a block of k=5 drafts"),
-                                    ("p_eagle", "P-EAGLE", "k=5 parallel drafts in one drafter forward"),
+                                    ("peagle", "P-EAGLE", "k=5 parallel drafts in one drafter forward"),
                                     ("mtp", "MTP", "chain of k=5 drafts")):
         report = {**base, "algorithm": algorithm}
         assert drafter_kind(report) == name and round_ in _opening(report), algorithm
