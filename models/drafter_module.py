@@ -12,6 +12,13 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from fledge.models.kernels.rmsnorm import RMSNorm
 
 
+def t2d_of(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The ``t2d`` (bool ``[V]``) of a ``d2t`` map: true at the target ids i + d2t[i] (engines ship only ``d2t``)."""
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[torch.arange(len(d2t)) + d2t.to(torch.int64).cpu()] = True
+    return t2d
+
+
 class DrafterModule(nn.Module):
     """A drafter's ``nn.Module`` base. ``norm_impl`` selects every RMSNorm's implementation (torch | triton; see
     models/kernels/rmsnorm.py) and may be changed on the instance; :meth:`init_rope` installs ``rotary_emb``,

@@ -45,6 +45,7 @@ from torch import nn
 from fledge.models.algorithms import DrafterSpec, build_drafter
 from fledge.models.dflash import aux_layer_ids_of, serving_layer_ids
 from fledge.models.drafter_checkpoint import RECORD
+from fledge.models.drafter_module import t2d_of
 from fledge.models.weights import load_input_embeddings, load_lm_head_rows, read_tensors
 from fledge.serving.export_reading import Finding, read_export, vocab_findings
 
@@ -318,8 +319,8 @@ def tensor_findings(expected_of, config: Mapping, headers: Mapping[str, tuple[li
                 out.append(("error", "shape", f"{name} has shape {list(shape)}, the config implies {list(want)}",
                             "re-export the drafter (its draft vocab and draft_vocab_size disagree)"))
             elif dtype != {"d2t": "I64", "t2d": "BOOL"}[name]:
-                out.append(("error", "dtype", f"{name} is {dtype}: vLLM adds d2t to draft ids as int64 offsets",
-                            "re-export the drafter (d2t int64, t2d bool)"))
+                out.append(("error", "dtype", f"{name} is {dtype}: the vocab maps are d2t int64 offsets (vLLM adds "
+                            "them to draft ids) and t2d bool", "re-export the drafter (d2t int64, t2d bool)"))
         elif name not in expected and f"optional:{name}" not in expected:
             out.append(("error", "unexpected-tensor", f"unexpected tensor {name} {list(shape)}",
                         "remove it: vLLM's loader fails on names it does not know"))
@@ -348,8 +349,7 @@ def load(d, spec: DrafterSpec, embed_weight, head_weight, target, dtype) -> nn.M
         raise ValueError(f"{d}: draft_vocab_size={spec.draft_vocab_size} < vocab_size={spec.vocab_size} but no d2t "
                          "tensor; re-export the drafter")
     elif "t2d" not in sd:  # vLLM does not need it; rebuild it from d2t
-        sd["t2d"] = torch.zeros(spec.vocab_size, dtype=torch.bool)
-        sd["t2d"][torch.arange(spec.draft_vocab_size) + sd["d2t"].to(torch.int64)] = True
+        sd["t2d"] = t2d_of(sd["d2t"], spec.vocab_size)
     load_head = lambda source: load_lm_head_rows(source, None, torch.arange(spec.vocab_size))  # noqa: E731
     for name, given, read in (("embed_tokens.weight", embed_weight, load_input_embeddings),
                               ("lm_head.weight", head_weight, load_head)):

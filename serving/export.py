@@ -26,6 +26,7 @@ from fledge.atomic import atomic_path, read_json, write_json_atomic
 from fledge.models.algorithms import DrafterSpec
 from fledge.models.drafter import Eagle3Drafter
 from fledge.models.drafter_checkpoint import DrafterCheckpoint
+from fledge.models.drafter_module import t2d_of
 from fledge.models.families import read_target, text_config_dict
 from fledge.models.layers.kind import get_layer_kind, kind_of_architecture, kind_of_config
 from fledge.models.weights import load_input_embeddings, read_tensors
@@ -205,9 +206,7 @@ def load_drafter(drafter_dir: str | Path, embed_weight: torch.Tensor | None = No
             raise ValueError(f"{d}: draft_vocab_size={Vd} < vocab_size={V} but no d2t tensor")
         sd["d2t"] = torch.zeros(Vd, dtype=torch.int64)
     if "t2d" not in sd:  # engines ignore it; rebuild it from d2t (docs/architecture.md, The draft vocabulary)
-        t2d = torch.zeros(V, dtype=torch.bool)
-        t2d[torch.arange(Vd) + sd["d2t"]] = True
-        sd["t2d"] = t2d
+        sd["t2d"] = t2d_of(sd["d2t"], V)
     model = Eagle3Drafter(spec)
     missing, unexpected = model.load_state_dict(sd, strict=False)
     if missing or unexpected:

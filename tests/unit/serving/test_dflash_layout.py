@@ -104,6 +104,9 @@ def test_a_draft_vocab_ships_its_head_rows_and_map_as_vllm_reads_them(small_voca
     want, _ = d.propose(torch.tensor([7]), torch.tensor([6]), d.context_kv(d.context(aux), pos), 3)
     got, logits = loaded.propose(torch.tensor([7]), torch.tensor([6]), loaded.context_kv(loaded.context(aux), pos), 3)
     assert logits.shape == (1, 3, 32) and torch.equal(want, got) and bool(d.t2d[got].all())  # target ids
+    tensors.pop("t2d")  # vLLM skips it; a checkpoint from elsewhere may lack it: rebuilt from d2t
+    save_file(tensors, out / "model.safetensors")
+    assert torch.equal(load_drafter(out, embed_weight=d.embed_tokens.weight.detach(), serving=True).t2d, d.t2d)
     served = {"method": "dflash", "num_speculative_tokens": 3}
     parts, _ = dflash_layout.card(c, {"target": {"name_or_path": "t"}, "step": 3}, "me/x", served)
     assert "draft vocab: 32 of the target's 300 ids" in "\n".join(parts)

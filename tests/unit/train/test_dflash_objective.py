@@ -31,12 +31,10 @@ def test_anchors_are_deterministic_valid_and_bounded():
     assert len(objective(anchors=3).anchors(b)[0]) == 3
 
 
-def test_loss_equals_a_per_anchor_reference():
-    d = random_dflash(block_size=B, num_draft_layers=1)
-    b = batch()
-    obj = objective()
-    head = d.lm_head.weight.detach()
-    res = obj(d, b, head)
+def reference(d, b, obj, head):
+    """Per drafted slot: the summed soft CE, the scored labels and the right drafts, one anchor at a time from the
+    engine-style draft over the anchor's own document: a label x_p scored where it is in the loss mask, the anchor's
+    document and (over a draft vocab) the target's argmax at p - 1 is a draft-vocab id."""
     doc, m = b.document_ids[0], b.loss_mask[0]
     sums, counts, right = [0.0] * (B - 1), [0] * (B - 1), [0] * (B - 1)
     with torch.no_grad():
@@ -46,11 +44,21 @@ def test_loss_equals_a_per_anchor_reference():
             logits = d.draft(b.input_ids[0, a:a + 1], b.position_ids[0, a:a + 1], kv, B - 1)[0]
             for k in range(1, B):
                 p = a + k
-                if p < len(doc) and doc[p] == doc[a] and m[p]:  # x_p in the loss mask, same document
+                if p < len(doc) and doc[p] == doc[a] and m[p] and d.t2d[b.target_argmax[0, p - 1]]:
                     teacher = b.target_hidden[0, p - 1] @ head.T  # the target's state that predicted x_p
                     sums[k - 1] += float(-(F.softmax(teacher, -1) * F.log_softmax(logits[k - 1], -1)).sum())
                     counts[k - 1] += 1
-                    right[k - 1] += int(logits[k - 1].argmax() == b.target_argmax[0, p - 1])
+                    right[k - 1] += int(d.draft_to_target(logits[k - 1].argmax()) == b.target_argmax[0, p - 1])
+    return sums, counts, right
+
+
+def test_loss_equals_a_per_anchor_reference():
+    d = random_dflash(block_size=B, num_draft_layers=1)
+    b = batch()
+    obj = objective()
+    head = d.lm_head.weight.detach()
+    res = obj(d, b, head)
+    sums, counts, right = reference(d, b, obj, head)
     assert obj.counted_rows(d, b).tolist() == counts and all(counts)
     want = sum(math.exp(-k / 7.0) * s / c for k, (s, c) in enumerate(zip(sums, counts)))
     assert float(res.loss.detach()) == pytest.approx(want, rel=1e-4)
@@ -72,22 +80,11 @@ def test_a_draft_vocab_scores_only_the_labels_it_can_draft():
     assert 0 < int(counts.sum()) < int(all_counts.sum())
     head = d.lm_head.weight.detach()  # the target's rows of the vocab: the teacher's head
     res = obj(d, b, head)
-    sums, right = [0.0] * (B - 1), [0] * (B - 1)
-    doc, m = b.document_ids[0], b.loss_mask[0]
-    with torch.no_grad():
-        for a in obj.anchors(b)[0].tolist():
-            start = int((doc[:a] != doc[a]).nonzero().max()) + 1 if (doc[:a] != doc[a]).any() else 0
-            kv = d.context_kv(d.context(b.aux_hidden[:, start:a]), b.position_ids[:, start:a])
-            logits = d.draft(b.input_ids[0, a:a + 1], b.position_ids[0, a:a + 1], kv, B - 1)[0]
-            for k in range(1, B):
-                p = a + k
-                if p < len(doc) and doc[p] == doc[a] and m[p] and d.t2d[b.target_argmax[0, p - 1]]:
-                    teacher = b.target_hidden[0, p - 1] @ head.T
-                    sums[k - 1] += float(-(F.softmax(teacher, -1) * F.log_softmax(logits[k - 1], -1)).sum())
-                    right[k - 1] += int(d.draft_to_target(logits[k - 1].argmax()) == b.target_argmax[0, p - 1])
+    sums, want_counts, right = reference(d, b, obj, head)
+    assert counts.tolist() == want_counts
     for k in range(B - 1):
         assert float(res.metrics[f"loss_{k}"][0]) == pytest.approx(sums[k], rel=1e-4)
-        assert [float(x) for x in res.metrics[f"acc_{k}"]] == [right[k], int(counts[k])]
+        assert [float(x) for x in res.metrics[f"acc_{k}"]] == [right[k], want_counts[k]]
     with pytest.raises(ValueError, match="drafts over 150 ids"):
         obj(d, b, whole.lm_head.weight.detach())
 
