@@ -15,8 +15,9 @@ under ``--out`` (default ``<RUN>_peer``), each stage kept while what it was made
 2. ``fledge_speculators/``: Fledge's export of RUN's checkpoint in the speculators dialect, for the scorer: a run
    directory whose prepare, capture and train are links to RUN's, where ``run.stages=[export]`` runs only export.
 3. ``peer_default/``, ``peer_fledge_optim/``: the peer's own trainer on CPU (scripts/compare_peer_side.py), its step
-   count computed from Fledge's tokens with its own packer (kept per plan: data, budget, optimizer). ``--peers``
-   picks one of them (each takes ~2.4x Fledge's time per step on 2 CPU cores).
+   count computed from Fledge's tokens with its own packer (kept per plan: data, budget, optimizer, seed). ``--peers``
+   picks one of them (each takes ~2.4x Fledge's time per step on 2 CPU cores). Its seed is its default (42) plus
+   RUN's ``run.seed``: a second seed of the comparison is a second Fledge run with ``run.seed=1``.
 4. ``heldout.json``: every drafter's agreement per TTT step on the held-out rows, one scorer for all three.
 5. ``bench.json``: scripts/bench_real_target.py serving the three exports in vLLM beside n-gram lookup, on MT-Bench and
    HumanEval, or (``--sets heldout``) RUN's held-out prompts, for a target that speaks its own language.
@@ -180,7 +181,8 @@ def train_peers(out: Path, budget: dict, data: dict, env: dict, names: tuple[str
         record = out / name / "done.json"
         plan = {"name": name, "out": str(out / name), "data": data, "budget_tokens": budget["tokens"],
                 "total_seq_len": budget["step_tokens"], "ttt_steps": budget["ttt_steps"],
-                "verifier": str(Path(budget["target"]).resolve()), "optim": optims[name]}
+                "verifier": str(Path(budget["target"]).resolve()), "optim": optims[name],
+                "run_seed": budget["seed"]}
         if not record.exists() or json.loads(record.read_text()).get("plan") != plan:
             (out / name).mkdir(parents=True, exist_ok=True)
             (out / name / "plan.json").write_text(json.dumps(plan, indent=1))

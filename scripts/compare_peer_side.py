@@ -55,7 +55,7 @@ def plan_steps(lengths: list[int], total_seq_len: int, seed: int, budget: int) -
     return steps, epoch, tokens
 
 
-def train_argv(plan: dict, data: dict, steps: int, epochs: int) -> list[str]:
+def train_argv(plan: dict, data: dict, steps: int, epochs: int, seed: int) -> list[str]:
     """The peer's command line: its defaults, except what the comparison fixes."""
     out = Path(plan["out"])
     argv = ["--verifier-name-or-path", plan["verifier"], "--data-path", data["rows"],
@@ -67,7 +67,7 @@ def train_argv(plan: dict, data: dict, steps: int, epochs: int) -> list[str]:
             "--log-dir", str(out / "logs"), "--on-missing", "raise", "--no-resume-from-checkpoint",
             # CPU: no flex attention backward, no fused loss kernels, fp32 states, no worker processes
             "--draft-attn-impl", "sdpa", "--loss-implementation", "eager", "--hidden-states-dtype", "float32",
-            "--num-workers", "0"]
+            "--num-workers", "0", "--seed", str(seed)]
     o = plan["optim"]
     if o:
         # HF's schedules, as the peer has them: warmup from lr 0 (Fledge's from lr/warmup), decay to 0; its "none"
@@ -156,12 +156,13 @@ def train(plan_path: str) -> None:
         print(f"[peer] {plan['name']}: Fledge's min_lr_ratio {plan['optim']['min_lr_ratio']} has no peer setting; "
               "its schedule decays to 0", flush=True)
     lengths = list(load_from_disk(data["rows"]).with_format(None)["seq_len"])[:data["train_rows"]]
-    seed = TrainConfig().seed
+    # its default seed for a Fledge run of run.seed 0, one more for each seed above: seed s pairs the two trainers
+    seed = TrainConfig().seed + plan.get("run_seed", 0)
     steps, epochs, tokens = plan_steps(lengths, plan["total_seq_len"], seed, plan["budget_tokens"])
     print(f"[peer] {plan['name']}: {steps} steps over {epochs} epochs = {tokens:,} tokens "
           f"(Fledge's budget {plan['budget_tokens']:,})", flush=True)
     shutil.rmtree(out / "checkpoints", ignore_errors=True)  # a run cut short starts over
-    argv = train_argv(plan, data, steps, epochs)
+    argv = train_argv(plan, data, steps, epochs, seed)
     progress = Progress(plan["name"], steps, out / "metrics.jsonl")
     patched = patch(plan, progress, out / "train.log")
     t0 = time.time()

@@ -175,10 +175,11 @@ def test_the_peer_with_fledges_optimizer_takes_the_runs_optimizer():
     plan = {"out": "/tmp/p", "verifier": "t", "ttt_steps": 3, "total_seq_len": 64}
 
     def flags(o):
-        argv = side.train_argv({**plan, "optim": compare_peer.fledges_optim(o)}, data, 10, 1)
+        argv = side.train_argv({**plan, "optim": compare_peer.fledges_optim(o)}, data, 10, 1, 43)
         return {a: argv[i + 1] for i, a in enumerate(argv) if a.startswith("--") and i + 1 < len(argv)}
 
     muon = flags(optim)
+    assert muon["--seed"] == "43"
     assert muon["--optimizer"] == "muon" and float(muon["--muon-lr"]) == 1e-3  # null: train.optim.lr
     assert float(muon["--muon-momentum"]) == 0.9 and float(muon["--muon-weight-decay"]) == 0.05
     adamw = flags({**optim, "name": "adamw"})
