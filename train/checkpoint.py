@@ -78,6 +78,20 @@ def latest_tag(ckpt_dir: Path) -> str | None:
     return tag
 
 
+def same_drafter(ckpt_dir: Path, tag: str, spec: DrafterSpec) -> None:
+    """Refuse to resume checkpoint ``tag`` when its drafter is not the one configured: a checkpoint written by a
+    Fledge whose spec read a key otherwise (a DFlash run from before ``drafter.draft_vocab_size`` applied to it) has
+    the same stage hash, and DeepSpeed's load would fail on a tensor's shape. ValueError naming what differs."""
+    saved = DrafterCheckpoint.read(drafter_dir(ckpt_dir, tag)).spec
+    if saved == spec:
+        return
+    a, b = saved.to_dict(), spec.to_dict()
+    diff = "; ".join(f"{k}: {a.get(k)!r} there, {b.get(k)!r} now" for k in sorted(a.keys() | b.keys())
+                     if a.get(k) != b.get(k))
+    raise ValueError(f"{ckpt_dir / tag}: its drafter is not the configured one ({diff or type(saved).__name__}); "
+                     f"move {ckpt_dir.parent} aside to train afresh, or configure the checkpoint's drafter to resume")
+
+
 def trainer_state(ckpt_dir: Path, tag: str) -> dict:
     state = read_json(ckpt_dir / tag / "trainer.json")
     assert state is not None

@@ -130,6 +130,8 @@ class Trainer:
         checkpoint's data position."""
         ckpt_dir, world = self.paths.checkpoints, self.world
         tag = checkpoint.latest_tag(ckpt_dir)
+        if tag:
+            checkpoint.same_drafter(ckpt_dir, tag, self.model.drafter.spec)
         self.state = checkpoint.trainer_state(ckpt_dir, tag) if tag else {"step": 0, "best_al": None, "best_step": None}
         plan = self.plan = checkpoint.resume_plan(self.state, self.inputs.train, self.per_step,
                                                   self.source.global_batches_per_epoch)

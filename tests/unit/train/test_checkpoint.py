@@ -130,3 +130,24 @@ def test_a_block_drafters_checkpoint_records_its_block_settings_and_a_chain_draf
     assert training["num_draft_layers"] == cfg.drafter.num_draft_layers
     eagle = checkpoint.drafter_checkpoint(train_inputs(_cfg()), make_drafter().spec).training
     assert eagle["algorithm"] == "eagle" and not {"block_size", "num_anchors", "position_decay"} & eagle.keys()
+
+
+def test_a_checkpoint_of_another_drafter_is_refused_in_one_line_naming_the_difference(tmp_path):
+    """A resume whose checkpoint holds a drafter of another shape than the configured one (a DFlash run from before
+    the draft vocabulary applied to DFlash: the whole vocab there, 24 ids now, under the same stage hash) is refused
+    before DeepSpeed's load fails on a tensor's shape; the same drafter resumes."""
+    from fledge.models.algorithms import DrafterSpec
+    from fledge.models.drafter_checkpoint import DrafterCheckpoint
+    from tests.helpers.models import DFLASH_TARGET, dflash_cfg
+
+    ckpts = tmp_path / "train" / "checkpoints"
+    whole = DrafterSpec.from_target_config(DFLASH_TARGET, dflash_cfg(block_size=4), [2, 4, 5])
+    DrafterCheckpoint(whole, step=3).write(checkpoint.drafter_dir(ckpts, "step_00000003"), {})
+    checkpoint.same_drafter(ckpts, "step_00000003", whole)
+    vocab = DrafterSpec.from_target_config(DFLASH_TARGET, dflash_cfg(block_size=4, draft_vocab_size=24), [2, 4, 5])
+    assert vocab != whole
+    with pytest.raises(ValueError) as e:
+        checkpoint.same_drafter(ckpts, "step_00000003", vocab)
+    msg = str(e.value)
+    assert "\n" not in msg and f"{ckpts / 'step_00000003'}: its drafter is not the configured one" in msg
+    assert f"draft_vocab_size: {whole.draft_vocab_size!r} there, 24 now" in msg and f"move {ckpts.parent} aside" in msg
